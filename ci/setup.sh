@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install kvxfer with its dev tools. Reuses a torch that the machine already
+# has (GPU images); otherwise pins torch==2.13.0 so that no CUDA wheels are pulled on a CPU box.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+stamp="$VENV/.kvxfer-installed"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ -z "$(find native bindings CMakeLists.txt -newer "$stamp" 2>/dev/null | head -1)" ]; then
+  exit 0
+fi
+"$PY" -m pip install -q --upgrade pip
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[dev]"
+touch "$stamp"

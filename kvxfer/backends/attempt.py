@@ -1,0 +1,85 @@
+"""A thread-safe attempt that a backend's progress thread concludes and quiesces."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvxfer.contract import Attempt, Outcome, WakeFn
+
+log = logging.getLogger(__name__)
+
+
+class TrackedAttempt(Attempt):
+    """Outcome and quiescence are set once each, by the backend; wake runs after each is visible."""
+
+    def __init__(self, wake: WakeFn | None = None, on_cancel: Callable[[TrackedAttempt], None] | None = None,
+                 label: str = "") -> None:
+        self._lock = threading.Lock()
+        self._outcome: Outcome | None = None
+        self._quiesced = False
+        self._wake = wake
+        self._on_cancel = on_cancel
+        self._cancel_requested = threading.Event()
+        self._done = threading.Event()
+        self.label = label
+        self.started = time.monotonic()
+
+    # --- the owner's side -------------------------------------------------------------
+    def poll(self) -> Outcome | None:
+        return self._outcome
+
+    def quiesced(self) -> bool:
+        return self._quiesced
+
+    def cancel(self) -> None:
+        if self._cancel_requested.is_set() or self._outcome is not None:
+            self._cancel_requested.set()
+            return
+        self._cancel_requested.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until concluded and quiesced (for tests and tools, not for owners' loops)."""
+        return self._done.wait(timeout)
+
+    # --- the backend's side -----------------------------------------------------------
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_requested.is_set()
+
+    def conclude(self, outcome: Outcome) -> bool:
+        """Set the outcome unless one is set already; True when this call set it."""
+        with self._lock:
+            if self._outcome is not None:
+                return False
+            self._outcome = outcome
+            done = self._quiesced
+        if done:
+            self._done.set()
+        self._notify()
+        return True
+
+    def mark_quiesced(self) -> None:
+        with self._lock:
+            if self._quiesced:
+                return
+            self._quiesced = True
+            done = self._outcome is not None
+        if done:
+            self._done.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._wake is None:
+            return
+        try:
+            self._wake()
+        except Exception:  # a failing wake must not stop the backend's progress thread
+            log.exception("wake callback of attempt %s raised", self.label)
+
+    def __repr__(self) -> str:
+        return f"<TrackedAttempt {self.label} outcome={type(self._outcome).__name__} quiesced={self._quiesced}>"

@@ -1,0 +1,400 @@
+"""The in-process reference backend: host memory copies between backends of one fabric.
+
+It keeps every rule of the contract with the simplest possible transport (``memmove``),
+so it is the oracle the other backends are compared with. Push and pull work as the
+peer backends do: the active end copies and then sends a completion record; the
+passive end concludes from that record. Faults can be injected after k rows, and each
+submission can be delayed, so that tests can exercise partial delivery and cancellation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.matching import GroupMatch, check_agreement, coalesce, match_rows
+from kvxfer.backends.regions import RegionTable
+from kvxfer.backends.transfers import OwnTransfers, hint_groups
+from kvxfer.contract import (
+    Backend, Cancelled, Capabilities, CompletionRecord, Delivered, Failed, Hint,
+    InvalidSubmission, MemoryKind, RecordStatus, SlotRegion, SubmissionRejected, TransferMode, View,
+    WakeFn,
+)
+
+BACKEND_KIND = "loopback"
+
+
+class LoopbackFabric:
+    """The in-process 'network': backends by agent name, and record delivery between them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._agents: dict[str, LoopbackBackend] = {}
+
+    def join(self, backend: LoopbackBackend) -> None:
+        with self._lock:
+            if backend.name in self._agents:
+                raise ValueError(f"agent name {backend.name!r} is already on this fabric")
+            self._agents[backend.name] = backend
+
+    def leave(self, backend: LoopbackBackend) -> None:
+        with self._lock:
+            if self._agents.get(backend.name) is backend:
+                del self._agents[backend.name]
+            others = list(self._agents.values())
+        for other in others:
+            other._peer_gone(backend.name)
+
+    def alive(self, name: str) -> bool:
+        with self._lock:
+            return name in self._agents
+
+    def deliver(self, to: str, record: CompletionRecord) -> bool:
+        with self._lock:
+            target = self._agents.get(to)
+        if target is None:
+            return False
+        target._inbox_put(record)
+        return True
+
+
+@dataclass(eq=False)
+class _Active:
+    """This end moves the bytes (push publisher, pull fetcher)."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint
+    matches: list[GroupMatch]
+    writes_peer: bool
+    not_before: float
+    cancelled_by_peer: bool = False
+
+
+@dataclass(eq=False)
+class _Passive:
+    """The peer moves the bytes; this end waits for its completion record."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint
+    own_id: str
+    deadline: float
+    told_peer: bool = False
+
+
+@dataclass(eq=False)
+class _Inbox:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    records: list[CompletionRecord] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+
+
+class LoopbackBackend(Backend):
+    """Reference backend over host memory, in one process."""
+
+    def __init__(
+        self,
+        fabric: LoopbackFabric,
+        name: str,
+        mode: TransferMode = TransferMode.PUSH,
+        *,
+        fail_after_rows: int | None = None,
+        delay_s: float = 0.0,
+        deadline_s: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.mode = mode
+        self.fail_after_rows = fail_after_rows
+        self.delay_s = delay_s
+        self.deadline_s = deadline_s
+        self._fabric = fabric
+        self._regions = RegionTable(frozenset({MemoryKind.HOST}))
+        self._own = OwnTransfers()
+        self._closed = False
+        self._active: list[_Active] = []
+        self._passive: dict[str, _Passive] = {}  # by this end's transfer id
+        self._stashed: dict[str, CompletionRecord] = {}  # records that came before their fetch
+        self._revoked: set[tuple[str, str]] = set()  # peer hints withdrawn before we used them
+        self._jobs_lock = threading.Lock()
+        self._inbox = _Inbox()
+        self._kick = threading.Event()
+        self._stop = threading.Event()
+        fabric.join(self)
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-loopback-{name}", daemon=True)
+        self._thread.start()
+
+    # --- the contract -----------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            memory_kinds=frozenset({MemoryKind.HOST}),
+            modes=frozenset({TransferMode.PUSH, TransferMode.PULL}),
+        )
+
+    def register(self, regions: Iterable[SlotRegion]) -> None:
+        self._refuse_if_closed()
+        self._regions.add(regions)
+
+    def describe(self, view: View) -> Hint:
+        self._refuse_if_closed()
+        self._regions.check_view(view, for_fetch=False)
+        return Hint(
+            backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
+            transfer_id=self._own.mint(view), layout=view.layout, groups=hint_groups(view),
+        )
+
+    def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
+        return self._submit(view, hint, wake, fetching=True)
+
+    def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
+        return self._submit(view, hint, wake, fetching=False)
+
+    def shutdown(self) -> frozenset[TrackedAttempt]:
+        with self._jobs_lock:
+            self._closed = True
+            active = list(self._active)
+            passive = list(self._passive.values())
+        for job in active:
+            job.attempt.cancel()
+        for wait in passive:
+            wait.attempt.cancel()
+        # Give peers a moment to confirm that they stopped touching our memory.
+        grace = time.monotonic() + 1.0
+        while time.monotonic() < grace and not all(
+            j.attempt.quiesced() for j in active + passive
+        ):
+            self._kick.set()
+            time.sleep(0.005)
+        self._stop.set()
+        self._kick.set()
+        self._thread.join(timeout=10.0)
+        self._fabric.leave(self)
+        if self._thread.is_alive():
+            return frozenset(j.attempt for j in active + passive)
+        # Active copies ran on our thread, which has exited: they can touch nothing more.
+        for job in active:
+            job.attempt.conclude(Cancelled(False, job.view.row_masks()))
+            job.attempt.mark_quiesced()
+        return frozenset(w.attempt for w in passive if not w.attempt.quiesced())
+
+    # --- submission -------------------------------------------------------------------
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise SubmissionRejected(f"loopback backend {self.name!r} is shut down")
+
+    def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
+        self._refuse_if_closed()
+        if not isinstance(hint, Hint):
+            raise InvalidSubmission(f"expected a Hint, got {type(hint).__name__}")
+        self._regions.check_view(view, for_fetch=fetching)
+        check_agreement(view, hint, BACKEND_KIND, self.mode)
+        if hint.request != view.request:
+            raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
+        own_id = self._own.lookup(view)
+        active = fetching == (self.mode is TransferMode.PULL)
+        now = time.monotonic()
+        label = f"{self.name}:{'fetch' if fetching else 'publish'}:{view.request}"
+        if active:
+            matches = match_rows(view, hint)
+            attempt = TrackedAttempt(wake, self._on_cancel, label)
+            job = _Active(attempt, view, hint, matches, writes_peer=not fetching,
+                          not_before=now + self.delay_s)
+            with self._jobs_lock:
+                self._refuse_if_closed()
+                self._refuse_if_revoked(hint)
+                self._active.append(job)
+        else:
+            attempt = TrackedAttempt(wake, self._on_cancel, label)
+            wait = _Passive(attempt, view, hint, own_id, deadline=now + self.deadline_s)
+            with self._jobs_lock:
+                self._refuse_if_closed()
+                self._passive[own_id] = wait
+                early = self._stashed.pop(own_id, None)
+            if early is not None:
+                self._inbox_put(early)
+        self._own.consume(view, own_id)
+        self._kick.set()
+        return attempt
+
+    def _refuse_if_revoked(self, hint: Hint) -> None:
+        if (hint.agent, hint.transfer_id) in self._revoked:
+            raise InvalidSubmission(
+                f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): describe again"
+            )
+
+    def _on_cancel(self, attempt: TrackedAttempt) -> None:
+        self._kick.set()
+
+    # --- the progress thread ----------------------------------------------------------
+    def _inbox_put(self, record: CompletionRecord) -> None:
+        with self._inbox.lock:
+            self._inbox.records.append(record)
+        self._kick.set()
+
+    def _peer_gone(self, name: str) -> None:
+        with self._inbox.lock:
+            self._inbox.gone.append(name)
+        self._kick.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._kick.wait(timeout=0.02)
+            self._kick.clear()
+            self._drain_inbox()
+            self._run_due_jobs()
+            self._check_passive()
+
+    def _drain_inbox(self) -> None:
+        with self._inbox.lock:
+            records, self._inbox.records = self._inbox.records, []
+            gone, self._inbox.gone = self._inbox.gone, []
+        for record in records:
+            self._on_record(record)
+        for name in gone:
+            with self._jobs_lock:
+                waits = [w for w in self._passive.values() if w.hint.agent == name]
+            for wait in waits:
+                # The peer's thread has exited: nothing of it can touch our memory any more.
+                wait.attempt.conclude(Failed(f"peer {name!r} left before completing", wait.view.row_masks()))
+                self._end_passive(wait)
+
+    def _on_record(self, record: CompletionRecord) -> None:
+        if record.status is RecordStatus.CANCEL_REQUEST:
+            with self._jobs_lock:
+                jobs = [j for j in self._active
+                        if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
+                if not jobs:
+                    # Nothing of ours touches the peer's rows; refuse to start later, and say so.
+                    self._revoked.add((record.sender, record.transfer_id))
+            for job in jobs:
+                job.cancelled_by_peer = True
+                job.attempt.cancel()
+            if not jobs:
+                self._fabric.deliver(record.sender, CompletionRecord(
+                    record.transfer_id, self.name, record.request, RecordStatus.CANCELLED, [], "withdrawn"))
+            return
+        with self._jobs_lock:
+            wait = self._passive.get(record.transfer_id)
+            if wait is None:
+                if not self._own.is_retired(record.transfer_id):
+                    self._stashed[record.transfer_id] = record
+                return
+        if record.sender != wait.hint.agent or record.request != wait.view.request:
+            return  # not from the peer this transfer was described to: ignore it
+        if wait.attempt.poll() is not None:
+            self._end_passive(wait)  # we gave up earlier; the peer now confirms it stopped
+            return
+        masks = record.masks
+        if len(masks) != len(wait.view.groups) or any(
+            m.shape != (len(g),) for m, g in zip(masks, wait.view.groups)
+        ):
+            wait.attempt.conclude(Failed("peer sent a completion record of the wrong shape", wait.view.row_masks()))
+        elif record.status is RecordStatus.DELIVERED:
+            wait.attempt.conclude(Delivered(masks))
+        elif record.status is RecordStatus.CANCELLED:
+            wait.attempt.conclude(Cancelled(True, masks))
+        else:
+            wait.attempt.conclude(Failed(f"peer failed: {record.reason}", masks))
+        self._end_passive(wait)
+
+    def _end_passive(self, wait: _Passive) -> None:
+        with self._jobs_lock:
+            self._passive.pop(wait.own_id, None)
+        self._own.retire(wait.own_id)
+        wait.attempt.mark_quiesced()
+
+    def _check_passive(self) -> None:
+        now = time.monotonic()
+        with self._jobs_lock:
+            waits = list(self._passive.values())
+        for wait in waits:
+            reason = None
+            if wait.attempt.cancel_requested:
+                wait.attempt.conclude(Cancelled(False, wait.view.row_masks()))
+                reason = "cancelled"
+            elif now > wait.deadline:
+                wait.attempt.conclude(Failed(
+                    f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}", wait.view.row_masks()
+                ))
+                reason = "timeout"
+            if reason and not wait.told_peer:
+                wait.told_peer = True
+                # Stays unquiesced until the peer confirms that it stopped writing.
+                stop = CompletionRecord(wait.hint.transfer_id, self.name, wait.view.request,
+                                        RecordStatus.CANCEL_REQUEST, [], reason)
+                if not self._fabric.deliver(wait.hint.agent, stop):
+                    self._end_passive(wait)
+
+    def _run_due_jobs(self) -> None:
+        now = time.monotonic()
+        with self._jobs_lock:
+            due = [j for j in self._active if j.not_before <= now or j.attempt.cancel_requested]
+        for job in due:
+            self._run_active(job)
+            with self._jobs_lock:
+                self._active.remove(job)
+        with self._jobs_lock:
+            if self._active:
+                wait = min(j.not_before for j in self._active) - time.monotonic()
+                if wait <= 0:
+                    self._kick.set()
+
+    def _run_active(self, job: _Active) -> None:
+        local_masks = job.view.row_masks()
+        peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
+        peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
+        failure: str | None = None
+        total = sum(m.local_rows.size for m in job.matches)
+        budget = total if self.fail_after_rows is None else min(total, self.fail_after_rows)
+        if budget < total:
+            failure = f"injected fault after {budget} rows"
+        for gi, match in enumerate(job.matches):
+            if budget <= 0 or job.attempt.cancel_requested or match.peer is None:
+                continue
+            if not self._fabric.alive(job.hint.agent):
+                failure = f"peer {job.hint.agent!r} is gone"
+                break
+            n = min(budget, match.local_rows.size)
+            budget -= n
+            local, peer = match.local_slots[:n], match.peer_slots[:n]
+            if job.writes_peer:
+                done = self._copy_runs(job, match.local.region.address, match.peer.address,
+                                       match.local.region.slot_bytes, local, peer)
+            else:
+                done = self._copy_runs(job, match.peer.address, match.local.region.address,
+                                       match.local.region.slot_bytes, peer, local)
+            local_masks[gi][match.local_rows[:done]] = True
+            peer_masks[peer_index[match.peer.layer_group]][match.peer_rows[:done]] = True
+        if failure is not None:
+            status, outcome = RecordStatus.FAILED, Failed(failure, local_masks)
+        elif job.attempt.cancel_requested:
+            status, outcome = RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, local_masks)
+        else:
+            status, outcome = RecordStatus.DELIVERED, Delivered(local_masks)
+        # The passive end learns what is in place on its side; then ours concludes.
+        record = CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
+                                  peer_masks, failure or "")
+        self._fabric.deliver(job.hint.agent, record)
+        job.attempt.conclude(outcome)
+        job.attempt.mark_quiesced()
+
+    @staticmethod
+    def _copy_runs(job: _Active, src_base: int, dst_base: int, row_bytes: int,
+                   src: np.ndarray, dst: np.ndarray) -> int:
+        """Copy row runs in order; stop between runs on cancel. Returns rows copied."""
+        src_start, dst_start, lengths = coalesce(src, dst)
+        done = 0
+        for s, d, n in zip(src_start.tolist(), dst_start.tolist(), lengths.tolist()):
+            if job.attempt.cancel_requested:
+                break
+            ctypes.memmove(dst_base + d * row_bytes, src_base + s * row_bytes, n * row_bytes)
+            done += n
+        return done
+

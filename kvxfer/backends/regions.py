@@ -1,0 +1,78 @@
+"""The regions a backend has registered, and the checks every submission passes first."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvxfer.contract import InvalidSubmission, MemoryKind, SlotRegion, View
+
+
+class RegionTable:
+    """Registered regions by name. Refuses unreachable memory kinds and overlaps."""
+
+    def __init__(self, reachable: frozenset[MemoryKind]) -> None:
+        self._reachable = reachable
+        self._regions: dict[str, SlotRegion] = {}
+
+    def add(self, regions: Iterable[SlotRegion]) -> list[SlotRegion]:
+        """Validate all, then add all: a refused batch registers nothing."""
+        batch = list(regions)
+        for i, region in enumerate(batch):
+            if not isinstance(region, SlotRegion):
+                raise TypeError(f"register() takes SlotRegion items, got {type(region).__name__}")
+            if region.memory_kind not in self._reachable:
+                raise InvalidSubmission(
+                    f"region {region.name!r} is {region.memory_kind.name} memory, which this backend cannot reach"
+                )
+            if region.name in self._regions and self._regions[region.name] != region:
+                raise InvalidSubmission(f"region name {region.name!r} is already registered with another span")
+            for other in list(self._regions.values()) + batch[:i]:
+                if other.name != region.name and region.overlaps(other):
+                    raise InvalidSubmission(f"region {region.name!r} overlaps registered region {other.name!r}")
+        added = [r for r in batch if r.name not in self._regions]
+        for region in added:
+            self._regions[region.name] = region
+        return added
+
+    def get(self, name: str) -> SlotRegion | None:
+        return self._regions.get(name)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._regions.values())
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def check_view(self, view: View, *, for_fetch: bool) -> None:
+        """Raise InvalidSubmission for rows in no registered region, out of range, with
+        repeated ordinals, or (for a fetch, whose rows are written) overlapping rows."""
+        if not isinstance(view, View):
+            raise InvalidSubmission(f"expected a View, got {type(view).__name__}")
+        for group in view.groups:
+            registered = self._regions.get(group.region.name)
+            if registered is None or registered != group.region:
+                raise InvalidSubmission(
+                    f"group {group.layer_group!r} rows lie in region {group.region.name!r}, which is not registered"
+                )
+            if len(group) == 0:
+                continue
+            low, high = int(group.slots.min()), int(group.slots.max())
+            if low < 0 or high >= registered.slots:
+                raise InvalidSubmission(
+                    f"group {group.layer_group!r}: slot {low if low < 0 else high} is outside "
+                    f"region {registered.name!r} of {registered.slots} slots"
+                )
+            if np.unique(group.ordinals).size != len(group):
+                raise InvalidSubmission(f"group {group.layer_group!r} repeats an ordinal")
+        if for_fetch:
+            # Rows of one region are equal slots, and registered regions never overlap, so
+            # two rows overlap exactly when they name the same slot of the same region.
+            by_region: dict[str, list[np.ndarray]] = {}
+            for group in view.groups:
+                by_region.setdefault(group.region.name, []).append(group.slots)
+            for name, parts in by_region.items():
+                slots = np.concatenate(parts)
+                if np.unique(slots).size != slots.size:
+                    raise InvalidSubmission(f"fetch writes region {name!r} slots more than once (overlapping rows)")

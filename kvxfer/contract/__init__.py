@@ -1,0 +1,21 @@
+"""The backend contract: typed rows, views, hints, attempts and outcomes.
+
+This package depends on numpy and the standard library only. It imports no backend, no
+lender and no torch, so that anything can build on it.
+"""
+
+from kvxfer.contract.arrays import BoolArray, IndexArray
+from kvxfer.contract.backend import Attempt, Backend, Capabilities, WakeFn
+from kvxfer.contract.errors import InvalidSubmission, KvxferError, SubmissionRejected
+from kvxfer.contract.hint import Hint, HintGroup, TransferMode
+from kvxfer.contract.memory import MemoryKind, SlotRegion
+from kvxfer.contract.outcome import Cancelled, Delivered, Failed, Outcome, check_masks, freeze_mask
+from kvxfer.contract.record import CompletionRecord, RecordStatus
+from kvxfer.contract.rows import CacheKind, LayerGroupRows, TokenRange, View
+
+__all__ = [
+    "Attempt", "Backend", "CompletionRecord", "RecordStatus", "BoolArray", "CacheKind", "Cancelled", "Capabilities", "Delivered",
+    "Failed", "Hint", "HintGroup", "IndexArray", "InvalidSubmission", "KvxferError",
+    "LayerGroupRows", "MemoryKind", "Outcome", "SlotRegion", "SubmissionRejected",
+    "TokenRange", "TransferMode", "View", "WakeFn", "check_masks", "freeze_mask",
+]

@@ -1,0 +1,85 @@
+"""What a backend promises: attempts that conclude by themselves, capabilities, the calls.
+
+Rules every backend keeps (``kvxfer.testing.conformance`` checks them):
+
+1. Rows it does not recognize are refused with InvalidSubmission, never skipped.
+2. Conclusion and quiescence advance by themselves; nobody has to call ``poll()``.
+3. Any raise other than InvalidSubmission or SubmissionRejected means memory access may
+   have escaped: the lease holder keeps the lease until ``shutdown()`` returns a set
+   without that attempt.
+4. One instance serves one lender's domain. Its methods are called from one call
+   sequence (the owner's thread); its own threads only read views.
+5. A row is True in a mask only once its bytes are visible at the destination.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvxfer.contract.hint import Hint, TransferMode
+from kvxfer.contract.memory import MemoryKind, SlotRegion
+from kvxfer.contract.outcome import Outcome
+from kvxfer.contract.rows import View
+
+WakeFn = Callable[[], None]
+"""Called by a backend only after every change it reports is visible through the attempt."""
+
+
+class Attempt(abc.ABC):
+    """One submission to a backend."""
+
+    @abc.abstractmethod
+    def poll(self) -> Outcome | None:
+        """The outcome once concluded, else None. Never blocks; once set it never changes."""
+
+    @abc.abstractmethod
+    def quiesced(self) -> bool:
+        """True once no access to the submission's memory can happen, locally or remotely."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Ask the attempt to stop. It concludes Cancelled unless an outcome was already set."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, so that a lease holder can choose and size its submissions."""
+
+    memory_kinds: frozenset[MemoryKind]
+    modes: frozenset[TransferMode]
+    fetch: bool = True
+    publish: bool = True
+    partial_delivery: bool = True
+    cancellation: bool = True
+    max_rows_per_submission: int | None = None
+    max_in_flight: int | None = None
+
+
+class Backend(abc.ABC):
+    """Moves rows between a local view and the peer that a hint describes."""
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abc.abstractmethod
+    def register(self, regions: Iterable[SlotRegion]) -> None:
+        """Register regions whose memory kind this backend reaches; refuse the rest."""
+
+    @abc.abstractmethod
+    def describe(self, view: View) -> Hint:
+        """The local end of ``view``, for the peer, with a fresh transfer id."""
+
+    @abc.abstractmethod
+    def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> Attempt:
+        """Bring the peer's rows described by ``hint`` into the rows of ``view``."""
+
+    @abc.abstractmethod
+    def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> Attempt:
+        """Make the rows of ``view`` available to (push: write into) the peer of ``hint``."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> frozenset[Attempt]:
+        """Stop taking work; return the attempts not proven quiesced."""

@@ -1,0 +1,126 @@
+"""The immutable description of the other end of a transfer.
+
+A hint never says which local rows move: that comes from the local view alone. It carries
+what the peer needs to reach this end's rows (agent, endpoint, region bases, slots and
+ordinals), the layout identity both ends must share, the transfer mode and backend kind
+both ends must agree on, and a fresh transfer id that matches completion records to one
+attempt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvxfer.contract.arrays import IndexArray, frozen_int64
+from kvxfer.contract.memory import MemoryKind
+from kvxfer.contract.rows import CacheKind
+
+
+class TransferMode(enum.Enum):
+    """PUSH: the publisher WRITEs into the fetcher's rows. PULL: the fetcher READs."""
+
+    PUSH = "push"
+    PULL = "pull"
+
+
+@dataclass(frozen=True, eq=False)
+class HintGroup:
+    """The peer's rows of one layer group: slot ``slots[i]`` of its region holds ``ordinals[i]``."""
+
+    layer_group: str
+    kind: CacheKind
+    region: str
+    address: int
+    slot_bytes: int
+    region_slots: int
+    memory_kind: MemoryKind
+    device_id: int
+    slots: IndexArray
+    ordinals: IndexArray
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_group, str) or not self.layer_group:
+            raise ValueError(f"HintGroup.layer_group must be a non-empty str, got {self.layer_group!r}")
+        if not isinstance(self.kind, CacheKind) or not isinstance(self.memory_kind, MemoryKind):
+            raise TypeError("HintGroup.kind must be a CacheKind and memory_kind a MemoryKind")
+        if self.address < 0 or self.slot_bytes <= 0 or self.region_slots <= 0 or self.device_id < 0:
+            raise ValueError(f"HintGroup {self.layer_group!r}: bad region geometry")
+        slots = frozen_int64(self.slots, f"hint slots of group {self.layer_group!r}")
+        ordinals = frozen_int64(self.ordinals, f"hint ordinals of group {self.layer_group!r}")
+        if slots.shape != ordinals.shape:
+            raise ValueError(f"hint group {self.layer_group!r}: {slots.size} slots but {ordinals.size} ordinals")
+        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.region_slots):
+            raise ValueError(f"hint group {self.layer_group!r}: slot outside [0, {self.region_slots})")
+        object.__setattr__(self, "slots", slots)
+        object.__setattr__(self, "ordinals", ordinals)
+
+    def __len__(self) -> int:
+        return int(self.slots.size)
+
+    def _key(self) -> tuple[object, ...]:
+        return (
+            self.layer_group, self.kind, self.region, self.address, self.slot_bytes,
+            self.region_slots, self.memory_kind, self.device_id,
+            self.slots.tobytes(), self.ordinals.tobytes(),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HintGroup):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+@dataclass(frozen=True)
+class Hint:
+    """The other end of one transfer, as it described itself."""
+
+    backend: str
+    mode: TransferMode
+    agent: str
+    request: str
+    transfer_id: str
+    layout: bytes
+    groups: tuple[HintGroup, ...]
+    endpoint: bytes = b""
+    extras: tuple[tuple[str, bytes], ...] = field(default=())
+    mac: bytes | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("backend", "agent", "request", "transfer_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"Hint.{name} must be a non-empty str, got {value!r}")
+        if not isinstance(self.mode, TransferMode):
+            raise TypeError(f"Hint.mode must be a TransferMode, got {self.mode!r}")
+        if not isinstance(self.layout, bytes) or not isinstance(self.endpoint, bytes):
+            raise TypeError("Hint.layout and Hint.endpoint must be bytes")
+        groups = tuple(self.groups)
+        if not all(isinstance(g, HintGroup) for g in groups):
+            raise TypeError("Hint.groups must hold HintGroup items")
+        names = [g.layer_group for g in groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Hint names a layer group twice: {names}")
+        extras = tuple((str(k), bytes(v)) for k, v in self.extras)
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "extras", extras)
+
+    def group(self, layer_group: str) -> HintGroup | None:
+        for g in self.groups:
+            if g.layer_group == layer_group:
+                return g
+        return None
+
+    def extra(self, key: str) -> bytes | None:
+        for k, v in self.extras:
+            if k == key:
+                return v
+        return None
+
+    @property
+    def rows(self) -> int:
+        return int(sum(len(g) for g in self.groups))
+

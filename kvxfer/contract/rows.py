@@ -1,0 +1,130 @@
+"""Token ranges, the rows of one layer group, and the immutable view a lease yields."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.contract.arrays import BoolArray, IndexArray, frozen_int64
+from kvxfer.contract.memory import SlotRegion
+
+
+class CacheKind(enum.Enum):
+    """PAGED rows are token blocks; STATE rows are one recurrent-state slot per request."""
+
+    PAGED = "paged"
+    STATE = "state"
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """The half-open token interval ``[start, end)``."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"TokenRange.{name} must be an int, got {type(value).__name__}")
+            object.__setattr__(self, name, int(value))
+        if self.start < 0:
+            raise ValueError(f"TokenRange start {self.start} is negative")
+        if self.start > self.end:
+            raise ValueError(f"TokenRange start {self.start} is past end {self.end}")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, eq=False)
+class LayerGroupRows:
+    """The rows of one layer group: ``slots[i]`` of ``region`` holds block ``ordinals[i]``.
+
+    Both arrays are read-only int64 copies taken at construction.
+    """
+
+    layer_group: str
+    kind: CacheKind
+    region: SlotRegion
+    slots: IndexArray
+    ordinals: IndexArray
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_group, str) or not self.layer_group:
+            raise ValueError(f"layer_group must be a non-empty str, got {self.layer_group!r}")
+        if not isinstance(self.kind, CacheKind):
+            raise TypeError(f"kind must be a CacheKind, got {self.kind!r}")
+        if not isinstance(self.region, SlotRegion):
+            raise TypeError(f"region must be a SlotRegion, got {type(self.region).__name__}")
+        slots = frozen_int64(self.slots, f"slots of group {self.layer_group!r}")
+        ordinals = frozen_int64(self.ordinals, f"ordinals of group {self.layer_group!r}")
+        if slots.shape != ordinals.shape:
+            raise ValueError(
+                f"group {self.layer_group!r}: {slots.size} slots but {ordinals.size} ordinals"
+            )
+        object.__setattr__(self, "slots", slots)
+        object.__setattr__(self, "ordinals", ordinals)
+
+    def __len__(self) -> int:
+        return int(self.slots.size)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LayerGroupRows):
+            return NotImplemented
+        return (
+            self.layer_group == other.layer_group
+            and self.kind == other.kind
+            and self.region == other.region
+            and np.array_equal(self.slots, other.slots)
+            and np.array_equal(self.ordinals, other.ordinals)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.layer_group, self.kind, self.region, self.slots.tobytes(), self.ordinals.tobytes()))
+
+
+@dataclass(frozen=True)
+class View:
+    """Which rows, of which regions, for which token blocks of one request.
+
+    A snapshot: it stays valid after its lease ends; the lease only bounds how long the
+    memory it locates is protected. ``layout`` is the pool's layout identity.
+    """
+
+    request: str
+    tokens: TokenRange
+    groups: tuple[LayerGroupRows, ...]
+    layout: bytes = field(default=b"")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request, str) or not self.request:
+            raise ValueError(f"View.request must be a non-empty str, got {self.request!r}")
+        if not isinstance(self.tokens, TokenRange):
+            raise TypeError(f"View.tokens must be a TokenRange, got {type(self.tokens).__name__}")
+        groups: Any = self.groups
+        if isinstance(groups, LayerGroupRows) or not hasattr(groups, "__iter__"):
+            raise TypeError("View.groups must be a sequence of LayerGroupRows")
+        # LayerGroupRows already holds read-only copies, so the tuple is the snapshot.
+        copied = tuple(groups)
+        for group in copied:
+            if not isinstance(group, LayerGroupRows):
+                raise TypeError(f"View.groups holds a {type(group).__name__}, not LayerGroupRows")
+        names = [g.layer_group for g in copied]
+        if len(set(names)) != len(names):
+            raise ValueError(f"View of {self.request!r} names a layer group twice: {names}")
+        if not isinstance(self.layout, bytes):
+            raise TypeError("View.layout must be bytes")
+        object.__setattr__(self, "groups", copied)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    def row_masks(self, value: bool = False) -> list[BoolArray]:
+        """New writable bool arrays, one per group, filled with ``value``: on every call."""
+        return [np.full(len(g), bool(value), dtype=np.bool_) for g in self.groups]
