@@ -22,8 +22,20 @@ from kvxfer.backends.matching import GroupMatch, check_agreement, coalesce, matc
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
 from kvxfer.contract import (
-    Backend, Cancelled, Capabilities, CompletionRecord, Delivered, Failed, Hint,
-    InvalidSubmission, MemoryKind, RecordStatus, SlotRegion, SubmissionRejected, TransferMode, View,
+    Backend,
+    Cancelled,
+    Capabilities,
+    CompletionRecord,
+    Delivered,
+    Failed,
+    Hint,
+    InvalidSubmission,
+    MemoryKind,
+    RecordStatus,
+    SlotRegion,
+    SubmissionRejected,
+    TransferMode,
+    View,
     WakeFn,
 )
 
@@ -327,7 +339,7 @@ class LoopbackBackend(Backend):
             if reason and not wait.told_peer:
                 wait.told_peer = True
                 # Stays unquiesced until the peer confirms that it stopped writing.
-                stop = CompletionRecord(wait.hint.transfer_id, self.name, wait.view.request,
+                stop = CompletionRecord(wait.own_id, self.name, wait.view.request,
                                         RecordStatus.CANCEL_REQUEST, [], reason)
                 if not self._fabric.deliver(wait.hint.agent, stop):
                     self._end_passive(wait)

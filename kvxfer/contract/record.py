@@ -20,8 +20,16 @@ class RecordStatus(enum.Enum):
 
 @dataclass(frozen=True, eq=False)
 class CompletionRecord:
-    """``transfer_id`` is the *receiver's* id (from the receiver's own hint); ``masks`` align
-    with the receiver's hint groups: True for each of its rows whose bytes are in place."""
+    """A message about one transfer between its two ends.
+
+    ``transfer_id`` is always the id that the *passive* end minted in its describe() (the
+    end whose rows the other end writes in push or reads in pull); the active end holds it
+    as ``hint.transfer_id``. The active end sends DELIVERED, FAILED or CANCELLED with
+    ``masks`` aligned with the passive end's hint groups (True: that row's bytes are in
+    place at the destination). The passive end sends CANCEL_REQUEST (no masks) to withdraw;
+    the active end then stops and answers with its final record, which proves that it no
+    longer touches the passive end's memory.
+    """
 
     transfer_id: str
     sender: str

@@ -1,0 +1,59 @@
+"""The ``kvxfer`` command: each subcommand lives in its own module and is imported on use."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, one-line help). A module's ``main(argv) -> int`` runs it.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "pair": ("kvxfer.pair", "run prefill, decode and router locally and check output token for token"),
+    "serve": ("kvxfer.worker.serve", "run a prefill or decode worker (--role prefill|decode)"),
+    "router": ("kvxfer.router.serve", "serve the embeddable router over HTTP"),
+    "bench": ("kvxfer.bench.cli", "transfer microbenchmarks with in-run baselines"),
+    "doctor": ("kvxfer.doctor", "say which transport really carries the bytes"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    out = {}
+    for name, (module, text) in SUBCOMMANDS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if found:
+            out[name] = (module, text)
+    return out
+
+
+def _usage(commands: dict[str, tuple[str, str]]) -> str:
+    lines = ["usage: kvxfer COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<8} {text}" for name, (_, text) in commands.items()]
+    lines += ["", "Each command takes --help; long ones take --json PATH for a machine-readable report."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = _available()
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage(commands))
+        return 0 if args else 2
+    if args[0] in ("--version", "version"):
+        from kvxfer import __version__
+
+        print(f"kvxfer {__version__}")
+        return 0
+    name = args[0]
+    if name not in commands:
+        print(f"kvxfer: unknown command {name!r}\n\n{_usage(commands)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(commands[name][0])
+    return int(module.main(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Row memory the conformance kit can fill and read back, by region name and slots."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.contract import MemoryKind, SlotRegion
+
+
+class RowMemory(abc.ABC):
+    """Read and write whole rows of registered regions."""
+
+    @abc.abstractmethod
+    def write(self, region: str, slots: npt.NDArray[np.int64], data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def read(self, region: str, slots: npt.NDArray[np.int64]) -> bytes: ...
+
+
+class HostBuffer:
+    """A host allocation cut into slots, with the SlotRegion that describes it."""
+
+    def __init__(self, name: str, slot_bytes: int, slots: int) -> None:
+        self.array = np.zeros((slots, slot_bytes), dtype=np.uint8)
+        self.region = SlotRegion(name, int(self.array.ctypes.data), slot_bytes, slots, MemoryKind.HOST)
+
+
+class HostRows(RowMemory):
+    """RowMemory over HostBuffers (numpy arrays kept alive here)."""
+
+    def __init__(self, buffers: Iterable[HostBuffer]) -> None:
+        self.buffers = {b.region.name: b for b in buffers}
+
+    @property
+    def regions(self) -> tuple[SlotRegion, ...]:
+        return tuple(b.region for b in self.buffers.values())
+
+    def write(self, region: str, slots: npt.NDArray[np.int64], data: bytes) -> None:
+        buf = self.buffers[region].array
+        buf[np.asarray(slots, dtype=np.int64)] = np.frombuffer(data, dtype=np.uint8).reshape(-1, buf.shape[1])
+
+    def read(self, region: str, slots: npt.NDArray[np.int64]) -> bytes:
+        return self.buffers[region].array[np.asarray(slots, dtype=np.int64)].tobytes()
