@@ -501,7 +501,7 @@ def check_partial_failure_exact(make_pair: PairFactory, mode: TransferMode) -> N
             _fill(pair, plan, local_is_source)
             outcome, peer_outcome = _finish(pair, _start(pair, plan, local_op))
             assert isinstance(outcome, Failed), outcome
-            assert outcome.rows_delivered == k, (outcome.rows_delivered, outcome.masks)
+            assert outcome.rows_delivered == k, f"{outcome.rows_delivered} rows delivered, expected {k}"
             assert isinstance(peer_outcome, Failed) and peer_outcome.rows_delivered == k, peer_outcome
             _check_masks_honest(pair, plan, local_is_source, outcome, plan.local_view)
             _check_masks_honest(pair, plan, local_is_source, peer_outcome, plan.peer_view)

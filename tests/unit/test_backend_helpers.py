@@ -1,0 +1,126 @@
+"""Region table, row matching and run coalescing shared by every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.matching import check_agreement, coalesce, match_rows
+from kvxfer.backends.regions import RegionTable
+from kvxfer.backends.transfers import OwnTransfers, hint_groups
+from kvxfer.contract import (
+    CacheKind,
+    Hint,
+    InvalidSubmission,
+    LayerGroupRows,
+    MemoryKind,
+    SlotRegion,
+    TokenRange,
+    TransferMode,
+    View,
+)
+
+HOST = frozenset({MemoryKind.HOST})
+
+
+def reg(name: str, address: int, slots: int = 10, slot_bytes: int = 16, kind: MemoryKind = MemoryKind.HOST) -> SlotRegion:
+    return SlotRegion(name, address, slot_bytes, slots, kind)
+
+
+class TestRegionTable:
+    def test_refuses_unreachable_kind(self) -> None:
+        with pytest.raises(InvalidSubmission, match="DEVICE memory"):
+            RegionTable(HOST).add([reg("d", 0, kind=MemoryKind.DEVICE)])
+
+    def test_refuses_overlap_within_batch_and_with_registered(self) -> None:
+        table = RegionTable(HOST)
+        table.add([reg("a", 0)])
+        with pytest.raises(InvalidSubmission, match="overlaps"):
+            table.add([reg("b", 100)])
+        with pytest.raises(InvalidSubmission, match="overlaps"):
+            table.add([reg("c", 1000), reg("d", 1100)])
+        assert {r.name for r in table} == {"a"}  # a refused batch registers nothing
+
+    def test_same_name_other_span_refused(self) -> None:
+        table = RegionTable(HOST)
+        table.add([reg("a", 0)])
+        table.add([reg("a", 0)])  # idempotent
+        with pytest.raises(InvalidSubmission, match="already registered"):
+            table.add([reg("a", 4096)])
+
+    def test_check_view(self) -> None:
+        table = RegionTable(HOST)
+        a = reg("a", 0)
+        table.add([a])
+
+        def view(slots: list[int], ordinals: list[int], region: SlotRegion = a) -> View:
+            return View("q", TokenRange(0, 16), (LayerGroupRows("g", CacheKind.PAGED, region, slots, ordinals),))
+
+        table.check_view(view([1, 2], [0, 1]), for_fetch=True)
+        with pytest.raises(InvalidSubmission, match="not registered"):
+            table.check_view(view([1], [0], reg("x", 5000)), for_fetch=False)
+        with pytest.raises(InvalidSubmission, match="outside"):
+            table.check_view(view([10], [0]), for_fetch=False)
+        with pytest.raises(InvalidSubmission, match="repeats an ordinal"):
+            table.check_view(view([1, 2], [0, 0]), for_fetch=False)
+        with pytest.raises(InvalidSubmission, match="overlapping"):
+            table.check_view(view([3, 3], [0, 1]), for_fetch=True)
+        table.check_view(view([3, 3], [0, 1]), for_fetch=False)  # reading a slot twice is harmless
+
+
+def test_coalesce_runs_contiguous_on_both_ends() -> None:
+    src = np.array([0, 1, 2, 7, 8, 3], dtype=np.int64)
+    dst = np.array([5, 6, 9, 10, 11, 12], dtype=np.int64)
+    s, d, n = coalesce(src, dst)
+    assert s.tolist() == [0, 2, 7, 3] and d.tolist() == [5, 9, 10, 12] and n.tolist() == [2, 1, 2, 1]
+    assert n.sum() == src.size
+    empty = coalesce(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert all(x.size == 0 for x in empty)
+
+
+def _view_and_hint(local_ordinals: list[int], peer_ordinals: list[int]) -> tuple[View, Hint]:
+    a, b = reg("a", 0, 64), reg("b", 10_000, 64)
+    local = View("q", TokenRange(0, 256), (
+        LayerGroupRows("g", CacheKind.PAGED, a, np.arange(len(local_ordinals)) + 20, local_ordinals),
+    ), b"L")
+    peer_view = View("q", TokenRange(0, 256), (
+        LayerGroupRows("g", CacheKind.PAGED, b, np.arange(len(peer_ordinals)) * 2, peer_ordinals),
+    ), b"L")
+    hint = Hint("loopback", TransferMode.PUSH, "peer", "q", "t", b"L", hint_groups(peer_view))
+    return local, hint
+
+
+def test_match_by_ordinal_reports_unmatched() -> None:
+    local, hint = _view_and_hint([0, 1, 2, 3, 4], [4, 2, 0, 9])
+    (m,) = match_rows(local, hint)
+    assert m.local_rows.tolist() == [0, 2, 4]
+    assert m.peer_rows.tolist() == [2, 1, 0]
+    assert m.peer_slots.tolist() == [4, 2, 0]
+    assert m.local_slots.tolist() == [20, 22, 24]
+    assert m.unmatched.tolist() == [1, 3]
+
+
+def test_agreement_refusals_named() -> None:
+    local, hint = _view_and_hint([0], [0])
+    check_agreement(local, hint, "loopback", TransferMode.PUSH)
+    with pytest.raises(InvalidSubmission, match="backend 'loopback'"):
+        check_agreement(local, hint, "nixl", TransferMode.PUSH)
+    with pytest.raises(InvalidSubmission, match="push mode"):
+        check_agreement(local, hint, "loopback", TransferMode.PULL)
+    other = View(local.request, local.tokens, local.groups, b"M")
+    with pytest.raises(InvalidSubmission, match="layout mismatch"):
+        check_agreement(other, hint, "loopback", TransferMode.PUSH)
+
+
+def test_transfer_ids_fresh_and_consumed() -> None:
+    own = OwnTransfers()
+    local, _ = _view_and_hint([0], [0])
+    with pytest.raises(InvalidSubmission, match="no describe"):
+        own.lookup(local)
+    first, second = own.mint(local), own.mint(local)
+    assert first != second and own.lookup(local) == second
+    own.consume(local, second)
+    with pytest.raises(InvalidSubmission):
+        own.lookup(local)
+    own.retire(second)
+    assert own.is_retired(second) and not own.is_retired(first)

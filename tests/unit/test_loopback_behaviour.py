@@ -1,0 +1,172 @@
+"""Loopback specifics beyond the kit: deadlines, a vanished peer, stale records, threads;
+and proof that the kit itself fails on a backend that breaks the rules."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
+from kvxfer.contract import (
+    CacheKind,
+    CompletionRecord,
+    Delivered,
+    Failed,
+    LayerGroupRows,
+    RecordStatus,
+    TokenRange,
+    TransferMode,
+    View,
+)
+from kvxfer.testing import conformance
+from kvxfer.testing.memory import HostBuffer, HostRows
+from kvxfer.testing.pairs import loopback_pair as make_pair
+
+
+def _view(buf: HostBuffer, slots: list[int], request: str = "q") -> View:
+    return View(request, TokenRange(0, 16 * len(slots)),
+                (LayerGroupRows("g", CacheKind.PAGED, buf.region, slots, list(range(len(slots)))),), b"L")
+
+
+def _two(mode: TransferMode = TransferMode.PUSH, **kw: float) -> tuple[LoopbackBackend, LoopbackBackend, HostBuffer, HostBuffer]:
+    fabric = LoopbackFabric()
+    a = LoopbackBackend(fabric, "a", mode, **kw)  # type: ignore[arg-type]
+    b = LoopbackBackend(fabric, "b", mode, **kw)  # type: ignore[arg-type]
+    ba, bb = HostBuffer("A", 32, 8), HostBuffer("B", 32, 8)
+    a.register([ba.region])
+    b.register([bb.region])
+    return a, b, ba, bb
+
+
+def test_passive_wait_times_out_with_named_failure() -> None:
+    a, b, ba, bb = _two(deadline_s=0.2)
+    try:
+        va, vb = _view(ba, [0, 1]), _view(bb, [2, 3])
+        a.describe(va)
+        hint_b = b.describe(vb)
+        attempt = a.fetch(va, hint_b)  # nobody publishes
+        assert attempt.wait(5)
+        outcome = attempt.poll()
+        assert isinstance(outcome, Failed) and "timeout" in outcome.reason and outcome.rows_delivered == 0
+        assert attempt.quiesced()  # the peer confirmed it never started
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_peer_leaving_fails_waiters() -> None:
+    a, b, ba, bb = _two()
+    va, vb = _view(ba, [0, 1]), _view(bb, [2, 3])
+    a.describe(va)
+    hint_b = b.describe(vb)
+    attempt = a.fetch(va, hint_b)
+    assert b.shutdown() == frozenset()
+    assert attempt.wait(5)
+    outcome = attempt.poll()
+    assert isinstance(outcome, Failed) and "left" in outcome.reason
+    a.shutdown()
+
+
+def test_stale_and_foreign_records_ignored() -> None:
+    a, b, ba, bb = _two(delay_s=0.0)
+    fabric_deliver = a._fabric.deliver
+    try:
+        va, vb = _view(ba, [0, 1]), _view(bb, [2, 3])
+        hint_a = a.describe(va)
+        hint_b = b.describe(vb)
+        attempt = a.fetch(va, hint_b)
+        # A record from a stranger for our transfer id is ignored.
+        fabric_deliver("a", CompletionRecord(hint_a.transfer_id, "mallory", "q", RecordStatus.DELIVERED,
+                                             [np.ones(2, bool)]))
+        time.sleep(0.1)
+        assert attempt.poll() is None
+        bb.array[[2, 3]] = 7
+        b.publish(vb, hint_a)
+        assert attempt.wait(5) and isinstance(attempt.poll(), Delivered)
+        first = attempt.poll()
+        # A replay of the real record after conclusion changes nothing.
+        fabric_deliver("a", CompletionRecord(hint_a.transfer_id, "b", "q", RecordStatus.FAILED, [np.zeros(2, bool)],
+                                             "replayed"))
+        time.sleep(0.1)
+        assert attempt.poll() is first
+        assert (ba.array[[0, 1]] == 7).all()
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_shutdown_stops_progress_threads() -> None:
+    before = {t.name for t in threading.enumerate()}
+    a, b, _, _ = _two()
+    assert any(t.name.startswith("kvxfer-loopback") for t in threading.enumerate())
+    a.shutdown()
+    b.shutdown()
+    left = {t.name for t in threading.enumerate()} - before
+    assert not [n for n in left if n.startswith("kvxfer-loopback")], left
+
+
+def test_raising_wake_does_not_stop_progress() -> None:
+    a, b, ba, bb = _two(delay_s=0.0)
+    try:
+        va, vb = _view(ba, [0]), _view(bb, [1])
+        hint_a = a.describe(va)
+        hint_b = b.describe(vb)
+
+        def bad_wake() -> None:
+            raise RuntimeError("owner bug")
+
+        fetch = a.fetch(va, hint_b, bad_wake)
+        publish = b.publish(vb, hint_a, bad_wake)
+        assert fetch.wait(5) and publish.wait(5)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+# --- the kit fails on broken backends -------------------------------------------------
+
+class _LyingBackend(LoopbackBackend):
+    """Reports every row delivered even when the copy stopped part-way."""
+
+    def _run_active(self, job):  # type: ignore[no-untyped-def]
+        real = job.attempt.conclude
+
+        def conclude(outcome):  # type: ignore[no-untyped-def]
+            masks = [np.ones_like(m) for m in outcome.masks]
+            return real(Failed(outcome.reason, masks) if isinstance(outcome, Failed) else Delivered(masks))
+
+        job.attempt.conclude = conclude
+        super()._run_active(job)
+
+
+def _make_broken(cls: type[LoopbackBackend]):  # type: ignore[no-untyped-def]
+    def factory(mode: TransferMode) -> conformance.Pair:
+        pair = make_pair(mode)
+        pair.local.__class__ = cls
+        return pair
+    return factory
+
+
+def test_kit_catches_lying_masks() -> None:
+    with pytest.raises(AssertionError, match="rows delivered, expected"):
+        conformance.check_partial_failure_exact(_make_broken(_LyingBackend), TransferMode.PUSH)
+
+
+def test_kit_catches_skipped_registration_check() -> None:
+    def factory(mode: TransferMode) -> conformance.Pair:
+        pair = make_pair(mode)
+        pair.local._regions.check_view = lambda view, for_fetch: None  # type: ignore[attr-defined]
+        return pair
+
+    with pytest.raises(AssertionError, match="touched|instead of raising"):
+        conformance.check_unregistered_region_refused(factory, TransferMode.PUSH)
+
+
+def test_host_rows_round_trip() -> None:
+    buf = HostBuffer("X", 8, 4)
+    rows = HostRows([buf])
+    rows.write("X", np.array([3, 1]), bytes(range(16)))
+    assert rows.read("X", np.array([1, 3])) == bytes(range(8, 16)) + bytes(range(8))
