@@ -1,0 +1,137 @@
+"""Hints on the wire: ``encode_hint`` / ``decode_hint``.
+
+Body (a msgpack map, str keys, every key required)::
+
+    backend, agent, request, transfer_id: str (non-empty)    mode: "push" | "pull"
+    layout: bin    endpoint: bin (up to 4 MiB: may be a NIXL agent's metadata)
+    extras: array of [key: str, value: bin] pairs, keys unique, order kept
+    groups: array of maps {layer_group, region: str; kind: "paged" | "state";
+            memory_kind: "host" | "device"; address, slot_bytes, region_slots,
+            device_id: uint; slots, ordinals: bin (little-endian int64, one per row)}
+
+``Hint.mac`` is not sent as a field: the envelope's MAC covers the body. A decoded hint
+carries the MAC it was verified with (None for an unsigned message), and ``encode_hint``
+ignores the ``mac`` it is given and signs afresh, so re-encoding a decoded hint with the
+same key reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer.contract import CacheKind, Hint, HintGroup, MemoryKind, TransferMode
+from kvxfer.wire.arrays import int64_from_bytes, int64_to_bytes
+from kvxfer.wire.envelope import Buffer, open_message, seal
+from kvxfer.wire.errors import WireError
+from kvxfer.wire.fields import Fields, check_str, describe
+from kvxfer.wire.limits import DEFAULT_LIMITS, Limits
+
+_HINT_KEYS = frozenset({"backend", "mode", "agent", "request", "transfer_id", "layout", "endpoint", "extras", "groups"})
+_GROUP_KEYS = frozenset({
+    "layer_group", "kind", "region", "address", "slot_bytes", "region_slots", "memory_kind", "device_id",
+    "slots", "ordinals",
+})
+_MAP_FIELDS = 16  # more entries than any map of the body has
+
+
+def encode_hint(hint: Hint, key: bytes | None = None, *, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The wire bytes of ``hint``; signed with ``key`` (see ``kvxfer.wire.auth`` for None and b"")."""
+    if not isinstance(hint, Hint):
+        raise WireError(f"encode_hint needs a Hint, got {type(hint).__name__}")
+    _check_sizes(hint, limits)
+    body = {
+        "backend": hint.backend, "mode": hint.mode.value, "agent": hint.agent, "request": hint.request,
+        "transfer_id": hint.transfer_id, "layout": hint.layout, "endpoint": hint.endpoint,
+        "extras": [[k, v] for k, v in hint.extras],
+        "groups": [
+            {
+                "layer_group": g.layer_group, "kind": g.kind.value, "region": g.region, "address": g.address,
+                "slot_bytes": g.slot_bytes, "region_slots": g.region_slots, "memory_kind": g.memory_kind.value,
+                "device_id": g.device_id, "slots": int64_to_bytes(g.slots), "ordinals": int64_to_bytes(g.ordinals),
+            }
+            for g in hint.groups
+        ],
+    }
+    return seal("hint", body, key, limits)
+
+
+def decode_hint(data: Buffer, key: bytes | None = None, *, limits: Limits = DEFAULT_LIMITS) -> Hint:
+    """The Hint in ``data``; WireError for anything malformed, oversized, of another version
+    or type, unsigned while a key applies, or wrongly signed."""
+    items = max(limits.groups, limits.extras, _MAP_FIELDS)
+    body, mac = open_message(data, "hint", key, limits, max_items=items)
+    f = Fields(body, "hint", _HINT_KEYS)
+    text = limits.string_bytes
+    strings = {name: f.text(name, text) for name in ("backend", "agent", "request", "transfer_id")}
+    mode = f.choice("mode", TransferMode)
+    layout = f.binary("layout", limits.layout_bytes)
+    endpoint = f.binary("endpoint", limits.endpoint_bytes)
+    extras = _decode_extras(f.array("extras", limits.extras), limits)
+    groups = tuple(_decode_group(g, i, limits) for i, g in enumerate(f.array("groups", limits.groups)))
+    try:
+        return Hint(mode=mode, layout=layout, groups=groups, endpoint=endpoint, extras=extras, mac=mac, **strings)
+    except (TypeError, ValueError) as exc:  # e.g. a layer group named twice
+        raise WireError(f"hint: {exc}") from None
+
+
+def _decode_extras(items: list[Any], limits: Limits) -> tuple[tuple[str, bytes], ...]:
+    out: list[tuple[str, bytes]] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not str or type(item[1]) is not bytes:
+            raise WireError(f"hint: field extras item {i} must be a [str, bin] pair, got {describe(item)}")
+        name, value = item
+        check_str(name, f"hint: field extras item {i} key", limits.string_bytes)
+        if len(value) > limits.extra_bytes:
+            raise WireError(f"hint: extra {name!r} is {len(value)} bytes, the limit is {limits.extra_bytes}")
+        if name in seen:
+            raise WireError(f"hint: extra {name!r} appears twice")
+        seen.add(name)
+        out.append((name, value))
+    return tuple(out)
+
+
+def _decode_group(value: Any, index: int, limits: Limits) -> HintGroup:
+    where = f"hint group {index}"
+    peek = value.get("layer_group") if type(value) is dict else None
+    if type(peek) is str and 0 < len(peek) <= 64:  # name the group in every error, once it has a name
+        where = f"hint group {index} ({peek!r})"
+    f = Fields(value, where, _GROUP_KEYS)
+    name = f.text("layer_group", limits.string_bytes)
+    try:
+        return HintGroup(
+            layer_group=name, kind=f.choice("kind", CacheKind), region=f.text("region", limits.string_bytes),
+            address=f.uint("address"), slot_bytes=f.uint("slot_bytes"), region_slots=f.uint("region_slots"),
+            memory_kind=f.choice("memory_kind", MemoryKind), device_id=f.uint("device_id"),
+            slots=int64_from_bytes(f.binary("slots", limits.message_bytes), f"{where}: field slots", limits.rows),
+            ordinals=int64_from_bytes(f.binary("ordinals", limits.message_bytes), f"{where}: field ordinals", limits.rows),
+        )
+    except (TypeError, ValueError) as exc:  # the contract's own checks: geometry, slots in range, lengths
+        raise WireError(f"{where}: {exc}") from None
+
+
+def _check_sizes(hint: Hint, limits: Limits) -> None:
+    """The decoder's limits, checked at the sender so that an oversized hint is named there."""
+    for name in ("backend", "agent", "request", "transfer_id"):
+        check_str(getattr(hint, name), f"hint: field {name}", limits.string_bytes)
+    if len(hint.layout) > limits.layout_bytes:
+        raise WireError(f"hint: field layout is {len(hint.layout)} bytes, the limit is {limits.layout_bytes}")
+    if len(hint.endpoint) > limits.endpoint_bytes:
+        raise WireError(f"hint: field endpoint is {len(hint.endpoint)} bytes, the limit is {limits.endpoint_bytes}")
+    if len(hint.extras) > limits.extras:
+        raise WireError(f"hint: {len(hint.extras)} extras, the limit is {limits.extras}")
+    names = [k for k, _ in hint.extras]
+    if len(set(names)) != len(names):
+        raise WireError(f"hint: an extra key appears twice in {names}")
+    for name, value in hint.extras:
+        check_str(name, "hint: extras key", limits.string_bytes)
+        if len(value) > limits.extra_bytes:
+            raise WireError(f"hint: extra {name!r} is {len(value)} bytes, the limit is {limits.extra_bytes}")
+    if len(hint.groups) > limits.groups:
+        raise WireError(f"hint: {len(hint.groups)} groups, the limit is {limits.groups}")
+    for g in hint.groups:
+        check_str(g.layer_group, "hint group layer_group", limits.string_bytes)
+        check_str(g.region, f"hint group {g.layer_group!r}: field region", limits.string_bytes)
+        if len(g) > limits.rows:
+            raise WireError(f"hint group {g.layer_group!r}: {len(g)} rows, the limit is {limits.rows}")
+
