@@ -1,0 +1,202 @@
+// kvxfer._native: integer addresses, numpy int64 index arrays and integer CUDA stream and
+// event handles in; nothing of torch's C++ ABI. Failures raise kvxfer._native.CopyError
+// (a RuntimeError) with the native message, CUDA's error text included.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "rowcopy.h"
+#ifdef KVXFER_WITH_CUDA
+#include "cuda_api.h"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+struct CopyError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+using Index = nb::ndarray<const std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+void check(const std::string& err) {
+  if (!err.empty()) throw CopyError(err);
+}
+
+const std::int64_t* index_of(const std::optional<Index>& ix, std::int64_t n_rows, const char* what) {
+  if (!ix) return nullptr;
+  if (static_cast<std::int64_t>(ix->shape(0)) != n_rows)
+    throw CopyError(std::string(what) + " index has " + std::to_string(ix->shape(0)) + " entries for " +
+                    std::to_string(n_rows) + " rows");
+  return ix->data();
+}
+
+kvxfer::CopyPlan make_plan(std::uint64_t src_base, std::int64_t src_stride, const std::int64_t* src_index,
+                           std::uint64_t dst_base, std::int64_t dst_stride, const std::int64_t* dst_index,
+                           std::int64_t n_rows, std::int64_t row_bytes) {
+  kvxfer::CopyPlan p;
+  p.src = {src_base, src_stride, src_index};
+  p.dst = {dst_base, dst_stride, dst_index};
+  p.n_rows = n_rows;
+  p.row_bytes = row_bytes;
+  check(kvxfer::check_plan(p));
+  return p;
+}
+
+void host_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::optional<Index> src_index,
+                    std::uint64_t dst_base, std::int64_t dst_stride, std::optional<Index> dst_index,
+                    std::int64_t n_rows, std::int64_t row_bytes, int threads, std::int64_t src_limit,
+                    std::int64_t dst_limit) {
+  auto p = make_plan(src_base, src_stride, index_of(src_index, n_rows, "source"), dst_base, dst_stride,
+                     index_of(dst_index, n_rows, "destination"), n_rows, row_bytes);
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = kvxfer::check_indices(p.src.index, n_rows, src_limit, "source");
+    if (err.empty()) err = kvxfer::check_indices(p.dst.index, n_rows, dst_limit, "destination");
+    if (err.empty()) err = kvxfer::host_copy_rows(p, threads);
+  }
+  check(err);
+}
+
+#ifdef KVXFER_WITH_CUDA
+void cuda_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::optional<Index> src_index,
+                    std::uint64_t dst_base, std::int64_t dst_stride, std::optional<Index> dst_index,
+                    std::int64_t n_rows, std::int64_t row_bytes, std::uint64_t stream, int device,
+                    std::int64_t src_limit, std::int64_t dst_limit) {
+  auto p = make_plan(src_base, src_stride, index_of(src_index, n_rows, "source"), dst_base, dst_stride,
+                     index_of(dst_index, n_rows, "destination"), n_rows, row_bytes);
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = kvxfer::check_indices(p.src.index, n_rows, src_limit, "source");
+    if (err.empty()) err = kvxfer::check_indices(p.dst.index, n_rows, dst_limit, "destination");
+    if (err.empty()) err = kvxfer::cuda::copy_rows(p, false, device, stream);
+  }
+  check(err);
+}
+
+void cuda_copy_rows_device(std::uint64_t src_base, std::int64_t src_stride, std::uint64_t src_index_ptr,
+                           std::uint64_t dst_base, std::int64_t dst_stride, std::uint64_t dst_index_ptr,
+                           std::int64_t n_rows, std::int64_t row_bytes, std::uint64_t stream, int device) {
+  auto p = make_plan(src_base, src_stride, reinterpret_cast<const std::int64_t*>(src_index_ptr), dst_base,
+                     dst_stride, reinterpret_cast<const std::int64_t*>(dst_index_ptr), n_rows, row_bytes);
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = kvxfer::cuda::copy_rows(p, true, device, stream);
+  }
+  check(err);
+}
+
+std::uint64_t out_handle(std::string (*fn)(int, std::uint64_t*), int device) {
+  std::uint64_t h = 0;
+  check(fn(device, &h));
+  return h;
+}
+#endif
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "kvxfer's compiled row copy (host always; CUDA when built with it).";
+  nb::exception<CopyError>(m, "CopyError", PyExc_RuntimeError);
+#ifdef KVXFER_WITH_CUDA
+  m.attr("HAS_CUDA") = true;
+#else
+  m.attr("HAS_CUDA") = false;
+#endif
+  m.attr("ABI_VERSION") = 1;
+
+  m.def("host_copy_rows", &host_copy_rows, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(), "dst_base"_a,
+        "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "threads"_a = 0, "src_limit"_a = -1,
+        "dst_limit"_a = -1,
+        "Copy n_rows rows of row_bytes from base+index[i]*stride (index None: i) on one end to the other, in host "
+        "memory. Indices outside [0, limit) are refused when a limit is given.");
+
+#ifdef KVXFER_WITH_CUDA
+  m.def("cuda_copy_rows", &cuda_copy_rows, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(), "dst_base"_a,
+        "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "stream"_a, "device"_a = -1,
+        "src_limit"_a = -1, "dst_limit"_a = -1,
+        "Queue one row-copy kernel on `stream` (an integer cudaStream_t; 0 = legacy default). Host int64 indices. "
+        "Returns once queued; the copy is complete when an event recorded after it completes.");
+  m.def("cuda_copy_rows_device", &cuda_copy_rows_device, "src_base"_a, "src_stride"_a, "src_index_ptr"_a,
+        "dst_base"_a, "dst_stride"_a, "dst_index_ptr"_a, "n_rows"_a, "row_bytes"_a, "stream"_a, "device"_a = -1,
+        "As cuda_copy_rows, with int64 index arrays already in device memory (0 = contiguous). Not bounds-checked.");
+  m.def("versions", [] {
+    int runtime = 0, driver = 0;
+    check(kvxfer::cuda::versions(&runtime, &driver));
+    return std::make_tuple(runtime, driver);
+  }, "(runtime, driver) CUDA versions as integers, e.g. 13000.");
+  m.def("device_count", [] {
+    int n = 0;
+    check(kvxfer::cuda::device_count(&n));
+    return n;
+  });
+  m.def("stream_create", [](int device) { return out_handle(kvxfer::cuda::stream_create, device); }, "device"_a);
+  m.def("stream_destroy", [](std::uint64_t s) { check(kvxfer::cuda::stream_destroy(s)); }, "stream"_a);
+  m.def("stream_synchronize", [](std::uint64_t s) {
+    std::string err;
+    {
+      nb::gil_scoped_release release;
+      err = kvxfer::cuda::stream_synchronize(s);
+    }
+    check(err);
+  }, "stream"_a);
+  m.def("event_create", [](int device) { return out_handle(kvxfer::cuda::event_create, device); }, "device"_a);
+  m.def("event_record", [](std::uint64_t ev, std::uint64_t s) { check(kvxfer::cuda::event_record(ev, s)); },
+        "event"_a, "stream"_a);
+  m.def("event_query", [](std::uint64_t ev) {
+    bool done = false;
+    check(kvxfer::cuda::event_query(ev, &done));
+    return done;
+  }, "event"_a, "True once the work before the event completed; raises CopyError if it failed.");
+  m.def("event_synchronize", [](std::uint64_t ev) {
+    std::string err;
+    {
+      nb::gil_scoped_release release;
+      err = kvxfer::cuda::event_synchronize(ev);
+    }
+    check(err);
+  }, "event"_a);
+  m.def("event_destroy", [](std::uint64_t ev) { check(kvxfer::cuda::event_destroy(ev)); }, "event"_a);
+  m.def("ipc_export", [](int device, std::uint64_t ptr) {
+    std::string handle;
+    std::uint64_t base = 0, size = 0;
+    check(kvxfer::cuda::ipc_export(device, ptr, &handle, &base, &size));
+    return std::make_tuple(nb::bytes(handle.data(), handle.size()), base, size);
+  }, "device"_a, "ptr"_a, "(handle bytes, allocation base, allocation size) of the allocation holding ptr.");
+  m.def("ipc_open", [](int device, nb::bytes handle) {
+    std::uint64_t base = 0;
+    check(kvxfer::cuda::ipc_open(device, std::string(handle.c_str(), handle.size()), &base));
+    return base;
+  }, "device"_a, "handle"_a, "Map a peer's allocation; returns its base in this process.");
+  m.def("ipc_close", [](int device, std::uint64_t base) { check(kvxfer::cuda::ipc_close(device, base)); },
+        "device"_a, "base"_a);
+  m.def("device_alloc", [](int device, std::uint64_t bytes) {
+    std::uint64_t p = 0;
+    check(kvxfer::cuda::device_alloc(device, bytes, &p));
+    return p;
+  }, "device"_a, "bytes"_a);
+  m.def("device_free", [](int device, std::uint64_t p) { check(kvxfer::cuda::device_free(device, p)); },
+        "device"_a, "ptr"_a);
+  m.def("copy_bytes", [](int device, std::uint64_t dst, std::uint64_t src, std::uint64_t n) {
+    std::string err;
+    {
+      nb::gil_scoped_release release;
+      err = kvxfer::cuda::copy_bytes(device, dst, src, n);
+    }
+    check(err);
+  }, "device"_a, "dst"_a, "src"_a, "bytes"_a, "Synchronous cudaMemcpy in any direction (cudaMemcpyDefault).");
+#endif
+}

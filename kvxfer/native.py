@@ -1,0 +1,258 @@
+"""Batched row copy: the compiled ``kvxfer._native`` when present, else numpy / torch.
+
+One operation covers every case: rows move from ``src_base + src_slots[i] * src_stride`` to
+``dst_base + dst_slots[i] * dst_stride``; ``slots=None`` means a contiguous buffer (row i at
+``base + i * stride``), so gather (rows -> buffer) and scatter (buffer -> rows) are the same
+call. HOST memory is copied by multi-threaded memcpy (or numpy); DEVICE memory by one CUDA
+kernel queued on the caller's stream (or torch ``index_select``/``index_copy_``). Both paths
+give identical bytes; overlapping source and destination rows are undefined on both.
+
+``info()`` says what is available and why not. Failures raise :class:`RowCopyError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.contract import KvxferError, MemoryKind
+
+Impl = Literal["auto", "native", "fallback"]
+
+
+class RowCopyError(KvxferError):
+    """A row copy was refused (bad geometry, index out of range) or failed (CUDA's text included)."""
+
+
+@dataclass(frozen=True)
+class DeviceIndex:
+    """An int64 slot index array already in device memory: its address (read as it stands)."""
+
+    ptr: int
+
+
+@dataclass(frozen=True)
+class NativeInfo:
+    """What this process can use. ``reason`` says why the compiled module or CUDA is missing."""
+
+    compiled: bool
+    cuda_built: bool
+    cuda_usable: bool
+    device_count: int
+    cuda_runtime: int
+    cuda_driver: int
+    module_path: str
+    reason: str
+
+    @property
+    def host(self) -> bool:
+        return True  # the numpy fallback always exists
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    try:
+        from kvxfer import _native  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"kvxfer._native is not built ({exc}); using the numpy/torch fallback"
+    return _native, ""
+
+
+_NATIVE, _LOAD_REASON = _load()
+
+
+@functools.lru_cache(maxsize=1)
+def info() -> NativeInfo:
+    mod = _NATIVE
+    if mod is None:
+        return NativeInfo(False, False, False, 0, 0, 0, "", _LOAD_REASON)
+    path = str(getattr(mod, "__file__", ""))
+    if not mod.HAS_CUDA:
+        return NativeInfo(True, False, False, 0, 0, 0, path, "kvxfer._native was built without CUDA (no nvcc)")
+    try:
+        runtime, driver = mod.versions()
+        count = mod.device_count()
+    except mod.CopyError as exc:
+        return NativeInfo(True, True, False, 0, 0, 0, path, f"CUDA is not usable here: {exc}")
+    reason = "" if count > 0 else "no CUDA device is visible"
+    return NativeInfo(True, True, count > 0, count, runtime, driver, path, reason)
+
+
+def cuda_module() -> ModuleType:
+    """The compiled module with its CUDA half usable, or RowCopyError naming why not."""
+    state = info()
+    if not state.cuda_usable or _NATIVE is None:
+        raise RowCopyError(state.reason or "kvxfer._native has no usable CUDA")
+    return _NATIVE
+
+
+# --- checks shared by both paths ------------------------------------------------------
+Slots = npt.NDArray[np.int64] | DeviceIndex | None
+
+
+def _host_slots(slots: Any, n_rows: int | None, what: str) -> tuple[npt.NDArray[np.int64] | DeviceIndex | None, int | None]:
+    if slots is None or isinstance(slots, DeviceIndex):
+        return slots, n_rows
+    array = np.asarray(slots)
+    if array.dtype != np.int64 or array.ndim != 1:
+        raise RowCopyError(f"{what} slots must be a one-dimensional int64 array, got {array.dtype} {array.shape}")
+    array = np.ascontiguousarray(array)
+    if n_rows is not None and array.size != n_rows:
+        raise RowCopyError(f"{what} slots hold {array.size} rows, the other end {n_rows}")
+    return array, int(array.size)
+
+
+def _check_range(slots: Any, limit: int | None, what: str) -> None:
+    if limit is None or not isinstance(slots, np.ndarray) or slots.size == 0:
+        return
+    low, high = int(slots.min()), int(slots.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise RowCopyError(f"{what} index {bad} is outside [0, {limit})")
+
+
+def copy_rows(
+    *,
+    src_base: int, src_stride: int, src_slots: Slots,
+    dst_base: int, dst_stride: int, dst_slots: Slots,
+    row_bytes: int, n_rows: int | None = None,
+    memory: MemoryKind = MemoryKind.HOST,
+    stream: int = 0, device: int = -1,
+    src_limit: int | None = None, dst_limit: int | None = None,
+    threads: int = 0, impl: Impl = "auto",
+) -> None:
+    """Copy rows between two (base, stride, slots) spaces; see the module docstring.
+
+    HOST: returns when the bytes are in place. DEVICE: returns once queued on ``stream``
+    (an integer ``cudaStream_t``); the copy is done when work queued after it is.
+    ``*_limit`` bounds the slot numbers (a region's slot count); out of range is refused.
+    """
+    src, n = _host_slots(src_slots, n_rows, "source")
+    dst, n = _host_slots(dst_slots, n, "destination")
+    if n is None:
+        raise RowCopyError("n_rows is needed when neither end has a host slot array")
+    if n < 0 or row_bytes < 0 or src_stride < 0 or dst_stride < 0:
+        raise RowCopyError("n_rows, row_bytes and strides must not be negative")
+    if n and row_bytes and (row_bytes > src_stride or row_bytes > dst_stride):
+        raise RowCopyError(f"row_bytes {row_bytes} exceeds a stride (source {src_stride}, destination {dst_stride})")
+    if n and row_bytes and (src_base == 0 or dst_base == 0):
+        raise RowCopyError("a base address is null")
+    _check_range(src, src_limit, "source")
+    _check_range(dst, dst_limit, "destination")
+    if n == 0 or row_bytes == 0:
+        return
+    if impl not in ("auto", "native", "fallback"):
+        raise RowCopyError(f"impl must be auto, native or fallback, got {impl!r}")
+    if memory is MemoryKind.HOST:
+        if isinstance(src, DeviceIndex) or isinstance(dst, DeviceIndex):
+            raise RowCopyError("host copies take host slot arrays, not DeviceIndex")
+        if impl != "fallback" and _NATIVE is not None:
+            _native_call(_NATIVE.host_copy_rows, src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes,
+                         threads)
+            return
+        if impl == "native":
+            raise RowCopyError(_LOAD_REASON)
+        _numpy_copy(src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes)
+        return
+    if impl != "fallback" and info().cuda_usable and _NATIVE is not None:
+        if isinstance(src, DeviceIndex) or isinstance(dst, DeviceIndex):
+            _native_call(_NATIVE.cuda_copy_rows_device, src_base, src_stride, _device_ptr(src), dst_base, dst_stride,
+                         _device_ptr(dst), n, row_bytes, stream, device)
+        else:
+            _native_call(_NATIVE.cuda_copy_rows, src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes,
+                         stream, device)
+        return
+    if impl == "native":
+        raise RowCopyError(info().reason or "kvxfer._native has no usable CUDA")
+    _torch_copy(src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes, stream, device)
+
+
+def gather_rows(*, src_base: int, src_stride: int, src_slots: Slots, dst_base: int, row_bytes: int,
+                **kw: Any) -> None:
+    """Rows of a slot space into a contiguous buffer (row i at ``dst_base + i * row_bytes``)."""
+    copy_rows(src_base=src_base, src_stride=src_stride, src_slots=src_slots, dst_base=dst_base,
+              dst_stride=row_bytes, dst_slots=None, row_bytes=row_bytes, **kw)
+
+
+def scatter_rows(*, src_base: int, dst_base: int, dst_stride: int, dst_slots: Slots, row_bytes: int,
+                 **kw: Any) -> None:
+    """A contiguous buffer (row i at ``src_base + i * row_bytes``) into rows of a slot space."""
+    copy_rows(src_base=src_base, src_stride=row_bytes, src_slots=None, dst_base=dst_base,
+              dst_stride=dst_stride, dst_slots=dst_slots, row_bytes=row_bytes, **kw)
+
+
+def _native_call(fn: Any, *args: Any) -> None:
+    assert _NATIVE is not None
+    try:
+        fn(*args)
+    except _NATIVE.CopyError as exc:
+        raise RowCopyError(str(exc)) from exc
+
+
+def _device_ptr(slots: Any) -> int:
+    if isinstance(slots, DeviceIndex):
+        return slots.ptr
+    raise RowCopyError("mixing a DeviceIndex with a host slot array or None is not supported; upload both")
+
+
+# --- fallbacks ----------------------------------------------------------------------
+def _extent(slots: Any, n: int, stride: int, row_bytes: int) -> int:
+    last = (int(slots.max()) if isinstance(slots, np.ndarray) else n - 1)
+    return last * stride + row_bytes
+
+
+def _host_rows(base: int, stride: int, extent: int, row_bytes: int) -> npt.NDArray[np.uint8]:
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * extent).from_address(base))
+    rows = (extent - row_bytes) // stride + 1 if stride else 1
+    return np.lib.stride_tricks.as_strided(flat, shape=(rows, row_bytes), strides=(stride, 1))
+
+
+def _numpy_copy(src_base: int, src_stride: int, src: Any, dst_base: int, dst_stride: int, dst: Any,
+                n: int, row_bytes: int) -> None:
+    src_rows = _host_rows(src_base, src_stride, _extent(src, n, src_stride, row_bytes), row_bytes)
+    dst_rows = _host_rows(dst_base, dst_stride, _extent(dst, n, dst_stride, row_bytes), row_bytes)
+    src_ix = src if src is not None else np.arange(n, dtype=np.int64)
+    dst_ix = dst if dst is not None else np.arange(n, dtype=np.int64)
+    dst_rows[dst_ix] = src_rows[src_ix]
+
+
+class _CudaSpan:
+    """Wraps a device address range for torch.as_tensor (no copy)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3, "strides": None,
+        }
+
+
+def _torch_copy(src_base: int, src_stride: int, src: Any, dst_base: int, dst_stride: int, dst: Any,
+                n: int, row_bytes: int, stream: int, device: int) -> None:
+    try:
+        import torch
+    except ImportError as exc:
+        raise RowCopyError(f"device copy needs kvxfer._native with CUDA or torch: {exc}") from exc
+    if not torch.cuda.is_available():
+        raise RowCopyError(f"no CUDA device for a device copy ({info().reason or 'torch sees none'})")
+    dev = torch.device("cuda", device if device >= 0 else torch.cuda.current_device())
+    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
+
+        def rows(base: int, stride: int, slots: Any) -> Any:
+            extent = _extent(slots, n, stride, row_bytes) if not isinstance(slots, DeviceIndex) else None
+            if extent is None:
+                raise RowCopyError("the torch fallback needs host slot arrays (or kvxfer._native for DeviceIndex)")
+            flat = torch.as_tensor(_CudaSpan(base, extent), device=dev)
+            count = (extent - row_bytes) // stride + 1
+            return flat.as_strided((count, row_bytes), (stride, 1))
+
+        def index(slots: Any) -> Any:
+            host = slots if slots is not None else np.arange(n, dtype=np.int64)
+            return torch.from_numpy(host).to(dev, non_blocking=False)
+
+        src_rows, dst_rows = rows(src_base, src_stride, src), rows(dst_base, dst_stride, dst)
+        picked = src_rows.index_select(0, index(src))
+        dst_rows.index_copy_(0, index(dst), picked)

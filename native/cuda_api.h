@@ -1,0 +1,45 @@
+// The CUDA half of kvxfer's native code, declared without CUDA headers so that the bindings
+// compile as plain C++. Streams, events and addresses cross this boundary as integers.
+// Each call returns an empty string on success, else a message that includes CUDA's text.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "rowcopy.h"
+
+namespace kvxfer::cuda {
+
+constexpr int kIpcHandleBytes = 64;
+
+// Row copy on `stream` of `device`, one kernel launch. With indices_on_device the plan's
+// index pointers are device addresses (read by the kernel as they stand); otherwise they are
+// host arrays: up to a few dozen rows travel inside the launch parameters, more are copied
+// to a stream-ordered scratch buffer first. Returns once the work is queued.
+std::string copy_rows(const CopyPlan& plan, bool indices_on_device, int device, std::uint64_t stream);
+
+std::string versions(int* runtime, int* driver);
+std::string device_count(int* count);
+
+std::string stream_create(int device, std::uint64_t* stream);
+std::string stream_destroy(std::uint64_t stream);
+std::string stream_synchronize(std::uint64_t stream);
+
+std::string event_create(int device, std::uint64_t* event);
+std::string event_record(std::uint64_t event, std::uint64_t stream);
+std::string event_query(std::uint64_t event, bool* done);  // done=false while pending
+std::string event_synchronize(std::uint64_t event);
+std::string event_destroy(std::uint64_t event);
+
+// Exports the allocation holding `ptr`: its handle, base and size (ptr - base is the offset
+// the importer adds to its mapping).
+std::string ipc_export(int device, std::uint64_t ptr, std::string* handle, std::uint64_t* base, std::uint64_t* size);
+std::string ipc_open(int device, const std::string& handle, std::uint64_t* base);
+std::string ipc_close(int device, std::uint64_t base);
+
+// Plain device memory, for tests and tools that run without a framework.
+std::string device_alloc(int device, std::uint64_t bytes, std::uint64_t* ptr);
+std::string device_free(int device, std::uint64_t ptr);
+std::string copy_bytes(int device, std::uint64_t dst, std::uint64_t src, std::uint64_t bytes);  // synchronous, any direction
+
+}  // namespace kvxfer::cuda
