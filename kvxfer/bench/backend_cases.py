@@ -1,0 +1,323 @@
+"""kvxfer backends measured through the public contract: describe, fetch, publish, outcome.
+
+A backend case is a factory of two ends (prefill, decode) for a transfer mode and memory
+kind. Each point gets fresh ends and buffers, because the contract has no unregister and
+a region's slot size is fixed; ends are shut down after the point and must report every
+attempt quiesced. Three modes:
+
+- throughput: from the call that moves bytes (push: publish, pull: fetch) to the decode
+  side's outcome being visible through its wake callback; every row is then checked byte
+  for byte against its source row;
+- latency: the same interval for small requests, many samples, p50/p99;
+- host overhead: the prefill owner's ``describe`` + ``publish`` calls, per row.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
+from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
+from kvxfer.bench.layout import choose_slots, pool_slots
+from kvxfer.bench.nixl_raw import latency_measurement
+from kvxfer.bench.timing import Timing, time_runs
+from kvxfer.contract import (
+    Attempt,
+    Backend,
+    CacheKind,
+    LayerGroupRows,
+    MemoryKind,
+    Outcome,
+    SlotRegion,
+    TokenRange,
+    TransferMode,
+    View,
+)
+
+_WAIT_S = 60.0
+_BLOCK_TOKENS = 16
+LAYOUT = b"kvxfer-bench-v1"
+
+
+@dataclass
+class Ends:
+    prefill: Backend
+    decode: Backend
+    close: Callable[[], None]
+    facts: dict[str, Any]
+
+
+EndsFactory = Callable[[TransferMode, str], Ends]
+
+
+def loopback_ends(mode: TransferMode, memory: str) -> Ends:
+    from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
+
+    if memory != "host":
+        raise Skip("loopback reaches host memory only")
+    fabric = LoopbackFabric()
+    prefill = LoopbackBackend(fabric, "prefill", mode)
+    decode = LoopbackBackend(fabric, "decode", mode)
+    return Ends(prefill, decode, lambda: None, {"processes": 1})
+
+
+class _Memory:
+    """Both ends' regions for one point: one region per layer group per end."""
+
+    def __init__(self, point: Point, pool_factor: int, rng: np.random.Generator) -> None:
+        self.point = point
+        self.slots_per_group = pool_slots(point, pool_factor)
+        self.device = point.memory == "device"
+        self.kind = MemoryKind.DEVICE if self.device else MemoryKind.HOST
+        self.arrays: dict[str, list[Any]] = {"prefill": [], "decode": []}
+        for end in ("prefill", "decode"):
+            for _ in range(point.groups):
+                if self.device:
+                    import torch
+
+                    self.arrays[end].append(torch.zeros((self.slots_per_group, point.row_bytes),
+                                                        dtype=torch.uint8, device="cuda"))
+                else:
+                    self.arrays[end].append(np.zeros((self.slots_per_group, point.row_bytes), dtype=np.uint8))
+        self.slots = {end: [choose_slots(point, pool_factor, rng) for _ in range(point.groups)]
+                      for end in ("prefill", "decode")}
+
+    def _address(self, array: Any) -> int:
+        return int(array.data_ptr()) if self.device else int(array.ctypes.data)
+
+    def regions(self, end: str) -> list[SlotRegion]:
+        return [SlotRegion(f"{end}-g{i}", self._address(a), self.point.row_bytes, self.slots_per_group, self.kind)
+                for i, a in enumerate(self.arrays[end])]
+
+    def view(self, end: str, regions: list[SlotRegion], request: str) -> View:
+        rows = self.point.rows
+        groups = tuple(LayerGroupRows(f"g{i}", CacheKind.PAGED, r, self.slots[end][i], np.arange(rows, dtype=np.int64))
+                       for i, r in enumerate(regions))
+        return View(request, TokenRange(0, rows * _BLOCK_TOKENS), groups, LAYOUT)
+
+    def fill_source(self, source: str, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for a in self.arrays[source]:
+            data = rng.integers(0, 256, size=a.shape, dtype=np.uint8)
+            if self.device:
+                import torch
+
+                a.copy_(torch.from_numpy(data).to(a.device))
+            else:
+                a[...] = data
+
+    def rows_equal(self, source: str, dest: str) -> bool:
+        for g in range(self.point.groups):
+            src = self.arrays[source][g][self.slots[source][g]]
+            dst = self.arrays[dest][g][self.slots[dest][g]]
+            if self.device:
+                import torch
+
+                if not bool(torch.equal(src, dst)):
+                    return False
+            elif not np.array_equal(src, dst):
+                return False
+        return True
+
+
+def _wait(attempt: Attempt, what: str) -> Outcome:
+    """Until concluded and quiesced; a backend that stalls is an error, not a slow figure."""
+    deadline = time.monotonic() + _WAIT_S
+    while attempt.poll() is None or not attempt.quiesced():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not conclude and quiesce within {_WAIT_S:g}s")
+        time.sleep(0.0002)
+    outcome = attempt.poll()
+    assert outcome is not None
+    return outcome
+
+
+class _Watch:
+    """Wake callback that stamps the moment an attempt's outcome became visible."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.attempt: Attempt | None = None
+        self.seen_at: float | None = None
+        self.early: float | None = None  # a wake before the submitting call returned
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if self.attempt is None:
+            self.early = self.early or now
+        elif self.seen_at is None and self.attempt.poll() is not None:
+            self.seen_at = now
+        self.event.set()
+
+    def bind(self, attempt: Attempt) -> None:
+        self.attempt = attempt
+        if self.early is not None and attempt.poll() is not None:
+            self.seen_at = self.early
+
+    def wait_outcome(self) -> float:
+        deadline = time.monotonic() + _WAIT_S
+        while self.seen_at is None:
+            assert self.attempt is not None
+            if self.attempt.poll() is not None:  # wake fired before bind and was not yet concluded
+                self.seen_at = self.seen_at or time.perf_counter()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no outcome within {_WAIT_S:g}s")
+            self.event.wait(0.05)
+            self.event.clear()
+        return self.seen_at
+
+
+class BackendCase:
+    def __init__(self, config: BenchConfig, make_ends: EndsFactory, name: str) -> None:
+        self.config = config
+        self.make_ends = make_ends
+        self.name = name
+        self._rng = np.random.default_rng(config.seed + 1)
+
+    def _setup(self, point: Point) -> tuple[Ends, _Memory, View, View]:
+        mode = TransferMode.PUSH if point.direction == "push" else TransferMode.PULL
+        memory = _Memory(point, self.config.pool_factor, self._rng)
+        ends = self.make_ends(mode, point.memory)
+        try:
+            rp, rd = memory.regions("prefill"), memory.regions("decode")
+            ends.prefill.register(rp)
+            ends.decode.register(rd)
+            return ends, memory, memory.view("prefill", rp, "bench"), memory.view("decode", rd, "bench")
+        except BaseException:
+            self._teardown(ends)
+            raise
+
+    @staticmethod
+    def _teardown(ends: Ends) -> None:
+        left = ends.prefill.shutdown() | ends.decode.shutdown()
+        ends.close()
+        if left:
+            raise RuntimeError(f"{len(left)} attempts were not quiesced at shutdown")
+
+    def _one(self, ends: Ends, vp: View, vd: View, push: bool) -> tuple[float, float, Attempt, Attempt]:
+        """One transfer; returns (start, outcome visible, prefill attempt, decode attempt)."""
+        hd = ends.decode.describe(vd)
+        hp = ends.prefill.describe(vp)
+        watch = _Watch()
+        if push:
+            ad = ends.decode.fetch(vd, hp, wake=watch)
+            watch.bind(ad)
+            t0 = time.perf_counter()
+            ap = ends.prefill.publish(vp, hd)
+        else:
+            ap = ends.prefill.publish(vp, hd)
+            t0 = time.perf_counter()
+            ad = ends.decode.fetch(vd, hp, wake=watch)
+            watch.bind(ad)
+        seen = watch.wait_outcome()
+        return t0, seen, ap, ad
+
+    def _settle(self, ap: Attempt, ad: Attempt, rows: int) -> None:
+        outcome = _wait(ad, "decode attempt")
+        _wait(ap, "prefill attempt")
+        if not outcome.all_delivered or outcome.rows_delivered != rows:
+            raise RuntimeError(f"decode outcome {type(outcome).__name__}: {outcome.rows_delivered}/{rows} rows")
+
+    def throughput(self, point: Point) -> Measurement:
+        ends, memory, vp, vd = self._setup(point)
+        try:
+            memory.fill_source("prefill", self.config.seed + point.rows)
+            push = point.direction == "push"
+
+            def run() -> float:
+                t0, seen, ap, ad = self._one(ends, vp, vd, push)
+                self._settle(ap, ad, point.total_rows)
+                return seen - t0
+
+            timing = time_runs(run, self.config.repetition)
+            verified = memory.rows_equal("prefill", "decode")
+        finally:
+            self._teardown(ends)
+        if not verified:
+            raise RuntimeError("decode rows differ from prefill rows after the timed runs")
+        return Measurement({"seconds_best": timing.best, "seconds_median": timing.median,
+                            "reps": len(timing.samples)},
+                           {**ends.facts, "verified": True,
+                            "measured": "move call to decode outcome visible (wake callback)"})
+
+    def latency(self, point: Point, sweep: LatencySweep) -> Measurement:
+        ends, memory, vp, vd = self._setup(point)
+        samples = []
+        try:
+            memory.fill_source("prefill", self.config.seed)
+            push = point.direction == "push"
+            for i in range(sweep.warmup + sweep.samples):
+                t0, seen, ap, ad = self._one(ends, vp, vd, push)
+                self._settle(ap, ad, point.total_rows)
+                if i >= sweep.warmup:
+                    samples.append(seen - t0)
+            verified = memory.rows_equal("prefill", "decode")
+        finally:
+            self._teardown(ends)
+        return latency_measurement(Timing(tuple(samples)), {
+            **ends.facts, "verified": verified,
+            "measured": ("publish" if point.direction == "push" else "fetch") + " call to decode outcome visible"})
+
+    def overhead(self, point: Point, sweep: OverheadSweep) -> Measurement:
+        ends, memory, vp, vd = self._setup(point)
+        owner, publish_only, decode_side = [], [], []
+        try:
+            for _ in range(sweep.repeats + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                hd = ends.decode.describe(vd)
+                t1 = time.perf_counter()
+                hp = ends.prefill.describe(vp)
+                t2 = time.perf_counter()
+                ad = ends.decode.fetch(vd, hp)
+                t3 = time.perf_counter()
+                ap = ends.prefill.publish(vp, hd)
+                t4 = time.perf_counter()
+                self._settle(ap, ad, point.total_rows)
+                owner.append((t2 - t1) + (t4 - t3))
+                publish_only.append(t4 - t3)
+                decode_side.append((t1 - t0) + (t3 - t2))
+        finally:
+            self._teardown(ends)
+        rows = point.total_rows
+        own, pub, dec = (Timing(tuple(x[1:])) for x in (owner, publish_only, decode_side))
+        return Measurement(
+            {"per_row_s_best": own.best / rows, "per_row_s_median": own.median / rows,
+             "publish_per_row_s": pub.median / rows, "decode_per_row_s": dec.median / rows,
+             "samples": len(own.samples)},
+            {**ends.facts, "measured": "prefill owner thread: describe + publish, per row"},
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _unsupported(what: str) -> EndsFactory:
+    def make(mode: TransferMode, memory: str) -> Ends:
+        raise Skip(f"kvxfer bench does not construct {what} yet")
+    return make
+
+
+# name -> (title, requirements, ends factory)
+BACKENDS: dict[str, tuple[str, frozenset[Requirement], EndsFactory]] = {
+    "loopback": ("kvxfer loopback (in-process memmove)", frozenset(), loopback_ends),
+    "nixl_packed": ("kvxfer NIXL, packed rows", frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED}),
+                    _unsupported("the packed NIXL path")),
+    "ipc": ("kvxfer CUDA IPC", frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}),
+            _unsupported("the IPC backend")),
+}
+
+
+def _spec(name: str, title: str, needs: frozenset[Requirement], make: EndsFactory) -> CaseSpec:
+    return CaseSpec(name, title, Role.BACKEND, needs, ("memory", "direction", "slots", "row_bytes", "rows", "groups"),
+                    frozenset({"throughput", "latency", "overhead"}),
+                    lambda config: BackendCase(config, make, name))
+
+
+SPECS = [_spec(n, t, needs, make) for n, (t, needs, make) in BACKENDS.items()]

@@ -1,0 +1,119 @@
+"""Cases are pluggable: each declares what it needs, and absent needs become 'skipped: why'.
+
+A case is a named factory of a runner. The registry checks a case's requirements
+(CUDA, NIXL, a kvxfer backend module, ...) against this machine once per run; a case whose
+requirement is absent is reported as skipped with the reason, never replaced by another.
+A runner may also skip one point (``Skip``), e.g. a baseline that would post too many
+descriptors, or a memory kind the case cannot reach.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
+
+
+class Requirement(enum.Enum):
+    CUDA = "a CUDA device (torch.cuda.is_available())"
+    NIXL = "the nixl package (nixl._api)"
+    KVXFER_NIXL = "kvxfer.backends.nixl"
+    KVXFER_IPC = "kvxfer.backends.ipc"
+    KVXFER_PACKED = "the packed NIXL path (kvxfer.backends.nixl with packed rows)"
+
+
+class Role(enum.Enum):
+    REFERENCE = "reference"    # the physical ceiling: a local copy
+    CEILING = "ceiling"        # the transport's own best: one descriptor
+    BASELINE = "baseline"      # how others use the transport
+    BACKEND = "backend"        # kvxfer itself
+
+
+class Skip(Exception):
+    """This case cannot measure this point; the message says why."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a runner measured: metrics (numbers) and facts about how (descriptors, verified...)."""
+
+    metrics: dict[str, float]
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+class CaseRunner(Protocol):
+    def throughput(self, point: Point) -> Measurement: ...
+    def latency(self, point: Point, sweep: LatencySweep) -> Measurement: ...
+    def overhead(self, point: Point, sweep: OverheadSweep) -> Measurement: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """``depends``: the point fields a figure of this case varies with; other fields are
+    not part of its identity, so a reference is measured once and shared by every point."""
+
+    name: str
+    title: str
+    role: Role
+    needs: frozenset[Requirement]
+    depends: tuple[str, ...]
+    modes: frozenset[str]
+    factory: Callable[[BenchConfig], CaseRunner]
+
+    def key(self, point: Point) -> tuple[tuple[str, Any], ...]:
+        d = point.as_dict()
+        return tuple((f, d[f]) for f in (*self.depends, "total_bytes"))
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def requirement_missing(req: Requirement) -> str | None:
+    """None when ``req`` is met on this machine, else why not."""
+    if req is Requirement.CUDA:
+        try:
+            import torch
+        except ImportError:
+            return "torch is not installed"
+        return None if torch.cuda.is_available() else "no CUDA device"
+    if req is Requirement.NIXL:
+        try:
+            importlib.import_module("nixl._api")
+        except Exception as err:  # the wheel raises ImportError or OSError on a broken install
+            return f"nixl does not import: {err}"
+        return None
+    if req is Requirement.KVXFER_NIXL:
+        return None if _has_module("kvxfer.backends.nixl") else "kvxfer.backends.nixl does not exist yet"
+    if req is Requirement.KVXFER_IPC:
+        return None if _has_module("kvxfer.backends.ipc") else "kvxfer.backends.ipc does not exist yet"
+    if req is Requirement.KVXFER_PACKED:
+        if not _has_module("kvxfer.backends.nixl"):
+            return "kvxfer.backends.nixl does not exist yet"
+        mod = importlib.import_module("kvxfer.backends.nixl")
+        return None if hasattr(mod, "PACKED") or hasattr(mod, "PackedNixlBackend") else "no packed NIXL path yet"
+    raise AssertionError(req)
+
+
+def unmet(spec: CaseSpec) -> str | None:
+    reasons = [r for r in (requirement_missing(req) for req in sorted(spec.needs, key=lambda r: r.name)) if r]
+    return "; ".join(reasons) if reasons else None
+
+
+def registry() -> dict[str, CaseSpec]:
+    """Every known case, by name. Imports are lazy: a case's module loads only when it runs."""
+    from kvxfer.bench import backend_cases, local, nixl_raw
+
+    specs = [*local.SPECS, *nixl_raw.SPECS, *backend_cases.SPECS]
+    return {s.name: s for s in specs}

@@ -1,0 +1,95 @@
+"""Compare two results figure by figure and flag regressions beyond a threshold.
+
+Throughput regresses when GB/s (best) falls; latency when p50 or p99 rises; host overhead
+when ns per row (median) rises. A figure that was measured before and is now missing,
+skipped or failed is flagged too: a regression can hide as a silent skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvxfer.bench.results import BenchResult
+
+# mode -> (metric, higher is better)
+METRICS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "throughput": (("gbps_best", True),),
+    "latency": (("p50_s", False), ("p99_s", False)),
+    "overhead": (("per_row_s_median", False),),
+}
+
+
+@dataclass(frozen=True)
+class Change:
+    figure: str
+    metric: str
+    old: float | None
+    new: float | None
+    change: float | None   # relative, signed so that negative is worse
+    verdict: str           # regression | improvement | same | lost | new
+
+
+def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10) -> list[Change]:
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    out: list[Change] = []
+    new_by_id = {f.id: f for f in new.figures}
+    old_ids = set()
+    for f in old.figures:
+        old_ids.add(f.id)
+        if not f.ok:
+            continue
+        g = new_by_id.get(f.id)
+        for metric, higher in METRICS[f.mode]:
+            before = f.get(metric)
+            if before is None:
+                continue
+            if g is None or not g.ok:
+                why = "missing" if g is None else f"{g.status}: {g.reason}"
+                out.append(Change(f.id, f"{metric} ({why})", before, None, None, "lost"))
+                continue
+            after = g.get(metric)
+            assert after is not None
+            rel = _relative(before, after, higher)
+            verdict = "regression" if rel < -threshold else "improvement" if rel > threshold else "same"
+            out.append(Change(f.id, metric, before, after, rel, verdict))
+    for g in new.figures:
+        if g.ok and g.id not in old_ids:
+            out.append(Change(g.id, "-", None, None, None, "new"))
+    return out
+
+
+def _relative(before: float, after: float, higher: bool) -> float:
+    """Signed relative change where negative is worse: -0.2 = 20% worse."""
+    if before <= 0:
+        return 0.0
+    return (after - before) / before if higher else (before - after) / before
+
+
+def regressions(changes: list[Change]) -> list[Change]:
+    return [c for c in changes if c.verdict in ("regression", "lost")]
+
+
+def _figure_value(metric: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if metric.endswith("_s") or metric.endswith("_s_median"):
+        return f"{value * 1e6:.1f} µs" if value < 1e-3 or "per_row" not in metric else f"{value * 1e9:.0f} ns"
+    return f"{value:.2f}"
+
+
+def render(changes: list[Change], threshold: float, show_all: bool = False) -> str:
+    from kvxfer.bench.report import text_table
+
+    shown = [c for c in changes if show_all or c.verdict != "same"]
+    rows = [[c.verdict.upper() if c.verdict in ("regression", "lost") else c.verdict, c.figure, c.metric,
+             _figure_value(c.metric, c.old), _figure_value(c.metric, c.new),
+             "-" if c.change is None else f"{c.change:+.1%}"] for c in shown]
+    bad = regressions(changes)
+    summary = (f"{len(bad)} regression(s) beyond {threshold:.0%}" if bad
+               else f"no regression beyond {threshold:.0%} over {len(changes)} comparisons")
+    if not rows:
+        return summary + "\n"
+    return text_table(["verdict", "figure", "metric", "old", "new", "change"], rows) + "\n" + summary + "\n"
+
+

@@ -1,0 +1,139 @@
+"""Runs a config: every (mode, case, point) once per figure identity, cases one after another.
+
+A case's runner is built once and closed when its last figure is done, so a baseline's
+second process starts once per run. Requirements are checked per case; a point a case
+cannot reach becomes a skipped figure; any other failure becomes an error figure with
+its message, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.bench import results
+from kvxfer.bench.cases import (
+    CaseRunner,
+    CaseSpec,
+    Measurement,
+    Requirement,
+    Skip,
+    registry,
+    requirement_missing,
+    unmet,
+)
+from kvxfer.bench.config import BenchConfig, ConfigError, Point, format_size
+from kvxfer.bench.progress import Progress
+from kvxfer.bench.results import BenchResult, Figure
+
+
+@dataclass(frozen=True)
+class _Item:
+    mode: str
+    spec: CaseSpec
+    point: Point
+
+
+def plan(config: BenchConfig, specs: dict[str, CaseSpec] | None = None) -> list[_Item]:
+    specs = registry() if specs is None else specs
+    unknown = [c for c in config.cases if c not in specs]
+    if unknown:
+        raise ConfigError(f"unknown case(s) {', '.join(unknown)}: known are {', '.join(specs)}")
+    by_mode: list[tuple[str, list[Point]]] = [
+        ("throughput", config.throughput_points()),
+        ("latency", config.latency.points() if config.latency else []),
+        ("overhead", config.overhead.points() if config.overhead else []),
+    ]
+    items = []
+    for name in config.cases:
+        spec = specs[name]
+        for mode, points in by_mode:
+            if mode not in spec.modes:
+                continue
+            seen = set()
+            for p in points:
+                k = spec.key(p)
+                if k not in seen:
+                    seen.add(k)
+                    items.append(_Item(mode, spec, p))
+    return items
+
+
+def _label(item: _Item) -> str:
+    p = item.point
+    return (f"{item.mode} {item.spec.name} {p.direction} {p.memory} {p.slots} "
+            f"{format_size(p.row_bytes)} x {p.rows}" + (f" x {p.groups} groups" if p.groups > 1 else ""))
+
+
+def _measure(runner: CaseRunner, item: _Item, config: BenchConfig) -> Measurement:
+    if item.mode == "throughput":
+        return runner.throughput(item.point)
+    if item.mode == "latency":
+        assert config.latency is not None
+        return runner.latency(item.point, config.latency)
+    assert config.overhead is not None
+    return runner.overhead(item.point, config.overhead)
+
+
+def run(config: BenchConfig, progress: Progress | None = None,
+        specs: dict[str, CaseSpec] | None = None, log: Callable[[str], None] | None = None) -> BenchResult:
+    started = time.monotonic()
+    items = plan(config, specs)
+    progress = progress or Progress(len(items), enabled=False)
+    progress.total = max(len(items), 1)
+    figures: list[Figure] = []
+    runners: dict[str, CaseRunner | str] = {}   # a str is why the case could not be built
+    remaining = {name: sum(1 for i in items if i.spec.name == name) for name in config.cases}
+    try:
+        for item in items:
+            progress.step(_label(item))
+            spec = item.spec
+            key = dict(spec.key(item.point))
+
+            def figure(status: str, reason: str = "", m: Measurement | None = None, _s: CaseSpec = spec,
+                       _item: _Item = item, _key: dict[str, Any] = key) -> Figure:
+                return Figure(_item.mode, _s.name, _s.role.value, _key, status, reason,
+                              dict(m.metrics) if m else {}, dict(m.facts) if m else {})
+
+            why = unmet(spec)
+            if why is None and item.point.memory == "device":
+                cuda = requirement_missing(Requirement.CUDA)
+                why = f"device memory: {cuda}" if cuda else None
+            if why is not None:
+                figures.append(figure("skipped", why))
+            else:
+                runner = runners.get(spec.name)
+                if runner is None:
+                    try:
+                        runner = spec.factory(config)
+                    except Skip as err:
+                        runner = str(err)
+                    except Exception as err:
+                        runner = f"could not start: {type(err).__name__}: {err}"
+                    runners[spec.name] = runner
+                if isinstance(runner, str):
+                    figures.append(figure("error" if runner.startswith("could not") else "skipped", runner))
+                else:
+                    try:
+                        figures.append(figure("ok", m=_measure(runner, item, config)))
+                    except Skip as err:
+                        figures.append(figure("skipped", str(err)))
+                    except Exception as err:
+                        figures.append(figure("error", f"{type(err).__name__}: {err}"))
+                        if log:
+                            log(f"error in {_label(item)}: {type(err).__name__}: {err}")
+            progress.advance()
+            remaining[spec.name] -= 1
+            if remaining[spec.name] == 0:
+                done = runners.pop(spec.name, None)
+                if done is not None and not isinstance(done, str):
+                    done.close()
+    finally:
+        for runner in runners.values():
+            if not isinstance(runner, str):
+                runner.close()
+        progress.finish()
+    return BenchResult(results.now(), results.machine(), results.versions(), config.to_json(), tuple(figures),
+                       time.monotonic() - started)

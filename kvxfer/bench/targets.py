@@ -1,0 +1,118 @@
+"""PERF.md's targets as pass/fail rows beside the figures of the same run.
+
+Each target selects the figures it speaks about; with none, its row says what would be
+needed ("not measured: ..."), never a pass. Thresholds are PERF.md's, verbatim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvxfer.bench.references import ratio
+from kvxfer.bench.results import BenchResult, Figure
+
+K, M = 1 << 10, 1 << 20
+GPU_BACKENDS = ("ipc", "nixl", "nixl_packed")
+BACKENDS = ("loopback", "nixl", "nixl_packed", "ipc")
+
+
+@dataclass(frozen=True)
+class TargetRow:
+    target: str
+    case: str
+    figure: str
+    measured: str
+    threshold: str
+    status: str   # pass | fail | not measured
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    threshold: str
+    select: Callable[[Figure], bool]
+    # (measured text, passed) for one selected figure, or None when a reference is missing
+    judge: Callable[[BenchResult, Figure], tuple[str, bool] | None]
+    needs: str
+
+
+def _tp(f: Figure, memory: str, slots: str) -> bool:
+    k = f.key
+    return f.mode == "throughput" and k.get("memory") == memory and k.get("slots") == slots
+
+
+def _ratio_judge(case: str, floor: float) -> Callable[[BenchResult, Figure], tuple[str, bool] | None]:
+    def judge(result: BenchResult, f: Figure) -> tuple[str, bool] | None:
+        r = ratio(result, f, case)
+        procs = f.facts.get("processes")
+        where = f" ({procs} process{'es' if procs != 1 else ''})" if procs else ""
+        return None if r is None else (f"{r:.1%} of {case}{where}", r >= floor)
+    return judge
+
+
+def _packed_judge(result: BenchResult, f: Figure) -> tuple[str, bool] | None:
+    d2d, per_row = ratio(result, f, "local_copy"), None
+    for g in result.figures:
+        if g.case == "nixl_per_row" and g.ok and g.mode == "throughput" and all(
+            f.key.get(k) == v for k, v in g.key.items()
+        ):
+            mine, theirs = f.get("gbps_best"), g.get("gbps_best")
+            per_row = mine / theirs if mine and theirs else None
+    if d2d is None or per_row is None:
+        return None
+    return f"{d2d:.1%} of local_copy, {per_row:.0f}x nixl_per_row", d2d >= 0.40 and per_row >= 50
+
+
+def _latency_judge(result: BenchResult, f: Figure) -> tuple[str, bool] | None:
+    p50, p99 = f.metrics["p50_s"] * 1e6, f.metrics["p99_s"] * 1e6
+    return f"p50 {p50:.0f} µs, p99 {p99:.0f} µs", p50 <= 100 and p99 <= 300
+
+
+def _overhead_judge(result: BenchResult, f: Figure) -> tuple[str, bool] | None:
+    per_row = f.metrics["per_row_s_median"] * 1e9
+    return f"{per_row:.0f} ns/row", per_row <= 1000
+
+
+TARGETS = (
+    Target("same node GPU→GPU, ≥256 MiB scattered, 4–64 KiB rows", "≥ 85% of D2D",
+           lambda f: f.case in GPU_BACKENDS and _tp(f, "device", "scattered") and f.key["total_bytes"] >= 256 * M
+           and 4 * K <= f.key["row_bytes"] <= 64 * K, _ratio_judge("local_copy", 0.85), "a CUDA device and ipc/nixl"),
+    Target("same node, contiguous ≥256 MiB", "≥ 90% of D2D",
+           lambda f: f.case in GPU_BACKENDS and _tp(f, "device", "contiguous") and f.key["total_bytes"] >= 256 * M,
+           _ratio_judge("local_copy", 0.90), "a CUDA device and ipc/nixl"),
+    Target("NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of D2D and ≥ 50× per-row NIXL",
+           lambda f: f.case == "nixl_packed" and _tp(f, "device", "scattered") and f.key["row_bytes"] == 64 * K,
+           _packed_judge, "a CUDA device and the packed NIXL path"),
+    Target("small request (32 rows, 2 MiB): publish → decode outcome", "p50 ≤ 100 µs, p99 ≤ 300 µs",
+           lambda f: f.mode == "latency" and f.case in BACKENDS and f.key.get("rows") == 32
+           and f.key.get("row_bytes") == 64 * K and f.key.get("direction") == "push", _latency_judge,
+           "a latency sweep with 32 rows of 64 KiB"),
+    Target("submission overhead on the host at 100k rows", "≤ 1 µs per row",
+           lambda f: f.mode == "overhead" and f.case in BACKENDS
+           and f.key.get("rows", 0) * f.key.get("groups", 1) >= 100_000, _overhead_judge, "an overhead sweep at 100k rows"),
+    Target("CPU, two processes, NIXL, 64 KiB rows, coalescable", "≥ 90% of NIXL one descriptor",
+           lambda f: f.case == "nixl" and _tp(f, "host", "contiguous") and f.key["row_bytes"] == 64 * K,
+           _ratio_judge("nixl_one_desc", 0.90), "kvxfer.backends.nixl"),
+)
+
+PULL_NOTE = TargetRow("NIXL pull where it would fall back to TCP", "-", "-", "checked by `kvxfer doctor`, not a figure",
+                      "never silent", "not measured")
+
+
+def evaluate(result: BenchResult) -> list[TargetRow]:
+    rows: list[TargetRow] = []
+    for t in TARGETS:
+        chosen = [f for f in result.figures if f.ok and t.select(f)]
+        judged = [(f, t.judge(result, f)) for f in chosen]
+        judged = [(f, j) for f, j in judged if j is not None]
+        if not judged:
+            rows.append(TargetRow(t.name, "-", "-", f"not measured: needs {t.needs}", t.threshold, "not measured"))
+        for f, (text, passed) in judged:
+            rows.append(TargetRow(t.name, f.case, f.id, text, t.threshold, "pass" if passed else "fail"))
+    rows.append(PULL_NOTE)
+    return rows
