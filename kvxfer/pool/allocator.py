@@ -118,16 +118,17 @@ class BlockAllocator:
 
     # --- pins -----------------------------------------------------------------------------
     def pin(self, blocks: np.ndarray, write: bool) -> None:
-        np.add.at(self.pins, blocks, 1)
+        """One more lease holds each of ``blocks`` (distinct, as one request's blocks are)."""
+        self.pins[blocks] += 1
         if write:
-            np.add.at(self.write_pins, blocks, 1)
+            self.write_pins[blocks] += 1
 
     def unpin(self, blocks: np.ndarray, write: bool) -> None:
         if blocks.size == 0:
             return
-        np.subtract.at(self.pins, blocks, 1)
+        self.pins[blocks] -= 1
         if write:
-            np.subtract.at(self.write_pins, blocks, 1)
+            self.write_pins[blocks] -= 1
             if self._pending_key:
                 for b in blocks.tolist():
                     if self.write_pins[b] == 0 and b in self._pending_key:

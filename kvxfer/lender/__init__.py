@@ -1,0 +1,26 @@
+"""Lenders: rows of a paged pool lent under leases, so no transfer writes into reused pages.
+
+::
+
+    lender = InPlaceLender(pool)            # or StagingLender(pool, fetch_tokens, max_fetches, max_bytes)
+    backend.register(lender.regions)
+    lease = lender.lend_write(req, (0, n))  # decode side: grows req, lends its empty rows
+    view = lease.view()                     # None until ready (staging reads wait for a copy)
+    hint_d = backend.describe(view)         # ... exchange hints, fetch/publish ...
+    lease.track(attempt)                    # release then waits for the attempt to quiesce
+    lease.mark_arrived(outcome.masks)       # write leases, once
+    lease.release()                         # every lease, idempotent
+    bounds = lender.readiness(req)          # ResumeBounds(usable_until, restart_floor)
+
+Errors: LeaseError (misuse), LendingDisabled (reuse scope reset or shut down), LenderBusy
+(shutdown with open leases, unless forced), InvalidSubmission (malformed masks).
+"""
+
+from kvxfer.lender.base import Lease, LeaseError, Lender, LenderBusy, LendingDisabled, ShutdownReport
+from kvxfer.lender.bounds import ResumeBounds, group_interval, resume_bounds
+from kvxfer.lender.inplace import InPlaceLender
+
+__all__ = [
+    "InPlaceLender", "Lease", "LeaseError", "Lender", "LenderBusy", "LendingDisabled", "ResumeBounds",
+    "ShutdownReport", "group_interval", "resume_bounds",
+]
