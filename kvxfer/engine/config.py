@@ -1,0 +1,113 @@
+"""The reference model's shape, and the pool geometry that follows from it.
+
+One frozen ``ModelConfig`` decides everything byte-affecting about the KV cache (layers,
+KV heads, head size, dtype) and everything that decides which tokens come out (the weight
+seed or checkpoint digest). ``scope()`` folds all of it into the pool's layout identity,
+so a prefill and a decode worker built from different models refuse each other's hints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from kvxfer.pool import LayerGroupSpec, PagedKVPool
+
+GROUP = "full"
+"""The single layer group of the reference model: every layer is full attention."""
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder. The defaults are small enough to decode on a 2-core CPU at
+    hundreds of tokens a second, and large enough that greedy decoding does not collapse."""
+
+    vocab_size: int = 512
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int = 352
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    block_tokens: int = 16
+    max_positions: int = 4096
+    dtype: str = "float32"
+    seed: int = 0
+    checkpoint: str = ""
+    """Digest of the loaded checkpoint ('' for seeded weights): part of the layout scope."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
+                     "block_tokens", "max_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelConfig: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown fields {unknown}")
+        return cls(**known)
+
+    def with_(self, **changes: Any) -> ModelConfig:
+        return replace(self, **changes)
+
+    def scope(self) -> bytes:
+        """Bytes that name these exact weights and KV dtype (the pool's layout scope)."""
+        text = json.dumps(self.to_json(), sort_keys=True).encode()
+        return b"kvxfer-engine/1/" + hashlib.sha256(text).digest()
+
+    def group_spec(self) -> LayerGroupSpec:
+        return LayerGroupSpec(GROUP, layers=self.layers, block_tokens=self.block_tokens, kv_heads=self.kv_heads,
+                              head_dim=self.head_dim, dtype=self.torch_dtype)
+
+    def make_pool(self, num_blocks: int, *, device: str = "cpu", name: str = "kv") -> PagedKVPool:
+        """A block-major pool for this model: one row = one block of all layers, K and V."""
+        return PagedKVPool([self.group_spec()], num_blocks, device=device, scope=self.scope(), name=name)
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """A ModelConfig from a Hugging Face Llama ``config.json`` dict."""
+    if hf.get("model_type", "llama") not in ("llama", "mistral"):
+        raise ValueError(f"unsupported model_type {hf.get('model_type')!r}: only Llama-style decoders load")
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    fields: dict[str, Any] = {
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden": hidden,
+        "layers": int(hf["num_hidden_layers"]),
+        "heads": heads,
+        "kv_heads": int(hf.get("num_key_value_heads", heads)),
+        "head_dim": int(hf.get("head_dim") or hidden // heads),
+        "intermediate": int(hf["intermediate_size"]),
+        "rope_theta": float(hf.get("rope_theta", 10000.0)),
+        "rms_eps": float(hf.get("rms_norm_eps", 1e-5)),
+        "max_positions": int(hf.get("max_position_embeddings", 4096)),
+    }
+    if hf.get("rope_scaling"):
+        raise ValueError("rope_scaling is not supported by the reference engine")
+    fields.update(overrides)
+    return ModelConfig(**fields)

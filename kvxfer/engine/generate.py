@@ -1,0 +1,72 @@
+"""Greedy generation over a pool, the colocated oracle, and synthetic prompts.
+
+A completion of ``max_new_tokens`` tokens is the token that prefill's last logits pick,
+then ``max_new_tokens - 1`` decode steps, each feeding the previous token at the next
+position. A disaggregated run splits exactly there: the prefill worker computes the first
+token, the decode worker the rest, reading the K/V that the transfer delivered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from kvxfer.engine.model import LlamaModel
+from kvxfer.pool import PagedKVPool
+
+
+def tokens_needed(prompt_len: int, max_new_tokens: int) -> int:
+    """Pool room a request needs on the decode side: the prompt plus every fed-back token."""
+    return prompt_len + max(max_new_tokens - 1, 0)
+
+
+def decode(model: LlamaModel, pool: PagedKVPool, request: str, first_token: int, position: int,
+           max_new_tokens: int) -> Iterator[int]:
+    """Yield ``max_new_tokens - 1`` tokens after ``first_token``, which sits at ``position``.
+
+    K/V for ``[0, position)`` must be in the pool, and room for
+    ``position + max_new_tokens - 1`` tokens allocated.
+    """
+    token = first_token
+    for step in range(max_new_tokens - 1):
+        token = model.next_token(pool, request, [token], position + step)
+        yield token
+
+
+def colocated_generate(model: LlamaModel, prompt: Sequence[int], max_new_tokens: int,
+                       pool: PagedKVPool | None = None, request: str = "oracle") -> list[int]:
+    """The oracle: prefill and decode in one process, one pool. Returns the completion."""
+    if not prompt:
+        raise ValueError("colocated_generate needs a non-empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    cfg = model.config
+    need = tokens_needed(len(prompt), max_new_tokens)
+    own = pool is None
+    if pool is None:
+        pool = cfg.make_pool(-(-need // cfg.block_tokens))
+    pool.allocate(request, need)
+    try:
+        first = model.next_token(pool, request, list(prompt), 0)
+        return [first, *decode(model, pool, request, first, len(prompt), max_new_tokens)]
+    finally:
+        pool.free(request)
+        if own:
+            del pool
+
+
+def synthetic_prompts(count: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of mixed lengths in ``[min_len, max_len]``, the same for a given seed.
+
+    Lengths are spread over the whole range (shortest and longest always included when
+    ``count >= 2``) so that block boundaries, partial last blocks and one-block prompts all occur.
+    """
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"prompt lengths need 1 <= min_len <= max_len, got {min_len}..{max_len}")
+    if count < 0:
+        raise ValueError(f"count must be non-negative, got {count}")
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(min_len, max_len, num=max(count, 1)).round().astype(np.int64)[:count]
+    rng.shuffle(lengths)
+    return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
