@@ -97,15 +97,14 @@ def _decode_group(value: Any, index: int, limits: Limits) -> HintGroup:
     if type(peek) is str and 0 < len(peek) <= 64:  # name the group in every error, once it has a name
         where = f"hint group {index} ({peek!r})"
     f = Fields(value, where, _GROUP_KEYS)
-    name = f.text("layer_group", limits.string_bytes)
+    text = limits.string_bytes
+    name, kind, region = f.text("layer_group", text), f.choice("kind", CacheKind), f.text("region", text)
+    address, slot_bytes, region_slots = f.uint("address"), f.uint("slot_bytes"), f.uint("region_slots")
+    memory_kind, device_id = f.choice("memory_kind", MemoryKind), f.uint("device_id")
+    slots = int64_from_bytes(f.binary("slots", limits.message_bytes), f"{where}: field slots", limits.rows)
+    ordinals = int64_from_bytes(f.binary("ordinals", limits.message_bytes), f"{where}: field ordinals", limits.rows)
     try:
-        return HintGroup(
-            layer_group=name, kind=f.choice("kind", CacheKind), region=f.text("region", limits.string_bytes),
-            address=f.uint("address"), slot_bytes=f.uint("slot_bytes"), region_slots=f.uint("region_slots"),
-            memory_kind=f.choice("memory_kind", MemoryKind), device_id=f.uint("device_id"),
-            slots=int64_from_bytes(f.binary("slots", limits.message_bytes), f"{where}: field slots", limits.rows),
-            ordinals=int64_from_bytes(f.binary("ordinals", limits.message_bytes), f"{where}: field ordinals", limits.rows),
-        )
+        return HintGroup(name, kind, region, address, slot_bytes, region_slots, memory_kind, device_id, slots, ordinals)
     except (TypeError, ValueError) as exc:  # the contract's own checks: geometry, slots in range, lengths
         raise WireError(f"{where}: {exc}") from None
 
