@@ -19,8 +19,11 @@ Errors: LeaseError (misuse), LendingDisabled (reuse scope reset or shut down), L
 from kvxfer.lender.base import Lease, LeaseError, Lender, LenderBusy, LendingDisabled, ShutdownReport
 from kvxfer.lender.bounds import ResumeBounds, group_interval, resume_bounds
 from kvxfer.lender.inplace import InPlaceLender
+from kvxfer.lender.slots import SlotRuns, SlotStats
+from kvxfer.lender.staging import StagingLender, StagingStats, rows_per_fetch
 
 __all__ = [
     "InPlaceLender", "Lease", "LeaseError", "Lender", "LenderBusy", "LendingDisabled", "ResumeBounds",
-    "ShutdownReport", "group_interval", "resume_bounds",
+    "ShutdownReport", "SlotRuns", "SlotStats", "StagingLender", "StagingStats", "group_interval",
+    "resume_bounds", "rows_per_fetch",
 ]
