@@ -58,7 +58,7 @@ def unpack(data: Buffer, what: str, limits: Limits, *, max_items: int) -> Any:
 def pack(obj: Any, what: str) -> bytes:
     try:
         return msgpack.packb(obj, use_bin_type=True)
-    except Exception as exc:  # e.g. OverflowError for an int beyond uint64
+    except (OverflowError, TypeError, ValueError) as exc:  # e.g. an int beyond uint64
         raise WireError(f"cannot encode {what}: {type(exc).__name__}: {exc}"[:300]) from None
 
 
@@ -82,11 +82,14 @@ def open_message(
     and the MAC it was verified with (None for an unsigned message)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"a {msg_type} message must be bytes, got {type(data).__name__}")
-    size = memoryview(data).nbytes
-    if size > limits.message_bytes:
-        raise WireError(f"message is {size} bytes, the limit is {limits.message_bytes}")
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise WireError(f"a {msg_type} message must be contiguous bytes, got a strided memoryview")
+    view = view.cast("B")  # msgpack refuses buffers of wider items
+    if view.nbytes > limits.message_bytes:
+        raise WireError(f"message is {view.nbytes} bytes, the limit is {limits.message_bytes}")
     key = resolve_key(key)
-    outer = unpack(data, "message", limits, max_items=8)
+    outer = unpack(view, "message", limits, max_items=8)
     if type(outer) is not dict or "kvxfer" not in outer:
         raise WireError(f"not a kvxfer wire message (expected a map with a 'kvxfer' version field, got {describe(outer)})")
     version = outer["kvxfer"]
@@ -96,7 +99,7 @@ def open_message(
     env = Fields(outer, "message envelope", _ENVELOPE_KEYS, frozenset({"mac"}))
     got_type = outer["type"]
     if type(got_type) is not str or got_type not in MESSAGE_TYPES:
-        shown = repr(got_type) if type(got_type) is str else describe(got_type)
+        shown = repr(got_type)[:40] if type(got_type) is str else describe(got_type)
         raise WireError(f"message envelope: field type must be one of {sorted(MESSAGE_TYPES)}, got {shown}")
     if got_type != msg_type:
         raise WireError(f"expected a {msg_type} message, got a {got_type} message")

@@ -125,6 +125,11 @@ def test_empty_hint_and_empty_group_round_trip() -> None:
 def test_bytes_like_input_is_accepted() -> None:
     data = encode_hint(make_hint())
     assert decode_hint(bytearray(data)) == decode_hint(memoryview(data)) == make_hint()
+    padded = np.frombuffer(data + bytes(8 - len(data) % 8), dtype=np.int64)  # a buffer of 8-byte items
+    with pytest.raises(WireError, match="not valid msgpack"):  # trailing zero bytes, but no BufferError
+        decode_hint(memoryview(padded))
+    with pytest.raises(WireError, match="strided memoryview"):
+        decode_hint(memoryview(data)[::2])
 
 
 def test_completion_round_trip_keeps_masks_exact() -> None:
