@@ -1,0 +1,242 @@
+"""One NIXL agent over UCX, behind a lock, with the few calls the nixl backend needs.
+
+NIXL's Python agent is created with thread sync NONE unless a listener thread runs, so
+concurrent calls are unsafe: every call here takes one lock. The backend's progress thread
+makes almost all of them; the owner's thread only registers memory and loads peers'
+metadata at submit. A post is bounded by the backend's chunk size, so the lock is never
+held for long (PERF.md: with host memory UCX may do the whole copy inside ``transfer()``).
+
+Remote agents are kept by name together with the metadata they were loaded from; a peer
+that comes back under the same name with new metadata (a restart) is invalidated and
+loaded again, and ``forget`` drops one that died so that its successor can be added.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.contract import MemoryKind, SlotRegion
+
+log = logging.getLogger(__name__)
+
+ETCD_ENV = "NIXL_ETCD_ENDPOINTS"
+_MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
+
+
+class PeerGone(Exception):
+    """The peer's agent disconnected (NIXL_ERR_REMOTE_DISCONNECT) or cannot be reached."""
+
+
+class XferError(Exception):
+    """NIXL refused or failed a transfer request; the message says how."""
+
+
+def _nixl() -> Any:
+    try:
+        import nixl._api as api  # noqa: PLC0415 - optional transport, imported on use
+        import nixl._bindings as bindings  # noqa: PLC0415
+    except ImportError as exc:  # pragma: no cover - nixl is a dependency of the package
+        raise RuntimeError(f"the nixl backend needs the nixl package: {exc}") from exc
+    return api, bindings
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    return type(exc).__name__ == "nixlRemoteDisconnectError" or "REMOTE_DISCONNECT" in str(exc)
+
+
+@dataclass(frozen=True)
+class Post:
+    """A posted transfer: NIXL's handle, and the state ``transfer()`` returned."""
+
+    handle: Any
+    state: str  # "DONE" or "PROC"
+
+
+class NixlAgent:
+    """A NIXL agent with a UCX backend, its registered regions, and the peers it knows."""
+
+    def __init__(self, name: str, *, use_etcd: bool | None = None) -> None:
+        api, bindings = _nixl()
+        self._api = api
+        self._bindings = bindings
+        self.name = name
+        self.use_etcd = bool(os.environ.get(ETCD_ENV)) if use_etcd is None else use_etcd
+        # NIXL's own thread progresses UCX, so notifications and rendezvous move while ours sleeps.
+        # etcd exchange runs on NIXL's listener thread; with it, NIXL switches to strict sync itself.
+        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=self.use_etcd,
+                                       backends=["UCX"])
+        self._lock = threading.RLock()
+        self._agent = api.nixl_agent(name, config)
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.get_plugin_list()})")
+        self.memory_types = frozenset(self._agent.get_backend_mem_types("UCX"))
+        self._registered: list[Any] = []
+        self._peers: dict[str, bytes] = {}  # remote agent name -> metadata it was loaded from
+        self._metadata = self._agent.get_agent_metadata()
+        if self.use_etcd:
+            self._agent.send_local_metadata()
+
+    # --- memory and metadata ------------------------------------------------------------
+    def reachable(self) -> frozenset[MemoryKind]:
+        kinds = {MemoryKind.HOST} if "DRAM_SEG" in self.memory_types else set()
+        if "VRAM_SEG" in self.memory_types:
+            kinds.add(MemoryKind.DEVICE)
+        return frozenset(kinds)
+
+    def register(self, regions: Iterable[SlotRegion]) -> None:
+        with self._lock:
+            for region in regions:
+                descs = self._agent.register_memory(
+                    [(region.address, region.nbytes, region.device_id, "")], _MEM[region.memory_kind])
+                self._registered.append(descs)
+            # Registration adds the regions' remote keys to the metadata peers must load.
+            self._metadata = self._agent.get_agent_metadata()
+            if self.use_etcd:
+                self._agent.send_local_metadata()
+
+    @property
+    def metadata(self) -> bytes:
+        """What a peer loads to reach this agent (empty in etcd mode: peers fetch it by name)."""
+        return b"" if self.use_etcd else self._metadata
+
+    def ensure_peer(self, name: str, metadata: bytes) -> bool:
+        """Make ``name`` reachable. True once loaded; False while etcd has not delivered it yet.
+
+        Raises ValueError for metadata NIXL cannot parse or naming another agent, PeerGone
+        when the peer cannot be reached.
+        """
+        with self._lock:
+            known = self._peers.get(name)
+            if metadata:
+                if known == metadata:
+                    return True
+                if known is not None:  # the same name with new metadata: a restarted peer
+                    self._invalidate(name)
+                try:
+                    loaded = self._agent.add_remote_agent(metadata)
+                except Exception as exc:
+                    if type(exc).__name__ in ("nixlMismatchError", "nixlInvalidParamError"):
+                        raise ValueError(f"NIXL cannot parse the metadata of agent {name!r}: {exc}") from None
+                    raise PeerGone(f"cannot connect to agent {name!r}: {exc}") from None
+                loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+                if loaded_name != name:
+                    self._invalidate(loaded_name)
+                    raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
+                self._peers[name] = metadata
+                return True
+            if not self.use_etcd:
+                raise ValueError(f"hint for agent {name!r} carries no NIXL metadata and etcd is not configured")
+            if known is not None:
+                return True
+            if self._agent.check_remote_metadata(name):
+                self._peers[name] = b""
+                return True
+            self._agent.fetch_remote_metadata(name)
+            return False
+
+    def knows(self, name: str) -> bool:
+        with self._lock:
+            return name in self._peers
+
+    def forget(self, name: str) -> None:
+        """Drop a peer's remote state, so that a restarted peer of that name can be added."""
+        with self._lock:
+            if self._peers.pop(name, None) is not None:
+                self._invalidate(name)
+
+    def _invalidate(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # already gone is what we want
+            log.debug("remove_remote_agent(%s): %s", name, exc)
+
+    # --- transfers ----------------------------------------------------------------------
+    def post(self, op: str, local: np.ndarray, local_kind: MemoryKind, remote: np.ndarray,
+             remote_kind: MemoryKind, peer: str) -> Post:
+        """Create and post one transfer of paired (address, bytes, device) descriptors."""
+        with self._lock:
+            try:
+                handle = self._agent.initialize_xfer(
+                    op, self._agent.get_xfer_descs(local, _MEM[local_kind]),
+                    self._agent.get_xfer_descs(remote, _MEM[remote_kind]), peer)
+            except Exception as exc:
+                if _is_disconnect(exc):
+                    raise PeerGone(f"agent {peer!r} disconnected") from None
+                raise XferError(f"NIXL refused a {op} of {len(local)} descriptors to {peer!r}: {exc}") from None
+            try:
+                state = self._agent.transfer(handle)
+            except Exception as exc:
+                self._release_quietly(handle)
+                if _is_disconnect(exc):
+                    raise PeerGone(f"agent {peer!r} disconnected") from None
+                raise XferError(f"NIXL failed to post a {op} to {peer!r}: {exc}") from None
+            if state == "ERR":
+                self._release_quietly(handle)
+                raise XferError(f"NIXL could not post a {op} to {peer!r}")
+            return Post(handle, state)
+
+    def state(self, handle: Any) -> str:
+        """"DONE", "PROC", or "ERR"; "GONE" when the peer disconnected."""
+        with self._lock:
+            try:
+                return str(self._agent.check_xfer_state(handle))
+            except Exception as exc:
+                return "GONE" if _is_disconnect(exc) else "ERR"
+
+    def release(self, handle: Any) -> bool:
+        """Release a handle; NIXL aborts it if still active. False when it could not (the
+        request may still touch memory: keep it and try again)."""
+        with self._lock:
+            try:
+                handle.release()
+                return True
+            except Exception as exc:
+                log.warning("NIXL could not release transfer handle %r yet: %s", handle, exc)
+                return False
+
+    def _release_quietly(self, handle: Any) -> None:
+        try:
+            handle.release()
+        except Exception as exc:
+            log.warning("NIXL could not release a failed transfer handle: %s", exc)
+
+    # --- notifications ------------------------------------------------------------------
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a notification; PeerGone when the peer disconnected or is unknown."""
+        with self._lock:
+            if peer not in self._peers:
+                raise PeerGone(f"agent {peer!r} is not loaded")
+            try:
+                self._agent.send_notif(peer, message)
+            except Exception as exc:
+                raise PeerGone(f"notification to agent {peer!r} failed: {exc}") from None
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            return dict(self._agent.get_new_notifs())
+
+    # --- end ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop peers and registrations. Call only when no transfer handle is alive."""
+        with self._lock:
+            for name in list(self._peers):
+                self.forget(name)
+            if self.use_etcd:
+                try:
+                    self._agent.invalidate_local_metadata()
+                except Exception as exc:
+                    log.debug("invalidate_local_metadata: %s", exc)
+            for descs in self._registered:
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception as exc:
+                    log.warning("NIXL deregister_memory failed: %s", exc)
+            self._registered.clear()
+

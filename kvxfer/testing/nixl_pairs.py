@@ -1,0 +1,79 @@
+"""Connected NIXL pairs for the conformance kit: both ends in this process, or the peer in a
+child process (``kvxfer.testing.subprocess_peer``), always over host memory."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from kvxfer.backends.nixl import NixlBackend
+from kvxfer.contract import TransferMode
+from kvxfer.testing.conformance import InProcessPeer, Pair
+from kvxfer.testing.memory import HostBuffer, HostRows
+
+_names = itertools.count()
+
+# Geometry as in kvxfer.testing.pairs: two groups of unequal row sizes at each end.
+LOCAL_BUFFERS = (("L0", 256, 64), ("L1", 96, 40))
+PEER_BUFFERS = (("P0", 256, 48), ("P1", 96, 50))
+
+
+def host_rows(spec: tuple[tuple[str, int, int], ...]) -> HostRows:
+    return HostRows([HostBuffer(name, slot_bytes, slots) for name, slot_bytes, slots in spec])
+
+
+def make_backend(mode: TransferMode, memory: HostRows, **options: Any) -> NixlBackend:
+    backend = NixlBackend(mode=mode, **options)
+    backend.register(memory.regions)
+    return backend
+
+
+def _injector(backend: NixlBackend) -> Callable[[int | None], None]:
+    def inject(rows: int | None) -> None:
+        backend.fail_after_rows = rows
+    return inject
+
+
+def nixl_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -> Pair:
+    """Two NixlBackends in this process (UCX between two agents of one process)."""
+    local_mem, peer_mem = host_rows(LOCAL_BUFFERS), host_rows(PEER_BUFFERS)
+    local = make_backend(mode, local_mem, deadline_s=deadline_s, **options)
+    peer = make_backend(mode, peer_mem, deadline_s=deadline_s, **options)
+
+    def close() -> None:
+        local.shutdown()
+        peer.shutdown()
+
+    return Pair(local, local_mem, local_mem.regions,
+                InProcessPeer(peer, peer_mem, peer_mem.regions, _injector(peer)), mode, _injector(local), close)
+
+
+def child_backend(mode: str, deadline_s: float = 10.0, **options: Any) -> tuple[NixlBackend, HostRows,
+                                                                             Callable[[int | None], None]]:
+    """Runs in the child process of a SubprocessPeer: the peer end of ``nixl_subprocess_pair``."""
+    memory = host_rows(PEER_BUFFERS)
+    backend = make_backend(TransferMode(mode), memory, deadline_s=deadline_s, **options)
+    return backend, memory, _injector(backend)
+
+
+def nixl_subprocess_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -> Pair:
+    """The backend under test here, its peer a NixlBackend in a child process."""
+    from kvxfer.testing.subprocess_peer import SubprocessPeer  # noqa: PLC0415 - avoids a cycle
+
+    local_mem = host_rows(LOCAL_BUFFERS)
+    local = make_backend(mode, local_mem, deadline_s=deadline_s, **options)
+    try:
+        peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
+                              {"mode": mode.value, "deadline_s": deadline_s, **options})
+    except BaseException:
+        local.shutdown()
+        raise
+
+    def close() -> None:
+        try:
+            local.shutdown()
+        finally:
+            peer.close()
+
+    return Pair(local, local_mem, local_mem.regions, peer, mode, _injector(local), close)
