@@ -4,8 +4,8 @@ Body (a msgpack map, str keys, every key required)::
 
     backend, agent, request, transfer_id: str (non-empty)    mode: "push" | "pull"
     layout: bin    endpoint: bin (up to 4 MiB: may be a NIXL agent's metadata)
-    extras: array of [key: str, value: bin] pairs, keys unique, order kept
-    groups: array of maps {layer_group, region: str; kind: "paged" | "state";
+    extras: array of [key: str (non-empty), value: bin] pairs, keys unique, order kept
+    groups: array of maps {layer_group, region: str (non-empty); kind: "paged" | "state";
             memory_kind: "host" | "device"; address, slot_bytes, region_slots,
             device_id: uint; slots, ordinals: bin (little-endian int64, one per row)}
 
