@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import msgpack
@@ -415,17 +414,13 @@ def test_encode_refuses_what_decode_would_refuse() -> None:
         encode_blob(b"k", b"")  # type: ignore[arg-type]
 
 
-# --- performance -------------------------------------------------------------------------------
+# --- large messages (speed is measured by bench/, not asserted here) -------------------------
 
 
-def test_a_million_row_hint_is_vectorized() -> None:
+def test_a_million_row_hint_round_trips() -> None:
     rows = 1_000_000
     group = make_group(rows=rows, region_slots=rows, slots=np.arange(rows)[::-1], ordinals=np.arange(rows))
     hint = make_hint(groups=(group,))
-    encode_hint(hint, KEY)  # warm up allocators
-    start = time.perf_counter()
     back = decode_hint(encode_hint(hint, KEY), KEY)
-    elapsed = time.perf_counter() - start
     np.testing.assert_array_equal(back.groups[0].slots, group.slots)
-    # Vectorized, this is tens of milliseconds (16 MB of rows); a Python step per row is seconds.
-    assert elapsed < 1.0, f"encode+decode of {rows} rows took {elapsed:.3f} s"
+    np.testing.assert_array_equal(back.groups[0].ordinals, group.ordinals)
