@@ -67,6 +67,20 @@ def loopback_ends(mode: TransferMode, memory: str) -> Ends:
     return Ends(prefill, decode, lambda: None, {"processes": 1})
 
 
+def nixl_ends(mode: TransferMode, memory: str) -> Ends:
+    """Two kvxfer NIXL backends in this process: two agents, UCX between them."""
+    from kvxfer.backends.nixl import NixlBackend
+
+    prefill = NixlBackend(mode=mode)
+    try:
+        decode = NixlBackend(mode=mode)
+    except BaseException:
+        prefill.shutdown()
+        raise
+    return Ends(prefill, decode, lambda: None, {"processes": 1, "chunk_bytes": prefill.chunk_bytes,
+                                                "window": prefill.window})
+
+
 class _Memory:
     """Both ends' regions for one point: one region per layer group per end."""
 
@@ -307,6 +321,8 @@ def _unsupported(what: str) -> EndsFactory:
 # name -> (title, requirements, ends factory)
 BACKENDS: dict[str, tuple[str, frozenset[Requirement], EndsFactory]] = {
     "loopback": ("kvxfer loopback (in-process memmove)", frozenset(), loopback_ends),
+    "nixl": ("kvxfer NIXL backend", frozenset({Requirement.NIXL, Requirement.KVXFER_NIXL}),
+             nixl_ends),
     "nixl_packed": ("kvxfer NIXL, packed rows", frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED}),
                     _unsupported("the packed NIXL path")),
     "ipc": ("kvxfer CUDA IPC", frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}),

@@ -13,6 +13,7 @@ import enum
 import functools
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -89,6 +90,7 @@ def requirement_missing(req: Requirement) -> str | None:
             return "torch is not installed"
         return None if torch.cuda.is_available() else "no CUDA device"
     if req is Requirement.NIXL:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout, amid our tables
         try:
             importlib.import_module("nixl._api")
         except Exception as err:  # the wheel raises ImportError or OSError on a broken install
@@ -109,6 +111,20 @@ def requirement_missing(req: Requirement) -> str | None:
 def unmet(spec: CaseSpec) -> str | None:
     reasons = [r for r in (requirement_missing(req) for req in sorted(spec.needs, key=lambda r: r.name)) if r]
     return "; ".join(reasons) if reasons else None
+
+
+_SHARED_CLOSERS: list[Callable[[], None]] = []
+
+
+def hold_until_run_end(close: Callable[[], None]) -> None:
+    """Keep a resource that several cases share (a baseline's second process) until the run ends."""
+    _SHARED_CLOSERS.append(close)
+
+
+def release_shared() -> None:
+    """Close every shared resource, newest first; the runner calls this when a run ends."""
+    while _SHARED_CLOSERS:
+        _SHARED_CLOSERS.pop()()
 
 
 def registry() -> dict[str, CaseSpec]:

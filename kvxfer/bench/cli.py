@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvxfer.bench import compare as comparing
 from kvxfer.bench import plots, report, results, runner
 from kvxfer.bench.cases import registry, unmet
+from kvxfer.bench.compare import compare, regressions, render
 from kvxfer.bench.config import (
     PRESETS,
     BenchConfig,
@@ -124,9 +124,9 @@ def _list_cases() -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     old, new = results.load(args.compare[0]), results.load(args.compare[1])
-    changes = comparing.compare(old, new, args.threshold)
-    print(comparing.render(changes, args.threshold, args.all), end="")
-    return 1 if comparing.regressions(changes) else 0
+    changes = compare(old, new, args.threshold)
+    print(render(changes, args.threshold, args.all), end="")
+    return 1 if regressions(changes) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

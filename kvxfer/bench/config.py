@@ -227,7 +227,7 @@ class BenchConfig:
 
 K, M, G = 1 << 10, 1 << 20, 1 << 30
 ROW_SIZES = (4 * K, 16 * K, 64 * K, 256 * K, 1 * M, 4 * M)
-ALL_CASES = ("local_copy", "nixl_one_desc", "nixl_per_row", "peer_practice",
+ALL_CASES = ("local_copy", "local_rows", "nixl_one_desc", "nixl_per_row", "peer_practice",
              "loopback", "nixl", "nixl_packed", "ipc")
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvxfer.bench.cases import CaseSpec, Measurement, Role, Skip
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
+from kvxfer.bench.layout import choose_slots, pool_slots
 from kvxfer.bench.timing import time_runs
 
 
@@ -78,9 +79,70 @@ class LocalCopy:
         self._device = None
 
 
+class LocalRows(LocalCopy):
+    """The point's rows copied inside one process by kvxfer.native's batched row copy.
+
+    Host: the native multi-threaded memcpy (or numpy without the compiled module); device:
+    one CUDA row-copy kernel. This is what a same-node copy of these exact rows costs when
+    no transport is in the way, per group one call, as a backend would issue it.
+    """
+
+    def throughput(self, point: Point) -> Measurement:
+        from kvxfer import native
+        from kvxfer.contract import MemoryKind
+
+        rng = np.random.default_rng(self.config.seed + 2)
+        slots = pool_slots(point, self.config.pool_factor)
+        span = slots * point.row_bytes
+        n = span * point.groups
+        src_slots = [choose_slots(point, self.config.pool_factor, rng) for _ in range(point.groups)]
+        dst_slots = [choose_slots(point, self.config.pool_factor, rng) for _ in range(point.groups)]
+        device = point.memory == "device"
+        if device:
+            src, dst = self._device_buffers(n)
+            src_base, dst_base = int(src.data_ptr()), int(dst.data_ptr())
+        else:
+            src, dst = self._host_buffers(n)
+            src_base, dst_base = int(src.ctypes.data), int(dst.ctypes.data)
+        kind = MemoryKind.DEVICE if device else MemoryKind.HOST
+
+        def copy() -> None:
+            for g in range(point.groups):
+                native.copy_rows(src_base=src_base + g * span, src_stride=point.row_bytes, src_slots=src_slots[g],
+                                 dst_base=dst_base + g * span, dst_stride=point.row_bytes, dst_slots=dst_slots[g],
+                                 row_bytes=point.row_bytes, memory=kind, src_limit=slots, dst_limit=slots)
+
+        if device:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+            def run() -> float:
+                start.record()
+                copy()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3
+
+            timing = time_runs(run, self.config.repetition)
+        else:
+            timing = time_runs(copy, self.config.repetition)
+        info = native.info()
+        how = ("kvxfer._native " + ("CUDA kernel" if device else "host memcpy")) if info.compiled else "numpy/torch fallback"
+        return Measurement(
+            {"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},
+            {"how": how, "calls": point.groups},
+        )
+
+
 SPECS = [
     CaseSpec(
         name="local_copy", title="local copy (memcpy / D2D)", role=Role.REFERENCE, needs=frozenset(),
         depends=("memory",), modes=frozenset({"throughput"}), factory=LocalCopy,
+    ),
+    CaseSpec(
+        name="local_rows", title="local row copy of the same rows (kvxfer.native)", role=Role.BASELINE,
+        needs=frozenset(), depends=("memory", "slots", "row_bytes", "rows", "groups"),
+        modes=frozenset({"throughput"}), factory=LocalRows,
     ),
 ]

@@ -18,6 +18,7 @@ ends after timing, so a figure is only reported for bytes that really moved.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
+from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, hold_until_run_end
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, layer_major_addresses, pool_slots, row_addresses
 from kvxfer.bench.timing import Timing, time_runs
@@ -40,6 +41,7 @@ _REPLY_TIMEOUT_S = 120.0
 def _quiet_nixl() -> None:
     # NIXL logs INFO lines to stdout, which would interleave with the bench's table.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def _mem_type(memory: str) -> str:
@@ -221,6 +223,24 @@ class NixlPair:
         self._conn.close()
 
 
+_PAIRS: dict[tuple[str, int], NixlPair] = {}
+
+
+def shared_pair(memory: str, nbytes: int) -> NixlPair:
+    """One pair per (memory kind, size) for the whole run: the child takes seconds to start."""
+    key = (memory, nbytes)
+    if key not in _PAIRS:
+        _PAIRS[key] = NixlPair(nbytes, memory)
+
+        def close() -> None:
+            pair = _PAIRS.pop(key, None)
+            if pair is not None:
+                pair.close()
+
+        hold_until_run_end(close)
+    return _PAIRS[key]
+
+
 class _RawCase:
     """Shared machinery: one NixlPair per memory kind, sized for the largest point of the run."""
 
@@ -228,7 +248,6 @@ class _RawCase:
 
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
-        self._pairs: dict[str, NixlPair] = {}
         self._rng = np.random.default_rng(config.seed)
         points = config.throughput_points() + (config.latency.points() if config.latency else [])
         self._capacity = max((self._span(p)[1] * p.groups for p in points), default=1 << 20)
@@ -239,9 +258,7 @@ class _RawCase:
         return slots, slots * point.row_bytes
 
     def _pair(self, memory: str) -> NixlPair:
-        if memory not in self._pairs:
-            self._pairs[memory] = NixlPair(self._capacity, memory)
-        return self._pairs[memory]
+        return shared_pair(memory, self._capacity)
 
     def descriptors(self, point: Point) -> tuple[np.ndarray, np.ndarray, int]:
         """(local offsets, remote offsets, bytes per descriptor), offsets from each buffer's base."""
@@ -293,9 +310,7 @@ class _RawCase:
         raise Skip("raw NIXL has no kvxfer submission to time")
 
     def close(self) -> None:
-        pairs, self._pairs = list(self._pairs.values()), {}
-        for pair in pairs:
-            pair.close()
+        pass  # the pair is shared by the raw cases and closed when the run ends
 
 
 def latency_measurement(timing: Timing, facts: dict[str, Any]) -> Measurement:

@@ -21,6 +21,7 @@ from kvxfer.bench.cases import (
     Requirement,
     Skip,
     registry,
+    release_shared,
     requirement_missing,
     unmet,
 )
@@ -134,6 +135,7 @@ def run(config: BenchConfig, progress: Progress | None = None,
         for runner in runners.values():
             if not isinstance(runner, str):
                 runner.close()
+        release_shared()
         progress.finish()
     return BenchResult(results.now(), results.machine(), results.versions(), config.to_json(), tuple(figures),
                        time.monotonic() - started)

@@ -1,0 +1,121 @@
+"""kvxfer bench: option parsing, sweeps and presets (no timing here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.bench import cli
+from kvxfer.bench.config import (
+    PRESETS,
+    ConfigError,
+    LatencySweep,
+    Point,
+    ThroughputSweep,
+    format_size,
+    parse_ints,
+    parse_size,
+    parse_sizes,
+    preset,
+)
+from kvxfer.bench.runner import plan
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4K", 4096), ("64KiB", 65536), ("1M", 1 << 20), ("1g", 1 << 30), ("4096", 4096), ("1.5K", 1536), (512, 512),
+])
+def test_parse_size_reads_binary_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "4X", "-4K", "0", "1.3K", "K"])
+def test_parse_size_names_the_option_on_bad_input(text: str) -> None:
+    with pytest.raises(ConfigError, match="--row-sizes"):
+        parse_size(text, "--row-sizes")
+
+
+def test_lists_and_format() -> None:
+    assert parse_sizes("4K, 64K,1M", "x") == (4096, 65536, 1 << 20)
+    assert parse_ints("1k,100", "rows") == (1024, 100)
+    assert format_size(64 << 10) == "64 KiB" and format_size(3 << 30) == "3 GiB" and format_size(100) == "100 B"
+    with pytest.raises(ConfigError, match="empty"):
+        parse_sizes(" , ", "x")
+
+
+def test_sweep_derives_rows_from_request_bytes() -> None:
+    sweep = ThroughputSweep(row_bytes=(4096, 1 << 20), request_bytes=8 << 20, groups=(1, 2), slots=("scattered",))
+    points = sweep.points()
+    assert {(p.row_bytes, p.groups, p.rows) for p in points} == {
+        (4096, 1, 2048), (4096, 2, 1024), (1 << 20, 1, 8), (1 << 20, 2, 4)}
+    assert all(p.total_bytes == 8 << 20 for p in points)
+
+
+def test_sweep_product_with_explicit_rows() -> None:
+    sweep = ThroughputSweep(row_bytes=(4096,), rows=(1, 32), directions=("push", "pull"),
+                            slots=("contiguous", "scattered"))
+    assert len(sweep.points()) == 2 * 2 * 2
+
+
+@pytest.mark.parametrize("kwargs,what", [
+    ({"directions": ("sideways",)}, "directions"),
+    ({"memory": ("disk",)}, "memory"),
+    ({"slots": ("contiguous", "contiguous")}, "twice"),
+    ({"groups": (0,)}, "positive"),
+])
+def test_sweep_refuses_bad_dimensions(kwargs: dict, what: str) -> None:
+    with pytest.raises(ConfigError, match=what):
+        ThroughputSweep(row_bytes=(4096,), **kwargs)
+
+
+def test_latency_sweep_validates_samples() -> None:
+    with pytest.raises(ConfigError, match="samples"):
+        LatencySweep(samples=1)
+
+
+@pytest.mark.parametrize("name", PRESETS, ids=[f"preset_{p}" for p in PRESETS])
+def test_presets_are_valid_and_plan(name: str) -> None:
+    cfg = preset(name)
+    items = plan(cfg)
+    assert items, name
+    assert {i.spec.name for i in items} <= set(cfg.cases)
+
+
+def test_gpu_preset_covers_issue_5_figures() -> None:
+    cfg = preset("gpu")
+    points = cfg.throughput_points()
+    device = [p for p in points if p.memory == "device"]
+    for row in (4096, 16384, 65536):
+        for total in (256 << 20, 1 << 30):
+            assert any(p.row_bytes == row and p.total_bytes == total and p.slots == "scattered" for p in device)
+    assert cfg.latency is not None and 32 in cfg.latency.rows and "device" in cfg.latency.memory
+    assert {"local_copy", "nixl_one_desc", "nixl_per_row", "nixl_packed", "ipc"} <= set(cfg.cases)
+
+
+def test_unknown_preset_and_case_are_named() -> None:
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        preset("huge")
+    with pytest.raises(ConfigError, match="unknown case"):
+        plan(preset("tiny").with_cases(["warp_drive"]))
+
+
+def test_reference_cases_are_planned_once_per_key() -> None:
+    cfg = preset("tiny").with_cases(["local_copy"])
+    items = plan(cfg)
+    # two row sizes x two slot patterns, but local_copy varies only with memory and total bytes
+    assert len(items) == len({p.total_bytes for p in cfg.throughput_points()})
+
+
+def test_cli_flags_replace_the_throughput_sweep() -> None:
+    args = cli.build_parser().parse_args(
+        ["--preset", "tiny", "--row-sizes", "4K,16K", "--rows", "3", "--slots", "scattered", "--directions", "pull",
+         "--reps", "4", "--no-latency", "--overhead-rows", "10", "--cases", "loopback"])
+    cfg = cli.config_from_args(args)
+    assert cfg.cases == ("loopback",)
+    assert cfg.throughput_points() == [Point("pull", "host", "scattered", 4096, 3, 1),
+                                       Point("pull", "host", "scattered", 16384, 3, 1)]
+    assert cfg.latency is None and cfg.overhead is not None and cfg.overhead.rows == (10,)
+    assert cfg.repetition.reps == 4
+
+
+def test_cli_bad_option_exits_2_with_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--preset", "tiny", "--row-sizes", "4Q"]) == 2
+    assert "--row-sizes" in capsys.readouterr().err

@@ -1,0 +1,167 @@
+"""kvxfer bench: the JSON schema, compare logic, tables and target rows, on hand-made results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvxfer.bench import cli
+from kvxfer.bench.compare import compare, regressions, render
+from kvxfer.bench.references import ratio
+from kvxfer.bench.report import markdown_table, render_markdown, render_text, text_table
+from kvxfer.bench.results import SCHEMA_VERSION, BenchResult, Figure, ResultError, load, write
+from kvxfer.bench.targets import evaluate
+
+K, M = 1 << 10, 1 << 20
+
+
+def _tp(case: str, seconds: float, role: str = "backend", **key: object) -> Figure:
+    base = {"memory": "host", "direction": "push", "slots": "scattered", "row_bytes": 64 * K, "rows": 1024,
+            "groups": 1}
+    base.update(key)  # type: ignore[arg-type]
+    full = {k: base[k] for k in ("memory", "direction", "slots", "row_bytes", "rows", "groups") if k in base}
+    full["total_bytes"] = int(key.get("total_bytes", 64 * M))  # type: ignore[call-overload]
+    return Figure("throughput", case, role, full, "ok", "", {"seconds_best": seconds, "seconds_median": seconds * 1.1,
+                                                             "reps": 10.0}, {"descriptors": 1024})
+
+
+def _result(*figures: Figure) -> BenchResult:
+    return BenchResult("2026-11-29T00:00:00+00:00", {"hostname": "h", "cpu": "c", "cores": 2}, {"python": "3.11"},
+                       {"name": "test"}, tuple(figures), 1.0)
+
+
+_LAT_KEY = {"direction": "push", "memory": "host", "slots": "scattered", "row_bytes": 64 * K, "rows": 32, "groups": 1,
+            "total_bytes": 2 * M}
+
+
+def _refs() -> list[Figure]:
+    copy = Figure("throughput", "local_copy", "reference", {"memory": "host", "total_bytes": 64 * M}, "ok", "",
+                  {"seconds_best": 0.004, "seconds_median": 0.005, "reps": 10.0})
+    one = Figure("throughput", "nixl_one_desc", "ceiling", {"memory": "host", "direction": "push",
+                                                            "total_bytes": 64 * M}, "ok", "",
+                 {"seconds_best": 0.008, "seconds_median": 0.009, "reps": 10.0})
+    return [copy, one]
+
+
+def test_gbps_and_ratios_to_same_run_references() -> None:
+    fig = _tp("loopback", 0.016)
+    result = _result(*_refs(), fig)
+    assert fig.get("gbps_best") == pytest.approx(64 * M / 0.016 / 1e9)
+    assert ratio(result, fig, "local_copy") == pytest.approx(0.25)
+    assert ratio(result, fig, "nixl_one_desc") == pytest.approx(0.5)
+    # another total size has no reference in this run: no ratio rather than a wrong one
+    assert ratio(result, _tp("loopback", 0.01, total_bytes=32 * M), "local_copy") is None
+
+
+def test_json_round_trip_keeps_every_figure(tmp_path: Path) -> None:
+    skipped = Figure("throughput", "ipc", "backend", {"memory": "device", "total_bytes": 1}, "skipped", "no CUDA")
+    lat = Figure("latency", "loopback", "backend", _LAT_KEY, "ok", "",
+                 {"p50_s": 5e-5, "p99_s": 1e-4, "min_s": 4e-5, "samples": 100.0})
+    result = _result(*_refs(), _tp("loopback", 0.016), skipped, lat)
+    path = tmp_path / "r.json"
+    write(result, path, [t.to_json() for t in evaluate(result)])
+    raw = json.loads(path.read_text())
+    assert raw["schema"] == "kvxfer-bench" and raw["schema_version"] == SCHEMA_VERSION
+    assert raw["figures"][2]["metrics"]["gbps_best"] == pytest.approx(64 * M / 0.016 / 1e9)
+    assert any(t["status"] == "pass" for t in raw["targets"])  # 50 µs p50 / 100 µs p99 meets the target
+    back = load(path)
+    assert [f.id for f in back.figures] == [f.id for f in result.figures]
+    assert back.figures[3].reason == "no CUDA" and back.figures[4].metrics["p99_s"] == 1e-4
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(schema="other"), "not a kvxfer bench result"),
+    (lambda d: d.update(schema_version=99), "schema version 99"),
+    (lambda d: d.pop("machine"), "'machine'"),
+    (lambda d: d["figures"][0].update(status="great"), "unknown status"),
+    (lambda d: d["figures"][0]["metrics"].pop("seconds_best"), "seconds_best"),
+])
+def test_load_names_what_is_wrong(tmp_path: Path, mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    data = _result(*_refs()).to_json()
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match=message):
+        load(path)
+
+
+def test_load_refuses_non_json(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text("{nope")
+    with pytest.raises(ResultError, match="not JSON"):
+        load(path)
+
+
+def test_compare_flags_throughput_drop_latency_rise_and_lost_figures() -> None:
+    lat = Figure("latency", "loopback", "backend", {"rows": 32, "total_bytes": 2 * M}, "ok", "",
+                 {"p50_s": 5e-5, "p99_s": 1e-4, "min_s": 4e-5, "samples": 100.0})
+    old = _result(_tp("loopback", 0.010, slots="scattered"), _tp("loopback", 0.010, slots="contiguous"),
+                  _tp("nixl", 0.010), lat)
+    lat_new = Figure("latency", "loopback", "backend", lat.key, "ok", "",
+                     {"p50_s": 5.2e-5, "p99_s": 2e-4, "min_s": 4e-5, "samples": 100.0})
+    new = _result(_tp("loopback", 0.0125, slots="scattered"),      # 20% slower: regression
+                  _tp("loopback", 0.0095, slots="contiguous"),     # 5% faster: same
+                  Figure("throughput", "nixl", "backend", _tp("nixl", 1).key, "skipped", "module gone"),
+                  lat_new, _tp("ipc", 0.001))
+    changes = compare(old, new, threshold=0.10)
+    verdicts = {(c.figure.split("/")[1], c.figure.split("/")[4] if c.figure.startswith("throughput") else "",
+                 c.metric.split(" ")[0]): c.verdict for c in changes}
+    assert verdicts[("loopback", "slots=scattered", "gbps_best")] == "regression"
+    assert verdicts[("loopback", "slots=contiguous", "gbps_best")] == "same"
+    assert verdicts[("nixl", "slots=scattered", "gbps_best")] == "lost"
+    assert verdicts[("loopback", "", "p50_s")] == "same"
+    assert verdicts[("loopback", "", "p99_s")] == "regression"
+    assert verdicts[("ipc", "slots=scattered", "-")] == "new"
+    assert len(regressions(changes)) == 3
+    text = render(changes, 0.10)
+    assert "REGRESSION" in text and "LOST" in text and "3 regression(s) beyond 10%" in text
+    # a looser threshold forgives the 20% drop but never a lost figure
+    assert {c.verdict for c in regressions(compare(old, new, threshold=1.5))} == {"lost"}
+
+
+def test_compare_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    write(_result(_tp("loopback", 0.010)), a, [])
+    write(_result(_tp("loopback", 0.0101)), b, [])
+    assert cli.main(["--compare", str(a), str(b)]) == 0
+    write(_result(_tp("loopback", 0.020)), b, [])
+    assert cli.main(["--compare", str(a), str(b), "--threshold", "0.3"]) == 1
+    assert "REGRESSION" in capsys.readouterr().out
+    assert cli.main(["--compare", str(a), str(tmp_path / "missing.json")]) == 2
+
+
+def test_text_table_aligns_numbers_right_and_text_left() -> None:
+    out = text_table(["case", "GB/s"], [["loopback", "1.50"], ["nixl_one_desc", "12.25"]]).splitlines()
+    assert out[0] == "case            GB/s"
+    assert out[2] == "loopback        1.50"
+    assert out[3] == "nixl_one_desc  12.25"
+    assert len({len(line) for line in out}) == 1
+
+
+def test_markdown_table_escapes_pipes() -> None:
+    assert markdown_table(["a", "b"], [["x|y", "1"]]).splitlines() == ["| a | b |", "| --- | --- |", "| x\\|y | 1 |"]
+
+
+def test_reports_show_ratios_targets_and_skips() -> None:
+    skipped = Figure("throughput", "ipc", "backend", {"memory": "device", "total_bytes": 1}, "skipped",
+                     "kvxfer.backends.ipc does not exist yet")
+    over = Figure("overhead", "loopback", "backend", {"rows": 100000, "groups": 1, "row_bytes": 256,
+                                                      "total_bytes": 25600000}, "ok", "",
+                  {"per_row_s_best": 1.5e-6, "per_row_s_median": 2e-6, "publish_per_row_s": 1e-6,
+                   "decode_per_row_s": 1e-6, "samples": 5.0})
+    result = _result(*_refs(), _tp("loopback", 0.016), skipped, over)
+    targets = evaluate(result)
+    text = render_text(result, targets)
+    line = next(t for t in text.splitlines() if t.startswith("loopback") and "scattered" in t)
+    assert "25%" in line and "50%" in line           # vs copy, vs nixl one descriptor
+    assert "2000 ns/row" in text and "FAIL" in text  # overhead target: 2 µs > 1 µs
+    assert "ipc: skipped: kvxfer.backends.ipc does not exist yet (1 figure)" in text
+    md = render_markdown(result, targets, "r.json")
+    assert "## PERF.md targets" in md and "`r.json`" in md and "| loopback |" in md
+
+
+def test_targets_never_pass_without_figures() -> None:
+    rows = evaluate(_result(*_refs()))
+    assert rows and all(r.status == "not measured" for r in rows)

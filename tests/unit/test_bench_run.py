@@ -1,0 +1,103 @@
+"""kvxfer bench end to end on loopback: a tiny real sweep, skips with reasons, nothing left running.
+
+No figure is asserted here (timing inside unit tests proves nothing); what is checked is
+that every planned figure is reported, that bytes were verified, and the outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvxfer.bench import cli, evaluate, preset, render_text, run
+from kvxfer.bench.cases import CaseSpec, Requirement, Role, registry
+from kvxfer.bench.config import ThroughputSweep
+from kvxfer.bench.results import load
+
+
+def _tiny(cases: tuple[str, ...] = ("local_copy", "loopback")):  # type: ignore[no-untyped-def]
+    return dataclasses.replace(preset("tiny"), cases=cases)
+
+
+def test_tiny_loopback_sweep_end_to_end() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    result = run(_tiny())
+    by_mode = {m: [f for f in result.figures if f.mode == m] for m in ("throughput", "latency", "overhead")}
+    assert all(f.ok for f in result.figures), [(f.id, f.reason) for f in result.figures if not f.ok]
+    loop = [f for f in by_mode["throughput"] if f.case == "loopback"]
+    assert len(loop) == 4 and all(f.facts["verified"] is True for f in loop)
+    assert all(f.get("gbps_best") > 0 and f.metrics["seconds_best"] <= f.metrics["seconds_median"] for f in loop)
+    assert [f.case for f in by_mode["latency"]] == ["loopback"]
+    lat = by_mode["latency"][0].metrics
+    assert lat["samples"] == 5 and lat["min_s"] <= lat["p50_s"] <= lat["p99_s"]
+    assert by_mode["overhead"][0].metrics["per_row_s_median"] > 0
+    assert result.machine["cores"] and result.versions["numpy"]
+    # every backend thread and process the run started has ended
+    leftover = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert leftover == []
+
+
+def test_absent_requirements_and_device_memory_are_skipped_with_reasons() -> None:
+    cfg = dataclasses.replace(
+        _tiny(("loopback", "ipc", "local_copy")),
+        throughput=(ThroughputSweep(row_bytes=(4096,), rows=(4,), memory=("host", "device"), slots=("scattered",)),),
+        latency=None, overhead=None)
+    result = run(cfg)
+    status = {(f.case, f.key.get("memory")): (f.status, f.reason) for f in result.figures}
+    assert status[("loopback", "host")][0] == "ok"
+    import torch
+
+    if not torch.cuda.is_available():
+        assert status[("ipc", "host")] == ("skipped", "no CUDA device")
+        assert status[("local_copy", "device")] == ("skipped", "device memory: no CUDA device")
+        assert status[("loopback", "device")][0] == "skipped"
+    assert "ipc: skipped:" in render_text(result, evaluate(result))
+
+
+def test_a_case_that_fails_is_an_error_figure_and_the_run_goes_on() -> None:
+    class Broken:
+        def __init__(self, config: object) -> None:
+            pass
+
+        def throughput(self, point: object) -> object:
+            raise RuntimeError("wire cut")
+
+        def close(self) -> None:
+            pass
+
+    specs = dict(registry())
+    specs["broken"] = CaseSpec("broken", "broken", Role.BACKEND, frozenset(), ("row_bytes",),
+                               frozenset({"throughput"}), Broken)  # type: ignore[arg-type]
+    specs["absent"] = CaseSpec("absent", "absent", Role.BACKEND, frozenset({Requirement.KVXFER_IPC}), ("row_bytes",),
+                               frozenset({"throughput"}), Broken)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(_tiny(("broken", "absent", "local_copy")), latency=None, overhead=None)
+    result = run(cfg, specs=specs)
+    broken = [f for f in result.figures if f.case == "broken"]
+    assert broken and all(f.status == "error" and f.reason == "RuntimeError: wire cut" for f in broken)
+    assert all(f.status == "skipped" for f in result.figures if f.case == "absent")
+    assert all(f.ok for f in result.figures if f.case == "local_copy")
+
+
+def test_cli_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["--preset", "tiny", "--cases", "local_copy,loopback", "--no-latency", "--no-overhead",
+                     "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr()
+    assert "Throughput" in out.out and "PERF.md targets" in out.out
+    json_files = list(tmp_path.glob("tiny-*.json"))
+    md_files = list(tmp_path.glob("tiny-*.md"))
+    assert len(json_files) == 1 and len(md_files) == 1
+    result = load(json_files[0])
+    assert json.loads(json_files[0].read_text())["targets"]
+    assert {f.case for f in result.figures} == {"local_copy", "loopback"}
+    assert "| loopback |" in md_files[0].read_text()
+
+
+def test_progress_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--preset", "tiny", "--cases", "local_copy", "--no-latency", "--no-overhead"]) == 0
+    out = capsys.readouterr()
+    assert "2/2" in out.err and "[" not in out.out.splitlines()[0]
