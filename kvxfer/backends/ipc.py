@@ -1,0 +1,569 @@
+"""Same-node GPU-to-GPU backend: the peer's pool mapped through CUDA IPC, one kernel per group.
+
+It keeps the loopback backend's protocol (``kvxfer.backends.loopback``): describe() mints a
+transfer id; the active end (push: the publisher; pull: the fetcher) moves the bytes and
+then sends a CompletionRecord; the passive end concludes from that record, and asks the
+active end to stop (CANCEL_REQUEST) when it is cancelled or times out, staying unquiesced
+until the active end confirms. Here:
+
+- describe() carries, in ``Hint.extras``, a CUDA IPC handle for the allocation behind each
+  region of the view (``ipc.region.<name>``) and this node's boot id (``ipc.node``); the
+  ``endpoint`` is this backend's Unix socket, and the agent name is that socket's path.
+- The active end opens each peer allocation once and caches the mapping (``ipc_mappings``),
+  then queues one native row-copy kernel per view group on a stream it owns and records a
+  CUDA event; its progress thread polls the event, and only then are rows True in masks.
+- Records travel as ``kvxfer.wire.encode_completion`` frames over Unix sockets
+  (``ipc_channel``), signed when a key is set. A peer whose socket closes is gone: no new
+  copy goes into its mappings, which close once the copies in flight have ended.
+
+It needs kvxfer._native built with CUDA and a visible GPU; without them construction raises
+IpcUnavailable naming why, and the module still imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import numpy as np
+
+from kvxfer import native
+from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.ipc_channel import Channel
+from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
+from kvxfer.backends.matching import GroupMatch, check_agreement, match_rows
+from kvxfer.backends.regions import RegionTable
+from kvxfer.backends.transfers import OwnTransfers, hint_groups
+from kvxfer.contract import (
+    Backend,
+    Cancelled,
+    Capabilities,
+    CompletionRecord,
+    Delivered,
+    Failed,
+    Hint,
+    InvalidSubmission,
+    KvxferError,
+    MemoryKind,
+    RecordStatus,
+    SlotRegion,
+    SubmissionRejected,
+    TransferMode,
+    View,
+    WakeFn,
+)
+from kvxfer.wire import WireError, decode_completion, encode_completion
+
+log = logging.getLogger(__name__)
+
+BACKEND_KIND = "ipc"
+EXTRA_NODE = "ipc.node"
+
+
+class IpcUnavailable(KvxferError):
+    """The IPC backend cannot run in this process (no compiled CUDA module, no GPU)."""
+
+
+def node_identity() -> bytes:
+    """This machine's boot id: CUDA IPC handles mean nothing on another node (or boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname().encode()
+
+
+@dataclass(eq=False)
+class _Active:
+    """This end moves the bytes (push publisher, pull fetcher)."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint
+    matches: list[GroupMatch]
+    exports: dict[str, Export]  # peer region name -> its allocation
+    writes_peer: bool
+    cancelled_by_peer: bool = False
+    event: int = 0
+    mappings: list[Mapping] = field(default_factory=list)
+    local_masks: list[np.ndarray] = field(default_factory=list)
+    peer_masks: list[np.ndarray] = field(default_factory=list)
+    failure: str | None = None
+
+
+@dataclass(eq=False)
+class _Passive:
+    """The peer moves the bytes; this end waits for its completion record."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint
+    own_id: str
+    deadline: float
+    told_peer: bool = False
+    watching: bool = False  # connected to the peer, so that its death is seen
+    gone_at: float | None = None
+
+
+class IpcBackend(Backend):
+    """GPU-to-GPU on one node through CUDA IPC mappings of the peer's regions."""
+
+    def __init__(
+        self,
+        name: str = "ipc",
+        mode: TransferMode = TransferMode.PUSH,
+        *,
+        device: int = 0,
+        key: bytes | None = None,
+        deadline_s: float = 30.0,
+        fail_after_rows: int | None = None,
+        dead_peer_grace_s: float = 0.5,
+    ) -> None:
+        try:
+            self._native: ModuleType = native.cuda_module()
+        except native.RowCopyError as exc:
+            raise IpcUnavailable(f"IpcBackend needs kvxfer._native with CUDA and a visible GPU: {exc}") from exc
+        if not 0 <= device < native.info().device_count:
+            raise IpcUnavailable(f"IpcBackend: device {device} does not exist ({native.info().device_count} visible)")
+        self.mode = mode
+        self.device = device
+        self.deadline_s = deadline_s
+        self.fail_after_rows = fail_after_rows
+        # A dead peer's last kernels may still run while its process is torn down.
+        self.dead_peer_grace_s = dead_peer_grace_s
+        self._key = key
+        self._node = node_identity()
+        self._regions = RegionTable(frozenset({MemoryKind.DEVICE}))
+        self._exports: dict[str, Export] = {}
+        self._own = OwnTransfers()
+        self._closed = False
+        self._jobs_lock = threading.Lock()
+        self._queued: list[_Active] = []
+        self._in_flight: list[_Active] = []
+        self._passive: dict[str, _Passive] = {}
+        self._stashed: dict[str, CompletionRecord] = {}
+        self._revoked: set[tuple[str, str]] = set()
+        self._events: list[int] = []
+        self._stop = threading.Event()
+        self._stream = self._native.stream_create(device)
+        self._channel = Channel(f"{name}-{os.getpid()}-{secrets.token_hex(3)}")
+        self.name = self._channel.path  # the agent name is the socket path: records can be answered
+        self._mappings = Mappings(self._native, device)
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-ipc-{name}", daemon=True)
+        self._thread.start()
+
+    # --- the contract -----------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            memory_kinds=frozenset({MemoryKind.DEVICE}),
+            modes=frozenset({TransferMode.PUSH, TransferMode.PULL}),
+        )
+
+    def register(self, regions: Iterable[SlotRegion]) -> None:
+        self._refuse_if_closed()
+        batch = list(regions)
+        exports: dict[str, Export] = {}
+        for region in batch:
+            if not isinstance(region, SlotRegion) or region.memory_kind is not MemoryKind.DEVICE:
+                continue  # RegionTable.add refuses it by name below
+            if region.device_id != self.device:
+                raise InvalidSubmission(f"region {region.name!r} is on device {region.device_id}, "
+                                        f"this backend runs on device {self.device}")
+            if region.name in self._exports:
+                continue
+            try:
+                handle, base, size = self._native.ipc_export(self.device, region.address)
+            except self._native.CopyError as exc:
+                raise InvalidSubmission(f"region {region.name!r} cannot be exported through CUDA IPC: {exc}") from exc
+            if region.address + region.nbytes > base + size:
+                raise InvalidSubmission(f"region {region.name!r} runs past the end of its CUDA allocation")
+            exports[region.name] = Export(handle, base, size)
+        added = self._regions.add(batch)
+        for region in added:
+            self._exports[region.name] = exports[region.name]
+
+    def describe(self, view: View) -> Hint:
+        self._refuse_if_closed()
+        self._regions.check_view(view, for_fetch=False)
+        names = dict.fromkeys(g.region.name for g in view.groups)
+        extras = ((EXTRA_NODE, self._node),) + tuple((EXTRA_PREFIX + n, self._exports[n].pack()) for n in names)
+        return Hint(
+            backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
+            transfer_id=self._own.mint(view), layout=view.layout, groups=hint_groups(view),
+            endpoint=self._channel.endpoint, extras=extras,
+        )
+
+    def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
+        return self._submit(view, hint, wake, fetching=True)
+
+    def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
+        return self._submit(view, hint, wake, fetching=False)
+
+    def shutdown(self) -> frozenset[TrackedAttempt]:
+        with self._jobs_lock:
+            if self._closed and not self._thread.is_alive():
+                return frozenset()
+            self._closed = True
+            active = self._queued + self._in_flight
+            passive = list(self._passive.values())
+        for job in active:
+            job.attempt.cancel()
+        for wait in passive:
+            wait.attempt.cancel()
+        # Give peers a moment to confirm that they stopped touching our memory.
+        grace = time.monotonic() + 1.0
+        while time.monotonic() < grace and not all(j.attempt.quiesced() for j in active + passive):
+            self._channel.wake()
+            time.sleep(0.002)
+        self._stop.set()
+        self._channel.wake()
+        self._thread.join(timeout=10.0)
+        if self._thread.is_alive():
+            return frozenset(j.attempt for j in active + passive if not j.attempt.quiesced())
+        # Our thread has exited; wait for our kernels, then nothing of ours touches any memory.
+        try:
+            self._native.stream_synchronize(self._stream)
+            stream_ok = True
+        except self._native.CopyError as exc:
+            log.error("IPC backend %s: stream failed at shutdown: %s", self.name, exc)
+            stream_ok = False
+        for job in list(self._in_flight):
+            self._finish(job, None if stream_ok else "the copy stream failed")
+        for job in list(self._queued):
+            job.attempt.conclude(Cancelled(job.cancelled_by_peer, job.view.row_masks()))
+            job.attempt.mark_quiesced()
+        self._queued.clear()
+        left = self._mappings.close_all()
+        if left:
+            log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, left)
+        for ev in self._events:
+            self._native.event_destroy(ev)
+        self._events.clear()
+        if stream_ok:
+            self._native.stream_destroy(self._stream)
+        self._channel.close()
+        return frozenset(w.attempt for w in passive if not w.attempt.quiesced())
+
+    # --- submission (the owner's thread) ----------------------------------------------
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise SubmissionRejected(f"IPC backend {self.name!r} is shut down")
+
+    def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
+        self._refuse_if_closed()
+        if not isinstance(hint, Hint):
+            raise InvalidSubmission(f"expected a Hint, got {type(hint).__name__}")
+        self._regions.check_view(view, for_fetch=fetching)
+        check_agreement(view, hint, BACKEND_KIND, self.mode)
+        if hint.request != view.request:
+            raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
+        if not hint.endpoint:
+            raise InvalidSubmission("the peer's hint has no endpoint (socket path)")
+        if hint.extra(EXTRA_NODE) != self._node:
+            raise InvalidSubmission("the peer is on another node (or did not say): CUDA IPC works on one node only")
+        own_id = self._own.lookup(view)
+        active = fetching == (self.mode is TransferMode.PULL)
+        label = f"{self.name}:{'fetch' if fetching else 'publish'}:{view.request}"
+        attempt = TrackedAttempt(wake, self._on_cancel, label)
+        if active:
+            matches = match_rows(view, hint)
+            exports = self._peer_exports(hint, matches)
+            job = _Active(attempt, view, hint, matches, exports, writes_peer=not fetching)
+            with self._jobs_lock:
+                self._refuse_if_closed()
+                if (hint.agent, hint.transfer_id) in self._revoked:
+                    raise InvalidSubmission(
+                        f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): "
+                        "describe again")
+                self._queued.append(job)
+        else:
+            wait = _Passive(attempt, view, hint, own_id, deadline=time.monotonic() + self.deadline_s)
+            with self._jobs_lock:
+                self._refuse_if_closed()
+                self._passive[own_id] = wait  # a record that came early is in _stashed: see _run
+        self._own.consume(view, own_id)
+        self._channel.wake()
+        return attempt
+
+    @staticmethod
+    def _peer_exports(hint: Hint, matches: list[GroupMatch]) -> dict[str, Export]:
+        exports: dict[str, Export] = {}
+        for match in matches:
+            peer = match.peer
+            if peer is None or match.local_rows.size == 0:
+                continue
+            if peer.memory_kind is not MemoryKind.DEVICE:
+                raise InvalidSubmission(f"peer group {peer.layer_group!r} is {peer.memory_kind.name} memory")
+            data = hint.extra(EXTRA_PREFIX + peer.region)
+            if data is None:
+                raise InvalidSubmission(f"the peer's hint has no IPC handle for region {peer.region!r}")
+            try:
+                export = Export.unpack(data, peer.region)
+            except ValueError as exc:
+                raise InvalidSubmission(str(exc)) from exc
+            offset = peer.address - export.alloc_base
+            if offset < 0 or offset + peer.slot_bytes * peer.region_slots > export.alloc_size:
+                raise InvalidSubmission(f"peer region {peer.region!r} lies outside the allocation it exported")
+            exports[peer.region] = export
+        return exports
+
+    def _on_cancel(self, attempt: TrackedAttempt) -> None:
+        self._channel.wake()
+
+    # --- the progress thread ----------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = bool(self._in_flight)
+            # While copies are in flight, look without sleeping: their events are polled,
+            # and a sleep's granularity would dominate a small transfer's latency.
+            frames, gone = self._channel.wait(0.0 if busy else 0.02)
+            for frame in frames:
+                self._on_frame(frame)
+            for peer in gone:
+                self._on_peer_gone(peer)
+            with self._jobs_lock:
+                stashed = [w for w in self._passive if w in self._stashed]
+            for own_id in stashed:
+                with self._jobs_lock:
+                    record = self._stashed.pop(own_id, None)
+                if record is not None:
+                    self._on_record(record)
+            self._launch_queued()
+            self._poll_in_flight()
+            self._check_passive()
+            if busy:
+                os.sched_yield()
+
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            record = decode_completion(frame, self._key)
+        except WireError as exc:
+            log.warning("IPC backend %s: dropped a completion record: %s", self.name, exc)
+            return
+        self._on_record(record)
+
+    def _send(self, peer: bytes, record: CompletionRecord) -> bool:
+        try:
+            frame = encode_completion(record, self._key)
+        except WireError as exc:
+            log.error("IPC backend %s: cannot encode a completion record: %s", self.name, exc)
+            return False
+        return self._channel.send(peer, frame)
+
+    def _on_peer_gone(self, peer: bytes) -> None:
+        self._mappings.peer_gone(peer)
+        now = time.monotonic()
+        with self._jobs_lock:
+            waits = [w for w in self._passive.values() if w.hint.endpoint == peer]
+            queued = [j for j in self._queued if j.hint.endpoint == peer]
+            for job in queued:
+                self._queued.remove(job)
+        for wait in waits:
+            wait.attempt.conclude(Failed(f"peer {wait.hint.agent!r} is gone", wait.view.row_masks()))
+            wait.gone_at = now  # quiesced after the grace period (_check_passive)
+        for job in queued:
+            job.attempt.conclude(Failed(f"peer {job.hint.agent!r} is gone", job.view.row_masks()))
+            job.attempt.mark_quiesced()
+
+    def _on_record(self, record: CompletionRecord) -> None:
+        if record.status is RecordStatus.CANCEL_REQUEST:
+            self._on_cancel_request(record)
+            return
+        with self._jobs_lock:
+            wait = self._passive.get(record.transfer_id)
+            if wait is None:
+                if not self._own.is_retired(record.transfer_id):
+                    self._stashed[record.transfer_id] = record
+                return
+        if record.sender != wait.hint.agent or record.request != wait.view.request:
+            return  # not from the peer this transfer was described to: ignore it
+        if wait.attempt.poll() is not None:
+            self._end_passive(wait)  # we gave up earlier; the peer now confirms it stopped
+            return
+        masks = record.masks
+        if len(masks) != len(wait.view.groups) or any(m.shape != (len(g),) for m, g in zip(masks, wait.view.groups)):
+            wait.attempt.conclude(Failed("peer sent a completion record of the wrong shape", wait.view.row_masks()))
+        elif record.status is RecordStatus.DELIVERED:
+            wait.attempt.conclude(Delivered(masks))
+        elif record.status is RecordStatus.CANCELLED:
+            wait.attempt.conclude(Cancelled(True, masks))
+        else:
+            wait.attempt.conclude(Failed(f"peer failed: {record.reason}", masks))
+        self._end_passive(wait)
+
+    def _on_cancel_request(self, record: CompletionRecord) -> None:
+        with self._jobs_lock:
+            jobs = [j for j in self._queued + self._in_flight
+                    if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
+            if not jobs:
+                # Nothing of ours touches the peer's rows; refuse to start later, and say so.
+                self._revoked.add((record.sender, record.transfer_id))
+        for job in jobs:
+            job.cancelled_by_peer = True
+            job.attempt.cancel()
+        if not jobs:
+            self._send(record.sender.encode(), CompletionRecord(
+                record.transfer_id, self.name, record.request, RecordStatus.CANCELLED, [], "withdrawn"))
+
+    def _end_passive(self, wait: _Passive) -> None:
+        with self._jobs_lock:
+            self._passive.pop(wait.own_id, None)
+        self._own.retire(wait.own_id)
+        wait.attempt.mark_quiesced()
+
+    def _check_passive(self) -> None:
+        now = time.monotonic()
+        with self._jobs_lock:
+            waits = list(self._passive.values())
+        for wait in waits:
+            if wait.gone_at is not None:
+                if now >= wait.gone_at + self.dead_peer_grace_s:
+                    self._end_passive(wait)
+                continue
+            if not wait.watching:
+                wait.watching = True
+                if self._channel.connect(wait.hint.endpoint) is None:
+                    wait.attempt.conclude(Failed(f"peer {wait.hint.agent!r} is not listening", wait.view.row_masks()))
+                    wait.gone_at = now
+                    continue
+            reason = None
+            if wait.attempt.cancel_requested:
+                wait.attempt.conclude(Cancelled(False, wait.view.row_masks()))
+                reason = "cancelled"
+            elif now > wait.deadline:
+                wait.attempt.conclude(Failed(
+                    f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}", wait.view.row_masks()))
+                reason = "timeout"
+            if reason and not wait.told_peer:
+                wait.told_peer = True
+                # Stays unquiesced until the peer confirms that it stopped writing.
+                stop = CompletionRecord(wait.hint.transfer_id, self.name, wait.view.request,
+                                        RecordStatus.CANCEL_REQUEST, [], reason)
+                if not self._send(wait.hint.endpoint, stop):
+                    wait.gone_at = now
+
+    # --- copies -------------------------------------------------------------------------
+    def _launch_queued(self) -> None:
+        with self._jobs_lock:
+            jobs, self._queued = self._queued, []
+        for job in jobs:
+            self._launch(job)
+
+    def _launch(self, job: _Active) -> None:
+        job.local_masks = job.view.row_masks()
+        job.peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
+        if job.attempt.cancel_requested:
+            self._complete(job, RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, job.local_masks), "")
+            return
+        if not self._channel.reachable(job.hint.endpoint):
+            self._complete(job, RecordStatus.FAILED, Failed(f"peer {job.hint.agent!r} is gone", job.local_masks),
+                           "peer gone")
+            return
+        peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
+        total = sum(m.local_rows.size for m in job.matches if m.peer is not None)
+        budget = total if self.fail_after_rows is None else min(total, self.fail_after_rows)
+        if budget < total:
+            job.failure = f"injected fault after {budget} rows"
+        for gi, match in enumerate(job.matches):
+            peer = match.peer
+            if budget <= 0 or peer is None or match.local_rows.size == 0:
+                continue
+            n = min(budget, match.local_rows.size)
+            try:
+                mapping = self._mappings.acquire(job.hint.endpoint, job.exports[peer.region])
+            except (self._native.CopyError, RuntimeError) as exc:
+                job.failure = f"cannot map the peer's region {peer.region!r}: {exc}"
+                break
+            job.mappings.append(mapping)
+            row = match.local.region.slot_bytes
+            peer_base = mapping.translate(peer.address, row * peer.region_slots)
+            if peer_base is None:
+                job.failure = f"peer region {peer.region!r} lies outside its mapped allocation"
+                break
+            local = match.local.region
+            local_slots, peer_slots = match.local_slots[:n], match.peer_slots[:n]
+            if job.writes_peer:
+                src = (local.address, local_slots, local.slots)
+                dst = (peer_base, peer_slots, peer.region_slots)
+            else:
+                src = (peer_base, peer_slots, peer.region_slots)
+                dst = (local.address, local_slots, local.slots)
+            try:
+                self._native.cuda_copy_rows(src[0], row, src[1], dst[0], row, dst[1], n, row, self._stream,
+                                            self.device, src[2], dst[2])
+            except self._native.CopyError as exc:
+                job.failure = f"row copy launch failed: {exc}"
+                break
+            budget -= n
+            # Set now, reported only after the event says the kernel finished.
+            job.local_masks[gi][match.local_rows[:n]] = True
+            job.peer_masks[peer_index[peer.layer_group]][match.peer_rows[:n]] = True
+        try:
+            job.event = self._events.pop() if self._events else self._native.event_create(self.device)
+            self._native.event_record(job.event, self._stream)
+        except self._native.CopyError as exc:
+            # Without an event we cannot tell when the kernels end: wait for the whole stream.
+            job.event = 0
+            job.failure = f"cannot record a completion event: {exc}"
+            try:
+                self._native.stream_synchronize(self._stream)
+            except self._native.CopyError as sync_exc:
+                self._finish(job, f"the copy stream failed: {sync_exc}")
+                return
+        self._in_flight.append(job)
+
+    def _poll_in_flight(self) -> None:
+        # One stream: events complete in queue order, so stop at the first pending one.
+        while self._in_flight:
+            job = self._in_flight[0]
+            error = None
+            if job.event:
+                try:
+                    if not self._native.event_query(job.event):
+                        return
+                except self._native.CopyError as exc:
+                    error = f"the row copy failed on the device: {exc}"
+            self._in_flight.pop(0)
+            self._finish(job, error)
+
+    def _finish(self, job: _Active, device_error: str | None) -> None:
+        if job in self._in_flight:
+            self._in_flight.remove(job)
+        for mapping in job.mappings:
+            self._mappings.release(mapping)
+        job.mappings.clear()
+        if job.event:
+            if device_error is None:
+                self._events.append(job.event)
+            job.event = 0
+        if device_error is not None:
+            # After a device fault nothing says which rows landed: report none.
+            job.local_masks = job.view.row_masks()
+            job.peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
+            job.failure = device_error
+        if job.failure is not None:
+            self._complete(job, RecordStatus.FAILED, Failed(job.failure, job.local_masks), job.failure)
+        elif job.cancelled_by_peer:
+            self._complete(job, RecordStatus.CANCELLED, Cancelled(True, job.local_masks), "")
+        else:
+            self._complete(job, RecordStatus.DELIVERED, Delivered(tuple(job.local_masks)), "")
+
+    def _complete(self, job: _Active, status: RecordStatus, outcome: Delivered | Failed | Cancelled,
+                  reason: str) -> None:
+        """Tell the passive end what is in place on its side; then ours concludes."""
+        record = CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
+                                  job.peer_masks or [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups],
+                                  reason)
+        if not self._send(job.hint.endpoint, record) and status is RecordStatus.DELIVERED:
+            outcome = Failed(f"peer {job.hint.agent!r} is gone; its completion record was not delivered",
+                             job.local_masks)
+        job.attempt.conclude(outcome)
+        job.attempt.mark_quiesced()

@@ -1,0 +1,212 @@
+"""Completion records between same-node backends, over Unix domain stream sockets.
+
+Each backend listens on a socket in a private temp dir; its path is the ``endpoint`` of
+its hints. A backend sends to a peer over one outgoing connection per peer endpoint and
+receives on the connections peers opened to it. Frames are a 4-byte big-endian length and
+then the bytes of ``kvxfer.wire.encode_completion``. A connection that reaches end of file
+or fails to send means the peer's backend has gone: its process exited or it shut down.
+
+Everything here runs on the owning backend's progress thread, except ``wake()`` (any
+thread) and ``close()`` (after that thread has stopped).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import shutil
+import socket
+import struct
+import tempfile
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+_FRAME = struct.Struct(">I")
+MAX_FRAME = 64 << 20
+SEND_TIMEOUT_S = 5.0
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    peer: bytes  # the endpoint we dialled; b"" for a connection a peer opened to us
+    buf: bytearray = field(default_factory=bytearray)
+
+
+class Channel:
+    """Listening socket, outgoing connections by peer endpoint, and a wake-up pipe."""
+
+    def __init__(self, name: str) -> None:
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
+        self._dir = tempfile.mkdtemp(prefix="kvxfer-ipc-")
+        self.path = os.path.join(self._dir, f"{safe}.sock")
+        self.endpoint = self.path.encode()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._inbound: dict[int, _Conn] = {}
+        self._outbound: dict[bytes, _Conn] = {}
+        self._poll = select.poll()
+        self._poll.register(self._listener.fileno(), select.POLLIN)
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._closed = False
+
+    # --- any thread -------------------------------------------------------------------
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake is already pending) or closed at shutdown
+
+    # --- the progress thread ----------------------------------------------------------
+    def wait(self, timeout_s: float) -> tuple[list[bytes], list[bytes]]:
+        """Wait up to ``timeout_s`` (0 = just look); return (frames received, peers gone)."""
+        frames: list[bytes] = []
+        gone: list[bytes] = []
+        for fd, _events in self._poll.poll(max(0, int(timeout_s * 1000))):
+            if fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif fd == self._listener.fileno():
+                self._accept()
+            elif fd in self._inbound:
+                self._receive(self._inbound[fd], frames)
+            else:
+                conn = next((c for c in self._outbound.values() if c.sock.fileno() == fd), None)
+                if conn is not None and not self._alive(conn):
+                    gone.append(conn.peer)
+        return frames, gone
+
+    def send(self, peer: bytes, frame: bytes) -> bool:
+        """Send one frame to ``peer``; False (and the connection dropped) when it is gone."""
+        conn = self.connect(peer)
+        if conn is None:
+            return False
+        try:
+            conn.sock.settimeout(SEND_TIMEOUT_S)
+            conn.sock.sendall(_FRAME.pack(len(frame)) + frame)
+            return True
+        except OSError as exc:
+            log.info("peer %r is gone: %s", peer, exc)
+            self._drop_outbound(conn)
+            return False
+        finally:
+            if conn.sock.fileno() >= 0:
+                conn.sock.setblocking(False)
+
+    def connect(self, peer: bytes) -> _Conn | None:
+        """The connection to ``peer``, opened on first use; None when nobody listens there."""
+        conn = self._outbound.get(peer)
+        if conn is not None:
+            return conn
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(SEND_TIMEOUT_S)
+            sock.connect(os.fsdecode(peer))
+        except OSError as exc:
+            sock.close()
+            if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+                log.warning("cannot reach peer %r: %s", peer, exc)
+            return None
+        sock.setblocking(False)
+        conn = _Conn(sock, peer)
+        self._outbound[peer] = conn
+        # Peers never write on this connection; readable means end of file: the peer is gone.
+        self._poll.register(sock.fileno(), select.POLLIN)
+        return conn
+
+    def reachable(self, peer: bytes) -> bool:
+        conn = self.connect(peer)
+        return conn is not None and self._alive(conn)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._inbound.values()) + list(self._outbound.values()):
+            conn.sock.close()
+        self._inbound.clear()
+        self._outbound.clear()
+        self._listener.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # --- internals --------------------------------------------------------------------
+    def _alive(self, conn: _Conn) -> bool:
+        try:
+            data = conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if data:
+            return True
+        self._drop_outbound(conn)
+        return False
+
+    def _drop_outbound(self, conn: _Conn) -> None:
+        if self._outbound.get(conn.peer) is conn:
+            del self._outbound[conn.peer]
+        try:
+            self._poll.unregister(conn.sock.fileno())
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            self._inbound[sock.fileno()] = _Conn(sock, b"")
+            self._poll.register(sock.fileno(), select.POLLIN)
+
+    def _receive(self, conn: _Conn, frames: list[bytes]) -> None:
+        eof = False
+        try:
+            while True:
+                chunk = conn.sock.recv(1 << 20)
+                if not chunk:
+                    eof = True
+                    break
+                conn.buf += chunk
+        except BlockingIOError:
+            pass
+        except OSError:
+            eof = True
+        # A peer may send its last record and exit at once: take whole frames before dropping.
+        while len(conn.buf) >= _FRAME.size:
+            (size,) = _FRAME.unpack_from(conn.buf)
+            if size > MAX_FRAME:
+                log.warning("dropping a connection that announced a %d-byte frame", size)
+                eof = True
+                break
+            if len(conn.buf) < _FRAME.size + size:
+                break
+            frames.append(bytes(conn.buf[_FRAME.size:_FRAME.size + size]))
+            del conn.buf[:_FRAME.size + size]
+        if eof:
+            self._drop_inbound(conn)
+
+    def _drop_inbound(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if fd >= 0:
+            self._inbound.pop(fd, None)
+            try:
+                self._poll.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+        conn.sock.close()

@@ -1,0 +1,111 @@
+"""The CUDA row-copy kernel against the torch fallback and a host oracle, on the GPU machine.
+
+Run: ``python -m pytest -q -m gpu tests/gpu/test_native_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvxfer import native  # noqa: E402
+from kvxfer.contract import MemoryKind  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not native.info().cuda_usable, reason=f"kvxfer._native CUDA: {native.info().reason}"),
+]
+
+
+def dev_space(slots: int, stride: int, offset: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (slots * stride + offset + 64,), dtype=torch.uint8, generator=g).cuda()
+
+
+def oracle(src: np.ndarray, dst: np.ndarray, s_off: int, s_stride: int, s_ix, d_off: int, d_stride: int, d_ix,
+           row_bytes: int) -> bytes:
+    out = dst.copy()
+    for s, d in zip(s_ix.tolist(), d_ix.tolist()):
+        out[d_off + d * d_stride:d_off + d * d_stride + row_bytes] = src[s_off + s * s_stride:s_off + s * s_stride + row_bytes]
+    return out.tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 32, 64, 65, 1000])  # inline indices up to 64 rows, uploaded beyond
+@pytest.mark.parametrize("row_bytes,offsets", [
+    (16, (0, 0)), (4096, (0, 0)), (65536, (0, 0)), (16 * 1024 + 8, (8, 0)), (100, (4, 4)), (4097, (1, 3)),
+    (3, (0, 0)), (20000, (0, 0)),
+])
+def test_kernel_matches_fallback_and_oracle(n: int, row_bytes: int, offsets: tuple[int, int]) -> None:
+    slots = max(n + 7, 16)
+    s_stride, d_stride = row_bytes + offsets[0], row_bytes + 16 + offsets[1]
+    src, dst0 = dev_space(slots, s_stride, offsets[0], 1), dev_space(slots, d_stride, offsets[1], 2)
+    rng = np.random.default_rng(n * 7 + row_bytes)
+    s_ix = rng.integers(0, slots, size=n).astype(np.int64)
+    d_ix = rng.permutation(slots)[:n].astype(np.int64)
+    results = []
+    for impl in ("native", "fallback"):
+        dst = dst0.clone()
+        stream = torch.cuda.Stream()
+        native.copy_rows(src_base=src.data_ptr() + offsets[0], src_stride=s_stride, src_slots=s_ix,
+                         dst_base=dst.data_ptr() + offsets[1], dst_stride=d_stride, dst_slots=d_ix,
+                         row_bytes=row_bytes, memory=MemoryKind.DEVICE, stream=stream.cuda_stream, impl=impl,
+                         src_limit=slots, dst_limit=slots)
+        stream.synchronize()
+        results.append(dst.cpu().numpy().tobytes())
+    want = oracle(src.cpu().numpy(), dst0.cpu().numpy(), offsets[0], s_stride, s_ix, offsets[1], d_stride, d_ix,
+                  row_bytes)
+    assert results[0] == want
+    assert results[1] == want
+
+
+def test_gather_scatter_and_device_indices() -> None:
+    rb, slots, n = 64 * 1024, 300, 200
+    pool = dev_space(slots, rb, 0, 3)
+    rng = np.random.default_rng(4)
+    ix = rng.permutation(slots)[:n].astype(np.int64)
+    buf = torch.zeros(n * rb, dtype=torch.uint8, device="cuda")
+    native.gather_rows(src_base=pool.data_ptr(), src_stride=rb, src_slots=ix, dst_base=buf.data_ptr(), row_bytes=rb,
+                       memory=MemoryKind.DEVICE)
+    torch.cuda.synchronize()
+    rows = pool[: slots * rb].view(slots, rb)
+    assert torch.equal(buf.view(n, rb), rows[torch.from_numpy(ix).cuda()])
+    back = torch.zeros_like(pool)
+    dix = torch.from_numpy(ix).cuda()
+    native.copy_rows(src_base=buf.data_ptr(), src_stride=rb, src_slots=None,
+                     dst_base=back.data_ptr(), dst_stride=rb, dst_slots=None, row_bytes=rb, n_rows=n,
+                     memory=MemoryKind.DEVICE)  # contiguous to contiguous
+    torch.cuda.synchronize()
+    assert torch.equal(back[: n * rb], buf)
+    back.zero_()
+    ident = torch.arange(n, dtype=torch.int64, device="cuda")
+    native.copy_rows(src_base=buf.data_ptr(), src_stride=rb, src_slots=native.DeviceIndex(ident.data_ptr()),
+                     dst_base=back.data_ptr(), dst_stride=rb, dst_slots=native.DeviceIndex(dix.data_ptr()),
+                     row_bytes=rb, n_rows=n, memory=MemoryKind.DEVICE)
+    torch.cuda.synchronize()
+    assert torch.equal(back[: slots * rb].view(slots, rb)[dix], buf.view(n, rb))
+
+
+def test_cuda_errors_carry_cuda_text() -> None:
+    from kvxfer import _native
+
+    with pytest.raises(_native.CopyError, match="cudaIpcOpenMemHandle"):
+        _native.ipc_open(0, b"\x01" * 64)
+    host = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(_native.CopyError):
+        _native.ipc_export(0, host.ctypes.data)
+    with pytest.raises(_native.CopyError, match="64 bytes"):
+        _native.ipc_open(0, b"short")
+    # The context is still usable after these refusals.
+    t = torch.ones(16, device="cuda")
+    assert float(t.sum()) == 16.0
+
+
+def test_ipc_export_names_the_allocation() -> None:
+    from kvxfer import _native
+
+    t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    handle, base, size = _native.ipc_export(0, t.data_ptr() + 4096)
+    assert len(handle) == 64 and base <= t.data_ptr() and t.data_ptr() + t.numel() <= base + size

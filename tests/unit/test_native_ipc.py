@@ -1,0 +1,112 @@
+"""The IPC backend's CPU-side parts: clean import and refusal without CUDA, the record
+channel between processes' sockets, and the mapping cache's close-after-quiescence rule."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer import native
+from kvxfer.backends.ipc_channel import Channel
+from kvxfer.backends.ipc_mappings import Export, Mappings
+from kvxfer.contract import CompletionRecord, RecordStatus
+from kvxfer.wire import decode_completion, encode_completion
+
+
+def test_backend_imports_and_refuses_without_cuda() -> None:
+    from kvxfer.backends.ipc import IpcBackend, IpcUnavailable
+
+    if native.info().cuda_usable:
+        pytest.skip("CUDA is usable here: tests/gpu/test_ipc.py covers the backend")
+    with pytest.raises(IpcUnavailable, match="needs kvxfer._native with CUDA") as err:
+        IpcBackend()
+    assert native.info().reason in str(err.value)
+
+
+def test_channel_delivers_frames_and_sees_peer_go() -> None:
+    a, b = Channel("a"), Channel("b")
+    try:
+        record = CompletionRecord("t1", a.path, "req", RecordStatus.DELIVERED, [np.array([True, False, True])])
+        big = b"x" * (3 << 20)  # several socket buffers' worth: framing must reassemble it
+        assert a.send(b.endpoint, encode_completion(record, b""))
+        sent: list[bool] = []
+        sender = threading.Thread(target=lambda: sent.append(a.send(b.endpoint, big)))
+        sender.start()  # it blocks until b reads: the peer's progress thread always does
+        got: list[bytes] = []
+        for _ in range(200):
+            frames, gone = b.wait(0.01)
+            got += frames
+            assert not gone
+            if len(got) == 2:
+                break
+        sender.join(10)
+        assert sent == [True]
+        assert len(got) == 2 and got[1] == big
+        back = decode_completion(got[0], b"")
+        assert back.transfer_id == "t1" and back.masks[0].tolist() == [True, False, True]
+        assert a.reachable(b.endpoint)
+        b.close()
+        assert not os.path.exists(b.path)
+        seen_gone: list[bytes] = []
+        for _ in range(100):
+            seen_gone += a.wait(0.01)[1]
+            if seen_gone:
+                break
+        assert seen_gone == [b.endpoint]
+        assert not a.send(b.endpoint, b"late")  # nobody listens any more
+        assert not a.reachable(b.endpoint)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_wake_interrupts_a_wait() -> None:
+    a = Channel("w")
+    try:
+        a.wake()
+        t0 = time.monotonic()
+        a.wait(5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        a.close()
+
+
+class FakeCuda:
+    """Stands in for the CUDA IPC calls (this machine has no GPU): records opens and closes."""
+
+    class CopyError(RuntimeError):
+        pass
+
+    def __init__(self) -> None:
+        self.opened: list[bytes] = []
+        self.closed: list[int] = []
+
+    def ipc_open(self, device: int, handle: bytes) -> int:
+        self.opened.append(handle)
+        return 0x1000 * len(self.opened)
+
+    def ipc_close(self, device: int, base: int) -> None:
+        self.closed.append(base)
+
+
+def test_mappings_open_once_and_close_only_when_unused() -> None:
+    cuda = FakeCuda()
+    maps = Mappings(cuda, 0)  # type: ignore[arg-type]
+    exp = Export(b"h" * 64, alloc_base=1 << 40, alloc_size=1 << 20)
+    m1 = maps.acquire(b"peer", exp)
+    m2 = maps.acquire(b"peer", exp)
+    assert m1 is m2 and cuda.opened == [exp.handle]
+    assert m1.translate((1 << 40) + 4096, 4096) == m1.base + 4096
+    assert m1.translate((1 << 40) + (1 << 20) - 10, 4096) is None  # past the allocation
+    maps.release(m1)
+    maps.peer_gone(b"peer")
+    assert cuda.closed == []  # one copy is still in flight on it
+    with pytest.raises(RuntimeError, match="gone"):
+        maps.acquire(b"peer", exp)
+    maps.release(m2)
+    assert cuda.closed == [m1.base] and len(maps) == 0
+    assert Export.unpack(exp.pack(), "r") == exp
