@@ -1,0 +1,1 @@
+"""kvxfer.router: the embeddable asyncio router and ``kvxfer router``."""

@@ -1,0 +1,249 @@
+"""A minimal HTTP/1.1 server and client on asyncio streams (standard library only).
+
+Only what the control plane needs: every exchange is one request on its own connection
+(``Connection: close``), JSON bodies with Content-Length, and streamed responses as
+newline-delimited JSON written until the server closes the connection. Loopback
+connections are cheap, and one connection per exchange means no keep-alive state, no
+chunked decoding, and a dead peer shows up as a refused or cut connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.contract import KvxferError
+
+MAX_HEADER = 64 << 10
+MAX_BODY = 64 << 20
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
+           413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+class HttpError(KvxferError):
+    """A request could not be completed: refused, cut, timed out, or an error status."""
+
+    def __init__(self, message: str, status: int = 0, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.unreachable = unreachable  # the peer refused or cut the connection: likely dead
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        if not self.body:
+            return {}
+        try:
+            return json.loads(self.body)
+        except ValueError as exc:
+            raise BadRequest(f"body is not JSON: {exc}") from None
+
+
+class BadRequest(KvxferError):
+    """The client sent something malformed; answered with 400 and this message."""
+
+
+@dataclass
+class Response:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+    stream: AsyncIterator[bytes] | None = field(default=None)
+
+    @classmethod
+    def json(cls, data: Any, status: int = 200) -> Response:
+        return cls(status, json.dumps(data).encode())
+
+    @classmethod
+    def ndjson(cls, events: AsyncIterator[dict[str, Any]]) -> Response:
+        async def lines() -> AsyncIterator[bytes]:
+            async for event in events:
+                yield json.dumps(event).encode() + b"\n"
+        return cls(200, b"", "application/x-ndjson", lines())
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+async def _read_request(reader: asyncio.StreamReader) -> Request:
+    head = await reader.readuntil(b"\r\n\r\n")
+    if len(head) > MAX_HEADER:
+        raise BadRequest("header too large")
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        method, path, _ = lines[0].split(" ", 2)
+    except ValueError:
+        raise BadRequest(f"malformed request line {lines[0]!r}") from None
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    length = int(headers.get("content-length", "0") or 0)
+    if length > MAX_BODY:
+        raise BadRequest(f"body of {length} bytes is over {MAX_BODY}")
+    body = await reader.readexactly(length) if length else b""
+    return Request(method.upper(), path.split("?", 1)[0], headers, body)
+
+
+def _head(status: int, content_type: str, length: int | None) -> bytes:
+    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}", f"Content-Type: {content_type}",
+             "Connection: close", "Cache-Control: no-store"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+class HttpServer:
+    """Serves ``handler`` on 127.0.0.1 (port 0 = ephemeral; read ``port`` after ``start``)."""
+
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._handler = handler
+        self._host, self._port = host, port
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        self._port = self._server.sockets[0].getsockname()[1]
+        return self._port
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            try:
+                request = await _read_request(reader)
+                response = await self._handler(request)
+            except BadRequest as exc:
+                response = Response.json({"error": str(exc)}, 400)
+            except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+                return
+            if response.stream is None:
+                writer.write(_head(response.status, response.content_type, len(response.body)) + response.body)
+            else:
+                writer.write(_head(response.status, response.content_type, None))
+                async for chunk in response.stream:
+                    writer.write(chunk)
+                    await writer.drain()
+            await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            if task is not None:
+                self._tasks.discard(task)
+
+
+async def _open(url: str, method: str, path: str, body: Any, timeout: float
+                ) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
+    host, _, port = url.removeprefix("http://").rstrip("/").partition(":")
+    data = b"" if body is None else json.dumps(body).encode()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise HttpError(f"{url}: cannot connect: {exc or type(exc).__name__}", unreachable=True) from None
+    head = (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+    try:
+        writer.write(head + data)
+        await writer.drain()
+        status_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        writer.close()
+        raise HttpError(f"{url}{path}: connection cut before a response: {exc}", unreachable=True) from None
+    except asyncio.TimeoutError:
+        writer.close()
+        raise HttpError(f"{url}{path}: no response within {timeout:.1f}s") from None
+    status = int(status_head.split(b" ", 2)[1])
+    return status, reader, writer
+
+
+async def request_json(url: str, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
+    """One JSON exchange; raises HttpError on a refused/cut connection, timeout or status >= 400."""
+    status, reader, writer = await _open(url, method, path, body, timeout)
+    try:
+        data = await asyncio.wait_for(reader.read(), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise HttpError(f"{url}{path}: response cut or late: {exc or 'timeout'}", unreachable=True) from None
+    finally:
+        writer.close()
+    return _decode(url, path, status, data)
+
+
+def _decode(url: str, path: str, status: int, data: bytes) -> Any:
+    try:
+        payload = json.loads(data) if data else {}
+    except ValueError:
+        payload = {"error": data[:200].decode("latin-1")}
+    if status >= 400:
+        message = payload.get("error", "") if isinstance(payload, dict) else ""
+        raise HttpError(f"{url}{path}: HTTP {status}: {message}", status)
+    return payload
+
+
+async def request_text(url: str, path: str, timeout: float = 10.0) -> str:
+    status, reader, writer = await _open(url, "GET", path, None, timeout)
+    try:
+        data = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    if status >= 400:
+        raise HttpError(f"{url}{path}: HTTP {status}", status)
+    return data.decode()
+
+
+async def stream_json(url: str, path: str, body: Any, timeout: float, idle_timeout: float
+                      ) -> AsyncIterator[dict[str, Any]]:
+    """POST ``body`` and yield each NDJSON event as it arrives.
+
+    ``idle_timeout`` bounds the wait for each event; a connection cut before the stream's
+    own end (an event with ``"final": true``) raises HttpError(unreachable=True).
+    """
+    status, reader, writer = await _open(url, "POST", path, body, timeout)
+    try:
+        if status >= 400:
+            data = await asyncio.wait_for(reader.read(), timeout)
+            _decode(url, path, status, data)
+        while True:
+            try:
+                line = await asyncio.wait_for(reader.readline(), idle_timeout)
+            except asyncio.TimeoutError:
+                raise HttpError(f"{url}{path}: no event within {idle_timeout:.1f}s") from None
+            except OSError as exc:
+                raise HttpError(f"{url}{path}: stream cut: {exc}", unreachable=True) from None
+            if not line:
+                raise HttpError(f"{url}{path}: stream ended before its final event", unreachable=True)
+            event = json.loads(line)
+            yield event
+            if event.get("final"):
+                return
+    finally:
+        writer.close()

@@ -1,0 +1,1 @@
+"""kvxfer.worker: the prefill/decode worker process (``kvxfer serve``)."""

@@ -1,0 +1,82 @@
+"""The worker's HTTP control API (JSON in and out; hints as base64 of msgpack bytes).
+
+    GET  /health                      -> {"status": "ok", "role": ..., ...}
+    GET  /metrics                     -> Prometheus text
+    POST /prefill  {request, prompt}  -> {"token": first, "compute_s": ...}          (prefill)
+    POST /publish  {request, hint}    -> NDJSON: published {hint}, transfer {...}     (prefill)
+    POST /reserve  {request, prompt, max_new_tokens} -> {"hint": ...}               (decode)
+    POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, peer_dead?}
+                                      -> NDJSON: resume {...}, token {index, token}..., done | error   (decode)
+    POST /abort    {request, peer_dead?} -> {"dropped": "held" | "reserved" | null}
+
+Streams end with an event holding ``"final": true``; a stream cut before it means the
+worker went away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvxfer.contract import KvxferError
+from kvxfer.router.http import BadRequest, Request, Response
+from kvxfer.wire import WireError
+from kvxfer.worker.core import Worker
+
+log = logging.getLogger(__name__)
+
+
+def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
+    async def handle(request: Request) -> Response:
+        endpoint = request.path.strip("/") or "health"
+        try:
+            response = await _route(worker, endpoint, request)
+            worker.m_requests.inc(endpoint=endpoint, result="ok")
+            return response
+        except (BadRequest, WireError) as exc:
+            worker.m_requests.inc(endpoint=endpoint, result="bad_request")
+            return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 400)
+        except KvxferError as exc:
+            worker.m_requests.inc(endpoint=endpoint, result="refused")
+            return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 409)
+        except Exception as exc:  # answer, log and keep serving: one bad request must not kill the worker
+            log.exception("worker %s: %s failed", worker.name, endpoint)
+            worker.m_requests.inc(endpoint=endpoint, result="error")
+            return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 500)
+    return handle
+
+
+async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
+    if request.method == "GET":
+        if endpoint == "health":
+            return Response.json(worker.health())
+        if endpoint == "metrics":
+            return Response(200, (await worker.metrics_text()).encode(), "text/plain; version=0.0.4")
+        return Response.json({"error": f"no GET /{endpoint}"}, 404)
+    if request.method != "POST":
+        return Response.json({"error": f"method {request.method} not allowed"}, 405)
+    body = request.json()
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    if endpoint == "prefill":
+        return Response.json(await worker.prefill(body))
+    if endpoint == "reserve":
+        return Response.json(await worker.reserve(body))
+    if endpoint == "abort":
+        return Response.json(await worker.abort(body))
+    if endpoint == "publish":
+        return Response.ndjson(_guard(worker, await worker.publish(body)))
+    if endpoint == "generate":
+        return Response.ndjson(_guard(worker, await worker.generate(body)))
+    return Response.json({"error": f"no POST /{endpoint}"}, 404)
+
+
+async def _guard(worker: Worker, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Once streaming, an error becomes a final error event (the status line is already sent)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        log.exception("worker %s: stream failed", worker.name)
+        yield {"event": "error", "final": True, "error": f"{type(exc).__name__}: {exc}"}

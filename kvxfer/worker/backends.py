@@ -1,0 +1,34 @@
+"""Choose a worker's backend by name. kvxfer has no transport of its own here: each name is
+one of ``kvxfer.backends``.
+
+- ``nixl`` (default): NIXL over UCX; host memory between processes on this machine, GPU
+  memory where CUDA is present.
+- ``ipc``: CUDA IPC between processes sharing a node's GPU (needs CUDA and the native module).
+- ``loopback``: the in-process reference; it only connects backends of one process, so it
+  serves in-process workers (tests and ``examples/router_embed.py``), never ``kvxfer serve``.
+"""
+
+from __future__ import annotations
+
+from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
+from kvxfer.contract import Backend, TransferMode
+
+BACKENDS = ("nixl", "ipc", "loopback")
+
+
+def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
+                 fabric: LoopbackFabric | None = None, device: int = 0) -> Backend:
+    if kind == "nixl":
+        from kvxfer.backends.nixl import NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
+
+        return NixlBackend(name, mode, deadline_s=deadline_s)
+    if kind == "ipc":
+        from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
+
+        return IpcBackend(name, mode, device=device, deadline_s=deadline_s)
+    if kind == "loopback":
+        if fabric is None:
+            raise ValueError("the loopback backend connects backends of one process only: pass a LoopbackFabric "
+                             "shared by in-process workers, or use --backend nixl between processes")
+        return LoopbackBackend(fabric, name, mode, deadline_s=deadline_s)
+    raise ValueError(f"unknown backend {kind!r}: choose one of {', '.join(BACKENDS)}")

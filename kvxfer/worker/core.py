@@ -1,0 +1,610 @@
+"""A prefill or decode worker: one model, one pool, one lender, one backend.
+
+Everything that touches the pool, the lender, the backend or the model runs on one
+engine thread (a single-thread executor): the pool is not thread-safe, and a backend's
+methods must come from one call sequence. The asyncio side only waits: for the engine
+thread's jobs, and for attempts, whose ``wake`` callbacks set asyncio events.
+
+Flows (DESIGN.md section 5), the router carrying the opaque hint bytes:
+
+- decode ``reserve``: allocate, ``lend_write`` the prompt's rows, ``describe`` -> hint D.
+- prefill ``prefill``: allocate, run the prompt, keep its K/V, answer the first token.
+- prefill ``publish``: ``lend_read``, ``describe`` -> hint P (streamed at once), then
+  ``publish(view_P, hint_D)``, stream the outcome, release, free.
+- decode ``generate``: ``fetch(view_D, hint_P)``, ``mark_arrived(masks)``, release, then
+  ``readiness()``: resume at ``usable_until`` and recompute the rest (policy recompute) or
+  refuse (policy fail); then decode token by token, streaming.
+
+A reservation whose rows a peer may still write (no hint P came, and the prefill worker
+is not known dead) is quarantined: its lease is never released, so its blocks are never
+reused. That is the only safe answer when nobody can prove the peer stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvxfer.backends.loopback import LoopbackFabric
+from kvxfer.contract import Attempt, Backend, Cancelled, Delivered, Failed, Outcome, TransferMode, View
+from kvxfer.engine import LlamaModel, ModelConfig, tokens_needed
+from kvxfer.lender import InPlaceLender, Lease, Lender, StagingLender
+from kvxfer.pool import PagedKVPool
+from kvxfer.router.http import BadRequest
+from kvxfer.router.metrics import Registry
+from kvxfer.wire import decode_hint, encode_hint
+from kvxfer.worker.backends import make_backend
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+ROLES = ("prefill", "decode")
+POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    num_blocks: int = 2048
+    backend: str = "nixl"
+    mode: TransferMode = TransferMode.PUSH
+    lender: str = "inplace"
+    transfer_timeout_s: float = 30.0
+    hold_s: float = 120.0
+    prefix_cache: bool = True
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.lender not in ("inplace", "staging"):
+            raise ValueError(f"lender must be 'inplace' or 'staging', got {self.lender!r}")
+
+
+def reason_label(outcome: Outcome | None, reason: str = "") -> str:
+    """A short, bounded label for metrics (the full reason goes to logs and responses)."""
+    if isinstance(outcome, Cancelled):
+        return "cancelled_by_peer" if outcome.by_peer else "cancelled"
+    text = (reason or (outcome.reason if isinstance(outcome, Failed) else "")).lower()
+    for words, label in ((("dead", "disconnect", "gone", "unreachable"), "peer_gone"),
+                         (("deadline", "timeout", "timed out"), "timeout"), (("inject",), "injected")):
+        if any(w in text for w in words):
+            return label
+    return "transfer_error"
+
+
+def outcome_bytes(view: View, outcome: Outcome) -> int:
+    return sum(int(m.sum()) * g.region.slot_bytes for g, m in zip(view.groups, outcome.masks))
+
+
+def _status(outcome: Outcome) -> str:
+    return {Delivered: "delivered", Failed: "failed", Cancelled: "cancelled"}[type(outcome)]
+
+
+@dataclass(eq=False)
+class _Held:
+    """A prefill request whose K/V waits for a publish."""
+
+    prompt: list[int]
+    first: int
+    since: float
+    busy: bool = False
+
+
+@dataclass(eq=False)
+class _Reserved:
+    """A decode reservation: its write lease and the view behind hint D."""
+
+    prompt: list[int]
+    max_new: int
+    lease: Lease
+    view: View
+    since: float
+    busy: bool = False
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, *, model: LlamaModel | None = None,
+                 fabric: LoopbackFabric | None = None) -> None:
+        self.config = config
+        self.role = config.role
+        self.model = model if model is not None else LlamaModel(config.model)
+        self.name = config.name or f"{config.role}"
+        self._fabric = fabric
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.name}-engine")
+        self.pool: PagedKVPool | None = None
+        self.lender: Lender | None = None
+        self.backend: Backend | None = None
+        self._held: dict[str, _Held] = {}
+        self._reserved: dict[str, _Reserved] = {}
+        self._quarantined: list[Lease] = []
+        self._quarantined_count = 0
+        self._active = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+        self._metrics()
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._run(self._build)
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    def _build(self) -> None:
+        cfg = self.config
+        self.pool = cfg.model.make_pool(cfg.num_blocks, name=f"{self.name}-kv")
+        if cfg.lender == "staging":
+            row = cfg.model.group_spec().row_bytes
+            self.lender = StagingLender(self.pool, fetch_tokens=cfg.model.max_positions, max_fetches=8,
+                                        max_bytes=max(cfg.num_blocks // 2, 1) * row)
+        else:
+            self.lender = InPlaceLender(self.pool)
+        backend_name = f"kvxfer-{self.name}" if cfg.backend != "nixl" else ""
+        self.backend = make_backend(cfg.backend, cfg.mode, name=backend_name or _nixl_name(self.name),
+                                    deadline_s=cfg.transfer_timeout_s, fabric=self._fabric)
+        self.backend.register(self.lender.regions)
+
+    async def close(self) -> dict[str, int]:
+        """Stop: release what is safe, shut the backend and lender down, stop the engine thread."""
+        if self._closed:
+            return {}
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        report = await self._run(self._teardown)
+        self._exec.shutdown(wait=True)
+        return report
+
+    def _teardown(self) -> dict[str, int]:
+        for r in list(self._reserved.values()):
+            self._quarantine(r)  # a peer may hold hint D: never reuse
+        self._reserved.clear()
+        self._held.clear()
+        unquiesced = len(self.backend.shutdown()) if self.backend is not None else 0
+        retained = 0
+        if self.lender is not None:
+            report = self.lender.shutdown(force=True)
+            retained = sum(int(b.size) for b in report.retained_blocks.values())
+        return {"unquiesced_attempts": unquiesced, "retained_blocks": retained}
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._exec, fn, *args)
+
+    # --- waiting for attempts ---------------------------------------------------------------
+    def _waker(self) -> tuple[asyncio.Event, Callable[[], None]]:
+        event = asyncio.Event()
+        loop = self._loop
+        assert loop is not None
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # loop closed during shutdown: nobody waits any more
+                pass
+        return event, wake
+
+    async def _await(self, attempt: Attempt, event: asyncio.Event, timeout: float,
+                     done: Callable[[Attempt], bool]) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done(attempt):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            event.clear()
+            if done(attempt):
+                break
+            try:
+                # Wake-ups are the fast path; the short poll bounds a missed one.
+                await asyncio.wait_for(event.wait(), min(left, 0.05))
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    async def _settle(self, attempt: Attempt, event: asyncio.Event, timeout: float) -> Outcome:
+        """The attempt's outcome; on timeout cancel it and wait a grace period for the end."""
+        if not await self._await(attempt, event, timeout, lambda a: a.poll() is not None):
+            await self._run(attempt.cancel)
+            await self._await(attempt, event, 5.0, lambda a: a.poll() is not None)
+        outcome = attempt.poll()
+        if outcome is None:
+            raise RuntimeError("attempt did not conclude within its deadline and the cancel grace period")
+        return outcome
+
+    # --- health and metrics ----------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok" if not self._closed else "closing", "role": self.role, "name": self.name,
+                "backend": self.config.backend, "mode": self.config.mode.value,
+                "scope": self.config.model.scope().hex()[:24], "active": self._active,
+                "held": len(self._held), "reserved": len(self._reserved)}
+
+    def _metrics(self) -> None:
+        r = self.metrics = Registry()
+        self.m_requests = r.counter("kvxfer_worker_requests_total", "Control API calls, by endpoint and result.")
+        self.m_transfers = r.counter("kvxfer_transfers_total", "Transfers concluded, by status.")
+        self.m_bytes = r.counter("kvxfer_transfer_bytes_total", "Bytes delivered by transfers.")
+        self.m_rows = r.counter("kvxfer_transfer_rows_total", "Rows delivered by transfers.")
+        self.m_failures = r.counter("kvxfer_transfer_failures_total", "Transfers that failed, by reason.")
+        self.m_recomputed = r.counter("kvxfer_recomputed_tokens_total", "Prompt tokens recomputed after a transfer.")
+        self.m_tokens = r.counter("kvxfer_generated_tokens_total", "Tokens produced by this worker.")
+        self.m_latency = r.histogram("kvxfer_transfer_seconds", "Submission to outcome, per transfer.")
+        self.m_prefill = r.histogram("kvxfer_prefill_seconds", "Prompt forward pass time.")
+        self.m_step = r.histogram("kvxfer_decode_step_seconds", "One decode step.")
+        self.g_leases = r.gauge("kvxfer_open_leases", "Leases not yet released.")
+        self.g_quarantined = r.gauge("kvxfer_quarantined_slots",
+                                     "Rows never reused again (a peer may still touch them).")
+        self.g_blocks = r.gauge("kvxfer_pool_blocks", "Pool blocks by state.")
+        self.g_active = r.gauge("kvxfer_worker_active_streams", "Publish or generate streams in progress.")
+
+    async def metrics_text(self) -> str:
+        """Gauges are read on the engine thread (lender and pool are not thread-safe)."""
+        if not self._closed:
+            snapshot = await self._run(self._gauges)
+            for key, value in snapshot.items():
+                gauge, labels = key
+                gauge.set(value, **dict(labels))
+        self.g_active.set(float(self._active))
+        return self.metrics.render()
+
+    def _gauges(self) -> dict[tuple[Any, tuple[tuple[str, str], ...]], float]:
+        out: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = {}
+        lender = self.lender
+        out[(self.g_leases, ())] = float(lender.open_leases if lender is not None else 0)
+        rows = self._quarantined_count
+        if isinstance(lender, StagingLender):
+            rows += sum(s.quarantined for s in lender.stats().regions.values())
+        out[(self.g_quarantined, ())] = float(rows)
+        if self.pool is not None:
+            for group, stats in self.pool.stats().items():
+                for state, value in stats.items():
+                    out[(self.g_blocks, (("group", group), ("state", state)))] = float(value)
+        return out
+
+    def _quarantine(self, reserved: _Reserved) -> None:
+        self._quarantined.append(reserved.lease)
+        self._quarantined_count += reserved.view.rows
+
+    def _count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:
+        status = _status(outcome)
+        self.m_transfers.inc(status=status)
+        nbytes = outcome_bytes(view, outcome)
+        self.m_bytes.inc(nbytes)
+        self.m_rows.inc(outcome.rows_delivered)
+        self.m_latency.observe(seconds)
+        reason = outcome.reason if isinstance(outcome, Failed) else ""
+        if not isinstance(outcome, Delivered):
+            self.m_failures.inc(reason=reason_label(outcome))
+        return {"status": status, "reason": reason, "rows": view.rows, "rows_delivered": outcome.rows_delivered,
+                "bytes": nbytes, "seconds": seconds}
+
+    # --- prefill -----------------------------------------------------------------------------
+    def _need(self, role: str) -> None:
+        if self.role != role:
+            raise BadRequest(f"this is a {self.role} worker; that endpoint belongs to a {role} worker")
+        if self._closed:
+            raise BadRequest("worker is shutting down")
+
+    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._need("prefill")
+        rid, prompt = _request_id(body), _prompt(body, self.config.model)
+        if rid in self._held:
+            raise BadRequest(f"request {rid!r} is already held here")
+        start = time.perf_counter()
+        first = await self._run(self._prefill_sync, rid, prompt)
+        seconds = time.perf_counter() - start
+        self.m_prefill.observe(seconds)
+        self.m_tokens.inc()
+        self._held[rid] = _Held(prompt, first, time.monotonic())
+        return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt)}
+
+    def _prefill_sync(self, rid: str, prompt: list[int]) -> int:
+        assert self.pool is not None
+        self.pool.allocate(rid, len(prompt))
+        try:
+            return self.model.next_token(self.pool, rid, prompt, 0)
+        except BaseException:
+            self.pool.free(rid)
+            raise
+
+    async def publish(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self._need("prefill")
+        rid = _request_id(body)
+        held = self._held.get(rid)
+        if held is None or held.busy:
+            raise BadRequest(f"request {rid!r} is not held here (never prefilled, already published, or expired)")
+        hint_d = _hint(body, "hint")
+        held.busy = True
+        event, wake = self._waker()
+        try:
+            lease, view, hint_p, attempt, submitted = await self._run(self._publish_sync, rid, len(held.prompt),
+                                                                      hint_d, wake)
+        except BaseException:
+            self._held.pop(rid, None)
+            await self._run(self._free, rid)
+            raise
+        return self._publish_events(rid, lease, view, hint_p, attempt, submitted, event)
+
+    def _publish_sync(self, rid: str, n: int, hint_d: Any, wake: Callable[[], None]
+                      ) -> tuple[Lease, View, bytes, Attempt, float]:
+        assert self.lender is not None and self.backend is not None
+        lease = self.lender.lend_read(rid, (0, n))
+        try:
+            view = lease.view()
+            if view is None:
+                raise RuntimeError(f"read lease of {rid!r} is not ready (staging copy pending)")
+            hint_p = encode_hint(self.backend.describe(view))
+            submitted = time.perf_counter()
+            attempt = self.backend.publish(view, hint_d, wake)
+        except BaseException:
+            lease.release()
+            raise
+        lease.track(attempt)
+        return lease, view, hint_p, attempt, submitted
+
+    async def _publish_events(self, rid: str, lease: Lease, view: View, hint_p: bytes, attempt: Attempt,
+                              submitted: float, event: asyncio.Event) -> AsyncIterator[dict[str, Any]]:
+        self._active += 1
+        try:
+            yield {"event": "published", "hint": base64.b64encode(hint_p).decode(), "rows": view.rows}
+            outcome = await self._settle(attempt, event, self.config.transfer_timeout_s)
+            figures = self._count_transfer(view, outcome, time.perf_counter() - submitted)
+            yield {"event": "transfer", "final": True, **figures}
+        finally:
+            self._active -= 1
+            self._held.pop(rid, None)
+            if attempt.poll() is None:  # the router went away mid-transfer
+                await self._run(attempt.cancel)
+            await self._run(self._release_and_free, lease, rid)
+
+    def _release_and_free(self, lease: Lease, rid: str) -> None:
+        lease.release()  # memory stays pinned until the tracked attempt is quiesced
+        self._free(rid)
+
+    def _free(self, rid: str) -> None:
+        assert self.pool is not None
+        if self.pool.has(rid):
+            self.pool.free(rid)
+
+    # --- decode ------------------------------------------------------------------------------
+    async def reserve(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._need("decode")
+        rid, prompt = _request_id(body), _prompt(body, self.config.model)
+        max_new = _positive(body, "max_new_tokens")
+        if rid in self._reserved:
+            raise BadRequest(f"request {rid!r} is already reserved here")
+        hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new)
+        self._reserved[rid] = _Reserved(prompt, max_new, lease, view, time.monotonic())
+        return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows, "reused_tokens": reused}
+
+    def _reserve_sync(self, rid: str, prompt: list[int], max_new: int) -> tuple[bytes, Lease, View, int]:
+        assert self.pool is not None and self.lender is not None and self.backend is not None
+        need = tokens_needed(len(prompt), max_new)
+        if need > self.config.model.max_positions:
+            raise BadRequest(f"prompt plus completion is {need} tokens, over max_positions "
+                             f"{self.config.model.max_positions}")
+        # Share cached full blocks of the prompt except its last token: at least one row
+        # always moves, so every request has a transfer whose outcome says it is complete.
+        ids = prompt[:-1] if self.config.prefix_cache else None
+        reused = self.pool.allocate(rid, need, token_ids=ids)
+        lease = None
+        try:
+            lease = self.lender.lend_write(rid, (0, len(prompt)))
+            view = lease.view()
+            if view is None:
+                raise BadRequest("no staging slots free for this reservation now; retry later")
+            hint = encode_hint(self.backend.describe(view))
+        except BaseException:
+            if lease is not None:
+                lease.release()  # no hint went out: nothing can touch these rows
+            self.pool.free(rid)
+            raise
+        return hint, lease, view, reused
+
+    async def abort(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Drop a held prefill or a decode reservation. ``peer_dead`` (decode): the prefill
+        worker is known gone, so the rows can be reused; otherwise they are quarantined."""
+        rid = _request_id(body)
+        if self._held.pop(rid, None) is not None:
+            await self._run(self._free, rid)
+            return {"request": rid, "dropped": "held"}
+        reserved = self._reserved.get(rid)
+        if reserved is not None and not reserved.busy:
+            del self._reserved[rid]
+            await self._run(self._drop_reservation, rid, reserved, bool(body.get("peer_dead", False)))
+            return {"request": rid, "dropped": "reserved"}
+        return {"request": rid, "dropped": None}
+
+    def _drop_reservation(self, rid: str, reserved: _Reserved, peer_dead: bool) -> None:
+        if peer_dead:
+            reserved.lease.release()
+        else:
+            self._quarantine(reserved)
+        self._free(rid)
+
+    async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self._need("decode")
+        rid = _request_id(body)
+        policy = body.get("on_failure", "fail")
+        if policy not in POLICIES:
+            raise BadRequest(f"on_failure must be one of {POLICIES}, got {policy!r}")
+        timeout = float(body.get("timeout_s", self.config.transfer_timeout_s))
+        reserved = self._reserved.get(rid)
+        if reserved is not None:
+            if reserved.busy:
+                raise BadRequest(f"request {rid!r} is already generating")
+            reserved.busy = True
+            hint_p = _hint(body, "hint") if body.get("hint") else None
+            first = body.get("first_token")
+            if hint_p is not None and not isinstance(first, int):
+                raise BadRequest("generate with a hint needs first_token (the prefill worker's token)")
+            return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, hint_p, first, policy,
+                                       timeout, bool(body.get("peer_dead", False)))
+        prompt = _prompt(body, self.config.model)
+        if body.get("hint"):
+            raise BadRequest(f"request {rid!r} has no reservation here: reserve before generating with a hint")
+        return self._decode_events(rid, prompt, _positive(body, "max_new_tokens"), None, None, None, policy,
+                                   timeout, True)
+
+    async def _decode_events(self, rid: str, prompt: list[int], max_new: int, reserved: _Reserved | None,
+                             hint_p: Any, first: int | None, policy: str, timeout: float,
+                             peer_dead: bool) -> AsyncIterator[dict[str, Any]]:
+        self._active += 1
+        n = len(prompt)
+        name = rid
+        try:
+            transfer: dict[str, Any] | None = None
+            if reserved is not None and hint_p is not None:
+                transfer = await self._fetch(rid, reserved, hint_p, timeout)
+            elif reserved is not None:
+                # No hint P: the prefill side failed before publishing. Unless it is known
+                # dead, it may still write into our rows: quarantine them and start afresh.
+                await self._run(self._drop_reservation, rid, reserved, peer_dead)
+                name = f"{rid}#local"
+                reserved = None
+                first = None
+            if reserved is None:
+                await self._run(self._allocate_local, name, prompt, max_new)
+            position = await self._run(self._usable, name, n)
+            if position < n and transfer is not None and policy == "fail":
+                yield {"event": "error", "final": True, "transfer": transfer,
+                       "error": f"transfer {transfer['status']}: {transfer['rows_delivered']} of {transfer['rows']} "
+                                f"rows arrived ({transfer['reason'] or 'incomplete'}); policy is fail"}
+                return
+            yield {"event": "resume", "position": position, "recompute_tokens": n - position, "transfer": transfer}
+            index = 0
+            if position < n or first is None:
+                start = time.perf_counter()
+                local = await self._run(self.model.next_token, self.pool, name, prompt[position:], position)
+                self.m_prefill.observe(time.perf_counter() - start)
+                self.m_recomputed.inc(n - position)
+                self.m_tokens.inc()
+                if first is not None and local != first:
+                    yield {"event": "error", "final": True,
+                           "error": f"recomputed first token {local} differs from the prefill worker's {first}"}
+                    return
+                first = local
+                yield {"event": "token", "index": 0, "token": first}
+            token = first
+            for index in range(1, max_new):
+                start = time.perf_counter()
+                token = await self._run(self.model.next_token, self.pool, name, [token], n + index - 1)
+                self.m_step.observe(time.perf_counter() - start)
+                self.m_tokens.inc()
+                yield {"event": "token", "index": index, "token": token}
+            yield {"event": "done", "final": True, "tokens": max_new}
+        finally:
+            self._active -= 1
+            self._reserved.pop(rid, None)
+            await self._run(self._finish, name, prompt)
+
+    async def _fetch(self, rid: str, reserved: _Reserved, hint_p: Any, timeout: float) -> dict[str, Any]:
+        event, wake = self._waker()
+        submitted = time.perf_counter()
+        attempt = await self._run(self._fetch_sync, reserved, hint_p, wake)
+        try:
+            outcome = await self._settle(attempt, event, timeout)
+        except RuntimeError:
+            # Never concluded: the lease stays open (quarantined); recompute elsewhere in the pool.
+            self._quarantine(reserved)
+            raise
+        figures = self._count_transfer(reserved.view, outcome, time.perf_counter() - submitted)
+        await self._run(self._arrive, reserved, outcome)
+        # Decoding writes into the prompt's last block, which the lease pins until the
+        # attempt is quiesced: wait for that (the backend wakes us) before going on.
+        if not await self._await(attempt, event, 10.0, lambda a: a.quiesced()):
+            raise RuntimeError(f"request {rid!r}: the fetch attempt concluded but did not quiesce within 10s")
+        return figures
+
+    def _fetch_sync(self, reserved: _Reserved, hint_p: Any, wake: Callable[[], None]) -> Attempt:
+        assert self.backend is not None
+        attempt = self.backend.fetch(reserved.view, hint_p, wake)
+        reserved.lease.track(attempt)
+        return attempt
+
+    def _arrive(self, reserved: _Reserved, outcome: Outcome) -> None:
+        reserved.lease.mark_arrived(outcome.masks)
+        reserved.lease.release()
+
+    def _allocate_local(self, name: str, prompt: list[int], max_new: int) -> None:
+        assert self.pool is not None
+        self.pool.allocate(name, tokens_needed(len(prompt), max_new),
+                           token_ids=prompt[:-1] if self.config.prefix_cache else None)
+
+    def _usable(self, name: str, n: int) -> int:
+        assert self.lender is not None
+        bounds = self.lender.readiness(name)
+        return min(bounds.usable_until, n) if bounds is not None else 0
+
+    def _finish(self, name: str, prompt: list[int]) -> None:
+        assert self.pool is not None
+        if not self.pool.has(name):
+            return
+        if self.config.prefix_cache and self._usable(name, len(prompt)) >= len(prompt):
+            self.pool.commit(name, len(prompt), token_ids=prompt)  # full prompt blocks become shareable
+        self.pool.free(name)
+
+    # --- housekeeping ------------------------------------------------------------------------
+    async def _sweep(self) -> None:
+        """Drop prefills never published and reservations never generated, after hold_s."""
+        while True:
+            await asyncio.sleep(min(5.0, self.config.hold_s / 4))
+            now = time.monotonic()
+            for rid, held in list(self._held.items()):
+                if not held.busy and now - held.since > self.config.hold_s:
+                    self._held.pop(rid, None)
+                    await self._run(self._free, rid)
+            for rid, reserved in list(self._reserved.items()):
+                if not reserved.busy and now - reserved.since > self.config.hold_s:
+                    self._reserved.pop(rid, None)
+                    await self._run(self._drop_reservation, rid, reserved, False)
+
+
+def _nixl_name(role: str) -> str:
+    from kvxfer.backends.nixl import unique_agent_name  # noqa: PLC0415
+
+    return unique_agent_name(f"kvxfer-{role}")
+
+
+def _request_id(body: dict[str, Any]) -> str:
+    rid = body.get("request")
+    if not isinstance(rid, str) or not rid or len(rid) > 200 or "#" in rid:
+        raise BadRequest("'request' must be a non-empty string of at most 200 characters without '#'")
+    return rid
+
+
+def _prompt(body: dict[str, Any], model: ModelConfig) -> list[int]:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+        raise BadRequest("'prompt' must be a non-empty list of token ids")
+    if min(prompt) < 0 or max(prompt) >= model.vocab_size:
+        raise BadRequest(f"'prompt' token ids must lie in [0, {model.vocab_size})")
+    if len(prompt) > model.max_positions:
+        raise BadRequest(f"'prompt' has {len(prompt)} tokens, over max_positions {model.max_positions}")
+    return prompt
+
+
+def _positive(body: dict[str, Any], key: str) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest(f"'{key}' must be a positive integer")
+    return value
+
+
+def _hint(body: dict[str, Any], key: str) -> Any:
+    raw = body.get(key)
+    if not isinstance(raw, str):
+        raise BadRequest(f"'{key}' must be base64 of a msgpack hint")
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except ValueError:
+        raise BadRequest(f"'{key}' is not valid base64") from None
+    return decode_hint(data)  # WireError names what is wrong; the app answers 400

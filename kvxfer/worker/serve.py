@@ -1,0 +1,161 @@
+"""``kvxfer serve --role prefill|decode``: one worker process with its HTTP control API.
+
+It binds 127.0.0.1 on an ephemeral port (or ``--port``) and, once ready, prints one JSON
+line on stdout: ``{"event": "ready", "port": N, "url": ..., "role": ..., "pid": ...}`` (and
+writes it to ``--port-file`` if given), so a parent learns the port without races. Logs go
+to stderr. It stops on SIGTERM/SIGINT and, with ``--parent-watch``, when its stdin closes
+(the parent died), so no worker outlives the job that started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from kvxfer.contract import TransferMode
+from kvxfer.engine import LlamaModel, ModelConfig, load_checkpoint
+from kvxfer.router.http import HttpServer
+from kvxfer.worker.app import make_handler
+from kvxfer.worker.backends import BACKENDS
+from kvxfer.worker.core import Worker, WorkerConfig
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    d = ModelConfig()
+    g = parser.add_argument_group("model (both workers and the oracle must agree)")
+    g.add_argument("--layers", type=int, default=d.layers)
+    g.add_argument("--hidden", type=int, default=d.hidden)
+    g.add_argument("--heads", type=int, default=d.heads)
+    g.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    g.add_argument("--head-dim", type=int, default=d.head_dim)
+    g.add_argument("--intermediate", type=int, default=d.intermediate)
+    g.add_argument("--vocab", type=int, default=d.vocab_size)
+    g.add_argument("--block-tokens", type=int, default=d.block_tokens)
+    g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16", "float64"])
+    g.add_argument("--seed", type=int, default=d.seed, help="weight seed (seeded weights)")
+    g.add_argument("--checkpoint", default="",
+                   help="local Llama safetensors file or directory (with config.json); nothing is downloaded")
+
+
+def model_from_args(args: argparse.Namespace) -> LlamaModel:
+    if args.checkpoint:
+        config, weights = load_checkpoint(args.checkpoint, dtype=args.dtype, block_tokens=args.block_tokens)
+        return LlamaModel(config, weights)
+    return LlamaModel(ModelConfig(
+        vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+        head_dim=args.head_dim, intermediate=args.intermediate, block_tokens=args.block_tokens, dtype=args.dtype,
+        seed=args.seed))
+
+
+def model_args_list(args: argparse.Namespace) -> list[str]:
+    """The model flags as a command line (a parent hands its model to the workers it starts)."""
+    out = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+           "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim), "--intermediate",
+           str(args.intermediate), "--vocab", str(args.vocab), "--block-tokens", str(args.block_tokens),
+           "--dtype", args.dtype, "--seed", str(args.seed)]
+    return out + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
+
+
+def watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Set ``stop`` when stdin reaches EOF: the parent that holds its other end is gone."""
+    def run() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        try:
+            loop.call_soon_threadsafe(stop.set)
+        except RuntimeError:
+            pass
+    threading.Thread(target=run, name="kvxfer-parent-watch", daemon=True).start()
+
+
+def reserve_stdout() -> int:
+    """Keep stdout for the ready line alone: return a duplicate of it, and point fd 1 (and
+    Python's stdout) at stderr, so that libraries printing there (NIXL logs) neither mix
+    into the announcement nor fill a pipe that the parent stops reading."""
+    sys.stdout.flush()
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return fd
+
+
+def announce(info: dict[str, object], port_file: str, fd: int) -> None:
+    line = json.dumps(info)
+    if port_file:
+        tmp = Path(port_file + ".tmp")
+        tmp.write_text(line + "\n")
+        os.replace(tmp, port_file)  # atomic: a reader never sees half a line
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
+    model = model_from_args(args)
+    config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
+                          mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
+                          prefix_cache=not args.no_prefix_cache, name=args.name or args.role)
+    worker = Worker(config, model=model)
+    await worker.start()
+    server = HttpServer(make_handler(worker), args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        port = await server.start()
+        if args.parent_watch:
+            watch_stdin(loop, stop)
+        announce({"event": "ready", "role": args.role, "port": port, "url": f"http://{args.host}:{port}",
+                  "pid": os.getpid(), "backend": args.backend, "name": worker.name}, args.port_file, ready_fd)
+        await stop.wait()
+    finally:
+        await server.close()
+        report = await worker.close()
+        logging.getLogger("kvxfer.worker").info("worker %s stopped: %s", worker.name, report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer serve", description="Run a prefill or decode worker.")
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = ephemeral (announced on stdout)")
+    p.add_argument("--port-file", default="", help="also write the ready line here (atomically)")
+    p.add_argument("--name", default="")
+    p.add_argument("--backend", default="nixl", choices=[b for b in BACKENDS if b != "loopback"])
+    p.add_argument("--mode", default="push", choices=["push", "pull"])
+    p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
+    p.add_argument("--blocks", type=int, default=2048, help="pool blocks")
+    p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a transfer may take")
+    p.add_argument("--no-prefix-cache", action="store_true", help="decode: do not share cached prompt blocks")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 avoids oversubscription)")
+    p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
+    p.add_argument("--log-level", default="WARNING")
+    add_model_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    return asyncio.run(serve_worker(args, reserve_stdout()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
