@@ -39,6 +39,6 @@ class Progress:
         self.done += 1
 
     def finish(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\r\x1b[2K" + self.line("done") + "\n")
+        if self.enabled:
+            self.stream.write(("\r\x1b[2K" if self.tty else "") + self.line("done") + "\n")
             self.stream.flush()

@@ -58,7 +58,12 @@ def test_absent_requirements_and_device_memory_are_skipped_with_reasons() -> Non
     assert "ipc: skipped:" in render_text(result, evaluate(result))
 
 
-def test_a_case_that_fails_is_an_error_figure_and_the_run_goes_on() -> None:
+def test_a_case_that_fails_is_an_error_figure_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvxfer.bench import cases
+
+    real = cases.requirement_missing
+    monkeypatch.setattr(cases, "requirement_missing",
+                        lambda req: "probe says no" if req is Requirement.KVXFER_IPC else real(req))
     class Broken:
         def __init__(self, config: object) -> None:
             pass
@@ -78,7 +83,8 @@ def test_a_case_that_fails_is_an_error_figure_and_the_run_goes_on() -> None:
     result = run(cfg, specs=specs)
     broken = [f for f in result.figures if f.case == "broken"]
     assert broken and all(f.status == "error" and f.reason == "RuntimeError: wire cut" for f in broken)
-    assert all(f.status == "skipped" for f in result.figures if f.case == "absent")
+    absent = [f for f in result.figures if f.case == "absent"]
+    assert absent and all(f.status == "skipped" and f.reason == "probe says no" for f in absent)
     assert all(f.ok for f in result.figures if f.case == "local_copy")
 
 
