@@ -380,11 +380,12 @@ class Lender(abc.ABC):
         cap = pool.shrink_cap(lease.request, lease._epoch)
         end = lease.tokens.end if cap is None else min(lease.tokens.end, cap)
         spec = pool.group(group)
+        table = pool.block_table(lease.request, group)
         if spec.kind is CacheKind.STATE:
-            if cap is None or cap >= lease.tokens.end:
+            # Same slot (not a request of the same name allocated anew), and not shrunk below.
+            if table[0] == blocks[0] and (cap is None or cap >= lease.tokens.end):
                 pool.record_arrival(lease.request, group, ordinals, np.full(ordinals.size, lease.tokens.end))
             return
-        table = pool.block_table(lease.request, group)
         # Still the request's block at that ordinal (a shrink and regrow hands out new ones).
         inside = ordinals < table.size
         same = np.zeros(ordinals.size, dtype=np.bool_)

@@ -22,6 +22,8 @@ A model writes and reads K/V per layer:
 
 - ``pool.write_kv(req, group, layer, start, k, v)`` with ``k``/``v`` ``[n, kv_heads, head_dim]``
   for tokens ``[start, start + n)``; ``pool.read_kv(req, group, layer, start, end) -> (k, v)``.
+  ``write_kv`` refuses blocks shared with another request (no copy on write) and blocks a
+  lease holds (release the lease first).
 - Or directly: ``K, V = pool.layer_kv(group, layer)`` are ``[blocks, block_tokens, kv_heads,
   head_dim]`` views into the pool; ``pool.block_table(req, group)`` (numpy int64, by ordinal =
   block index in the request's sequence), ``pool.block_table_tensor(req, group)`` (torch int64 on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,8 @@ class Link:
     def close(self) -> None:
         assert not self.prefill.shutdown()
         assert not self.decode.shutdown()
+        names = {f"kvxfer-loopback-{self.prefill.name}", f"kvxfer-loopback-{self.decode.name}"}
+        assert not [t for t in threading.enumerate() if t.name in names], "a backend thread outlived shutdown"
 
 
 def link(lp: Lender, ld: Lender, mode: TransferMode = TransferMode.PUSH, fail_after_rows: int | None = None,

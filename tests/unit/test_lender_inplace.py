@@ -9,7 +9,7 @@ from test_lender_helpers import FULL, MLA, STATE, SWA, block_bytes, fill, link, 
 
 from kvxfer.contract import InvalidSubmission, TokenRange, TransferMode
 from kvxfer.lender import InPlaceLender, LeaseError, LenderBusy, LendingDisabled, ResumeBounds
-from kvxfer.pool import Layout, PagedKVPool
+from kvxfer.pool import Layout, PagedKVPool, PoolExhausted
 
 MIXES = {
     "full": ([FULL], Layout.BLOCK_MAJOR),
@@ -228,3 +228,41 @@ def test_shutdown_refuses_with_open_leases_and_force_retains() -> None:
     assert p.stats()["full"]["retained"] == 2 and p.stats()["full"]["free"] == 6
     with pytest.raises(LendingDisabled, match="shut down"):
         lp.lend_read("r", (0, 8))
+
+
+def test_prefix_naming_waits_for_write_lease_release() -> None:
+    _, d, _, ld = pools([FULL])
+    ids = np.arange(8)
+    d.allocate("r", 0)
+    write = ld.lend_write("r", (0, 8))
+    write.mark_arrived(write.view().row_masks(True))
+    d.commit("r", 8, ids)  # the engine names the blocks while the lease is still open
+    assert d.allocate("probe", 8, ids) == 0  # a late write could still land: not shareable yet
+    d.free("probe")
+    write.release()
+    assert d.allocate("again", 8, ids) == 8
+
+
+def test_eviction_skips_blocks_a_read_lease_pins() -> None:
+    p, _, lp, _ = pools([FULL], blocks=4)
+    fill(p, "r", 8, token_ids=np.arange(8))
+    lease = lp.lend_read("r", (0, 8))
+    p.free("r")  # named blocks, but pinned: neither cached nor free
+    assert p.stats()["full"]["cached"] == 0 and p.stats()["full"]["free"] == 2
+    with pytest.raises(PoolExhausted, match="needs 4 new blocks"):
+        p.allocate("big", 16)
+    lease.release()
+    assert p.stats()["full"]["cached"] == 2
+    assert p.allocate("again", 8, np.arange(8)) == 8  # the prefix survived until reuse
+
+
+def test_arrival_for_a_freed_then_reallocated_name_counts_nothing() -> None:
+    _, d, _, ld = pools([FULL, STATE], blocks=16)
+    d.allocate("r", 0)
+    write = ld.lend_write("r", (0, 8))
+    d.free("r")
+    d.allocate("r", 8)  # same name, new blocks (the leased ones are still pinned)
+    write.mark_arrived(write.view().row_masks(True))
+    write.release()
+    assert ld.readiness("r") == ResumeBounds(0, 0)
+    assert d.filled("r", "ssm").tolist() == [-1]
