@@ -1,5 +1,5 @@
 """Connected NIXL pairs for the conformance kit: both ends in this process, or the peer in a
-child process (``kvxfer.testing.subprocess_peer``), always over host memory."""
+child process (``ChildPairs``, over ``kvxfer.testing.subprocess_peer``), always over host memory."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
 from kvxfer.testing.memory import HostBuffer, HostRows
+from kvxfer.testing.subprocess_peer import SubprocessPeer
 
 _names = itertools.count()
 
@@ -57,23 +58,34 @@ def child_backend(mode: str, deadline_s: float = 10.0, **options: Any) -> tuple[
     return backend, memory, _injector(backend)
 
 
-def nixl_subprocess_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -> Pair:
-    """The backend under test here, its peer a NixlBackend in a child process."""
-    from kvxfer.testing.subprocess_peer import SubprocessPeer  # noqa: PLC0415 - avoids a cycle
+class ChildPairs:
+    """A ``make_pair`` factory whose peer is a NixlBackend in one child process, rebuilt for
+    each pair (a fresh child per pair costs seconds on a busy 2-core machine). ``close()``
+    ends the child."""
 
-    local_mem = host_rows(LOCAL_BUFFERS)
-    local = make_backend(mode, local_mem, deadline_s=deadline_s, **options)
-    try:
-        peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
-                              {"mode": mode.value, "deadline_s": deadline_s, **options})
-    except BaseException:
-        local.shutdown()
-        raise
+    def __init__(self, *, deadline_s: float = 10.0, **options: Any) -> None:
+        self.options = {"deadline_s": deadline_s, **options}
+        self.peer: SubprocessPeer | None = None
 
-    def close() -> None:
-        try:
-            local.shutdown()
-        finally:
-            peer.close()
+    def __call__(self, mode: TransferMode) -> Pair:
+        kwargs = {"mode": mode.value, **self.options}
+        if self.peer is None:
+            self.peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", kwargs)
+        else:
+            self.peer.rebuild(kwargs)
+        peer = self.peer
+        local_mem = host_rows(LOCAL_BUFFERS)
+        local = make_backend(mode, local_mem, **self.options)
 
-    return Pair(local, local_mem, local_mem.regions, peer, mode, _injector(local), close)
+        def close() -> None:
+            try:
+                local.shutdown()
+            finally:
+                peer.shutdown()
+
+        return Pair(local, local_mem, local_mem.regions, peer, mode, _injector(local), close)
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None

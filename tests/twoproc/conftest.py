@@ -1,0 +1,17 @@
+"""Two-process tests: every child a test starts must be reaped by the end of the test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.testing.subprocess_peer import live_children
+
+
+@pytest.fixture(autouse=True)
+def no_child_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "keeps_child" in request.fixturenames:
+        return  # a module-scoped child is checked when its fixture ends
+    assert live_children() == [], "a test left a peer child process running"
