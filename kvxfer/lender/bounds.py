@@ -5,7 +5,9 @@ A fetched request may resume decoding at ``p`` only if every group holds what po
 ``[p - window, p)`` and its sink blocks; a STATE group needs its state to be exactly at
 ``p``. Arrival counts only up to the first missing ordinal of a run. Each group gives an
 interval of positions; the request's bounds are their intersection (the most restrictive),
-and an empty intersection means recompute from 0: ``ResumeBounds(0, 0)``.
+and an empty intersection means recompute from 0: ``ResumeBounds(0, 0)``. A window group
+with several valid runs offers only its latest run able to serve (a deliberate
+simplification: an earlier run could in principle meet a tighter bound of another group).
 """
 
 from __future__ import annotations
