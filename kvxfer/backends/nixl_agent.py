@@ -123,7 +123,7 @@ class NixlAgent:
                     loaded = self._agent.add_remote_agent(metadata)
                 except Exception as exc:
                     if type(exc).__name__ in ("nixlMismatchError", "nixlInvalidParamError"):
-                        raise ValueError(f"NIXL cannot parse the metadata of agent {name!r}: {exc}") from None
+                        raise ValueError(f"NIXL refused the metadata in the hint for agent {name!r}: {exc}") from None
                     raise PeerGone(f"cannot connect to agent {name!r}: {exc}") from None
                 loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
                 if loaded_name != name:

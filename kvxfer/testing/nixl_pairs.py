@@ -50,10 +50,11 @@ def nixl_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -
                 InProcessPeer(peer, peer_mem, peer_mem.regions, _injector(peer)), mode, _injector(local), close)
 
 
-def child_backend(mode: str, deadline_s: float = 10.0, **options: Any) -> tuple[NixlBackend, HostRows,
-                                                                             Callable[[int | None], None]]:
-    """Runs in the child process of a SubprocessPeer: the peer end of ``nixl_subprocess_pair``."""
-    memory = host_rows(PEER_BUFFERS)
+def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] | None = None,
+                  **options: Any) -> tuple[NixlBackend, HostRows, Callable[[int | None], None]]:
+    """Runs in the child process of a SubprocessPeer: a NixlBackend over host buffers
+    (``buffers``: [name, slot_bytes, slots] items; the kit's peer geometry by default)."""
+    memory = host_rows(tuple((str(n), int(b), int(k)) for n, b, k in buffers) if buffers else PEER_BUFFERS)
     backend = make_backend(TransferMode(mode), memory, deadline_s=deadline_s, **options)
     return backend, memory, _injector(backend)
 
