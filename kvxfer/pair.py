@@ -1,0 +1,270 @@
+"""``kvxfer pair``: prefill worker, decode worker and router as processes, a workload, a check.
+
+It starts ``kvxfer serve --role prefill``, ``kvxfer serve --role decode`` (CPU pools, NIXL
+over host memory by default) and ``kvxfer router`` as separate processes on this machine,
+sends N prompts of mixed lengths through the router at the given concurrency, and checks
+every completion token for token against colocated generation (prefill and decode in this
+process, one pool). It prints a report (requests, tokens, TTFT and transfer time p50/p99,
+GB/s, rows, failures) and writes it as JSON with ``--json PATH``. Every process it started
+is stopped on success, on failure and on Ctrl-C. Exit status 0 means every request
+completed and matched; 1 means some did not; 2 means the job could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxfer.engine import colocated_generate, synthetic_prompts
+from kvxfer.router.http import HttpError, stream_json
+from kvxfer.worker.procs import ProcessFailed, ProcessGroup
+from kvxfer.worker.serve import add_model_args, model_args_list, model_from_args
+
+
+@dataclass
+class Result:
+    request: str
+    prompt_tokens: int
+    tokens: list[int]
+    expected: list[int]
+    ttft_s: float | None
+    total_s: float
+    transfer: dict[str, Any] | None
+    path: str
+    error: str | None
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def matched(self) -> bool:
+        return self.error is None and self.tokens == self.expected
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn in place on a terminal, else every 10%)."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.done, self.tokens, self.failed = total, 0, 0, 0
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self._last_decile = -1
+
+    def update(self, result: Result) -> None:
+        self.done += 1
+        self.tokens += len(result.tokens)
+        self.failed += 0 if result.matched else 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} requests  {self.tokens} tokens  "
+                f"{self.failed} failed  {time.perf_counter() - self.start:5.1f}s")
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if self.done == self.total else ""))
+            sys.stderr.flush()
+        elif self.done * 10 // max(self.total, 1) > self._last_decile or self.done == self.total:
+            self._last_decile = self.done * 10 // max(self.total, 1)
+            print(line, file=sys.stderr, flush=True)
+
+
+async def run_workload(router_url: str, prompts: list[list[int]], expected: list[list[int]], max_new: int,
+                       concurrency: int, timeout: float, progress: Progress) -> list[Result]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> Result:
+        async with sem:
+            start = time.perf_counter()
+            tokens: list[int] = []
+            ttft = None
+            completion: dict[str, Any] = {}
+            error = None
+            try:
+                async for event in stream_json(router_url, "/generate", {"request": f"pair-{i}", "prompt": prompts[i],
+                                                                          "max_new_tokens": max_new}, timeout, timeout):
+                    if event.get("event") == "token":
+                        if ttft is None:
+                            ttft = time.perf_counter() - start  # as the client sees it
+                        tokens.append(int(event["token"]))
+                    elif event.get("event") == "done":
+                        completion = event["completion"]
+            except HttpError as exc:
+                error = f"router: {exc}"
+            error = error or completion.get("error")
+            result = Result(f"pair-{i}", len(prompts[i]), tokens, expected[i], ttft, time.perf_counter() - start,
+                            completion.get("transfer"), completion.get("path", "?"), error,
+                            list(completion.get("events", [])))
+            progress.update(result)
+            return result
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+
+def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> dict[str, Any]:
+    ok = [r for r in results if r.matched]
+    transfers = [r.transfer for r in results if r.transfer]
+    t_seconds = [float(t["seconds"]) for t in transfers]
+    t_bytes = sum(int(t["bytes"]) for t in transfers)
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    failures: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            failures[r.error.split(":")[0][:60]] = failures.get(r.error.split(":")[0][:60], 0) + 1
+        elif not r.matched:
+            failures["tokens differ from colocated generation"] = failures.get(
+                "tokens differ from colocated generation", 0) + 1
+    paths: dict[str, int] = {}
+    for r in results:
+        paths[r.path] = paths.get(r.path, 0) + 1
+    tokens = sum(len(r.tokens) for r in results)
+    return {
+        "config": config,
+        "requests": len(results), "completed": sum(1 for r in results if r.error is None),
+        "matched": len(ok), "mismatched": sum(1 for r in results if r.error is None and not r.matched),
+        "failed": sum(1 for r in results if r.error is not None),
+        "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "ttft_s": {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
+        "transfer_s": {"p50": percentile(t_seconds, 50), "p99": percentile(t_seconds, 99)},
+        "transfers": len(transfers),
+        "transfer_bytes": t_bytes,
+        "transfer_gb_per_s": (t_bytes / sum(t_seconds) / 1e9) if t_seconds and sum(t_seconds) > 0 else None,
+        "rows": sum(int(t["rows_delivered"]) for t in transfers),
+        "rows_requested": sum(int(t["rows"]) for t in transfers),
+        "paths": paths,
+        "failures": failures,
+        "results": [asdict(r) | {"matched": r.matched} for r in results],
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f} ms"
+
+
+def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
+    c = report["config"]
+    gbps = report["transfer_gb_per_s"]
+    lines = [
+        f"kvxfer pair: {c['backend']} ({c['mode']}), {c['prefill_workers']} prefill + {c['decode_workers']} decode "
+        f"workers, model {c['model']}",
+        f"  requests     {report['requests']} sent, {report['completed']} completed, "
+        f"{report['matched']} token-identical to colocated generation, {report['mismatched']} differ, "
+        f"{report['failed']} failed",
+        f"  tokens       {report['tokens']} in {report['wall_s']:.2f} s ({report['tokens_per_s'] or 0:.0f} tokens/s, "
+        f"concurrency {c['concurrency']})",
+        f"  TTFT         p50 {_ms(report['ttft_s']['p50'])}   p99 {_ms(report['ttft_s']['p99'])}",
+        f"  transfer     p50 {_ms(report['transfer_s']['p50'])}   p99 {_ms(report['transfer_s']['p99'])}   "
+        f"{report['transfers']} transfers, {report['transfer_bytes'] / 1e6:.2f} MB, "
+        f"{'-' if gbps is None else f'{gbps:.3f}'} GB/s (bytes / summed transfer time)",
+        f"  rows         {report['rows']} delivered of {report['rows_requested']} requested",
+        f"  paths        {', '.join(f'{k}: {v}' for k, v in sorted(report['paths'].items()))}",
+        f"  failures     {', '.join(f'{k}: {v}' for k, v in report['failures'].items()) or 'none'}",
+    ]
+    for r in report["results"]:
+        if not r["matched"]:
+            lines.append(f"    {r['request']}: {r['error'] or 'tokens differ'}")
+    print("\n".join(lines), file=out, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer pair", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=20, help="prompts to send")
+    p.add_argument("--min-len", type=int, default=8, help="shortest prompt (tokens)")
+    p.add_argument("--max-len", type=int, default=256, help="longest prompt (tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per completion")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="requests sent (and checked) before the timed workload: the first transfer between two "
+                        "agents sets up their connection, which is not what TTFT should show")
+    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--backend", default="nixl", choices=["nixl", "ipc"])
+    p.add_argument("--mode", default="push", choices=["push", "pull"])
+    p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--selection", default="round_robin", choices=["round_robin", "least_outstanding"])
+    p.add_argument("--on-failure", default="fail", choices=["fail", "recompute"])
+    p.add_argument("--blocks", type=int, default=2048, help="pool blocks per worker")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call or stream event")
+    p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--json", default="", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--log-dir", default="", help="worker and router logs (default: a temporary directory)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(1)
+    model = model_from_args(args)
+    prompts = synthetic_prompts(args.requests, args.min_len, min(args.max_len, model.config.max_positions
+                                                                 - args.max_new_tokens),
+                                model.config.vocab_size, args.prompt_seed)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
+    worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
+                   str(args.blocks), "--transfer-timeout", str(args.timeout), *model_args_list(args)]
+    config = {"backend": args.backend, "mode": args.mode, "lender": args.lender, "requests": args.requests,
+              "prompt_lengths": [args.min_len, args.max_len], "max_new_tokens": args.max_new_tokens,
+              "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
+              "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
+              "model": f"{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
+                       f"{model.config.kv_heads}kv/{model.config.dtype}", "model_config": model.config.to_json(),
+              "log_dir": str(log_dir)}
+    group = ProcessGroup(log_dir)
+    try:
+        with group:
+            workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
+                                                   *worker_args]) for i in range(args.prefill_workers)]
+            workers += [group.start(f"decode{i}", ["serve", "--role", "decode", "--name", f"decode{i}",
+                                                  *worker_args]) for i in range(args.decode_workers)]
+            # The oracle runs while the workers start (they import torch and NIXL).
+            expected = [colocated_generate(model, prompt, args.max_new_tokens) for prompt in prompts]
+            group.wait_ready(workers, args.startup_timeout)
+            router_argv = ["router", "--selection", args.selection, "--on-failure", args.on_failure,
+                           "--timeout", str(args.timeout)]
+            for w in workers:
+                router_argv += [f"--{w.info['role']}", w.url]
+            router = group.start("router", router_argv)
+            group.wait_ready([router], args.startup_timeout)
+            if not args.quiet:
+                print(f"kvxfer pair: {len(workers)} workers and a router up (logs in {log_dir}); "
+                      f"{args.requests} requests, concurrency {args.concurrency}", file=sys.stderr, flush=True)
+            if args.warmup:
+                warm = asyncio.run(run_workload(router.url, prompts[: args.warmup], expected[: args.warmup],
+                                                args.max_new_tokens, 1, args.timeout, Progress(0, enabled=False)))
+                bad = [r for r in warm if not r.matched]
+                if bad:
+                    print(f"kvxfer pair: warm-up request failed: {bad[0].error or 'tokens differ'}", file=sys.stderr)
+            progress = Progress(len(prompts), enabled=not args.quiet)
+            start = time.perf_counter()
+            results = asyncio.run(run_workload(router.url, prompts, expected, args.max_new_tokens,
+                                               args.concurrency, args.timeout, progress))
+            wall = time.perf_counter() - start
+    except KeyboardInterrupt:
+        print("\nkvxfer pair: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
+    except ProcessFailed as exc:
+        print(f"kvxfer pair: {exc}", file=sys.stderr)
+        return 2
+    report = summarize(results, wall, config)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["matched"] == report["requests"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

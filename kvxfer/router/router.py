@@ -1,0 +1,421 @@
+"""The embeddable router: pairs a prefill and a decode worker per request and streams tokens.
+
+    router = Router(prefill=["http://127.0.0.1:8001"], decode=["http://127.0.0.1:8002"],
+                    selection="least_outstanding", on_failure="recompute")
+    async for item in router.stream(prompt_ids, max_new_tokens=32):
+        if isinstance(item, Token): ...       # index, token, seconds since the request began
+        else: completion = item               # the last item: a Completion (tokens, figures, error)
+    completion = await router.generate(prompt_ids, 32)   # the same, collected
+
+Per request (DESIGN.md section 5): reserve on the decode worker *while* the prefill worker
+runs the prompt (two concurrent calls); the first token streams as soon as prefill answers.
+Then publish on the prefill worker with the decode hint; as soon as it answers with its
+own hint, generate on the decode worker with it; the decode worker fetches, resumes and
+streams the rest. The router never looks inside hints: they are opaque bytes.
+
+Failure policy: ``fail`` reports the failure in the Completion (``error``), naming the
+worker and what happened. ``recompute`` finishes the request anyway: a failed transfer is
+resumed by the decode worker from what arrived (it prefills the rest itself); a dead
+prefill worker means the decode worker prefills from scratch; a dead decode worker means
+another decode worker continues from the prompt plus the tokens already streamed. A worker
+that refuses connections is skipped for ``probe_interval_s`` and then tried again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.router.http import HttpError, request_json, request_text, stream_json
+from kvxfer.router.metrics import Registry
+
+SELECTIONS = ("round_robin", "least_outstanding")
+POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class Token:
+    index: int
+    token: int
+    at_s: float
+
+
+@dataclass(frozen=True)
+class TransferFigures:
+    status: str
+    rows: int
+    rows_delivered: int
+    bytes: int
+    seconds: float
+    reason: str = ""
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> TransferFigures:
+        return cls(str(event["status"]), int(event["rows"]), int(event["rows_delivered"]), int(event["bytes"]),
+                   float(event["seconds"]), str(event.get("reason", "")))
+
+
+@dataclass(frozen=True)
+class Completion:
+    request: str
+    prompt_tokens: int
+    tokens: tuple[int, ...]
+    ttft_s: float | None
+    total_s: float
+    prefill: str | None
+    decode: str | None
+    transfer: TransferFigures | None
+    recomputed_tokens: int = 0
+    path: str = "disaggregated"  # "disaggregated" | "resumed" (partial transfer) | "local" (decode prefilled)
+    error: str | None = None
+    events: tuple[str, ...] = ()  # what went wrong on the way, even when recovered
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(eq=False)
+class _Endpoint:
+    url: str
+    role: str
+    outstanding: int = 0
+    down_until: float = 0.0
+    failures: int = 0
+
+
+class _Failure(Exception):
+    def __init__(self, message: str, *, dead: bool) -> None:
+        super().__init__(message)
+        self.dead = dead
+
+
+@dataclass(eq=False)
+class _Run:
+    rid: str
+    prompt: list[int]
+    max_new: int
+    start: float
+    emitted: list[int] = field(default_factory=list)
+    ttft: float | None = None
+    prefill: str | None = None
+    decode: str | None = None
+    transfer: TransferFigures | None = None
+    recomputed: int = 0
+    path: str = "disaggregated"
+    events: list[str] = field(default_factory=list)
+
+    def token(self, index: int, token: int) -> Token | None:
+        """Accept token ``index`` once (a recompute re-sends tokens the router already has)."""
+        if index < len(self.emitted):
+            if self.emitted[index] != token:
+                raise _Failure(f"token {index} diverged on recompute: {token} after {self.emitted[index]}", dead=False)
+            return None
+        if index != len(self.emitted):
+            raise _Failure(f"token {index} arrived before token {len(self.emitted)}", dead=False)
+        self.emitted.append(token)
+        now = time.perf_counter() - self.start
+        if self.ttft is None:
+            self.ttft = now
+        return Token(index, token, now)
+
+
+class Router:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, selection: str = "round_robin",
+                 on_failure: str = "fail", timeout_s: float = 30.0, connect_timeout_s: float = 2.0,
+                 probe_interval_s: float = 1.0) -> None:
+        if not decode:
+            raise ValueError("a router needs at least one decode worker")
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+        if on_failure not in POLICIES:
+            raise ValueError(f"on_failure must be one of {POLICIES}, got {on_failure!r}")
+        self.prefill = [_Endpoint(u.rstrip("/"), "prefill") for u in prefill]
+        self.decode = [_Endpoint(u.rstrip("/"), "decode") for u in decode]
+        self.selection = selection
+        self.on_failure = on_failure
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._ids = itertools.count()
+        self._metrics()
+
+    # --- selection ---------------------------------------------------------------------------
+    def _pick(self, endpoints: list[_Endpoint], exclude: frozenset[str] = frozenset()) -> _Endpoint | None:
+        if not endpoints:
+            return None
+        now = time.monotonic()
+        live = [e for e in endpoints if e.down_until <= now and e.url not in exclude]
+        if not live:
+            return None
+        turn = next(self._rr[endpoints[0].role])
+        ordered = live[turn % len(live):] + live[: turn % len(live)]
+        if self.selection == "least_outstanding":
+            return min(ordered, key=lambda e: e.outstanding)  # min keeps the round-robin order on ties
+        return ordered[0]
+
+    def _down(self, endpoint: _Endpoint, exc: BaseException) -> None:
+        endpoint.failures += 1
+        self.m_worker_failures.inc(role=endpoint.role, worker=endpoint.url)
+        if isinstance(exc, HttpError) and exc.unreachable:
+            endpoint.down_until = time.monotonic() + self.probe_interval_s
+
+    # --- the public surface -------------------------------------------------------------------
+    async def generate(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None) -> Completion:
+        async for item in self.stream(prompt, max_new_tokens, request):
+            if isinstance(item, Completion):
+                return item
+        raise AssertionError("stream ended without a Completion")
+
+    async def stream(self, prompt: Sequence[int], max_new_tokens: int,
+                     request: str | None = None) -> AsyncIterator[Token | Completion]:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        run = _Run(request or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}", list(prompt), max_new_tokens,
+                   time.perf_counter())
+        error: str | None = None
+        try:
+            async for item in self._serve(run):
+                yield item
+        except _Failure as exc:
+            error = str(exc)
+        completion = Completion(
+            run.rid, len(run.prompt), tuple(run.emitted), run.ttft, time.perf_counter() - run.start, run.prefill,
+            run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events))
+        self._count(completion)
+        yield completion
+
+    async def health(self) -> dict[str, bool]:
+        async def one(e: _Endpoint) -> tuple[str, bool]:
+            try:
+                await request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
+                e.down_until = 0.0
+                return e.url, True
+            except HttpError:
+                return e.url, False
+        return dict(await asyncio.gather(*(one(e) for e in self.prefill + self.decode)))
+
+    # --- one request ---------------------------------------------------------------------------
+    async def _serve(self, run: _Run) -> AsyncIterator[Token]:
+        d = self._pick(self.decode)
+        if d is None:
+            raise _Failure("no decode worker is reachable", dead=True)
+        p = self._pick(self.prefill)
+        if p is None:
+            if self.on_failure == "fail":
+                raise _Failure("no prefill worker is reachable (policy fail)", dead=True)
+            run.events.append("no prefill worker reachable: decode prefills")
+            async for t in self._local(run, d):
+                yield t
+            return
+        run.prefill, run.decode = p.url, d.url
+        p.outstanding += 1
+        d.outstanding += 1
+        try:
+            async for t in self._disaggregated(run, p, d):
+                yield t
+        finally:
+            p.outstanding -= 1
+            d.outstanding -= 1
+
+    async def _disaggregated(self, run: _Run, p: _Endpoint, d: _Endpoint) -> AsyncIterator[Token]:
+        t = self.timeout_s
+        reserve = asyncio.create_task(request_json(
+            d.url, "POST", "/reserve", {"request": run.rid, "prompt": run.prompt, "max_new_tokens": run.max_new}, t))
+        prefill = asyncio.create_task(request_json(p.url, "POST", "/prefill", {"request": run.rid,
+                                                                                 "prompt": run.prompt}, t))
+        try:
+            reserved, prefilled = await asyncio.gather(reserve, prefill, return_exceptions=True)
+        except asyncio.CancelledError:
+            reserve.cancel()
+            prefill.cancel()
+            raise
+        if isinstance(prefilled, BaseException):
+            self._down(p, prefilled)
+        else:
+            tok = run.token(0, int(prefilled["token"]))
+            if tok is not None:
+                yield tok
+        if isinstance(reserved, BaseException):
+            self._down(d, reserved)
+            if not isinstance(prefilled, BaseException):
+                await self._quiet(request_json(p.url, "POST", "/abort", {"request": run.rid}, t))
+            async for tok in self._after_decode_loss(run, d, f"reserve on {d.url} failed: {reserved}"):
+                yield tok
+            return
+        if isinstance(prefilled, BaseException):
+            async for tok in self._after_prefill_loss(run, p, d, f"prefill on {p.url} failed: {prefilled}",
+                                                      _is_dead(prefilled)):
+                yield tok
+            return
+        # Publish: the prefill worker answers with its hint as soon as the transfer is posted.
+        publish = stream_json(p.url, "/publish", {"request": run.rid, "hint": reserved["hint"]}, t, t)
+        try:
+            published = await publish.__anext__()
+            if published.get("event") != "published":
+                raise HttpError(f"{p.url}/publish: {published.get('error', published)}")
+        except (HttpError, StopAsyncIteration) as exc:
+            await publish.aclose()
+            self._down(p, exc)
+            async for tok in self._after_prefill_loss(run, p, d, f"publish on {p.url} failed: {exc}",
+                                                      _is_dead(exc)):
+                yield tok
+            return
+        outcome = asyncio.create_task(self._publish_outcome(publish))
+        try:
+            body = {"request": run.rid, "hint": published["hint"], "first_token": run.emitted[0],
+                    "on_failure": self.on_failure, "timeout_s": t}
+            async for tok in self._generate(run, d, body):
+                yield tok
+        except _Failure as exc:
+            if not exc.dead:
+                raise
+            async for tok in self._after_decode_loss(run, d, str(exc)):
+                yield tok
+        finally:
+            figures = await _settled(outcome, t)
+            if figures is not None:
+                run.transfer = figures  # the publisher's view: submission to its outcome
+
+    async def _publish_outcome(self, publish: AsyncIterator[dict[str, Any]]) -> TransferFigures | None:
+        try:
+            async for event in publish:
+                if event.get("event") == "transfer":
+                    return TransferFigures.from_event(event)
+        except HttpError:
+            return None
+        finally:
+            await publish.aclose()  # type: ignore[attr-defined]
+        return None
+
+    async def _generate(self, run: _Run, d: _Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
+        """Run /generate on ``d``; a cut stream raises _Failure(dead=True)."""
+        try:
+            async for event in stream_json(d.url, "/generate", body, self.timeout_s, self.timeout_s):
+                kind = event.get("event")
+                if kind == "token":
+                    tok = run.token(int(event["index"]), int(event["token"]))
+                    if tok is not None:
+                        yield tok
+                elif kind == "resume":
+                    if event.get("transfer") and run.transfer is None:
+                        run.transfer = TransferFigures.from_event(event["transfer"])
+                    if event.get("recompute_tokens"):
+                        run.recomputed += int(event["recompute_tokens"])
+                        if run.path == "disaggregated":
+                            run.path = "resumed"
+                        run.events.append(f"decode {d.url} resumed at {event['position']} and recomputed "
+                                          f"{event['recompute_tokens']} prompt tokens")
+                elif kind == "error":
+                    raise _Failure(f"decode {d.url}: {event.get('error')}", dead=False)
+        except HttpError as exc:
+            self._down(d, exc)
+            raise _Failure(f"decode {d.url} failed: {exc}", dead=True) from None
+
+    async def _after_prefill_loss(self, run: _Run, p: _Endpoint, d: _Endpoint, what: str,
+                                  dead: bool) -> AsyncIterator[Token]:
+        run.events.append(what)
+        if self.on_failure == "fail":
+            await self._quiet(request_json(d.url, "POST", "/abort", {"request": run.rid, "peer_dead": dead},
+                                           self.timeout_s))
+            raise _Failure(f"{what} (policy fail)", dead=False)
+        run.path = "local"
+        body = {"request": run.rid, "on_failure": "recompute", "peer_dead": dead, "timeout_s": self.timeout_s}
+        try:
+            async for tok in self._generate(run, d, body):
+                yield tok
+        except _Failure as exc:
+            if not exc.dead:
+                raise
+            async for tok in self._after_decode_loss(run, d, str(exc)):
+                yield tok
+        run.recomputed = max(run.recomputed, len(run.prompt))
+
+    async def _after_decode_loss(self, run: _Run, d: _Endpoint, what: str) -> AsyncIterator[Token]:
+        run.events.append(what)
+        if self.on_failure == "fail":
+            raise _Failure(f"{what} (policy fail)", dead=False)
+        other = self._pick(self.decode, exclude=frozenset({d.url}))
+        if other is None:
+            raise _Failure(f"{what}; no other decode worker to recompute on", dead=False)
+        async for tok in self._local(run, other):
+            yield tok
+
+    async def _local(self, run: _Run, d: _Endpoint) -> AsyncIterator[Token]:
+        """The decode worker prefills the prompt plus every token streamed so far, then goes on."""
+        run.path, run.decode = "local", d.url
+        done = len(run.emitted)
+        context = run.prompt + run.emitted
+        run.recomputed += len(context)
+        body = {"request": f"{run.rid}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
+                "on_failure": "recompute", "timeout_s": self.timeout_s}
+        d.outstanding += 1
+        try:
+            shifted = _Run(run.rid, context, run.max_new - done, run.start)
+            async for event in self._generate(shifted, d, body):
+                tok = run.token(done + event.index, event.token)
+                if tok is not None:
+                    yield tok
+        finally:
+            d.outstanding -= 1
+
+    async def _quiet(self, call: Any) -> None:
+        try:
+            await call
+        except HttpError:
+            pass
+
+    # --- metrics --------------------------------------------------------------------------------
+    def _metrics(self) -> None:
+        r = self.metrics = Registry()
+        self.m_requests = r.counter("kvxfer_router_requests_total", "Requests by result and path.")
+        self.m_tokens = r.counter("kvxfer_router_tokens_total", "Tokens streamed to clients.")
+        self.m_ttft = r.histogram("kvxfer_router_ttft_seconds", "Request start to first token.")
+        self.m_total = r.histogram("kvxfer_router_request_seconds", "Request start to its last token.")
+        self.m_transfer = r.histogram("kvxfer_router_transfer_seconds", "Publish submission to outcome.")
+        self.m_bytes = r.counter("kvxfer_router_transfer_bytes_total", "Bytes delivered by transfers.")
+        self.m_rows = r.counter("kvxfer_router_transfer_rows_total", "Rows delivered by transfers.")
+        self.m_worker_failures = r.counter("kvxfer_router_worker_failures_total", "Failed calls, by worker.")
+        self.g_outstanding = r.gauge("kvxfer_router_outstanding", "Requests in flight, by worker.", lambda: {
+            (("role", e.role), ("worker", e.url)): float(e.outstanding) for e in self.prefill + self.decode})
+
+    def _count(self, c: Completion) -> None:
+        self.m_requests.inc(result="ok" if c.ok else "failed", path=c.path)
+        self.m_tokens.inc(len(c.tokens))
+        if c.ttft_s is not None:
+            self.m_ttft.observe(c.ttft_s)
+        self.m_total.observe(c.total_s)
+        if c.transfer is not None:
+            self.m_transfer.observe(c.transfer.seconds)
+            self.m_bytes.inc(c.transfer.bytes)
+            self.m_rows.inc(c.transfer.rows_delivered)
+
+    def metrics_text(self) -> str:
+        return self.metrics.render()
+
+    async def worker_metrics(self) -> dict[str, str]:
+        """Each worker's /metrics text (unreachable ones are left out)."""
+        out = {}
+        for e in self.prefill + self.decode:
+            try:
+                out[e.url] = await request_text(e.url, "/metrics", self.connect_timeout_s)
+            except HttpError:
+                pass
+        return out
+
+
+def _is_dead(exc: BaseException) -> bool:
+    return isinstance(exc, HttpError) and exc.unreachable
+
+
+async def _settled(task: asyncio.Task[TransferFigures | None], timeout: float) -> TransferFigures | None:
+    try:
+        return await asyncio.wait_for(task, timeout)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        return None

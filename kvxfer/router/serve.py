@@ -1,0 +1,108 @@
+"""``kvxfer router``: the Router served over HTTP.
+
+    POST /generate {"prompt": [ids], "max_new_tokens": N, "request"?: str}
+         -> NDJSON: {"event": "token", "index", "token", "at_s"} ... then
+            {"event": "done", "final": true, "completion": {...}}  (completion.error set on failure)
+    GET  /metrics  -> Prometheus text (router metrics)
+    GET  /health   -> {"status": "ok", "workers": {url: reachable}}
+
+Announces ``{"event": "ready", "port": N, ...}`` on stdout like ``kvxfer serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvxfer.router.http import BadRequest, HttpServer, Request, Response
+from kvxfer.router.router import POLICIES, SELECTIONS, Completion, Router
+from kvxfer.worker.serve import announce, reserve_stdout, watch_stdin
+
+
+def completion_json(c: Completion) -> dict[str, Any]:
+    return dataclasses.asdict(c)
+
+
+def make_handler(router: Router):  # type: ignore[no-untyped-def]
+    async def handle(request: Request) -> Response:
+        path = request.path.strip("/")
+        if request.method == "GET" and path == "metrics":
+            return Response(200, router.metrics_text().encode(), "text/plain; version=0.0.4")
+        if request.method == "GET" and path in ("", "health"):
+            return Response.json({"status": "ok", "workers": await router.health()})
+        if request.method == "POST" and path == "generate":
+            body = request.json()
+            prompt = body.get("prompt") if isinstance(body, dict) else None
+            max_new = body.get("max_new_tokens", 16) if isinstance(body, dict) else None
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+                raise BadRequest("'prompt' must be a non-empty list of token ids")
+            if not isinstance(max_new, int) or max_new < 1:
+                raise BadRequest("'max_new_tokens' must be a positive integer")
+            rid = body.get("request")
+            return Response.ndjson(_events(router, prompt, max_new, rid if isinstance(rid, str) else None))
+        return Response.json({"error": f"no {request.method} /{path}"}, 404)
+    return handle
+
+
+async def _events(router: Router, prompt: list[int], max_new: int, rid: str | None) -> AsyncIterator[dict[str, Any]]:
+    async for item in router.stream(prompt, max_new, rid):
+        if isinstance(item, Completion):
+            yield {"event": "done", "final": True, "completion": completion_json(item)}
+        else:
+            yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
+
+
+async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
+    router = Router(args.prefill, args.decode, selection=args.selection, on_failure=args.on_failure,
+                    timeout_s=args.timeout)
+    server = HttpServer(make_handler(router), args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        port = await server.start()
+        if args.parent_watch:
+            watch_stdin(loop, stop)
+        announce({"event": "ready", "role": "router", "port": port, "url": f"http://{args.host}:{port}",
+                  "pid": os.getpid()}, args.port_file, ready_fd)
+        await stop.wait()
+    finally:
+        await server.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer router", description="Serve the kvxfer router over HTTP.")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill worker (repeat)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeat)")
+    p.add_argument("--selection", default="round_robin", choices=SELECTIONS)
+    p.add_argument("--on-failure", default="fail", choices=POLICIES)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per worker call or stream event")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--port-file", default="")
+    p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.decode:
+        print("kvxfer router: at least one --decode URL is required", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve_router(args, reserve_stdout()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
