@@ -1,0 +1,174 @@
+"""SIGKILL of the NIXL peer mid-transfer: the local attempt fails within bounded time with
+masks that claim exactly the chunks proven delivered (byte-exact where we can read them),
+quiesces, strands nothing at shutdown, and a restarted peer of the same name works.
+
+Why quiescing is safe: a killed peer can touch nothing any more (its process, endpoints
+and queue pairs are gone). What could still touch our memory is our own side: requests we
+posted towards it (released, so NIXL aborts them, before the attempt quiesces) and our UCX
+worker handling traffic it already received (stopped by dropping the peer's endpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.nixl import NixlBackend
+from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, TokenRange, TransferMode, View
+from kvxfer.testing.memory import HostRows
+from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
+from kvxfer.wire import decode_hint, encode_hint
+
+ROW = 16 << 10
+ROWS = 96
+CHUNK_ROWS = 4
+PAUSE = 0.04            # between chunk posts: about 1 s for the whole transfer
+KILL_AFTER = 0.35
+BOUND = 5.0             # seconds from the kill to a concluded, quiesced attempt
+LOCAL = (("A", ROW, 128), ("B", ROW, 128))
+PEER = (("PA", ROW, 128), ("PB", ROW, 128))
+
+
+@pytest.fixture(autouse=True)
+def no_child_left_behind() -> Iterator[None]:
+    yield
+    assert live_children() == [], "a test left a peer child process running"
+
+
+def _child(mode: TransferMode, *, pause: float = 0.0, name: str | None = None) -> SubprocessPeer:
+    kwargs = {"mode": mode.value, "buffers": [list(b) for b in PEER], "chunk_bytes": CHUNK_ROWS * ROW,
+              "chunk_pause_s": pause, "deadline_s": 20.0}
+    if name:
+        kwargs["name"] = name
+    return SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", kwargs)
+
+
+def _local(mode: TransferMode, pause: float = 0.0) -> tuple[NixlBackend, HostRows]:
+    memory = host_rows(LOCAL)
+    backend = NixlBackend(mode=mode, chunk_bytes=CHUNK_ROWS * ROW, chunk_pause_s=pause, deadline_s=20.0)
+    backend.register(memory.regions)
+    return backend, memory
+
+
+def _views(memory: HostRows, peer: SubprocessPeer, request: str) -> tuple[View, View]:
+    rng = np.random.default_rng(len(request))
+    half = ROWS // 2
+    lg, pg = [], []
+    for name, lr, pr in zip(("g0", "g1"), memory.regions, peer.regions):
+        ordinals = np.arange(half, dtype=np.int64)
+        lg.append(LayerGroupRows(name, CacheKind.PAGED, lr, rng.permutation(lr.slots)[:half], ordinals))
+        pg.append(LayerGroupRows(name, CacheKind.PAGED, pr, rng.permutation(pr.slots)[:half], ordinals))
+    tokens = TokenRange(0, ROWS * 16)
+    return View(request, tokens, tuple(lg), b"chaos"), View(request, tokens, tuple(pg), b"chaos")
+
+
+def _payload(view: View) -> dict[str, bytes]:
+    rng = np.random.default_rng(7)
+    return {g.layer_group: rng.integers(0, 256, len(g) * ROW, dtype=np.uint8).tobytes() for g in view.groups}
+
+
+def _start(local: NixlBackend, peer: SubprocessPeer, local_view: View, peer_view: View, local_op: str):  # type: ignore[no-untyped-def]
+    local_hint = encode_hint(local.describe(local_view))
+    peer_hint = decode_hint(peer.describe_bytes(peer_view))
+    peer.start_bytes("publish" if local_op == "fetch" else "fetch", peer_view, local_hint)
+    return (local.fetch if local_op == "fetch" else local.publish)(local_view, peer_hint)
+
+
+def _chunk_prefix(mask: np.ndarray) -> int:
+    """Rows proven delivered must be whole chunks from the start of the group (posting order)."""
+    n = int(mask.sum())
+    assert mask[:n].all() and not mask[n:].any(), "delivered rows are not a prefix in posting order"
+    assert n % CHUNK_ROWS == 0 or n == mask.size, f"{n} rows is not a whole number of chunks"
+    return n
+
+
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_kill_peer_while_we_move_rows(mode: TransferMode) -> None:
+    """We are the active end (push publisher / pull fetcher); the peer dies mid-way."""
+    local_op = "publish" if mode is TransferMode.PUSH else "fetch"
+    local, memory = _local(mode, pause=PAUSE)
+    peer = _child(mode)
+    try:
+        local_view, peer_view = _views(memory, peer, f"kill-active-{mode.value}")
+        payload = _payload(local_view)
+        for g, pg in zip(local_view.groups, peer_view.groups):
+            if local_op == "publish":
+                memory.write(g.region.name, g.slots, payload[g.layer_group])
+            else:
+                peer.write(pg.region.name, pg.slots, payload[g.layer_group])
+                memory.write(g.region.name, g.slots, b"\x00" * len(payload[g.layer_group]))
+        attempt = _start(local, peer, local_view, peer_view, local_op)
+        time.sleep(KILL_AFTER)
+        peer.kill()
+        killed = time.monotonic()
+        assert attempt.wait(BOUND), f"no outcome and quiescence within {BOUND}s of the kill"
+        outcome = attempt.poll()
+        assert isinstance(outcome, Failed), outcome
+        assert "disconnect" in outcome.reason or "unreachable" in outcome.reason, outcome.reason
+        assert time.monotonic() - killed < BOUND
+        delivered = [_chunk_prefix(m) for m in outcome.masks]
+        total = sum(delivered)
+        assert 0 < total < ROWS, f"kill did not land mid-transfer ({total} of {ROWS} rows)"
+        assert delivered[1] == 0 or delivered[0] == len(local_view.groups[0]), "group 1 started before group 0 ended"
+        if local_op == "fetch":  # rows claimed delivered hold exactly the peer's bytes
+            for g, n in zip(local_view.groups, delivered):
+                assert memory.read(g.region.name, g.slots[:n]) == payload[g.layer_group][: n * ROW]
+        assert attempt.quiesced()
+        assert local.shutdown() == frozenset(), "an attempt was left unquiesced"
+    finally:
+        peer.kill()
+        local.shutdown()
+
+
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_kill_peer_while_it_moves_rows(mode: TransferMode) -> None:
+    """We wait passively (push fetcher / pull publisher); the active peer dies mid-way. No record
+    ever comes, so nothing is proven: every row is False, and the heartbeat ends the wait."""
+    local_op = "fetch" if mode is TransferMode.PUSH else "publish"
+    local, memory = _local(mode)
+    peer = _child(mode, pause=PAUSE)
+    try:
+        local_view, peer_view = _views(memory, peer, f"kill-passive-{mode.value}")
+        attempt = _start(local, peer, local_view, peer_view, local_op)
+        time.sleep(KILL_AFTER)
+        assert attempt.poll() is None, "the transfer ended before the kill"
+        peer.kill()
+        assert attempt.wait(BOUND), f"no outcome and quiescence within {BOUND}s of the kill"
+        outcome = attempt.poll()
+        assert isinstance(outcome, Failed) and "disconnected" in outcome.reason, outcome
+        assert outcome.rows_delivered == 0
+        assert local.shutdown() == frozenset()
+    finally:
+        peer.kill()
+        local.shutdown()
+
+
+def test_restarted_peer_with_the_same_name_is_added_again() -> None:
+    mode = TransferMode.PUSH
+    local, memory = _local(mode)
+    name = f"chaos-restart-{time.monotonic_ns()}"
+    peer = _child(mode, pause=PAUSE, name=name)
+    try:
+        local_view, peer_view = _views(memory, peer, "restart-1")
+        attempt = _start(local, peer, local_view, peer_view, "fetch")
+        time.sleep(KILL_AFTER)
+        peer.kill()
+        assert attempt.wait(BOUND) and isinstance(attempt.poll(), Failed)
+        peer = _child(mode, name=name)  # same agent name, new process, new metadata
+        assert peer.agent == name
+        local_view, peer_view = _views(memory, peer, "restart-2")
+        payload = _payload(peer_view)
+        for g in peer_view.groups:
+            peer.write(g.region.name, g.slots, payload[g.layer_group])
+        attempt = _start(local, peer, local_view, peer_view, "fetch")
+        assert attempt.wait(BOUND)
+        assert isinstance(attempt.poll(), Delivered) and attempt.poll().all_delivered
+        for g in local_view.groups:
+            assert memory.read(g.region.name, g.slots) == payload[g.layer_group]
+    finally:
+        peer.close()
+        assert local.shutdown() == frozenset()
