@@ -1,1 +1,10 @@
-"""kvxfer.router: the embeddable asyncio router and ``kvxfer router``."""
+"""kvxfer.router: the embeddable asyncio router (``Router``) and ``kvxfer router``.
+
+    from kvxfer.router import Router, Token, Completion
+    router = Router(prefill=[url_p], decode=[url_d], selection="least_outstanding", on_failure="recompute")
+    completion = await router.generate(prompt_ids, max_new_tokens=32)
+"""
+
+from kvxfer.router.router import POLICIES, SELECTIONS, Completion, Router, Token, TransferFigures
+
+__all__ = ["POLICIES", "SELECTIONS", "Completion", "Router", "Token", "TransferFigures"]

@@ -168,20 +168,22 @@ async def _open(url: str, method: str, path: str, body: Any, timeout: float
     data = b"" if body is None else json.dumps(body).encode()
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise HttpError(f"{url}: cannot connect: {exc or type(exc).__name__}", unreachable=True) from None
+    except asyncio.TimeoutError:
+        raise HttpError(f"{url}: cannot connect within {timeout:.1f}s", unreachable=True) from None
+    except OSError as exc:
+        raise HttpError(f"{url}: cannot connect: {exc.strerror or exc!r}", unreachable=True) from None
     head = (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
     try:
         writer.write(head + data)
         await writer.drain()
         status_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-        writer.close()
-        raise HttpError(f"{url}{path}: connection cut before a response: {exc}", unreachable=True) from None
-    except asyncio.TimeoutError:
+    except asyncio.TimeoutError:  # first: since 3.11 it is the builtin TimeoutError, an OSError
         writer.close()
         raise HttpError(f"{url}{path}: no response within {timeout:.1f}s") from None
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        writer.close()
+        raise HttpError(f"{url}{path}: connection cut before a response: {exc!r}", unreachable=True) from None
     status = int(status_head.split(b" ", 2)[1])
     return status, reader, writer
 
@@ -191,8 +193,10 @@ async def request_json(url: str, method: str, path: str, body: Any = None, timeo
     status, reader, writer = await _open(url, method, path, body, timeout)
     try:
         data = await asyncio.wait_for(reader.read(), timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise HttpError(f"{url}{path}: response cut or late: {exc or 'timeout'}", unreachable=True) from None
+    except asyncio.TimeoutError:
+        raise HttpError(f"{url}{path}: response not complete within {timeout:.1f}s") from None
+    except OSError as exc:
+        raise HttpError(f"{url}{path}: response cut: {exc!r}", unreachable=True) from None
     finally:
         writer.close()
     return _decode(url, path, status, data)
@@ -238,7 +242,7 @@ async def stream_json(url: str, path: str, body: Any, timeout: float, idle_timeo
             except asyncio.TimeoutError:
                 raise HttpError(f"{url}{path}: no event within {idle_timeout:.1f}s") from None
             except OSError as exc:
-                raise HttpError(f"{url}{path}: stream cut: {exc}", unreachable=True) from None
+                raise HttpError(f"{url}{path}: stream cut: {exc!r}", unreachable=True) from None
             if not line:
                 raise HttpError(f"{url}{path}: stream ended before its final event", unreachable=True)
             event = json.loads(line)

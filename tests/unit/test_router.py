@@ -1,0 +1,223 @@
+"""Router and worker logic with real workers in this process: real Worker objects behind real
+HTTP servers, moving rows with the loopback backend (one fabric), checked against the
+colocated oracle. Processes and NIXL are covered by tests/e2e and tests/chaos."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
+from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
+from kvxfer.router import Completion, Router, Token
+from kvxfer.router.http import HttpError, HttpServer, request_json, request_text
+from kvxfer.worker.app import make_handler
+from kvxfer.worker.core import Worker, WorkerConfig
+
+torch.set_num_threads(1)
+CFG = ModelConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96,
+                  block_tokens=4)
+MODEL = LlamaModel(CFG)
+
+
+@dataclass
+class Cluster:
+    prefill: list[str]
+    decode: list[str]
+    workers: dict[str, Worker]
+
+
+@contextlib.asynccontextmanager
+async def cluster(n_prefill: int = 1, n_decode: int = 1, **config: object) -> AsyncIterator[Cluster]:
+    fabric = LoopbackFabric()
+    servers: list[HttpServer] = []
+    workers: dict[str, Worker] = {}
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    try:
+        for role, count in (("prefill", n_prefill), ("decode", n_decode)):
+            for i in range(count):
+                worker = Worker(WorkerConfig(role=role, model=CFG, num_blocks=256, backend="loopback",
+                                             name=f"{role}{i}", transfer_timeout_s=5.0, **config),  # type: ignore[arg-type]
+                                model=MODEL, fabric=fabric)
+                await worker.start()
+                server = HttpServer(make_handler(worker))
+                port = await server.start()
+                servers.append(server)
+                url = f"http://127.0.0.1:{port}"
+                workers[url] = worker
+                urls[role].append(url)
+        yield Cluster(urls["prefill"], urls["decode"], workers)
+    finally:
+        for server in servers:
+            await server.close()
+        for worker in workers.values():
+            await worker.close()
+
+
+def oracle(prompt: list[int], n: int) -> list[int]:
+    return colocated_generate(MODEL, prompt, n)
+
+
+def backend(worker: Worker) -> LoopbackBackend:
+    assert isinstance(worker.backend, LoopbackBackend)
+    return worker.backend
+
+
+def test_router_streams_token_identical_completions() -> None:
+    prompts = synthetic_prompts(8, 1, 41, CFG.vocab_size, seed=2)
+
+    async def main() -> None:
+        async with cluster() as c:
+            router = Router(c.prefill, c.decode)
+
+            async def one(prompt: list[int]) -> tuple[list[Token], Completion]:
+                tokens: list[Token] = []
+                async for item in router.stream(prompt, 6):
+                    if isinstance(item, Completion):
+                        return tokens, item
+                    tokens.append(item)
+                raise AssertionError("no completion")
+
+            results = await asyncio.gather(*(one(p) for p in prompts))
+            for prompt, (tokens, done) in zip(prompts, results):
+                assert done.ok, done.error
+                assert list(done.tokens) == oracle(prompt, 6)
+                assert [t.index for t in tokens] == list(range(6))
+                assert [t.token for t in tokens] == list(done.tokens)
+                assert done.path == "disaggregated" and done.recomputed_tokens == 0
+                blocks = -(-len(prompt) // CFG.block_tokens)
+                assert done.transfer is not None and done.transfer.status == "delivered"
+                assert done.transfer.rows == done.transfer.rows_delivered == blocks
+                assert done.transfer.bytes == blocks * CFG.group_spec().row_bytes
+                assert done.ttft_s is not None and 0 < done.ttft_s <= done.total_s
+            text = await request_text(c.decode[0], "/metrics")
+            assert f'kvxfer_transfers_total{{status="delivered"}} {len(prompts)}' in text
+            assert "kvxfer_open_leases 0" in text
+            assert f'kvxfer_router_requests_total{{path="disaggregated",result="ok"}} {len(prompts)}' \
+                in router.metrics_text()
+
+    asyncio.run(main())
+
+
+def test_round_robin_and_least_outstanding_pick_differently() -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+
+    async def main() -> None:
+        async with cluster(1, 2) as c:
+            for selection, want in (("round_robin", [1, 0]), ("least_outstanding", [1, 1])):
+                router = Router(c.prefill, c.decode, selection=selection)
+                held = router.stream(prompt, 40)
+                first = await held.__anext__()  # request 1 stays open on decode worker 0
+                assert isinstance(first, Token)
+                picked = []
+                for _ in range(2):
+                    done = await router.generate(prompt, 3)
+                    assert done.ok and list(done.tokens) == oracle(prompt, 3)
+                    picked.append(c.decode.index(done.decode))
+                assert picked == want, selection
+                rest = [item async for item in held]
+                assert isinstance(rest[-1], Completion) and rest[-1].ok and c.decode.index(rest[-1].decode) == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_partial_transfer_follows_the_failure_policy(policy: str) -> None:
+    prompt = synthetic_prompts(1, 30, 30, CFG.vocab_size, seed=4)[0]
+
+    async def main() -> None:
+        async with cluster() as c:
+            backend(c.workers[c.prefill[0]]).fail_after_rows = 2  # the publisher (push) fails after 2 rows
+            done = await Router(c.prefill, c.decode, on_failure=policy).generate(prompt, 5)
+            assert done.transfer is not None and done.transfer.status == "failed"
+            assert done.transfer.rows_delivered == 2 and done.transfer.rows == 8
+            if policy == "fail":
+                assert done.error is not None and "2 of 8 rows arrived" in done.error and "policy" in done.error
+                assert list(done.tokens) == oracle(prompt, 5)[:1]  # only the prefill worker's token
+            else:
+                assert done.ok, done.error
+                assert list(done.tokens) == oracle(prompt, 5)
+                assert done.path == "resumed" and done.recomputed_tokens == 30 - 2 * CFG.block_tokens
+            text = await request_text(c.decode[0], "/metrics")
+            assert 'kvxfer_transfer_failures_total{reason="injected"} 1' in text
+            assert "kvxfer_open_leases 0" in text
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_unreachable_prefill_worker_follows_the_failure_policy(policy: str) -> None:
+    prompt = [7, 7, 1, 2, 3]
+
+    async def main() -> None:
+        async with cluster(0, 1) as c:
+            dead = HttpServer(make_handler(c.workers[c.decode[0]]))
+            dead_url = f"http://127.0.0.1:{await dead.start()}"
+            await dead.close()  # nothing listens there any more
+            router = Router([dead_url], c.decode, on_failure=policy, probe_interval_s=60)
+            done = await router.generate(prompt, 4)
+            if policy == "fail":
+                assert done.error is not None and dead_url in done.error and "cannot connect" in done.error
+                again = await router.generate(prompt, 4)  # now known down: refused without trying
+                assert again.error is not None and "no prefill worker is reachable" in again.error
+            else:
+                assert done.ok and list(done.tokens) == oracle(prompt, 4) and done.path == "local"
+                assert done.recomputed_tokens == len(prompt)
+            text = await request_text(c.decode[0], "/metrics")
+            assert "kvxfer_open_leases 0" in text
+
+    asyncio.run(main())
+
+
+def test_silent_decode_worker_times_out_with_a_named_error() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        async with cluster(1, 0) as c:
+            server = await asyncio.start_server(silent, "127.0.0.1", 0)
+            url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            try:
+                router = Router(c.prefill, [url], timeout_s=0.5)
+                start = asyncio.get_running_loop().time()
+                done = await router.generate([1, 2, 3], 4)
+                assert asyncio.get_running_loop().time() - start < 5
+                assert done.error is not None and url in done.error and "no response within 0.5s" in done.error
+                health = await request_json(c.prefill[0], "GET", "/health")
+                assert health["held"] == 0  # the router told the prefill worker to drop the request
+            finally:
+                server.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(server.wait_closed(), 1)
+
+    asyncio.run(main())
+
+
+def test_workers_refuse_malformed_calls_with_named_errors() -> None:
+    async def main() -> None:
+        async with cluster() as c:
+            p, d = c.prefill[0], c.decode[0]
+            cases = [
+                (p, "/prefill", {"request": "x", "prompt": []}, "'prompt' must be a non-empty list"),
+                (p, "/prefill", {"request": "x", "prompt": [1, 999]}, "[0, 128)"),
+                (p, "/reserve", {"request": "x", "prompt": [1], "max_new_tokens": 2}, "this is a prefill worker"),
+                (d, "/reserve", {"request": "x", "prompt": [1], "max_new_tokens": 0}, "'max_new_tokens'"),
+                (p, "/publish", {"request": "never", "hint": "AAAA"}, "not held here"),
+            ]
+            for url, path, body, words in cases:
+                with pytest.raises(HttpError) as info:
+                    await request_json(url, "POST", path, body)
+                assert info.value.status == 400 and words in str(info.value), (path, str(info.value))
+            await request_json(p, "POST", "/prefill", {"request": "y", "prompt": [1, 2]})
+            with pytest.raises(HttpError, match="WireError") as info:
+                await request_json(p, "POST", "/publish", {"request": "y", "hint": "AAAA"})
+            assert info.value.status == 400
+            await request_json(p, "POST", "/abort", {"request": "y"})
+            assert (await request_json(p, "GET", "/health"))["held"] == 0
+
+    asyncio.run(main())
