@@ -110,6 +110,11 @@ class BlockAllocator:
     def key_of(self, block: int) -> bytes | None:
         return self._key_of.get(block)
 
+    def unname(self, blocks: np.ndarray) -> None:
+        """``blocks`` no longer hold what their names stand for (a shrink cut into them)."""
+        for b in blocks.tolist():
+            self._forget_key(b)
+
     def _forget_key(self, block: int) -> None:
         key = self._key_of.pop(block, None)
         if key is not None:

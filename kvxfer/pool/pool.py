@@ -282,7 +282,8 @@ class PagedKVPool:
 
     def shrink(self, request: str, tokens: int) -> None:
         """Cut the request to ``tokens`` tokens. KV past the new end is void for good (even
-        rows a lease later reports arrived); blocks past it are freed once no lease pins them."""
+        rows a lease later reports arrived); blocks past it are freed once no lease pins them,
+        and a block the new end cuts into loses its prefix name (its tail gets rewritten)."""
         req = self._get(request)
         tokens = _tokens(tokens)
         if tokens > req.tokens:
@@ -297,6 +298,10 @@ class PagedKVPool:
                 continue
             keep = spec.blocks_for(tokens)
             cut = rows.blocks[keep:]
+            if tokens % spec.block_tokens:
+                # The last kept block is now partial and its tail will be rewritten: its name
+                # (a full block of the old tokens) must not let another request share it.
+                self._alloc[spec.name].unname(rows.blocks[keep - 1: keep])
             rows.blocks = rows.blocks[:keep].copy()
             base = np.arange(keep, dtype=np.int64) * spec.block_tokens
             rows.filled = np.maximum(base, np.minimum(rows.filled[:keep], tokens))

@@ -223,3 +223,17 @@ def test_errors_name_what_is_wrong() -> None:
         pool.block_table("a", "nope")
     with pytest.raises(ValueError, match="holds only"):
         pool.commit("a", 5)
+
+
+def test_shrink_into_a_named_block_unnames_it() -> None:
+    pool = make(blocks=8)
+    ids = np.arange(100, 112)
+    pool.allocate("a", 12)
+    pool.commit("a", 12, ids)  # three full blocks, all named
+    pool.shrink("a", 10)  # block 2 keeps tokens 8..10; 10..12 are void and get rewritten
+    pool.grow("a", 12)
+    pool.write_kv("a", "full", 0, 10, torch.ones(2, 2, 8), torch.ones(2, 2, 8))
+    # block 2 no longer holds the KV its old name stands for: a request with that prefix
+    # must not share it (only the two untouched full blocks)
+    assert pool.allocate("b", 12, ids) == 8
+    assert pool.block_table("b", "full")[2] != pool.block_table("a", "full")[2]
