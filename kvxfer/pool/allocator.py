@@ -98,8 +98,9 @@ class BlockAllocator:
         self._settle(blocks)
 
     def name(self, block: int, key: bytes) -> None:
-        """Make ``block`` shareable under ``key`` (first name wins; deferred while write-pinned)."""
-        if block in self._key_of or key in self._by_key:
+        """Make ``block`` shareable under ``key`` (first name wins; deferred while write-pinned;
+        never for a retained block)."""
+        if block in self._key_of or key in self._by_key or self.retained[block]:
             return
         if self.write_pins[block] > 0:
             self._pending_key[block] = key
@@ -141,8 +142,12 @@ class BlockAllocator:
         self._settle(blocks)
 
     def retain(self, blocks: np.ndarray) -> None:
-        """Never hand these blocks out again (some access to them may still land)."""
+        """Never hand these blocks out again (some access to them may still land): not as
+        free blocks, and not through a prefix name either, so their names go too."""
         self.retained[blocks] = True
+        for b in blocks.tolist():
+            self._forget_key(b)
+            self._lru.pop(b, None)
 
     def _settle(self, blocks: np.ndarray) -> None:
         idle = blocks[(self.refcount[blocks] == 0) & (self.pins[blocks] == 0)

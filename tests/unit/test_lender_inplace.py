@@ -266,3 +266,25 @@ def test_arrival_for_a_freed_then_reallocated_name_counts_nothing() -> None:
     write.release()
     assert ld.readiness("r") == ResumeBounds(0, 0)
     assert d.filled("r", "ssm").tolist() == [-1]
+
+
+def test_forced_shutdown_keeps_retained_blocks_out_of_prefix_reuse() -> None:
+    p, d, lp, ld = pools([FULL], blocks=16)
+    ids = np.arange(8)
+    # a read lease over named blocks, and a write lease whose naming was deferred
+    fill(p, "r", 8, token_ids=ids)
+    read = lp.lend_read("r", (0, 8))
+    d.allocate("r", 0)
+    write = ld.lend_write("r", (0, 8))
+    write.mark_arrived(write.view().row_masks(True))
+    d.commit("r", 8, ids)
+    lp.shutdown(force=True)
+    ld.shutdown(force=True)
+    p.free("r")
+    read.release()
+    write.release()  # the deferred names would apply here
+    # an attempt may still touch retained blocks: no request may be handed them again
+    assert p.allocate("probe", 8, ids) == 0 and d.allocate("probe", 8, ids) == 0
+    for pool in (p, d):
+        assert not pool.allocator("full").retained[pool.block_table("probe", "full")].any()
+    assert p.stats()["full"]["retained"] == d.stats()["full"]["retained"] == 2
