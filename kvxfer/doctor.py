@@ -1,0 +1,227 @@
+"""``kvxfer doctor``: which transport really carries the bytes, and how fast.
+
+It reports NIXL's and UCX's versions, then for host memory (and device memory when CUDA
+is present) runs two processes (``kvxfer.doctor_probe``): a target that registers a
+buffer and an initiator that WRITEs (the push lane) and READs (the pull lane) at a few
+sizes, and moves 64 KiB rows with per-row, prepared and coalesced descriptors. Both run
+with ``UCX_PROTO_INFO=y``, so UCX prints the protocol it selected for each operation and
+memory type; the doctor reads the transports from those tables (``cma``, ``tcp``,
+``cuda_ipc``, ``rc_mlx5``...). A lane that falls back to TCP gets a loud warning with the
+remedy: run that pair in push mode, or use the same-node ``ipc`` backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvxfer.backends.nixl import cuda_present
+
+_CELL_TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
+_OPS = {"remote memory write by": "write", "remote memory read by": "read"}
+LANE_OP = {"push": "write", "pull": "read"}
+REMEDY = ("use push mode (TransferMode.PUSH: the publisher WRITEs) for this pair, "
+          "or the same-node ipc backend (kvxfer.backends.ipc) when both ends share a node")
+
+
+def _say(message: str) -> None:
+    print(f"[doctor] {message}", file=sys.stderr, flush=True)
+
+
+def versions() -> dict[str, str]:
+    """NIXL's package version and the version of the UCX library NIXL loaded."""
+    from importlib import metadata  # noqa: PLC0415
+
+    out: dict[str, str] = {}
+    for dist in ("nixl", "nixl-cu13", "nixl-cu12"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        import nixl._api as api  # noqa: PLC0415
+
+        package_dir = Path(api.__file__).resolve().parent
+        libs = glob.glob(str(package_dir.parent / f"{package_dir.name}.libs" / "libucp-*.so*"))
+        lib = ctypes.CDLL(libs[0]) if libs else ctypes.CDLL("libucp.so.0")
+        lib.ucp_get_version_string.restype = ctypes.c_char_p
+        out["ucx"] = lib.ucp_get_version_string().decode()
+        out["nixl_module"] = package_dir.name
+    except (ImportError, OSError, IndexError, AttributeError) as exc:
+        out["ucx"] = f"unknown ({exc})"
+    return out
+
+
+def parse_proto_info(text: str) -> list[dict[str, Any]]:
+    """The put/get protocol tables UCX printed: one entry per (endpoint config, op, memory)."""
+    tables: list[dict[str, Any]] = []
+    previous = ""
+    current: dict[str, Any] | None = None
+    for raw in text.splitlines():
+        if "|" not in raw:
+            continue
+        line = raw[raw.index("|"):].strip().strip("|").strip()
+        op = next((v for k, v in _OPS.items() if k in line), None)
+        if op is not None:
+            memory = "device" if "cuda" in line or "rocm" in line else "host"
+            current = {"op": op, "memory": memory, "endpoint": previous, "what": line, "transports": []}
+            tables.append(current)
+        elif " by ucp_" in line:  # another operation's table (active messages, ...): not a lane
+            current = None
+        elif current is not None:
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) >= 3 and re.match(r"^[0-9.]+(\.\.[0-9a-z]+)?$", cells[0]):
+                for name, device in _CELL_TRANSPORT.findall(cells[-1]):
+                    entry = f"{name}/{device}"
+                    if entry not in current["transports"]:
+                        current["transports"].append(entry)
+        previous = line
+    # "self" endpoints are an agent's connection to itself; lanes between processes are the rest.
+    return [t for t in tables if " self " not in f" {t['endpoint']} "]
+
+
+def lanes_from_tables(tables: list[dict[str, Any]], memory: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for lane, op in LANE_OP.items():
+        found: list[str] = []
+        for t in tables:
+            if t["op"] == op and t["memory"] == memory:
+                found += [x for x in t["transports"] if x not in found]
+        out[lane] = found
+    return out
+
+
+def _spawn(role: str, fd: int, memory: str, nbytes: int, reps: int, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "UCX_PROTO_INFO": "y", "NIXL_LOG_LEVEL": "WARN"}
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvxfer.doctor_probe", role, str(fd), memory, str(nbytes), str(reps)],
+            pass_fds=[fd], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _recv(sock: socket.socket, timeout: float) -> dict[str, Any]:
+    sock.settimeout(timeout)
+    header = b""
+    while len(header) < 8:
+        part = sock.recv(8 - len(header))
+        if not part:
+            raise EOFError("probe process closed its connection")
+        header += part
+    size, body = int.from_bytes(header, "little"), b""
+    while len(body) < size:
+        part = sock.recv(size - len(body))
+        if not part:
+            raise EOFError("probe process closed its connection")
+        body += part
+    return dict(json.loads(body))
+
+
+def probe(memory: str, nbytes: int, reps: int, timeout: float) -> dict[str, Any]:
+    """Run target and initiator for one memory kind; figures, transports, and the raw tables."""
+    work = Path(tempfile.mkdtemp(prefix="kvxfer-doctor-"))
+    t_parent, t_child = socket.socketpair()
+    i_parent, i_child = socket.socketpair()
+    procs = []
+    try:
+        procs.append(_spawn("target", t_child.fileno(), memory, nbytes, reps, work / "target.log"))
+        procs.append(_spawn("initiator", i_child.fileno(), memory, nbytes, reps, work / "initiator.log"))
+        t_child.close()
+        i_child.close()
+        info = _recv(t_parent, timeout)
+        blob = json.dumps(info).encode()
+        i_parent.sendall(len(blob).to_bytes(8, "little") + blob)
+        while True:
+            message = _recv(i_parent, timeout)
+            if "progress" in message:
+                _say(f"{memory}: {message['progress']}")
+                continue
+            break
+        t_parent.sendall((1).to_bytes(8, "little") + b"x")
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        t_parent.close()
+        i_parent.close()
+    text = (work / "initiator.log").read_text(errors="replace")
+    tables = parse_proto_info(text)
+    if "error" in message:
+        raise RuntimeError(f"{memory} probe failed: {message['error']} (log: {work / 'initiator.log'})")
+    return {"figures": message["results"], "lanes": lanes_from_tables(tables, memory), "tables": tables,
+            "logs": str(work)}
+
+
+def _warnings(report: dict[str, Any]) -> list[str]:
+    out = []
+    for memory, result in report["memory"].items():
+        for lane, transports in result["lanes"].items():
+            if not transports:
+                out.append(f"{memory} {lane} lane: UCX printed no protocol table; transport unknown")
+            elif any(t.startswith("tcp") for t in transports):
+                out.append(f"!!! {memory.upper()} {lane.upper()} lane falls back to TCP ({', '.join(transports)}): "
+                           f"expect TCP speed. Remedy: {REMEDY}.")
+    return out
+
+
+def _print(report: dict[str, Any]) -> None:
+    v = report["versions"]
+    print(f"NIXL {v.get('nixl', '?')} ({v.get('nixl_module', '?')}), UCX {v.get('ucx', '?')}")
+    for memory, result in report["memory"].items():
+        print(f"\n{memory} memory, two processes on this node:")
+        for lane, transports in result["lanes"].items():
+            print(f"  {lane:<4} ({LANE_OP[lane]}) lane: {', '.join(transports) or 'unknown'}")
+        for lane, by_size in result["figures"]["lanes"].items():
+            cells = ", ".join(f"{int(s) >> 10} KiB {f['best_gbps']:.2f}" for s, f in by_size.items())
+            print(f"  {lane} GB/s (best): {cells}")
+        rows = result["figures"]["rows"]
+        print(f"  {rows['rows']} x 64 KiB rows, GB/s best (median):")
+        for label, f in rows.items():
+            if isinstance(f, dict):
+                print(f"    {label:<36} {f['best_gbps']:6.2f} ({f['median_gbps']:.2f})")
+    for warning in report["warnings"]:
+        print(f"\n{warning}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvxfer doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
+    parser.add_argument("--bytes", type=int, default=512 << 20, help="buffer size per process (default 512 MiB)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (best and median)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each probe step")
+    parser.add_argument("--no-device", action="store_true", help="skip device memory even when CUDA is present")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    started = time.time()
+    _say("reading versions")
+    report: dict[str, Any] = {"versions": versions(), "host": socket.gethostname(), "memory": {}}
+    kinds = ["host"] + (["device"] if cuda_present() and not args.no_device else [])
+    for memory in kinds:
+        _say(f"{memory}: starting target and initiator processes ({args.bytes >> 20} MiB each)")
+        report["memory"][memory] = probe(memory, args.bytes, args.reps, args.timeout)
+    if "device" not in kinds:
+        report["device_skipped"] = "no CUDA device" if not args.no_device else "--no-device"
+    report["warnings"] = _warnings(report)
+    report["seconds"] = round(time.time() - started, 1)
+    _print(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        _say(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
