@@ -12,8 +12,9 @@ region per pool row region (pinned host memory when the pool is on CUDA), sized 
   ``mark_arrived`` copies only the marked rows to device pages, in one batch, and
   readiness counts them once that copy completes.
 - A copy whose completion cannot be established (it raised, or its event did) sets
-  ``lease.failure`` and quarantines its slots for good; on CUDA the device pages it
-  touched are retained too. ``stats()`` shows capacity, free and quarantined slots.
+  ``lease.failure`` and quarantines its slots for good (the staging memory is then kept
+  even after the lender is gone); on CUDA the device pages it touched are retained too.
+  ``stats()`` shows capacity, free and quarantined slots.
 
 Progress is driven by the lender's calls (``view``, ``readiness``, ``release``, lends).
 """
@@ -32,7 +33,9 @@ from kvxfer.lender.base import Lease, LeaseError, Lender
 from kvxfer.lender.slots import SlotRuns, SlotStats
 from kvxfer.pool import LayerGroupSpec, PagedKVPool
 
-# Buffers a forced shutdown kept because a copy may still touch them: never freed.
+# Buffers holding quarantined slots (a copy of unknown completion, or a forced shutdown
+# with leases open) may still be touched: kept here, never freed, whatever becomes of the
+# lender.
 _RETAINED: list[Any] = []
 
 
@@ -217,6 +220,7 @@ class StagingLender(Lender):
         self._quarantined.add(lease.id)
         for part, start in zip(lease._parts, self._grants[lease.id]):
             self._slots[part.region.name].quarantine(start, part.blocks.size)
+        self._retain_buffers()
         if self._cuda:  # the device side of the copy may still run: keep its pages too
             for part in lease._parts:
                 self.pool.allocator(part.group).retain(part.blocks)
@@ -261,5 +265,11 @@ class StagingLender(Lender):
                 self._slots[part.region.name].quarantine(start, part.blocks.size)
                 kept.setdefault(part.region.name, []).append(start + np.arange(part.blocks.size, dtype=np.int64))
         if kept:
-            _RETAINED.append(self._buffers)  # the memory outlives this lender
+            self._retain_buffers()
         return {name: np.concatenate(parts) for name, parts in kept.items()}
+
+    def _retain_buffers(self) -> None:
+        """Quarantined slots must outlive this lender: freeing the buffer would hand live
+        storage back to the (pinned) host allocator."""
+        if not any(buffers is self._buffers for buffers in _RETAINED):
+            _RETAINED.append(self._buffers)
