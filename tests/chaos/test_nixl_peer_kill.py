@@ -154,10 +154,15 @@ def test_restarted_peer_with_the_same_name_is_added_again() -> None:
     peer = _child(mode, pause=PAUSE, name=name)
     try:
         local_view, peer_view = _views(memory, peer, "restart-1")
+        stale_local, stale_peer = _views(memory, peer, "restart-stale")
+        stale_hint = decode_hint(peer.describe_bytes(stale_peer))
         attempt = _start(local, peer, local_view, peer_view, "fetch")
         time.sleep(KILL_AFTER)
         peer.kill()
         assert attempt.wait(BOUND) and isinstance(attempt.poll(), Failed)
+        local.describe(stale_local)  # a hint of the dead process: refused at once, nothing posted
+        stale = local.fetch(stale_local, stale_hint)
+        assert isinstance(stale.poll(), Failed) and "unreachable" in stale.poll().reason and stale.quiesced()
         peer = _child(mode, name=name)  # same agent name, new process, new metadata
         assert peer.agent == name
         local_view, peer_view = _views(memory, peer, "restart-2")

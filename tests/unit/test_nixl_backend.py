@@ -1,0 +1,156 @@
+"""NixlBackend behaviour beyond the kit, with two real agents in this process: deadlines,
+cancel mid-way, faults across chunk boundaries, early records, refusals and clean shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.nixl import NixlBackend
+from kvxfer.contract import (
+    CacheKind,
+    Cancelled,
+    Delivered,
+    Failed,
+    InvalidSubmission,
+    LayerGroupRows,
+    MemoryKind,
+    SlotRegion,
+    TokenRange,
+    TransferMode,
+    View,
+)
+from kvxfer.testing.memory import HostRows
+from kvxfer.testing.nixl_pairs import host_rows
+
+ROW = 2048
+ROWS = 24
+
+
+@pytest.fixture
+def made() -> Iterator[list[NixlBackend]]:
+    backends: list[NixlBackend] = []
+    yield backends
+    for b in backends:
+        b.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
+
+
+def _backend(made: list[NixlBackend], mode: TransferMode, name: str, **options: object) -> tuple[NixlBackend, HostRows]:
+    memory = host_rows(((f"{name}0", ROW, 64), (f"{name}1", ROW, 64)))
+    backend = NixlBackend(mode=mode, **options)  # type: ignore[arg-type]
+    backend.register(memory.regions)
+    made.append(backend)
+    return backend, memory
+
+
+def _view(memory: HostRows, request: str, seed: int) -> View:
+    rng = np.random.default_rng(seed)
+    groups = tuple(LayerGroupRows(f"g{i}", CacheKind.PAGED, r, rng.permutation(r.slots)[: ROWS // 2],
+                                  np.arange(ROWS // 2)) for i, r in enumerate(memory.regions))
+    return View(request, TokenRange(0, ROWS * 16), groups, b"L")
+
+
+def _fill(memory: HostRows, view: View, seed: int) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for g in view.groups:
+        out[g.layer_group] = rng.integers(0, 256, len(g) * ROW, dtype=np.uint8).tobytes()
+        memory.write(g.region.name, g.slots, out[g.layer_group])
+    return out
+
+
+def test_passive_deadline_fails_and_stays_unquiesced_until_the_peer_withdraws(made: list[NixlBackend]) -> None:
+    fetcher, fmem = _backend(made, TransferMode.PUSH, "F", deadline_s=0.3)
+    publisher, pmem = _backend(made, TransferMode.PUSH, "P")
+    fview, pview = _view(fmem, "deadline", 1), _view(pmem, "deadline", 2)
+    fhint = fetcher.describe(fview)
+    attempt = fetcher.fetch(fview, publisher.describe(pview))
+    time.sleep(1.0)
+    outcome = attempt.poll()
+    assert isinstance(outcome, Failed) and outcome.reason.startswith("timeout after 0.3s"), outcome
+    assert outcome.rows_delivered == 0
+    # The publisher never had our metadata, so it could not confirm: we must not claim quiescence.
+    assert not attempt.quiesced()
+    with pytest.raises(InvalidSubmission, match="withdrew"):
+        publisher.publish(pview, fhint)
+    assert attempt.wait(5.0), "the withdrawal reply did not quiesce the wait"
+
+
+def test_active_deadline_reports_exactly_the_chunks_done(made: list[NixlBackend]) -> None:
+    fetcher, fmem = _backend(made, TransferMode.PULL, "F", deadline_s=0.5, chunk_bytes=5 * ROW,
+                             chunk_pause_s=10.0)
+    publisher, pmem = _backend(made, TransferMode.PULL, "P")
+    fview, pview = _view(fmem, "stall", 3), _view(pmem, "stall", 4)
+    payload = _fill(pmem, pview, 5)
+    phint, fhint = publisher.describe(pview), fetcher.describe(fview)
+    publisher.publish(pview, fhint)
+    attempt = fetcher.fetch(fview, phint)
+    assert attempt.wait(5.0)
+    outcome = attempt.poll()
+    assert isinstance(outcome, Failed) and "timeout" in outcome.reason
+    assert outcome.masks[0][:5].all() and outcome.rows_delivered == 5  # the one chunk posted before the stall
+    g = fview.groups[0]
+    assert fmem.read(g.region.name, g.slots[:5]) == payload["g0"][: 5 * ROW]
+
+
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_cancel_mid_way_stops_new_chunks_and_both_ends_agree(made: list[NixlBackend], mode: TransferMode) -> None:
+    active_op = "publish" if mode is TransferMode.PUSH else "fetch"
+    a, amem = _backend(made, mode, "A", chunk_bytes=2 * ROW, chunk_pause_s=0.05)
+    b, bmem = _backend(made, mode, "B")
+    aview, bview = _view(amem, "cancel", 6), _view(bmem, "cancel", 7)
+    ahint, bhint = a.describe(aview), b.describe(bview)
+    passive = (b.fetch if active_op == "publish" else b.publish)(bview, ahint)
+    active = (a.publish if active_op == "publish" else a.fetch)(aview, bhint)
+    time.sleep(0.2)
+    active.cancel()
+    assert active.wait(5.0) and passive.wait(5.0)
+    mine, theirs = active.poll(), passive.poll()
+    assert isinstance(mine, Cancelled) and not mine.by_peer
+    assert isinstance(theirs, Cancelled) and theirs.by_peer
+    assert 0 < mine.rows_delivered < ROWS and mine.rows_delivered % 2 == 0
+    assert mine.rows_delivered == theirs.rows_delivered
+
+
+def test_injected_fault_across_chunk_boundaries_is_exact(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, TransferMode.PUSH, "P", chunk_bytes=3 * ROW, fail_after_rows=7)
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, "fault", 8), _view(fmem, "fault", 9)
+    payload = _fill(pmem, pview, 10)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    attempt = pub.publish(pview, fhint)
+    assert attempt.wait(5.0) and waiting.wait(5.0)
+    for outcome in (attempt.poll(), waiting.poll()):
+        assert isinstance(outcome, Failed) and outcome.rows_delivered == 7, outcome
+        assert outcome.masks[0][:7].all() and not outcome.masks[1].any()
+    g = fview.groups[0]
+    assert fmem.read(g.region.name, g.slots[:7]) == payload["g0"][: 7 * ROW]
+
+
+def test_record_before_fetch_is_stashed(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, TransferMode.PUSH, "P")
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, "early", 11), _view(fmem, "early", 12)
+    payload = _fill(pmem, pview, 13)
+    fhint, phint = fet.describe(fview), pub.describe(pview)
+    published = pub.publish(pview, fhint)
+    assert published.wait(5.0) and isinstance(published.poll(), Delivered)
+    time.sleep(0.1)  # the record reaches the fetcher before its fetch() exists
+    attempt = fet.fetch(fview, phint)
+    assert attempt.wait(2.0) and isinstance(attempt.poll(), Delivered) and attempt.poll().all_delivered
+    for g in fview.groups:
+        assert fmem.read(g.region.name, g.slots) == payload[g.layer_group]
+
+
+def test_device_memory_refused_without_cuda(made: list[NixlBackend]) -> None:
+    backend, _ = _backend(made, TransferMode.PUSH, "D")
+    if MemoryKind.DEVICE in backend.capabilities.memory_kinds:
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(InvalidSubmission, match="cannot reach"):
+        backend.register([SlotRegion("vram", 1 << 40, 4096, 4, MemoryKind.DEVICE)])

@@ -1,0 +1,66 @@
+"""Chunks of NIXL descriptors: coalesced runs, bounded chunks, exact row accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvxfer.backends.matching import match_rows
+from kvxfer.backends.nixl_plan import plan_chunks
+from kvxfer.backends.transfers import hint_groups
+from kvxfer.contract import CacheKind, Hint, LayerGroupRows, MemoryKind, SlotRegion, TokenRange, TransferMode, View
+
+A = SlotRegion("A", 1 << 20, 1024, 64, MemoryKind.HOST)
+B = SlotRegion("B", 1 << 30, 1024, 64, MemoryKind.HOST, device_id=0)
+PB = SlotRegion("PB", 1 << 32, 1024, 64, MemoryKind.DEVICE, device_id=3)
+
+
+def _view(region: SlotRegion, slots: list[int], ordinals: list[int], name: str = "g") -> View:
+    return View("r", TokenRange(0, 1024), (LayerGroupRows(name, CacheKind.PAGED, region, slots, ordinals),), b"L")
+
+
+def _hint(view: View) -> Hint:
+    return Hint("nixl", TransferMode.PUSH, "peer", "r", "t", b"L", hint_groups(view))
+
+
+def test_runs_contiguous_on_both_ends_become_one_descriptor() -> None:
+    local = _view(A, [4, 5, 6, 9, 10, 20], [0, 1, 2, 3, 4, 5])
+    peer = _view(PB, [30, 31, 32, 33, 40, 41], [0, 1, 2, 3, 4, 5])
+    (chunk,) = plan_chunks(match_rows(local, _hint(peer)), _hint(peer), chunk_bytes=1 << 20)
+    # runs: [4-6]->[30-32], [9]->[33], [10]->[40], [20]->[41]
+    assert chunk.local_descs[:, 0].tolist() == [A.address + s * 1024 for s in (4, 9, 10, 20)]
+    assert chunk.remote_descs[:, 0].tolist() == [PB.address + s * 1024 for s in (30, 33, 40, 41)]
+    assert chunk.local_descs[:, 1].tolist() == [3072, 1024, 1024, 1024] == chunk.remote_descs[:, 1].tolist()
+    assert set(chunk.local_descs[:, 2].tolist()) == {0} and set(chunk.remote_descs[:, 2].tolist()) == {3}
+    assert (chunk.local_kind, chunk.remote_kind) == (MemoryKind.HOST, MemoryKind.DEVICE)
+    assert chunk.local_rows.tolist() == list(range(6)) and chunk.nbytes == 6 * 1024
+
+
+def test_without_coalescing_each_row_is_a_descriptor() -> None:
+    local = _view(A, list(range(8)), list(range(8)))
+    peer = _view(PB, list(range(8)), list(range(8)))
+    (chunk,) = plan_chunks(match_rows(local, _hint(peer)), _hint(peer), chunk_bytes=1 << 20, coalesce_runs=False)
+    assert chunk.local_descs.shape == (8, 3) and set(chunk.local_descs[:, 1].tolist()) == {1024}
+
+
+def test_chunks_bound_bytes_and_cover_matched_rows_in_order() -> None:
+    rng = np.random.default_rng(0)
+    local = _view(A, rng.permutation(64)[:50].tolist(), list(range(50)))
+    peer_ordinals = [o for o in range(50) if o % 7]  # some rows have no counterpart
+    peer = _view(PB, rng.permutation(64)[: len(peer_ordinals)].tolist(), peer_ordinals)
+    chunks = plan_chunks(match_rows(local, _hint(peer)), _hint(peer), chunk_bytes=3 * 1024 + 5)
+    assert all(c.rows <= 3 and c.nbytes <= 3 * 1024 for c in chunks)
+    rows = np.concatenate([c.local_rows for c in chunks])
+    assert rows.tolist() == [o for o in range(50) if o % 7]
+    peer_rows = np.concatenate([c.peer_rows for c in chunks])
+    assert peer.groups[0].ordinals[peer_rows].tolist() == local.groups[0].ordinals[rows].tolist()
+
+
+def test_row_limit_takes_exactly_the_first_rows_across_groups() -> None:
+    local = View("r", TokenRange(0, 99), (
+        LayerGroupRows("g0", CacheKind.PAGED, A, list(range(5)), list(range(5))),
+        LayerGroupRows("g1", CacheKind.PAGED, B, list(range(10, 16)), list(range(6))),
+    ), b"L")
+    hint = _hint(local)
+    chunks = plan_chunks(match_rows(local, hint), hint, chunk_bytes=2 * 1024, row_limit=7)
+    assert [(c.group, c.rows) for c in chunks] == [(0, 2), (0, 2), (0, 1), (1, 2)]
+    assert plan_chunks(match_rows(local, hint), hint, chunk_bytes=1 << 20, row_limit=0) == []
