@@ -63,13 +63,13 @@ def group_interval(spec: LayerGroupSpec, filled: np.ndarray) -> tuple[int, int]:
         return 0, prefix_end
     window = spec.window
     sinks_ok = prefix_end >= min(spec.sink_blocks * bt, int(filled.size) * bt)
-    # Latest run able to hold a full window (or the prefix run, which needs none).
-    for a, e in zip(run_start[::-1].tolist(), run_end[::-1].tolist()):
-        if a == 0:
-            return 0, e
-        if e - a >= window and sinks_ok:
-            return a + window, e
-    return 0, 0
+    # Latest run able to hold a full window (or the prefix run, which needs none); one
+    # numpy pass, as a request with gaps may have as many runs as rows.
+    serves = np.flatnonzero((run_start == 0) | ((run_end - run_start >= window) & sinks_ok))
+    if serves.size == 0:
+        return 0, 0
+    a, e = int(run_start[serves[-1]]), int(run_end[serves[-1]])
+    return (0, e) if a == 0 else (a + window, e)
 
 
 def resume_bounds(specs: tuple[LayerGroupSpec, ...], filled: dict[str, np.ndarray]) -> ResumeBounds:

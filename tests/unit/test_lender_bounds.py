@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxfer.contract import CacheKind
 from kvxfer.lender import ResumeBounds, group_interval, resume_bounds
@@ -60,3 +62,29 @@ def test_intersection_is_most_restrictive_and_empty_means_zero() -> None:
 def test_bounds_validate() -> None:
     with pytest.raises(ValueError, match="restart_floor"):
         ResumeBounds(3, 5)
+
+
+def _usable_positions(spec: LayerGroupSpec, filled_ends: np.ndarray) -> list[int]:
+    """Every position a group can resume at, by brute force over tokens (the oracle)."""
+    bt = spec.block_tokens
+    tokens = np.arange(filled_ends.size * bt)
+    present = filled_ends[tokens // bt] > tokens
+    ok = []
+    for p in range(tokens.size + 1):
+        low = 0 if spec.window is None else max(0, p - spec.window)
+        sinks = min(spec.sink_blocks * bt, p)
+        if present[low:p].all() and present[:sinks].all():
+            ok.append(p)
+    return ok
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([FULL, SWA, LayerGroupSpec("swa2", 1, 2, 1, 8, window=5, sink_blocks=2)]),
+       st.lists(st.integers(0, 4), min_size=0, max_size=24))
+def test_group_interval_is_sound_and_reaches_the_last_usable_position(spec: LayerGroupSpec, fill: list[int]) -> None:
+    bt = spec.block_tokens
+    ends = np.arange(len(fill), dtype=np.int64) * bt + np.minimum(np.asarray(fill, dtype=np.int64), bt)
+    floor, usable = group_interval(spec, ends)
+    oracle = _usable_positions(spec, ends)
+    assert all(p in oracle for p in range(floor, usable + 1))  # every offered position works
+    assert usable == max(oracle)  # and none later is left out
