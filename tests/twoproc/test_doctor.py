@@ -1,0 +1,33 @@
+"""kvxfer doctor end to end over host memory: two real processes, transports read from UCX,
+figures and the JSON report; no probe process is left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _probe_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "kvxfer.doctor_probe" in line and "ps -eo" not in line]
+
+
+def test_doctor_reports_host_lanes_and_figures(tmp_path: Path) -> None:
+    report_path = tmp_path / "doctor.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "doctor", "--bytes", str(8 << 20), "--reps", "1", "--no-device",
+         "--json", str(report_path)],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "[doctor] host: push (WRITE)" in run.stderr  # progress is shown as it goes
+    report = json.loads(report_path.read_text())
+    assert report["versions"]["nixl"] and report["versions"]["ucx"][0].isdigit()
+    host = report["memory"]["host"]
+    assert host["lanes"]["push"] and host["lanes"]["pull"], host["lanes"]  # UCX said which transports
+    for lane in ("push", "pull"):
+        assert all(f["best_gbps"] > 0 for f in host["figures"]["lanes"][lane].values())
+    assert host["figures"]["rows"]["scattered_per_row_prepped"]["best_gbps"] > 0
+    assert "NIXL 1.5.1" in run.stdout and "push (write) lane:" in run.stdout
+    assert _probe_processes() == []
