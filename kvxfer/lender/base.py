@@ -167,7 +167,9 @@ class Lender(abc.ABC):
         return resume_bounds(specs, {s.name: self.pool.filled(request, s.name) for s in specs})
 
     def release(self, lease: Lease) -> None:
-        if not isinstance(lease, Lease) or lease.lender is not self:
+        if not isinstance(lease, Lease):
+            raise LeaseError(f"release takes a Lease, got {type(lease).__name__}")
+        if lease.lender is not self:
             raise LeaseError(f"{lease!r} belongs to another lender; release it there")
         if lease._released:
             return

@@ -288,3 +288,9 @@ def test_forced_shutdown_keeps_retained_blocks_out_of_prefix_reuse() -> None:
     for pool in (p, d):
         assert not pool.allocator("full").retained[pool.block_table("probe", "full")].any()
     assert p.stats()["full"]["retained"] == d.stats()["full"]["retained"] == 2
+
+
+def test_release_of_something_that_is_not_a_lease_says_so() -> None:
+    _, _, lp, _ = pools([FULL])
+    with pytest.raises(LeaseError, match="release takes a Lease, got str"):
+        lp.release("r")  # type: ignore[arg-type]
