@@ -41,7 +41,7 @@ from kvxfer.contract import (
 )
 
 _WAIT_S = 60.0
-_BLOCK_TOKENS = 16
+BLOCK_TOKENS = 16
 LAYOUT = b"kvxfer-bench-v1"
 
 
@@ -113,7 +113,7 @@ class _Memory:
         rows = self.point.rows
         groups = tuple(LayerGroupRows(f"g{i}", CacheKind.PAGED, r, self.slots[end][i], np.arange(rows, dtype=np.int64))
                        for i, r in enumerate(regions))
-        return View(request, TokenRange(0, rows * _BLOCK_TOKENS), groups, LAYOUT)
+        return View(request, TokenRange(0, rows * BLOCK_TOKENS), groups, LAYOUT)
 
     def fill_source(self, source: str, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -140,7 +140,7 @@ class _Memory:
         return True
 
 
-def _wait(attempt: Attempt, what: str) -> Outcome:
+def wait_settled(attempt: Attempt, what: str) -> Outcome:
     """Until concluded and quiesced; a backend that stalls is an error, not a slow figure."""
     deadline = time.monotonic() + _WAIT_S
     while attempt.poll() is None or not attempt.quiesced():
@@ -152,7 +152,7 @@ def _wait(attempt: Attempt, what: str) -> Outcome:
     return outcome
 
 
-class _Watch:
+class Watch:
     """Wake callback that stamps the moment an attempt's outcome became visible."""
 
     def __init__(self) -> None:
@@ -219,7 +219,7 @@ class BackendCase:
         """One transfer; returns (start, outcome visible, prefill attempt, decode attempt)."""
         hd = ends.decode.describe(vd)
         hp = ends.prefill.describe(vp)
-        watch = _Watch()
+        watch = Watch()
         if push:
             ad = ends.decode.fetch(vd, hp, wake=watch)
             watch.bind(ad)
@@ -234,8 +234,8 @@ class BackendCase:
         return t0, seen, ap, ad
 
     def _settle(self, ap: Attempt, ad: Attempt, rows: int) -> None:
-        outcome = _wait(ad, "decode attempt")
-        _wait(ap, "prefill attempt")
+        outcome = wait_settled(ad, "decode attempt")
+        wait_settled(ap, "prefill attempt")
         if not outcome.all_delivered or outcome.rows_delivered != rows:
             raise RuntimeError(f"decode outcome {type(outcome).__name__}: {outcome.rows_delivered}/{rows} rows")
 

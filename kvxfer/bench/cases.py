@@ -27,6 +27,7 @@ class Requirement(enum.Enum):
     KVXFER_NIXL = "kvxfer.backends.nixl"
     KVXFER_IPC = "kvxfer.backends.ipc"
     KVXFER_PACKED = "the packed NIXL path (kvxfer.backends.nixl with packed rows)"
+    SUBPROCESS_PEER = "kvxfer.testing.subprocess_peer"
 
 
 class Role(enum.Enum):
@@ -100,6 +101,8 @@ def requirement_missing(req: Requirement) -> str | None:
         return None if _has_module("kvxfer.backends.nixl") else "kvxfer.backends.nixl does not exist yet"
     if req is Requirement.KVXFER_IPC:
         return None if _has_module("kvxfer.backends.ipc") else "kvxfer.backends.ipc does not exist yet"
+    if req is Requirement.SUBPROCESS_PEER:
+        return None if _has_module("kvxfer.testing.subprocess_peer") else "kvxfer.testing.subprocess_peer is absent"
     if req is Requirement.KVXFER_PACKED:
         if not _has_module("kvxfer.backends.nixl"):
             return "kvxfer.backends.nixl does not exist yet"
@@ -129,7 +132,7 @@ def release_shared() -> None:
 
 def registry() -> dict[str, CaseSpec]:
     """Every known case, by name. Imports are lazy: a case's module loads only when it runs."""
-    from kvxfer.bench import backend_cases, local, nixl_raw
+    from kvxfer.bench import backend_cases, local, nixl_raw, two_process
 
-    specs = [*local.SPECS, *nixl_raw.SPECS, *backend_cases.SPECS]
+    specs = [*local.SPECS, *nixl_raw.SPECS, *backend_cases.SPECS, *two_process.SPECS]
     return {s.name: s for s in specs}

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reps", type=int)
     t.add_argument("--budget", type=float, help="seconds of timed runs per figure before stopping early (>= 3 runs)")
     t.add_argument("--layers", type=int, help="layers per row for the layer-major peer-practice baseline")
+    t.add_argument("--max-descriptors", type=int, help="skip raw NIXL figures that would post more descriptors")
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, help="write the versioned JSON result here")
     o.add_argument("--markdown", type=Path, help="write the markdown tables here")
@@ -112,6 +113,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             budget_s=r.budget_s if args.budget is None else args.budget))
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, layers=args.layers)
+    if args.max_descriptors is not None:
+        cfg = dataclasses.replace(cfg, max_descriptors=args.max_descriptors)
     return cfg
 
 
@@ -147,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_json = [t.to_json() for t in targets]
     print(report.render_text(result, targets), end="")
 
-    stem = f"{cfg.name}-{socket.gethostname()}"
+    stem = f"{cfg.name}-{socket.gethostname()}-{result.created[:10]}"
     json_path = args.json or (args.out / f"{stem}.json" if args.out else None)
     md_path = args.markdown or (args.out / f"{stem}.md" if args.out else None)
     plot_dir = args.plots or args.out

@@ -33,7 +33,6 @@ from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, layer_major_addresses, pool_slots, row_addresses
 from kvxfer.bench.timing import Timing, time_runs
 
-MAX_DESCRIPTORS = 1 << 21   # beyond this, building the list costs more than the figure tells
 _SAMPLED_ROWS = 16
 _REPLY_TIMEOUT_S = 120.0
 
@@ -266,8 +265,9 @@ class _RawCase:
 
     def _prepare(self, point: Point) -> tuple[NixlPair, Any, str, dict[str, Any], Any]:
         local_off, remote_off, length = self.descriptors(point)
-        if local_off.size > MAX_DESCRIPTORS:
-            raise Skip(f"{local_off.size} descriptors exceed the bench's limit of {MAX_DESCRIPTORS}")
+        if local_off.size > self.config.max_descriptors:
+            raise Skip(f"{local_off.size} descriptors exceed the run's limit of {self.config.max_descriptors} "
+                       "(--max-descriptors)")
         pair = self._pair(point.memory)
         op = "WRITE" if point.direction == "push" else "READ"
         t0 = time.perf_counter()

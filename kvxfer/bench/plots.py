@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvxfer.bench.results import BenchResult
 
+_DIRECTED = ("nixl_per_row", "peer_practice", "loopback", "nixl", "nixl_2p", "nixl_packed", "ipc")
 MISSING = "matplotlib is not installed (pip install matplotlib): no plots written"
 
 
@@ -45,17 +46,18 @@ def plot(result: BenchResult, out_dir: Path, stem: str) -> list[Path]:
             continue
         if k.get("groups", 1) != 1:
             continue
-        slots = k.get("slots", "contiguous")
-        for s in ((slots,) if "slots" in k else ("contiguous", "scattered")):
-            # A case keyed without row size (one descriptor) is a flat line at its request size.
-            row = k.get("row_bytes")
-            panels[(k["memory"], k["direction"], s, k["total_bytes"])][f.case][row if row is not None else -1] = gbps
+        # A case keyed without a field (local_rows: no direction; one descriptor: no slots or
+        # row size) belongs on every panel of the others; one descriptor is a flat line.
+        for d in ((k["direction"],) if "direction" in k else ("push", "pull")):
+            for s in ((k["slots"],) if "slots" in k else ("contiguous", "scattered")):
+                row = k.get("row_bytes")
+                panels[(k["memory"], d, s, k["total_bytes"])][f.case][row if row is not None else -1] = gbps
     written = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for (memory, direction, slots, total), cases in sorted(panels.items()):
         rows = sorted({r for series in cases.values() for r in series if r > 0})
-        if len(rows) < 2:
-            continue  # a single row size is no curve
+        if not any(c in _DIRECTED and sum(r > 0 for r in series) >= 2 for c, series in cases.items()):
+            continue  # a single row size is no curve; a panel needs a transfer on it
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for case, series in sorted(cases.items()):
             if -1 in series:

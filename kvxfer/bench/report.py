@@ -120,7 +120,10 @@ def _machine_line(result: BenchResult) -> str:
     mem = f", {m['memory_bytes'] / (1 << 30):.0f} GiB" if m.get("memory_bytes") else ""
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
     vers = ", ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "nixl", "ucx") if v.get(k))
-    return f"{m.get('hostname')}: {m.get('cpu')}, {m.get('cores')} cores{mem}{gpu}; {vers}"
+    load = ""
+    if m.get("loadavg_1m_before") is not None:
+        load = f"; load average {m['loadavg_1m_before']} before, {m.get('loadavg_1m_after')} after"
+    return f"{m.get('hostname')}: {m.get('cpu')}, {m.get('cores')} cores{mem}{gpu}; {vers}{load}"
 
 
 def render_text(result: BenchResult, targets: Sequence[TargetRow]) -> str:

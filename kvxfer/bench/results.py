@@ -65,8 +65,8 @@ class Figure:
             out["reason"] = self.reason
         metrics = dict(self.metrics)
         if self.mode == "throughput" and self.ok:
-            metrics["gbps_best"] = self.get("gbps_best")
-            metrics["gbps_median"] = self.get("gbps_median")
+            metrics["gbps_best"] = self.key["total_bytes"] / self.metrics["seconds_best"] / 1e9
+            metrics["gbps_median"] = self.key["total_bytes"] / self.metrics["seconds_median"] / 1e9
         out["metrics"] = metrics
         out["facts"] = self.facts
         return out

@@ -8,6 +8,7 @@ its message, and the run goes on.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ def _measure(runner: CaseRunner, item: _Item, config: BenchConfig) -> Measuremen
 def run(config: BenchConfig, progress: Progress | None = None,
         specs: dict[str, CaseSpec] | None = None, log: Callable[[str], None] | None = None) -> BenchResult:
     started = time.monotonic()
+    load_before = _loadavg()
     items = plan(config, specs)
     progress = progress or Progress(len(items), enabled=False)
     progress.total = max(len(items), 1)
@@ -137,5 +139,14 @@ def run(config: BenchConfig, progress: Progress | None = None,
                 runner.close()
         release_shared()
         progress.finish()
-    return BenchResult(results.now(), results.machine(), results.versions(), config.to_json(), tuple(figures),
+    # Other work on the machine skews figures: say how busy it was around the run.
+    machine = {**results.machine(), "loadavg_1m_before": load_before, "loadavg_1m_after": _loadavg()}
+    return BenchResult(results.now(), machine, results.versions(), config.to_json(), tuple(figures),
                        time.monotonic() - started)
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None

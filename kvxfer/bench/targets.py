@@ -96,7 +96,7 @@ TARGETS = (
            lambda f: f.mode == "overhead" and f.case in BACKENDS
            and f.key.get("rows", 0) * f.key.get("groups", 1) >= 100_000, _overhead_judge, "an overhead sweep at 100k rows"),
     Target("CPU, two processes, NIXL, 64 KiB rows, coalescable", "≥ 90% of NIXL one descriptor",
-           lambda f: f.case == "nixl" and _tp(f, "host", "contiguous") and f.key["row_bytes"] == 64 * K,
+           lambda f: f.case == "nixl_2p" and _tp(f, "host", "contiguous") and f.key["row_bytes"] == 64 * K,
            _ratio_judge("nixl_one_desc", 0.90), "kvxfer.backends.nixl"),
 )
 
@@ -108,8 +108,7 @@ def evaluate(result: BenchResult) -> list[TargetRow]:
     rows: list[TargetRow] = []
     for t in TARGETS:
         chosen = [f for f in result.figures if f.ok and t.select(f)]
-        judged = [(f, t.judge(result, f)) for f in chosen]
-        judged = [(f, j) for f, j in judged if j is not None]
+        judged = [(f, j) for f in chosen if (j := t.judge(result, f)) is not None]
         if not judged:
             rows.append(TargetRow(t.name, "-", "-", f"not measured: needs {t.needs}", t.threshold, "not measured"))
         for f, (text, passed) in judged:

@@ -165,3 +165,24 @@ def test_reports_show_ratios_targets_and_skips() -> None:
 def test_targets_never_pass_without_figures() -> None:
     rows = evaluate(_result(*_refs()))
     assert rows and all(r.status == "not measured" for r in rows)
+
+
+def test_plots_write_png_per_panel(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvxfer.bench import plots
+
+    figs = [_tp("loopback", 0.01 * i, row_bytes=r, rows=64 * M // r) for i, r in enumerate((4 * K, 64 * K, M), 1)]
+    written = plots.plot(_result(*_refs(), *figs), tmp_path, "t")
+    assert [p.name for p in written] == ["t-host-push-scattered-64MiB.png"]
+    assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_says_which_dependency_plots_need(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.bench import plots
+
+    monkeypatch.setattr(plots, "available", lambda: False)
+    assert cli.main(["--preset", "tiny", "--cases", "local_copy", "--no-latency", "--no-overhead", "--no-progress",
+                     "--plots", str(tmp_path)]) == 0
+    assert "matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
