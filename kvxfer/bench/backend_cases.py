@@ -321,12 +321,10 @@ def _unsupported(what: str) -> EndsFactory:
 # name -> (title, requirements, ends factory)
 BACKENDS: dict[str, tuple[str, frozenset[Requirement], EndsFactory]] = {
     "loopback": ("kvxfer loopback (in-process memmove)", frozenset(), loopback_ends),
-    "nixl": ("kvxfer NIXL backend", frozenset({Requirement.NIXL, Requirement.KVXFER_NIXL}),
+    "nixl": ("kvxfer NIXL backend, both ends in this process", frozenset({Requirement.NIXL, Requirement.KVXFER_NIXL}),
              nixl_ends),
     "nixl_packed": ("kvxfer NIXL, packed rows", frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED}),
                     _unsupported("the packed NIXL path")),
-    "ipc": ("kvxfer CUDA IPC", frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}),
-            _unsupported("the IPC backend")),
 }
 
 

@@ -25,7 +25,7 @@ class Requirement(enum.Enum):
     CUDA = "a CUDA device (torch.cuda.is_available())"
     NIXL = "the nixl package (nixl._api)"
     KVXFER_NIXL = "kvxfer.backends.nixl"
-    KVXFER_IPC = "kvxfer.backends.ipc"
+    KVXFER_IPC = "kvxfer.backends.ipc and its two-process pair (ipc_pair)"
     KVXFER_PACKED = "the packed NIXL path (kvxfer.backends.nixl with packed rows)"
     SUBPROCESS_PEER = "kvxfer.testing.subprocess_peer"
 
@@ -100,7 +100,8 @@ def requirement_missing(req: Requirement) -> str | None:
     if req is Requirement.KVXFER_NIXL:
         return None if _has_module("kvxfer.backends.nixl") else "kvxfer.backends.nixl does not exist yet"
     if req is Requirement.KVXFER_IPC:
-        return None if _has_module("kvxfer.backends.ipc") else "kvxfer.backends.ipc does not exist yet"
+        missing = [m for m in ("kvxfer.backends.ipc", "kvxfer.backends.ipc_pair") if not _has_module(m)]
+        return f"{' and '.join(missing)} do{'es' if len(missing) == 1 else ''} not exist yet" if missing else None
     if req is Requirement.SUBPROCESS_PEER:
         return None if _has_module("kvxfer.testing.subprocess_peer") else "kvxfer.testing.subprocess_peer is absent"
     if req is Requirement.KVXFER_PACKED:
