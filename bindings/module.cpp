@@ -169,6 +169,8 @@ NB_MODULE(_native, m) {
     }
     check(err);
   }, "event"_a);
+  m.def("stream_signal_fd", [](std::uint64_t s, int fd) { check(kvxfer::cuda::stream_signal_fd(s, fd)); },
+        "stream"_a, "fd"_a, "Write one byte to fd once the work queued on stream so far has completed.");
   m.def("event_destroy", [](std::uint64_t ev) { check(kvxfer::cuda::event_destroy(ev)); }, "event"_a);
   m.def("ipc_export", [](int device, std::uint64_t ptr) {
     std::string handle;

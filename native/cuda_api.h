@@ -31,6 +31,11 @@ std::string event_query(std::uint64_t event, bool* done);  // done=false while p
 std::string event_synchronize(std::uint64_t event);
 std::string event_destroy(std::uint64_t event);
 
+// Once the work queued on `stream` so far has completed, a driver thread writes one byte to
+// file descriptor `fd` (cudaLaunchHostFunc): a sleeping progress thread wakes exactly then,
+// without polling. The fd must stay open until the stream has drained.
+std::string stream_signal_fd(std::uint64_t stream, int fd);
+
 // Exports the allocation holding `ptr`: its handle, base and size (ptr - base is the offset
 // the importer adds to its mapping).
 std::string ipc_export(int device, std::uint64_t ptr, std::string* handle, std::uint64_t* base, std::uint64_t* size);

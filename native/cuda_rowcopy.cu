@@ -1,13 +1,17 @@
 // One-launch batched row copy on the GPU, and the small set of runtime calls the IPC backend
-// needs (streams, events, IPC handles). The grid is flattened over (row, chunk) items: each
-// block copies one chunk of one row with vector loads of the widest width that every row
-// start is aligned to; the bytes past the last whole vector of a row (the tail) are copied
-// bytewise by the block that owns the row's last chunk, so any row size is correct.
+// needs (streams, events, IPC handles). The grid is flattened over (row, chunk) items and
+// uses vector loads of the widest width (16, 8, 4 or 1 bytes) that every row start is
+// aligned to; any row size is correct (see rowcopy_kernel for the tail).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <vector>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -17,7 +21,6 @@ namespace kvxfer::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;         // loads in flight per thread before the stores
 constexpr int kInlineRows = 64;    // 2 x 64 x 8 B of indices ride in the launch parameters
 constexpr std::int64_t kMaxGrid = 1ll << 20;
 
@@ -76,7 +79,7 @@ struct Geometry {
   std::int64_t n_rows;
   std::int64_t row_bytes;
   std::int64_t body_bytes;      // row_bytes rounded down to the vector width
-  std::int64_t chunk_bytes;     // kThreads * kUnroll * W
+  std::int64_t chunk_bytes;     // kThreads * W
   std::int64_t chunks_per_row;
 };
 
@@ -93,49 +96,150 @@ __device__ __forceinline__ std::int64_t dst_slot(const InlineIndices& ix, std::i
   return ix.has_dst ? ix.dst[r] : r;
 }
 
-template <int W, typename Ix>
+// Items are (row, chunk) pairs with chunks of kThreads vectors; a block takes U consecutive
+// items and each thread issues its U loads before any store, so that small rows (one chunk
+// each) still keep U loads per thread in flight. The bytes of a row past its last whole
+// vector (the tail) are copied bytewise by the block holding the row's last chunk.
+template <int W, int U, typename Ix>
 __global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix) {
   using V = typename Vec<W>::T;
   const std::int64_t items = g.n_rows * g.chunks_per_row;
-  for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const std::int64_t row = item / g.chunks_per_row;
-    const std::int64_t chunk = item - row * g.chunks_per_row;
-    const unsigned char* s = g.src + src_slot(ix, row) * g.src_stride;
-    unsigned char* d = g.dst + dst_slot(ix, row) * g.dst_stride;
-    const std::int64_t begin = chunk * g.chunk_bytes;
-    const std::int64_t body_end = min(begin + g.chunk_bytes, g.body_bytes);
-    if (body_end > begin) {
-      const V* sv = reinterpret_cast<const V*>(s + begin);
-      V* dv = reinterpret_cast<V*>(d + begin);
-      const int n = static_cast<int>((body_end - begin) / W);
-      V tmp[kUnroll];
+  for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * U; first < items;
+       first += static_cast<std::int64_t>(gridDim.x) * U) {
+    V tmp[U];
+    unsigned char* dst[U];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = threadIdx.x + u * kThreads;
-        if (j < n) tmp[u] = sv[j];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int j = threadIdx.x + u * kThreads;
-        if (j < n) dv[j] = tmp[u];
+    for (int u = 0; u < U; ++u) {
+      dst[u] = nullptr;
+      const std::int64_t item = first + u;
+      if (item < items) {
+        const std::int64_t row = item / g.chunks_per_row;
+        const std::int64_t off = (item - row * g.chunks_per_row) * g.chunk_bytes + static_cast<std::int64_t>(threadIdx.x) * W;
+        if (off < g.body_bytes) {
+          tmp[u] = *reinterpret_cast<const V*>(g.src + src_slot(ix, row) * g.src_stride + off);
+          dst[u] = g.dst + dst_slot(ix, row) * g.dst_stride + off;
+        }
       }
     }
-    if (chunk == g.chunks_per_row - 1) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (dst[u] != nullptr) *reinterpret_cast<V*>(dst[u]) = tmp[u];
+    }
+    if (g.body_bytes == g.row_bytes) continue;
+    for (int u = 0; u < U; ++u) {
+      const std::int64_t item = first + u;
+      if (item >= items) break;
+      const std::int64_t row = item / g.chunks_per_row;
+      if (item - row * g.chunks_per_row != g.chunks_per_row - 1) continue;
+      const unsigned char* s = g.src + src_slot(ix, row) * g.src_stride;
+      unsigned char* d = g.dst + dst_slot(ix, row) * g.dst_stride;
       for (std::int64_t b = g.body_bytes + threadIdx.x; b < g.row_bytes; b += kThreads) d[b] = s[b];
     }
   }
 }
 
-template <typename Ix>
-cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, std::int64_t grid) {
+int unroll_setting() {
+  // KVXFER_ROWCOPY_UNROLL=8 trades blocks for loads in flight; read once, for tuning runs.
+  static const int value = [] {
+    const char* env = std::getenv("KVXFER_ROWCOPY_UNROLL");
+    return (env != nullptr && std::atoi(env) == 8) ? 8 : 4;
+  }();
+  return value;
+}
+
+template <int U, typename Ix>
+cudaError_t launch_u(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, std::int64_t items) {
+  const std::int64_t grid = std::min<std::int64_t>((items + U - 1) / U, kMaxGrid);
   const dim3 blocks(static_cast<unsigned>(grid)), threads(kThreads);
   switch (width) {
-    case 16: rowcopy_kernel<16, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
-    case 8: rowcopy_kernel<8, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
-    case 4: rowcopy_kernel<4, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
-    default: rowcopy_kernel<1, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
+    case 16: rowcopy_kernel<16, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
+    case 8: rowcopy_kernel<8, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
+    case 4: rowcopy_kernel<4, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
+    default: rowcopy_kernel<1, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
   }
   return cudaGetLastError();
+}
+
+template <typename Ix>
+cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stream) {
+  const std::int64_t items = g.n_rows * g.chunks_per_row;
+  return unroll_setting() == 8 ? launch_u<8>(width, g, ix, stream, items) : launch_u<4>(width, g, ix, stream, items);
+}
+
+// Pinned staging for index uploads. A pageable cudaMemcpyAsync is staged by the driver at a
+// few GB/s, which for 4 KiB rows cost more than the copy itself; from pinned memory the
+// upload runs at PCIe speed. Buffers are reused once the event recorded after their upload
+// has completed; they live as long as the process (a handful, grown on demand).
+struct Staging {
+  void* host = nullptr;
+  std::size_t cap = 0;
+  cudaEvent_t done = nullptr;
+  int device = -1;
+  bool busy = false;
+};
+std::mutex g_staging_mu;
+std::vector<Staging*> g_staging;
+constexpr std::size_t kMaxStaging = 16;
+
+std::string take_staging(int device, std::size_t bytes, Staging** out) {
+  std::lock_guard<std::mutex> lock(g_staging_mu);
+  Staging* victim = nullptr;
+  for (Staging* st : g_staging) {
+    if (st->busy || st->device != device) continue;
+    if (cudaEventQuery(st->done) != cudaSuccess) {
+      (void)cudaGetLastError();
+      continue;
+    }
+    if (st->cap >= bytes) {
+      st->busy = true;
+      *out = st;
+      return {};
+    }
+    victim = st;  // idle but too small: grow it
+  }
+  if (victim == nullptr && g_staging.size() >= kMaxStaging) {
+    for (Staging* st : g_staging) {  // all in flight: wait for one of this device
+      if (st->busy || st->device != device) continue;
+      cudaError_t e = cudaEventSynchronize(st->done);
+      if (e != cudaSuccess) return fail("waiting for index staging", e);
+      victim = st;
+      break;
+    }
+    if (victim == nullptr) return "no index staging buffer is free";
+  }
+  std::size_t cap = 1 << 16;
+  while (cap < bytes) cap <<= 1;
+  void* host = nullptr;
+  cudaError_t e = cudaHostAlloc(&host, cap, cudaHostAllocPortable);
+  if (e != cudaSuccess) return fail("allocating pinned index staging", e);
+  if (victim == nullptr) {
+    victim = new Staging();
+    victim->device = device;
+    e = cudaEventCreateWithFlags(&victim->done, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      (void)cudaFreeHost(host);
+      delete victim;
+      return fail("creating a staging event", e);
+    }
+    g_staging.push_back(victim);
+  } else {
+    (void)cudaFreeHost(victim->host);  // its last upload has completed (event checked above)
+  }
+  victim->host = host;
+  victim->cap = cap;
+  victim->busy = true;
+  *out = victim;
+  return {};
+}
+
+void give_staging(Staging* st, cudaStream_t stream, bool recorded_ok) {
+  std::lock_guard<std::mutex> lock(g_staging_mu);
+  if (!recorded_ok || cudaEventRecord(st->done, stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaStreamSynchronize(stream);  // cannot track it: make sure the upload is over
+    (void)cudaGetLastError();
+  }
+  st->busy = false;
 }
 
 }  // namespace
@@ -156,12 +260,11 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
   g.n_rows = p.n_rows;
   g.row_bytes = p.row_bytes;
   g.body_bytes = p.row_bytes - p.row_bytes % width;
-  g.chunk_bytes = static_cast<std::int64_t>(kThreads) * kUnroll * width;
+  g.chunk_bytes = static_cast<std::int64_t>(kThreads) * width;
   g.chunks_per_row = std::max<std::int64_t>(1, (g.body_bytes + g.chunk_bytes - 1) / g.chunk_bytes);
-  const std::int64_t grid = std::min(p.n_rows * g.chunks_per_row, kMaxGrid);
 
   if (indices_on_device) {
-    cudaError_t e = launch(width, g, Indices{p.src.index, p.dst.index}, stream, grid);
+    cudaError_t e = launch(width, g, Indices{p.src.index, p.dst.index}, stream);
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
   if (p.n_rows <= kInlineRows) {
@@ -171,29 +274,35 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
     ix.has_dst = p.dst.index != nullptr;
     if (ix.has_src) std::memcpy(ix.src, p.src.index, sizeof(std::int64_t) * p.n_rows);
     if (ix.has_dst) std::memcpy(ix.dst, p.dst.index, sizeof(std::int64_t) * p.n_rows);
-    cudaError_t e = launch(width, g, ix, stream, grid);
+    cudaError_t e = launch(width, g, ix, stream);
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
-  // Stream-ordered scratch: allocated, filled, used and freed in stream order, so the call
-  // never waits for the device. A pageable source is staged by the runtime before return.
+  // Stream-ordered device scratch (allocated, filled, used and freed in stream order, so the
+  // call never waits for the device), filled from pinned staging.
   const int arrays = (p.src.index ? 1 : 0) + (p.dst.index ? 1 : 0);
   const std::size_t one = sizeof(std::int64_t) * static_cast<std::size_t>(p.n_rows);
+  int current = device;
+  if (current < 0 && cudaGetDevice(&current) != cudaSuccess) return fail("cudaGetDevice", cudaGetLastError());
+  Staging* st = nullptr;
+  err = take_staging(current, one * arrays, &st);
+  if (!err.empty()) return err;
+  auto* host = static_cast<unsigned char*>(st->host);
+  if (p.src.index) std::memcpy(host, p.src.index, one);
+  if (p.dst.index) std::memcpy(host + (p.src.index ? one : 0), p.dst.index, one);
   void* scratch = nullptr;
   cudaError_t e = cudaMallocAsync(&scratch, one * arrays, stream);
-  if (e != cudaSuccess) return fail("allocating index scratch (cudaMallocAsync)", e);
+  if (e != cudaSuccess) {
+    give_staging(st, stream, false);
+    return fail("allocating index scratch (cudaMallocAsync)", e);
+  }
+  e = cudaMemcpyAsync(scratch, host, one * arrays, cudaMemcpyHostToDevice, stream);
+  give_staging(st, stream, e == cudaSuccess);
   Indices ix{nullptr, nullptr};
-  auto* cursor = static_cast<unsigned char*>(scratch);
-  if (p.src.index) {
-    e = cudaMemcpyAsync(cursor, p.src.index, one, cudaMemcpyHostToDevice, stream);
-    ix.src = reinterpret_cast<const std::int64_t*>(cursor);
-    cursor += one;
-  }
-  if (e == cudaSuccess && p.dst.index) {
-    e = cudaMemcpyAsync(cursor, p.dst.index, one, cudaMemcpyHostToDevice, stream);
-    ix.dst = reinterpret_cast<const std::int64_t*>(cursor);
-  }
+  auto* cursor = static_cast<const std::int64_t*>(scratch);
+  if (p.src.index) ix.src = cursor;
+  if (p.dst.index) ix.dst = cursor + (p.src.index ? p.n_rows : 0);
   if (e == cudaSuccess) {
-    e = launch(width, g, ix, stream, grid);
+    e = launch(width, g, ix, stream);
     if (e != cudaSuccess) err = fail("launching the row copy kernel", e);
   } else {
     err = fail("uploading row indices", e);
@@ -270,6 +379,21 @@ std::string event_synchronize(std::uint64_t ev) {
 std::string event_destroy(std::uint64_t ev) {
   cudaError_t e = cudaEventDestroy(reinterpret_cast<cudaEvent_t>(ev));
   return e == cudaSuccess ? std::string() : fail("cudaEventDestroy", e);
+}
+
+namespace {
+void CUDART_CB write_byte(void* fd) {
+  const char one = 1;
+  // A full pipe already holds a pending wake-up, so a failed write loses nothing.
+  ssize_t r = ::write(static_cast<int>(reinterpret_cast<std::intptr_t>(fd)), &one, 1);
+  (void)r;
+}
+}  // namespace
+
+std::string stream_signal_fd(std::uint64_t s, int fd) {
+  cudaError_t e = cudaLaunchHostFunc(reinterpret_cast<cudaStream_t>(s), write_byte,
+                                     reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)));
+  return e == cudaSuccess ? std::string() : fail("cudaLaunchHostFunc", e);
 }
 
 std::string ipc_export(int device, std::uint64_t ptr, std::string* handle, std::uint64_t* base, std::uint64_t* size) {

@@ -12,6 +12,9 @@ until the active end confirms. Here:
 - The active end opens each peer allocation once and caches the mapping (``ipc_mappings``),
   then queues one native row-copy kernel per view group on a stream it owns and records a
   CUDA event; its progress thread polls the event, and only then are rows True in masks.
+  The kernels are queued inside publish()/fetch() itself: a launch is asynchronous and
+  takes microseconds, and handing it to the progress thread would add a thread wake-up
+  (tens of microseconds) to every small transfer's latency.
 - Records travel as ``kvxfer.wire.encode_completion`` frames over Unix sockets
   (``ipc_channel``), signed when a key is set. A peer whose socket closes is gone: no new
   copy goes into its mappings, which close once the copies in flight have ended.
@@ -22,6 +25,7 @@ IpcUnavailable naming why, and the module still imports.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import secrets
@@ -80,6 +84,20 @@ def node_identity() -> bytes:
         return socket.gethostname().encode()
 
 
+def _match(view: View, hint: Hint) -> list[GroupMatch]:
+    """match_rows, with a shortcut for the common case of both ends listing the same ordinals
+    in the same order (a whole request): then row i pairs with row i. Local ordinals were
+    checked unique by check_view, so equal arrays need no further check."""
+    out = []
+    for group in view.groups:
+        peer = hint.group(group.layer_group)
+        if peer is None or not np.array_equal(peer.ordinals, group.ordinals):
+            return match_rows(view, hint)
+        rows = np.arange(len(group), dtype=np.int64)
+        out.append(GroupMatch(group, peer, rows, rows, group.slots, peer.slots))
+    return out
+
+
 @dataclass(eq=False)
 class _Active:
     """This end moves the bytes (push publisher, pull fetcher)."""
@@ -91,6 +109,7 @@ class _Active:
     exports: dict[str, Export]  # peer region name -> its allocation
     writes_peer: bool
     cancelled_by_peer: bool = False
+    launched: bool = False
     event: int = 0
     mappings: list[Mapping] = field(default_factory=list)
     local_masks: list[np.ndarray] = field(default_factory=list)
@@ -145,12 +164,14 @@ class IpcBackend(Backend):
         self._own = OwnTransfers()
         self._closed = False
         self._jobs_lock = threading.Lock()
-        self._queued: list[_Active] = []
-        self._in_flight: list[_Active] = []
+        self._launch_lock = threading.Lock()  # launches enter the stream and _in_flight in one order
+        self._map_lock = threading.Lock()  # mappings: acquired at launch, released by the progress thread
+        self._in_flight: collections.deque[_Active] = collections.deque()
+        self._gone: set[bytes] = set()  # peer endpoints seen gone (written by the progress thread)
         self._passive: dict[str, _Passive] = {}
         self._stashed: dict[str, CompletionRecord] = {}
         self._revoked: set[tuple[str, str]] = set()
-        self._events: list[int] = []
+        self._events: collections.deque[int] = collections.deque()
         self._stop = threading.Event()
         self._stream = self._native.stream_create(device)
         self._channel = Channel(f"{name}-{os.getpid()}-{secrets.token_hex(3)}")
@@ -212,7 +233,7 @@ class IpcBackend(Backend):
             if self._closed and not self._thread.is_alive():
                 return frozenset()
             self._closed = True
-            active = self._queued + self._in_flight
+            active = list(self._in_flight)
             passive = list(self._passive.values())
         for job in active:
             job.attempt.cancel()
@@ -235,13 +256,10 @@ class IpcBackend(Backend):
         except self._native.CopyError as exc:
             log.error("IPC backend %s: stream failed at shutdown: %s", self.name, exc)
             stream_ok = False
-        for job in list(self._in_flight):
-            self._finish(job, None if stream_ok else "the copy stream failed")
-        for job in list(self._queued):
-            job.attempt.conclude(Cancelled(job.cancelled_by_peer, job.view.row_masks()))
-            job.attempt.mark_quiesced()
-        self._queued.clear()
-        left = self._mappings.close_all()
+        while self._in_flight:
+            self._finish(self._in_flight.popleft(), None if stream_ok else "the copy stream failed")
+        with self._map_lock:
+            left = self._mappings.close_all()
         if left:
             log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, left)
         for ev in self._events:
@@ -274,16 +292,18 @@ class IpcBackend(Backend):
         label = f"{self.name}:{'fetch' if fetching else 'publish'}:{view.request}"
         attempt = TrackedAttempt(wake, self._on_cancel, label)
         if active:
-            matches = match_rows(view, hint)
+            matches = _match(view, hint)
             exports = self._peer_exports(hint, matches)
             job = _Active(attempt, view, hint, matches, exports, writes_peer=not fetching)
-            with self._jobs_lock:
-                self._refuse_if_closed()
-                if (hint.agent, hint.transfer_id) in self._revoked:
-                    raise InvalidSubmission(
-                        f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): "
-                        "describe again")
-                self._queued.append(job)
+            with self._launch_lock:
+                with self._jobs_lock:
+                    self._refuse_if_closed()
+                    if (hint.agent, hint.transfer_id) in self._revoked:
+                        raise InvalidSubmission(
+                            f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): "
+                            "describe again")
+                self._launch(job)
+                self._in_flight.append(job)
         else:
             wait = _Passive(attempt, view, hint, own_id, deadline=time.monotonic() + self.deadline_s)
             with self._jobs_lock:
@@ -322,8 +342,9 @@ class IpcBackend(Backend):
     def _run(self) -> None:
         while not self._stop.is_set():
             busy = bool(self._in_flight)
-            # While copies are in flight, look without sleeping: their events are polled,
-            # and a sleep's granularity would dominate a small transfer's latency.
+            # While copies are in flight, look without sleeping: their events are polled, and
+            # a sleep's granularity (or a driver callback's wake-up, measured slower on an
+            # H200 host) would dominate a small transfer's latency.
             frames, gone = self._channel.wait(0.0 if busy else 0.02)
             for frame in frames:
                 self._on_frame(frame)
@@ -336,7 +357,6 @@ class IpcBackend(Backend):
                     record = self._stashed.pop(own_id, None)
                 if record is not None:
                     self._on_record(record)
-            self._launch_queued()
             self._poll_in_flight()
             self._check_passive()
             if busy:
@@ -359,19 +379,16 @@ class IpcBackend(Backend):
         return self._channel.send(peer, frame)
 
     def _on_peer_gone(self, peer: bytes) -> None:
-        self._mappings.peer_gone(peer)
+        with self._launch_lock:  # no launch into its mappings from here on
+            self._gone.add(peer)
+        with self._map_lock:
+            self._mappings.peer_gone(peer)
         now = time.monotonic()
         with self._jobs_lock:
             waits = [w for w in self._passive.values() if w.hint.endpoint == peer]
-            queued = [j for j in self._queued if j.hint.endpoint == peer]
-            for job in queued:
-                self._queued.remove(job)
         for wait in waits:
             wait.attempt.conclude(Failed(f"peer {wait.hint.agent!r} is gone", wait.view.row_masks()))
             wait.gone_at = now  # quiesced after the grace period (_check_passive)
-        for job in queued:
-            job.attempt.conclude(Failed(f"peer {job.hint.agent!r} is gone", job.view.row_masks()))
-            job.attempt.mark_quiesced()
 
     def _on_record(self, record: CompletionRecord) -> None:
         if record.status is RecordStatus.CANCEL_REQUEST:
@@ -401,7 +418,7 @@ class IpcBackend(Backend):
 
     def _on_cancel_request(self, record: CompletionRecord) -> None:
         with self._jobs_lock:
-            jobs = [j for j in self._queued + self._in_flight
+            jobs = [j for j in list(self._in_flight)
                     if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
             if not jobs:
                 # Nothing of ours touches the peer's rows; refuse to start later, and say so.
@@ -445,27 +462,20 @@ class IpcBackend(Backend):
             if reason and not wait.told_peer:
                 wait.told_peer = True
                 # Stays unquiesced until the peer confirms that it stopped writing.
-                stop = CompletionRecord(wait.hint.transfer_id, self.name, wait.view.request,
+                # Records always name the passive end's id (ours); the active end holds it as hint.transfer_id.
+                stop = CompletionRecord(wait.own_id, self.name, wait.view.request,
                                         RecordStatus.CANCEL_REQUEST, [], reason)
                 if not self._send(wait.hint.endpoint, stop):
                     wait.gone_at = now
 
     # --- copies -------------------------------------------------------------------------
-    def _launch_queued(self) -> None:
-        with self._jobs_lock:
-            jobs, self._queued = self._queued, []
-        for job in jobs:
-            self._launch(job)
-
     def _launch(self, job: _Active) -> None:
+        """Queue the job's kernels and its event (caller's thread, under _launch_lock). Every
+        outcome is left to the progress thread, which finishes jobs in launch order."""
         job.local_masks = job.view.row_masks()
         job.peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
-        if job.attempt.cancel_requested:
-            self._complete(job, RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, job.local_masks), "")
-            return
-        if not self._channel.reachable(job.hint.endpoint):
-            self._complete(job, RecordStatus.FAILED, Failed(f"peer {job.hint.agent!r} is gone", job.local_masks),
-                           "peer gone")
+        if job.hint.endpoint in self._gone:
+            job.failure = f"peer {job.hint.agent!r} is gone"
             return
         peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
         total = sum(m.local_rows.size for m in job.matches if m.peer is not None)
@@ -478,7 +488,8 @@ class IpcBackend(Backend):
                 continue
             n = min(budget, match.local_rows.size)
             try:
-                mapping = self._mappings.acquire(job.hint.endpoint, job.exports[peer.region])
+                with self._map_lock:
+                    mapping = self._mappings.acquire(job.hint.endpoint, job.exports[peer.region])
             except (self._native.CopyError, RuntimeError) as exc:
                 job.failure = f"cannot map the peer's region {peer.region!r}: {exc}"
                 break
@@ -503,9 +514,12 @@ class IpcBackend(Backend):
                 job.failure = f"row copy launch failed: {exc}"
                 break
             budget -= n
+            job.launched = True
             # Set now, reported only after the event says the kernel finished.
             job.local_masks[gi][match.local_rows[:n]] = True
             job.peer_masks[peer_index[peer.layer_group]][match.peer_rows[:n]] = True
+        if not job.launched:
+            return
         try:
             job.event = self._events.pop() if self._events else self._native.event_create(self.device)
             self._native.event_record(job.event, self._stream)
@@ -516,9 +530,9 @@ class IpcBackend(Backend):
             try:
                 self._native.stream_synchronize(self._stream)
             except self._native.CopyError as sync_exc:
-                self._finish(job, f"the copy stream failed: {sync_exc}")
-                return
-        self._in_flight.append(job)
+                job.failure = f"the copy stream failed: {sync_exc}"
+                job.local_masks = job.view.row_masks()
+                job.peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
 
     def _poll_in_flight(self) -> None:
         # One stream: events complete in queue order, so stop at the first pending one.
@@ -531,14 +545,13 @@ class IpcBackend(Backend):
                         return
                 except self._native.CopyError as exc:
                     error = f"the row copy failed on the device: {exc}"
-            self._in_flight.pop(0)
+            self._in_flight.popleft()
             self._finish(job, error)
 
     def _finish(self, job: _Active, device_error: str | None) -> None:
-        if job in self._in_flight:
-            self._in_flight.remove(job)
-        for mapping in job.mappings:
-            self._mappings.release(mapping)
+        with self._map_lock:
+            for mapping in job.mappings:
+                self._mappings.release(mapping)
         job.mappings.clear()
         if job.event:
             if device_error is None:
@@ -551,6 +564,8 @@ class IpcBackend(Backend):
             job.failure = device_error
         if job.failure is not None:
             self._complete(job, RecordStatus.FAILED, Failed(job.failure, job.local_masks), job.failure)
+        elif not job.launched and job.attempt.cancel_requested:
+            self._complete(job, RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, job.local_masks), "")
         elif job.cancelled_by_peer:
             self._complete(job, RecordStatus.CANCELLED, Cancelled(True, job.local_masks), "")
         else:

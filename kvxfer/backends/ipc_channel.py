@@ -20,6 +20,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ class Channel:
         self._closed = False
 
     # --- any thread -------------------------------------------------------------------
+    @property
+    def wake_fd(self) -> int:
+        """Writing a byte here wakes wait(): for CUDA host functions (no Python involved)."""
+        return self._wake_w
+
     def wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
@@ -92,17 +98,22 @@ class Channel:
         conn = self.connect(peer)
         if conn is None:
             return False
+        data = memoryview(_FRAME.pack(len(frame)) + frame)
+        deadline = time.monotonic() + SEND_TIMEOUT_S
         try:
-            conn.sock.settimeout(SEND_TIMEOUT_S)
-            conn.sock.sendall(_FRAME.pack(len(frame)) + frame)
+            while data:
+                try:
+                    data = data[conn.sock.send(data):]
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"peer did not read for {SEND_TIMEOUT_S:g}s") from None
+                    select.select([], [conn.sock], [], left)
             return True
-        except OSError as exc:
+        except OSError as exc:  # a timeout too: a peer that stops reading is as good as gone
             log.info("peer %r is gone: %s", peer, exc)
             self._drop_outbound(conn)
             return False
-        finally:
-            if conn.sock.fileno() >= 0:
-                conn.sock.setblocking(False)
 
     def connect(self, peer: bytes) -> _Conn | None:
         """The connection to ``peer``, opened on first use; None when nobody listens there."""
@@ -118,7 +129,7 @@ class Channel:
             if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
                 log.warning("cannot reach peer %r: %s", peer, exc)
             return None
-        sock.setblocking(False)
+        sock.setblocking(False)  # sends wait for room themselves (send()), with a deadline
         conn = _Conn(sock, peer)
         self._outbound[peer] = conn
         # Peers never write on this connection; readable means end of file: the peer is gone.

@@ -80,8 +80,9 @@ def test_dead_peer_mapping_dropped_and_waits_fail() -> None:
         local.register(memory.regions)
         lv, pv, ls, ps = _views(memory.regions[0], peer.regions[0], 8, 7)
         memory.write("L0", ls, bytes(range(256)) * 8)
+        hint_p = peer.describe(pv)
         handle = peer.start("fetch", pv, local.describe(lv))
-        first = local.publish(lv, peer.describe(pv))
+        first = local.publish(lv, hint_p)
         assert first.wait(15) and isinstance(first.poll(), Delivered)
         assert peer.result(handle, 15)[0] is not None
         assert len(local._mappings) == 1  # cached after use

@@ -109,3 +109,20 @@ def test_ipc_export_names_the_allocation() -> None:
     t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     handle, base, size = _native.ipc_export(0, t.data_ptr() + 4096)
     assert len(handle) == 64 and base <= t.data_ptr() and t.data_ptr() + t.numel() <= base + size
+
+
+def test_stream_signal_fd_writes_after_the_work() -> None:
+    import os
+    import select
+
+    from kvxfer import _native
+
+    r, w = os.pipe()
+    try:
+        stream = torch.cuda.Stream()
+        _native.stream_signal_fd(stream.cuda_stream, w)
+        ready, _, _ = select.select([r], [], [], 5.0)
+        assert ready and os.read(r, 1) == b"\x01"
+    finally:
+        os.close(r)
+        os.close(w)
