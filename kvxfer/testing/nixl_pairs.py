@@ -1,19 +1,20 @@
 """Connected NIXL pairs for the conformance kit: both ends in this process, or the peer in a
-child process (``ChildPairs``, over ``kvxfer.testing.subprocess_peer``), always over host memory."""
+child process (``ChildPairs``, over ``kvxfer.testing.subprocess_peer``), over host memory
+(or device memory with ``memory_kind="device"``); and a two-process push throughput probe."""
 
 from __future__ import annotations
 
-import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
-from kvxfer.backends.nixl import NixlBackend
-from kvxfer.contract import TransferMode
-from kvxfer.testing.conformance import InProcessPeer, Pair
-from kvxfer.testing.memory import HostBuffer, HostRows
-from kvxfer.testing.subprocess_peer import SubprocessPeer
+import numpy as np
 
-_names = itertools.count()
+from kvxfer.backends.nixl import NixlBackend
+from kvxfer.contract import MemoryKind, SlotRegion, TransferMode
+from kvxfer.testing.conformance import InProcessPeer, Pair
+from kvxfer.testing.memory import HostBuffer, HostRows, RowMemory
+from kvxfer.testing.subprocess_peer import SubprocessPeer
 
 # Geometry as in kvxfer.testing.pairs: two groups of unequal row sizes at each end.
 LOCAL_BUFFERS = (("L0", 256, 64), ("L1", 96, 40))
@@ -24,7 +25,45 @@ def host_rows(spec: tuple[tuple[str, int, int], ...]) -> HostRows:
     return HostRows([HostBuffer(name, slot_bytes, slots) for name, slot_bytes, slots in spec])
 
 
-def make_backend(mode: TransferMode, memory: HostRows, **options: Any) -> NixlBackend:
+class DeviceRows(RowMemory):
+    """Rows in CUDA memory (torch tensors kept alive here), registered as DEVICE regions."""
+
+    def __init__(self, spec: tuple[tuple[str, int, int], ...], device: int = 0) -> None:
+        import torch  # noqa: PLC0415 - only where CUDA exists
+
+        self._torch = torch
+        self.tensors = {name: torch.zeros((slots, slot_bytes), dtype=torch.uint8, device=f"cuda:{device}")
+                        for name, slot_bytes, slots in spec}
+        self.regions = tuple(
+            SlotRegion(name, int(t.data_ptr()), t.shape[1], t.shape[0], MemoryKind.DEVICE, device)
+            for name, t in self.tensors.items())
+        torch.cuda.synchronize()
+
+    def write(self, region: str, slots: np.ndarray, data: bytes) -> None:
+        t = self.tensors[region]
+        rows = self._torch.frombuffer(bytearray(data), dtype=self._torch.uint8).reshape(-1, t.shape[1])
+        t[self._torch.as_tensor(np.asarray(slots, dtype=np.int64), device=t.device)] = rows.to(t.device)
+        self._torch.cuda.synchronize()
+
+    def read(self, region: str, slots: np.ndarray) -> bytes:
+        t = self.tensors[region]
+        index = self._torch.as_tensor(np.asarray(slots, dtype=np.int64), device=t.device)
+        return bytes(t[index].cpu().numpy().tobytes())
+
+
+def touch_pages(memory: HostRows | DeviceRows) -> None:
+    """Fault host pages in (np.zeros maps them lazily), so that timings measure the transfer."""
+    if isinstance(memory, HostRows):
+        for buffer in memory.buffers.values():
+            buffer.array.fill(1)
+
+
+def rows_of(memory: str, spec: tuple[tuple[str, int, int], ...]) -> HostRows | DeviceRows:
+    """Host or device rows of the given geometry."""
+    return DeviceRows(spec) if memory == "device" else host_rows(spec)
+
+
+def make_backend(mode: TransferMode, memory: HostRows | DeviceRows, **options: Any) -> NixlBackend:
     backend = NixlBackend(mode=mode, **options)
     backend.register(memory.regions)
     return backend
@@ -51,10 +90,14 @@ def nixl_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -
 
 
 def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] | None = None,
-                  **options: Any) -> tuple[NixlBackend, HostRows, Callable[[int | None], None]]:
-    """Runs in the child process of a SubprocessPeer: a NixlBackend over host buffers
-    (``buffers``: [name, slot_bytes, slots] items; the kit's peer geometry by default)."""
-    memory = host_rows(tuple((str(n), int(b), int(k)) for n, b, k in buffers) if buffers else PEER_BUFFERS)
+                  memory_kind: str = "host", touch: bool = False,
+                  **options: Any) -> tuple[NixlBackend, HostRows | DeviceRows, Callable[[int | None], None]]:
+    """Runs in the child process of a SubprocessPeer: a NixlBackend over host (or device)
+    buffers (``buffers``: [name, slot_bytes, slots] items; the kit's peer geometry by default)."""
+    spec = tuple((str(n), int(b), int(k)) for n, b, k in buffers) if buffers else PEER_BUFFERS
+    memory = rows_of(memory_kind, spec)
+    if touch:
+        touch_pages(memory)
     backend = make_backend(TransferMode(mode), memory, deadline_s=deadline_s, **options)
     return backend, memory, _injector(backend)
 
@@ -64,18 +107,19 @@ class ChildPairs:
     each pair (a fresh child per pair costs seconds on a busy 2-core machine). ``close()``
     ends the child."""
 
-    def __init__(self, *, deadline_s: float = 10.0, **options: Any) -> None:
+    def __init__(self, *, deadline_s: float = 10.0, memory_kind: str = "host", **options: Any) -> None:
         self.options = {"deadline_s": deadline_s, **options}
+        self.memory_kind = memory_kind
         self.peer: SubprocessPeer | None = None
 
     def __call__(self, mode: TransferMode) -> Pair:
-        kwargs = {"mode": mode.value, **self.options}
+        kwargs = {"mode": mode.value, "memory_kind": self.memory_kind, **self.options}
         if self.peer is None:
             self.peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", kwargs)
         else:
             self.peer.rebuild(kwargs)
         peer = self.peer
-        local_mem = host_rows(LOCAL_BUFFERS)
+        local_mem = rows_of(self.memory_kind, LOCAL_BUFFERS)
         local = make_backend(mode, local_mem, **self.options)
 
         def close() -> None:
@@ -90,3 +134,63 @@ class ChildPairs:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
+
+
+def push_rows_throughput(memory_kind: str = "host", *, rows: int = 4096, row_bytes: int = 64 << 10,
+                         run: int = 16, coalesce: bool = True, reps: int = 3,
+                         chunk_bytes: int = 64 << 20) -> dict[str, float]:
+    """GB/s of a NixlBackend push between two processes: ``rows`` rows in runs of ``run``
+    slots contiguous on both ends (runs scattered), from publish() to the publisher's
+    outcome (every chunk DONE: NIXL flushed, so the rows are at the peer). Best and median
+    of ``reps``; the bytes of the last repetition are checked."""
+    slots = rows * 2
+    spec = (("S", row_bytes, slots),)
+    rng = np.random.default_rng(0)
+
+    def runs_of() -> np.ndarray:
+        starts = rng.permutation(slots // run)[: rows // run] * run
+        return (starts[:, None] + np.arange(run)[None, :]).reshape(-1).astype(np.int64)
+
+    local_mem = rows_of(memory_kind, spec)
+    touch_pages(local_mem)
+    local = make_backend(TransferMode.PUSH, local_mem, coalesce=coalesce, chunk_bytes=chunk_bytes, deadline_s=120.0)
+    peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
+                          {"mode": "push", "buffers": [["P", row_bytes, slots]], "memory_kind": memory_kind,
+                           "deadline_s": 120.0, "touch": True})
+    from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, View  # noqa: PLC0415
+    from kvxfer.wire import decode_hint, encode_hint  # noqa: PLC0415
+
+    times: list[float] = []
+    try:
+        ordinals = np.arange(rows, dtype=np.int64)
+        payload = rng.integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
+        for i in range(reps + 1):  # the first run warms up connections and pages
+            request = f"tput-{i}"
+            lslots, pslots = runs_of(), runs_of()
+            lview = View(request, TokenRange(0, rows * 16),
+                         (LayerGroupRows("g", CacheKind.PAGED, local_mem.regions[0], lslots, ordinals),), b"T")
+            pview = View(request, TokenRange(0, rows * 16),
+                         (LayerGroupRows("g", CacheKind.PAGED, peer.regions[0], pslots, ordinals),), b"T")
+            if i == reps:
+                local_mem.write("S", lslots, payload)
+            phint = peer.describe_bytes(pview)
+            handle = peer.start_bytes("fetch", pview, encode_hint(local.describe(lview)))
+            start = time.perf_counter()
+            attempt = local.publish(lview, decode_hint(phint))
+            if not attempt.wait(120.0):
+                raise RuntimeError("push did not conclude")
+            elapsed = time.perf_counter() - start
+            outcome, _ = peer.result(handle, 60.0)
+            if outcome is None or not outcome.all_delivered:
+                raise RuntimeError(f"push did not deliver every row: {outcome}")
+            if i:
+                times.append(elapsed)
+            if i == reps and peer.read("P", pslots) != payload:
+                raise RuntimeError("bytes at the peer differ")
+    finally:
+        local.shutdown()
+        peer.close()
+    times.sort()
+    total = rows * row_bytes
+    return {"best_gbps": total / times[0] / 1e9, "median_gbps": total / times[len(times) // 2] / 1e9,
+            "rows": rows, "row_bytes": row_bytes, "run": run, "coalesce": coalesce}
