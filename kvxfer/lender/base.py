@@ -31,7 +31,7 @@ from kvxfer.contract import (
 )
 from kvxfer.contract.outcome import check_masks, freeze_mask
 from kvxfer.lender.bounds import ResumeBounds, resume_bounds
-from kvxfer.pool import PagedKVPool, RowRegion
+from kvxfer.pool import BlockAllocator, PagedKVPool, RowRegion
 
 _ids = itertools.count(1)
 
@@ -273,6 +273,7 @@ class Lender(abc.ABC):
         """The ordinals and blocks of each group this lease covers (vectorized)."""
         pool = self.pool
         parts: list[_Part] = []
+        writes: list[tuple[BlockAllocator, np.ndarray]] = []
         for spec in pool.groups:
             table = pool.block_table(request, spec.name)
             filled = pool.filled(request, spec.name)
@@ -310,9 +311,12 @@ class Lender(abc.ABC):
                                      "another request for writing")
                 if (alloc.write_pins[blocks] > 0).any():
                     raise LeaseError(f"request {request!r}: group {spec.name!r} blocks are already lent for writing")
+                writes.append((alloc, blocks))
             for region in pool.row_regions():
                 if region.group == spec.name:
                     parts.append(_Part(region, spec.name, ordinals, blocks))
+        for alloc, blocks in writes:  # only once every group passed: the peer rewrites these blocks
+            alloc.claim_for_write(blocks, f"request {request!r}")
         return parts
 
     def _start(self, request: str, tokens: TokenRange, parts: list[_Part], write: bool) -> Lease:

@@ -35,6 +35,7 @@ class BlockAllocator:
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)  # a stack: top at the end
         self._nfree = num_blocks
         self._is_free = np.ones(num_blocks, dtype=np.bool_)
+        self.named = np.zeros(num_blocks, dtype=np.bool_)  # in _key_of: index work stays vectorized
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, evictable blocks
         self._key_of: dict[int, bytes] = {}
         self._by_key: dict[bytes, int] = {}
@@ -107,19 +108,33 @@ class BlockAllocator:
             return
         self._key_of[block] = key
         self._by_key[key] = block
+        self.named[block] = True
 
     def key_of(self, block: int) -> bytes | None:
         return self._key_of.get(block)
 
     def unname(self, blocks: np.ndarray) -> None:
-        """``blocks`` no longer hold what their names stand for (a shrink cut into them)."""
-        for b in blocks.tolist():
+        """``blocks`` will no longer hold what their names stand for (a shrink cut into them,
+        or their only holder is about to write them): forget their names, pending ones too."""
+        for b in blocks[self.named[blocks]].tolist():
             self._forget_key(b)
+        if self._pending_key:
+            pending = np.fromiter(self._pending_key, dtype=np.int64, count=len(self._pending_key))
+            for b in blocks[np.isin(blocks, pending)].tolist():
+                self._pending_key.pop(b, None)
+
+    def claim_for_write(self, blocks: np.ndarray, what: str) -> None:
+        """``blocks`` are about to be written by their one holder: refuse shared blocks (no
+        copy on write), and drop names, since the bytes will differ from what they name."""
+        if (self.refcount[blocks] > 1).any():
+            raise ValueError(f"{what} lie in blocks shared with another request")
+        self.unname(blocks)
 
     def _forget_key(self, block: int) -> None:
         key = self._key_of.pop(block, None)
         if key is not None:
             self._by_key.pop(key, None)
+        self.named[block] = False
         self._pending_key.pop(block, None)
 
     # --- pins -----------------------------------------------------------------------------
@@ -155,13 +170,14 @@ class BlockAllocator:
         if idle.size == 0:
             return
         idle = np.unique(idle)
-        named = [b for b in idle.tolist() if b in self._key_of]
-        for b in named:
+        named = self.named[idle]
+        for b in idle[named].tolist():
             self._lru[b] = None
             self._lru.move_to_end(b)
-        plain = idle[~np.isin(idle, np.asarray(named, dtype=np.int64))] if named else idle
-        for b in plain.tolist():
-            self._pending_key.pop(b, None)
+        plain = idle[~named]
+        if self._pending_key:
+            for b in plain.tolist():
+                self._pending_key.pop(b, None)
         self._free[self._nfree: self._nfree + plain.size] = plain
         self._nfree += plain.size
         self._is_free[plain] = True
@@ -173,6 +189,7 @@ class BlockAllocator:
         self._key_of.clear()
         self._by_key.clear()
         self._pending_key.clear()
+        self.named[:] = False
         if cached.size:
             self._free[self._nfree: self._nfree + cached.size] = cached
             self._nfree += cached.size

@@ -382,17 +382,16 @@ class PagedKVPool:
         """Write K and V (``[n, kv_heads, head_dim]``) for tokens ``[start, start + n)``.
 
         Refuses blocks shared with another request (copy on write is not offered) and
-        blocks pinned by a lease. Call ``commit`` once every layer of the tokens is written.
+        blocks pinned by a lease; a block it writes loses its prefix name (its bytes change).
+        Call ``commit`` once every layer of the tokens is written.
         """
         n = int(k.shape[0])
         blocks, offsets = self.slots_for(request, group, np.arange(start, start + n))
         alloc = self._alloc[group]
-        if (alloc.refcount[blocks] > 1).any():
-            raise ValueError(f"request {request!r}: tokens [{start}, {start + n}) of group {group!r} "
-                             "lie in blocks shared with another request")
+        what = f"request {request!r}: tokens [{start}, {start + n}) of group {group!r}"
         if (alloc.pins[blocks] > 0).any():
-            raise ValueError(f"request {request!r}: tokens [{start}, {start + n}) of group {group!r} "
-                             "lie in blocks a lease holds")
+            raise ValueError(f"{what} lie in blocks a lease holds")
+        alloc.claim_for_write(np.unique(blocks), what)
         kt, vt = self.layer_kv(group, layer)
         b = torch.from_numpy(blocks).to(kt.device)
         o = torch.from_numpy(offsets).to(kt.device)

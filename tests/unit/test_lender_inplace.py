@@ -294,3 +294,18 @@ def test_release_of_something_that_is_not_a_lease_says_so() -> None:
     _, _, lp, _ = pools([FULL])
     with pytest.raises(LeaseError, match="release takes a Lease, got str"):
         lp.release("r")  # type: ignore[arg-type]
+
+
+def test_lend_write_into_a_named_block_once_exclusive_unnames_it() -> None:
+    pool, _, lender, _ = pools([FULL], blocks=8)
+    ids = np.arange(100, 112)
+    pool.allocate("a", 8)
+    pool.commit("a", 8, ids)
+    pool.allocate("b", 8, ids)
+    pool.shrink("b", 6)
+    pool.commit("a", 8, ids)
+    pool.free("a")
+    lease = lender.lend_write("b", (0, 8))  # block 1 is lent: the peer rewrites it
+    assert lease.view().groups[0].ordinals.tolist() == [1]
+    lease.release()
+    assert pool.allocate("c", 8, ids) == 4

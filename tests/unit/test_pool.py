@@ -237,3 +237,21 @@ def test_shrink_into_a_named_block_unnames_it() -> None:
     # must not share it (only the two untouched full blocks)
     assert pool.allocate("b", 12, ids) == 8
     assert pool.block_table("b", "full")[2] != pool.block_table("a", "full")[2]
+
+
+def test_writing_into_a_named_block_once_exclusive_unnames_it() -> None:
+    pool = make(blocks=8)
+    ids = np.arange(100, 112)
+    pool.allocate("a", 8)
+    pool.commit("a", 8, ids)
+    assert pool.allocate("b", 8, ids) == 8  # b shares both named blocks
+    pool.shrink("b", 6)  # b rolls back into shared block 1: it cannot write it while a holds it
+    with pytest.raises(ValueError, match="shared"):
+        pool.write_kv("b", "full", 0, 4, torch.ones(2, 2, 8), torch.ones(2, 2, 8))
+    pool.commit("a", 8, ids)  # a still stands behind block 1's name
+    pool.free("a")  # now b alone holds block 1
+    pool.grow("b", 8)
+    pool.write_kv("b", "full", 0, 6, torch.ones(2, 2, 8), torch.ones(2, 2, 8))  # b's own tokens 6, 7
+    # block 1 no longer holds what its name stands for: a third request shares block 0 only
+    assert pool.allocate("c", 8, ids) == 4
+
