@@ -360,6 +360,8 @@ class Lender(abc.ABC):
             raise LeaseError(f"{lease!r} is released; mark arrival before release")
         if lease._view is None:
             raise LeaseError(f"{lease!r} has no view yet: nothing can have arrived")
+        if self._closed:  # its memory is retained (staging slots quarantined): nothing is counted
+            raise LendingDisabled(f"{lease!r}: {self._disabled}; arrival is no longer counted")
         try:
             if isinstance(masks, np.ndarray) or not isinstance(masks, Sequence):
                 raise TypeError("masks must be a sequence of bool arrays, one per view group")

@@ -11,7 +11,15 @@ import torch
 from test_lender_helpers import FULL, STATE, SWA, block_bytes, fill, link, move
 
 from kvxfer.contract import MemoryKind, TransferMode
-from kvxfer.lender import InPlaceLender, LeaseError, LenderBusy, ResumeBounds, StagingLender, rows_per_fetch
+from kvxfer.lender import (
+    InPlaceLender,
+    LeaseError,
+    LenderBusy,
+    LendingDisabled,
+    ResumeBounds,
+    StagingLender,
+    rows_per_fetch,
+)
 from kvxfer.pool import Layout, PagedKVPool
 
 
@@ -182,3 +190,16 @@ def test_quarantined_staging_memory_outlives_the_lender() -> None:
     gc.collect()
     # a copy of unknown completion may still land in those slots: the memory is never freed
     assert buffer() is not None
+
+
+def test_mark_arrived_after_forced_shutdown_is_refused_by_name() -> None:
+    d = pool()
+    lender = StagingLender(d, 16, 1, 1 << 20)
+    d.allocate("r", 0)
+    write = lender.lend_write("r", (0, 16))
+    assert write.view() is not None
+    lender.shutdown(force=True)  # the slots are quarantined: nothing may be copied out of them
+    with pytest.raises(LendingDisabled, match="shut down"):
+        write.mark_arrived(write.view().row_masks(True))
+    assert lender.readiness("r") == ResumeBounds(0, 0)
+    write.release()
