@@ -143,6 +143,9 @@ def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> d
         "transfer_gb_per_s": (t_bytes / sum(t_seconds) / 1e9) if t_seconds and sum(t_seconds) > 0 else None,
         "rows": sum(int(t["rows_delivered"]) for t in transfers),
         "rows_requested": sum(int(t["rows"]) for t in transfers),
+        # Rows a delivered transfer did not move: the decode worker had those prompt blocks cached.
+        "rows_cached_at_decode": sum(int(t["rows"]) - int(t["rows_delivered"]) for t in transfers
+                                     if t["status"] == "delivered"),
         "paths": paths,
         "failures": failures,
         "results": [asdict(r) | {"matched": r.matched} for r in results],
@@ -168,7 +171,8 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
         f"  transfer     p50 {_ms(report['transfer_s']['p50'])}   p99 {_ms(report['transfer_s']['p99'])}   "
         f"{report['transfers']} transfers, {report['transfer_bytes'] / 1e6:.2f} MB, "
         f"{'-' if gbps is None else f'{gbps:.3f}'} GB/s (bytes / summed transfer time)",
-        f"  rows         {report['rows']} delivered of {report['rows_requested']} requested",
+        f"  rows         {report['rows']} delivered of {report['rows_requested']} prompt blocks "
+        f"({report['rows_cached_at_decode']} already cached at the decode worker)",
         f"  paths        {', '.join(f'{k}: {v}' for k, v in sorted(report['paths'].items()))}",
         f"  failures     {', '.join(f'{k}: {v}' for k, v in report['failures'].items()) or 'none'}",
     ]
@@ -239,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 router_argv += [f"--{w.info['role']}", w.url]
             router = group.start("router", router_argv)
             group.wait_ready([router], args.startup_timeout)
+            config["processes"] = [{"name": ch.name, "pid": ch.pid, "port": ch.port} for ch in group.children]
+            (log_dir / "processes.json").write_text(json.dumps(config["processes"]) + "\n")
             if not args.quiet:
                 print(f"kvxfer pair: {len(workers)} workers and a router up (logs in {log_dir}); "
                       f"{args.requests} requests, concurrency {args.concurrency}", file=sys.stderr, flush=True)

@@ -1,0 +1,121 @@
+"""A worker process killed (SIGKILL) mid-run, with real processes and NIXL over host memory.
+
+With ``on_failure="recompute"`` every request still completes token for token as colocated
+generation would; with ``"fail"`` the requests caught by the kill report an error naming
+the dead worker, the others still match, and nothing hangs. After each test no worker
+process or port is left, and the surviving workers hold no open lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
+from kvxfer.router import Completion, Router
+from kvxfer.router.http import request_json, request_text
+from kvxfer.worker.procs import Child, ProcessGroup, children_of, port_open
+
+torch.set_num_threads(1)
+MAX_NEW = 24
+PROMPTS = synthetic_prompts(16, 4, 160, ModelConfig().vocab_size, seed=11)
+MODEL = LlamaModel(ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    return [colocated_generate(MODEL, p, MAX_NEW) for p in PROMPTS]
+
+
+def start(group: ProcessGroup, roles: list[str]) -> list[Child]:
+    children = [group.start(f"{role}{i}", ["serve", "--role", role, "--name", f"{role}{i}", "--transfer-timeout", "10"])
+                for i, role in enumerate(roles)]
+    group.wait_ready(children, 180)
+    return children
+
+
+async def workload(router: Router, victim: Child, kill_after: int) -> list[Completion]:
+    """Send every prompt (4 at a time); SIGKILL ``victim`` when ``kill_after`` have completed."""
+    sem = asyncio.Semaphore(4)
+    finished = 0
+
+    async def one(prompt: list[int]) -> Completion:
+        nonlocal finished
+        async with sem:
+            done = await router.generate(prompt, MAX_NEW)
+        finished += 1
+        if finished == kill_after:
+            victim.kill()
+        return done
+
+    return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+
+def check_recompute(results: list[Completion], expected: list[list[int]]) -> None:
+    for done, want in zip(results, expected):
+        assert done.ok, done.error
+        assert list(done.tokens) == want, done.request
+    assert any(d.path != "disaggregated" for d in results), "the kill hit no request"
+
+
+def check_fail(results: list[Completion], expected: list[list[int]], victim: Child) -> None:
+    failed = [d for d in results if not d.ok]
+    assert failed, "the kill hit no request"
+    for d in failed:
+        assert victim.url in (d.error or "") or "no " in (d.error or ""), d.error
+    for done, want in zip(results, expected):
+        if done.ok:
+            assert list(done.tokens) == want, done.request
+    assert any(d.ok for d in results)
+
+
+async def no_open_leases(urls: list[str]) -> None:
+    deadline = time.monotonic() + 15
+    pending = list(urls)
+    while pending and time.monotonic() < deadline:
+        texts = [await request_text(u, "/metrics") for u in pending]
+        pending = [u for u, t in zip(pending, texts) if "kvxfer_open_leases 0\n" not in t]
+        await asyncio.sleep(0.2)
+    assert pending == [], "surviving workers still hold leases"
+    for url in urls:
+        health = await request_json(url, "GET", "/health")
+        assert health["held"] == 0 and health["reserved"] == 0, health
+
+
+def assert_nothing_left(children: list[Child]) -> None:
+    assert children_of(os.getpid()) == []
+    assert [c.name for c in children if c.alive()] == []
+    assert [c.name for c in children if port_open(c.port)] == []
+
+
+def test_decode_worker_killed(tmp_path: Path, expected: list[list[int]]) -> None:
+    group = ProcessGroup(tmp_path)
+    with group:
+        p, d0, d1, d2 = start(group, ["prefill", "decode", "decode", "decode"])
+        # recompute: d0 dies; requests on it continue on d1 from prompt + streamed tokens.
+        router = Router([p.url], [d0.url, d1.url], on_failure="recompute", timeout_s=20)
+        check_recompute(asyncio.run(workload(router, d0, 3)), expected)
+        # fail: d2 (alone) dies; the requests it held report it, none hangs.
+        router = Router([p.url], [d2.url], on_failure="fail", timeout_s=20)
+        check_fail(asyncio.run(workload(router, d2, 3)), expected, d2)
+        asyncio.run(no_open_leases([p.url, d1.url]))
+    assert_nothing_left(group.children)
+
+
+def test_prefill_worker_killed(tmp_path: Path, expected: list[list[int]]) -> None:
+    group = ProcessGroup(tmp_path)
+    with group:
+        p0, p1, d = start(group, ["prefill", "prefill", "decode"])
+        # recompute: p0 dies; the decode worker resumes from what arrived or prefills itself.
+        router = Router([p0.url], [d.url], on_failure="recompute", timeout_s=20)
+        check_recompute(asyncio.run(workload(router, p0, 3)), expected)
+        # fail: p1 dies; the requests it held report it.
+        router = Router([p1.url], [d.url], on_failure="fail", timeout_s=20)
+        check_fail(asyncio.run(workload(router, p1, 3)), expected, p1)
+        asyncio.run(no_open_leases([d.url]))
+    assert_nothing_left(group.children)
