@@ -137,6 +137,8 @@ class Lender(abc.ABC):
         self._releasing: dict[int, Lease] = {}  # released, memory still held
         self._disabled: str | None = None
         self._closed = False
+        if pool.reuse_was_reset:  # bytes of that pool may predate the scope change: never lend them
+            self.on_reuse_reset(pool.scope)
         pool.add_listener(self)
 
     # --- the public surface -----------------------------------------------------------

@@ -123,6 +123,7 @@ class PagedKVPool:
         self._row_regions = tuple(regions)
         self._requests: dict[str, _Request] = {}
         self._listeners: list[PoolListener] = []
+        self._reuse_reset = False
 
     # --- description --------------------------------------------------------------------
     @property
@@ -143,6 +144,11 @@ class PagedKVPool:
     @property
     def scope(self) -> bytes:
         return self._scope
+
+    @property
+    def reuse_was_reset(self) -> bool:
+        """True once ``reset_reuse`` ran: lenders refuse to lend from this pool for good."""
+        return self._reuse_reset
 
     def storage(self, group: str) -> torch.Tensor:
         self.group(group)
@@ -425,9 +431,11 @@ class PagedKVPool:
 
     def reset_reuse(self, scope: bytes | None = None) -> None:
         """Forget every shared prefix (weights or adapters changed); ``scope`` replaces the
-        caller's scope, so the layout identity changes. Listeners (lenders) are told."""
+        caller's scope, so the layout identity changes. Listeners (lenders) are told, and no
+        lender lends from this pool again (one built later refuses too)."""
         for alloc in self._alloc.values():
             alloc.reset_names()
+        self._reuse_reset = True
         if scope is not None:
             self._scope = scope
             self._identity = layout_identity(self._order, self.layout, self.tp, scope)

@@ -212,6 +212,8 @@ def test_reuse_reset_disables_lending_with_a_clear_error() -> None:
         lp.lend_read("r", (0, 8))
     lease.release()  # open leases still end normally
     assert lp.shutdown().retained_anything is False
+    with pytest.raises(LendingDisabled, match="reset its reuse scope"):  # for that pool, for good
+        InPlaceLender(p).lend_read("r", (0, 8))
 
 
 def test_shutdown_refuses_with_open_leases_and_force_retains() -> None:
