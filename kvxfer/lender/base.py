@@ -150,6 +150,9 @@ class Lender(abc.ABC):
     def lend_read(self, request: str, tokens: TokenRange | tuple[int, int]) -> Lease:
         """Rows holding committed KV for the blocks of ``tokens`` (which must all be written)."""
         tokens = self._open(request, tokens)
+        if tokens.end > self.pool.length(request):
+            raise LeaseError(f"cannot lend rows to read: {request!r} holds {self.pool.length(request)} tokens, "
+                             f"[{tokens.start}, {tokens.end}) reaches past them")
         parts = self._select(request, tokens, write=False)
         return self._start(request, tokens, parts, write=False)
 

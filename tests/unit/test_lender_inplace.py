@@ -199,6 +199,8 @@ def test_misuse_errors_are_named() -> None:
         ld.lend_write("x", (0, 8))
     with pytest.raises(LeaseError, match="never allocated"):
         ld.lend_write("nobody", (0, 4))
+    with pytest.raises(LeaseError, match=r"'r' holds 12 tokens, \[0, 40\) reaches past them"):
+        lp.lend_read("r", (0, 40))
     read.release()
     write.release()
 
