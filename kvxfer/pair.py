@@ -160,8 +160,8 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     c = report["config"]
     gbps = report["transfer_gb_per_s"]
     lines = [
-        f"kvxfer pair: {c['backend']} ({c['mode']}), {c['prefill_workers']} prefill + {c['decode_workers']} decode "
-        f"workers, model {c['model']}",
+        f"kvxfer pair: {c['backend']} ({c['mode']}, {c['lender']} lender), {c['prefill_workers']} prefill + "
+        f"{c['decode_workers']} decode workers, model {c['model']}",
         f"  requests     {report['requests']} sent, {report['completed']} completed, "
         f"{report['matched']} token-identical to colocated generation, {report['mismatched']} differ, "
         f"{report['failed']} failed",
