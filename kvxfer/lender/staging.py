@@ -70,9 +70,10 @@ class StagingLender(Lender):
     """Leases over bounded host staging slots, granted FIFO in contiguous runs."""
 
     def __init__(self, pool: PagedKVPool, fetch_tokens: int, max_fetches: int, max_bytes: int) -> None:
-        if fetch_tokens <= 0 or max_fetches <= 0 or max_bytes <= 0:
-            raise ValueError("fetch_tokens, max_fetches and max_bytes must be positive, got "
-                             f"{fetch_tokens}, {max_fetches}, {max_bytes}")
+        sizes = (fetch_tokens, max_fetches, max_bytes)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+            raise ValueError("fetch_tokens, max_fetches and max_bytes must be positive ints, got "
+                             f"{fetch_tokens!r}, {max_fetches!r}, {max_bytes!r}")
         per_region = {r.name: rows_per_fetch(pool.group(r.group), fetch_tokens) for r in pool.row_regions()}
         per_fetch = sum(per_region[r.name] * r.slot_bytes for r in pool.row_regions())
         fetches = min(max_fetches, max_bytes // per_fetch)

@@ -40,6 +40,8 @@ def test_capacity_arithmetic() -> None:
     assert all(r.memory_kind is MemoryKind.HOST for r in lender.regions)
     assert sum(r.nbytes for r in lender.regions) == 2 * per_fetch
     assert StagingLender(pool((FULL,)), 20, 3, 10**9).stats().fetches == 3
+    with pytest.raises(ValueError, match="fetch_tokens, max_fetches and max_bytes must be positive ints, got 1.5"):
+        StagingLender(pool((FULL,)), 1.5, 3, 10**9)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=f"needs {per_fetch} staging bytes"):
         StagingLender(pool((FULL, SWA, STATE)), 20, 3, per_fetch - 1)
     # an unaligned lease of fetch_tokens tokens fits; a longer one is refused
