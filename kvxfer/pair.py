@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvxfer.engine import colocated_generate, synthetic_prompts
-from kvxfer.router.http import HttpError, stream_json
+from kvxfer.router.http import HttpError, request_text, stream_json
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import add_model_args, model_args_list, model_from_args
 
@@ -259,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
             results = asyncio.run(run_workload(router.url, prompts, expected, args.max_new_tokens,
                                                args.concurrency, args.timeout, progress))
             wall = time.perf_counter() - start
+            # Keep each process's metrics beside its log (the e2e test reads them).
+            for child in group.children:
+                try:
+                    text = asyncio.run(request_text(child.url, "/metrics", 10.0))
+                    (log_dir / f"{child.name}.metrics").write_text(text)
+                except HttpError as exc:
+                    print(f"kvxfer pair: no metrics from {child.name}: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
         print("\nkvxfer pair: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

@@ -508,7 +508,13 @@ class Worker:
     async def _fetch(self, rid: str, reserved: _Reserved, hint_p: Any, timeout: float) -> dict[str, Any]:
         event, wake = self._waker()
         submitted = time.perf_counter()
-        attempt = await self._run(self._fetch_sync, reserved, hint_p, wake)
+        try:
+            attempt = await self._run(self._fetch_sync, reserved, hint_p, wake)
+        except BaseException:
+            # Refused (e.g. a layout mismatch): no attempt watches the peer that holds hint D,
+            # so nobody can prove it never writes here. Never reuse these rows.
+            self._quarantine(reserved)
+            raise
         try:
             outcome = await self._settle(attempt, event, timeout)
         except RuntimeError:

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from kvxfer.worker.procs import port_open
 
-pytest_plugins: list[str] = []
-
 
 def gone(pid: int) -> bool:
     try:
@@ -51,13 +49,20 @@ def test_pair_twenty_mixed_prompts_token_identical(tmp_path: Path) -> None:
     assert report["rows"] + report["rows_cached_at_decode"] == report["rows_requested"]
     assert report["ttft_s"]["p50"] > 0 and report["transfer_s"]["p99"] >= report["transfer_s"]["p50"] > 0
     assert "token-identical to colocated generation" in proc.stdout
+    logs = tmp_path / "logs"
+    router = (logs / "router.metrics").read_text()
+    assert 'kvxfer_router_requests_total{path="disaggregated",result="ok"} 21' in router  # 20 + the warm-up
+    decode = (logs / "decode0.metrics").read_text()
+    assert 'kvxfer_transfers_total{status="delivered"} 21' in decode
+    assert "kvxfer_open_leases 0" in decode and "kvxfer_quarantined_slots 0" in decode
+    assert 'kvxfer_generated_tokens_total 315' in decode  # 21 requests x 15 tokens after the first
     assert_nothing_left(report["config"]["processes"])
 
 
 def test_pair_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvxfer.cli", "pair", "--requests", "60", "--max-new-tokens", "32",
+        [sys.executable, "-m", "kvxfer.cli", "pair", "--requests", "40", "--max-new-tokens", "32", "--warmup", "0",
          "--log-dir", str(logs), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180

@@ -221,3 +221,38 @@ def test_workers_refuse_malformed_calls_with_named_errors() -> None:
             assert (await request_json(p, "GET", "/health"))["held"] == 0
 
     asyncio.run(main())
+
+
+def test_workers_of_different_models_refuse_each_other_and_rows_stay_quarantined() -> None:
+    """A layout mismatch is refused before any byte moves; the decode rows that a refused
+    peer held a hint for are never reused (quarantined), and the router names the refusal."""
+    prompt = [9, 8, 7, 6, 5, 4]
+
+    async def main() -> None:
+        other = LlamaModel(CFG.with_(seed=1))
+        fabric = LoopbackFabric()
+        p = Worker(WorkerConfig(role="prefill", model=CFG, num_blocks=64, backend="loopback", name="p"),
+                   model=MODEL, fabric=fabric)
+        d = Worker(WorkerConfig(role="decode", model=other.config, num_blocks=64, backend="loopback", name="d"),
+                   model=other, fabric=fabric)
+        servers = [HttpServer(make_handler(w)) for w in (p, d)]
+        try:
+            for w in (p, d):
+                await w.start()
+            urls = [f"http://127.0.0.1:{await s.start()}" for s in servers]
+            for policy in ("fail", "recompute"):
+                done = await Router(urls[:1], urls[1:], on_failure=policy).generate(prompt, 3)
+                if policy == "fail":
+                    assert done.error is not None and "publish on" in done.error and "layout" in done.error.lower()
+                else:  # the decode worker recomputes with its own model: the router sees the split
+                    assert done.error is not None and "token 0 diverged on recompute" in done.error
+                    assert done.path == "local" and list(done.tokens) == colocated_generate(MODEL, prompt, 1)
+            text = await request_text(urls[1], "/metrics")
+            assert "kvxfer_quarantined_slots 4" in text  # 2 rows for each of the two requests
+        finally:
+            for s in servers:
+                await s.close()
+            for w in (p, d):
+                await w.close()
+
+    asyncio.run(main())
