@@ -17,11 +17,15 @@ BACKENDS = ("nixl", "ipc", "loopback")
 
 
 def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
-                 fabric: LoopbackFabric | None = None, device: int = 0) -> Backend:
+                 fabric: LoopbackFabric | None = None, device: int = 0, chunk_bytes: int | None = None,
+                 chunk_pause_s: float = 0.0) -> Backend:
+    """``chunk_bytes``/``chunk_pause_s`` tune NIXL's submission chunks (a chunk is the unit
+    that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way."""
     if kind == "nixl":
         from kvxfer.backends.nixl import NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
 
-        return NixlBackend(name, mode, deadline_s=deadline_s)
+        extra = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+        return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s, **extra)
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 

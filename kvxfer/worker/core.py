@@ -59,6 +59,8 @@ class WorkerConfig:
     hold_s: float = 120.0
     prefix_cache: bool = True
     name: str = ""
+    chunk_bytes: int | None = None  # nixl: bytes per submission chunk (None: the backend's default)
+    chunk_pause_s: float = 0.0      # nixl: pause between chunk posts (fault-injection tests)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -148,7 +150,8 @@ class Worker:
             self.lender = InPlaceLender(self.pool)
         backend_name = f"kvxfer-{self.name}" if cfg.backend != "nixl" else ""
         self.backend = make_backend(cfg.backend, cfg.mode, name=backend_name or _nixl_name(self.name),
-                                    deadline_s=cfg.transfer_timeout_s, fabric=self._fabric)
+                                    deadline_s=cfg.transfer_timeout_s, fabric=self._fabric,
+                                    chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s)
         self.backend.register(self.lender.regions)
 
     async def close(self) -> dict[str, int]:

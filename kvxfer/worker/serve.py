@@ -107,7 +107,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     model = model_from_args(args)
     config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
                           mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
-                          prefix_cache=not args.no_prefix_cache, name=args.name or args.role)
+                          prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
+                          chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause)
     worker = Worker(config, model=model)
     await worker.start()
     server = HttpServer(make_handler(worker), args.host, args.port)
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a transfer may take")
+    p.add_argument("--nixl-chunk-bytes", type=int, default=0,
+                   help="nixl: bytes per submission chunk, the unit a partial delivery reports (0: default)")
+    p.add_argument("--nixl-chunk-pause", type=float, default=0.0,
+                   help="nixl: seconds between chunk posts (fault-injection tests kill a peer mid-transfer)")
     p.add_argument("--no-prefix-cache", action="store_true", help="decode: do not share cached prompt blocks")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 avoids oversubscription)")
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")

@@ -119,3 +119,38 @@ def test_prefill_worker_killed(tmp_path: Path, expected: list[list[int]]) -> Non
         check_fail(asyncio.run(workload(router, p1, 3)), expected, p1)
         asyncio.run(no_open_leases([d.url]))
     assert_nothing_left(group.children)
+
+
+def test_prefill_worker_killed_mid_transfer_resumes_from_what_arrived(tmp_path: Path) -> None:
+    """Pull mode, one 32 KiB row per NIXL chunk, paced: the prefill worker dies after a few
+    chunks; the decode worker keeps exactly the rows that arrived (ResumeBounds) and
+    recomputes only the rest, token-identical to colocated generation."""
+    prompt = synthetic_prompts(1, 160, 160, ModelConfig().vocab_size, seed=5)[0]
+    want = colocated_generate(MODEL, prompt, 8)
+    group = ProcessGroup(tmp_path)
+    with group:
+        p = group.start("prefill", ["serve", "--role", "prefill", "--mode", "pull"])
+        d = group.start("decode", ["serve", "--role", "decode", "--mode", "pull", "--nixl-chunk-bytes", "32768",
+                                   "--nixl-chunk-pause", "0.4"])
+        group.wait_ready([p, d], 180)
+
+        async def main() -> Completion:
+            router = Router([p.url], [d.url], on_failure="recompute", timeout_s=20)
+            task = asyncio.create_task(router.generate(prompt, 8))
+            deadline = time.monotonic() + 30
+            while "kvxfer_worker_active_streams 1" not in await request_text(d.url, "/metrics"):
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.0)  # a few paced chunks land
+            p.kill()
+            done = await task
+            await no_open_leases([d.url])
+            return done
+
+        done = asyncio.run(main())
+    assert_nothing_left(group.children)
+    assert done.ok, done.error
+    assert list(done.tokens) == want
+    assert done.transfer is not None and done.transfer.status == "failed"
+    assert 0 < done.transfer.rows_delivered < 10 == done.transfer.rows
+    assert done.path == "resumed" and done.recomputed_tokens == 160 - 16 * done.transfer.rows_delivered
