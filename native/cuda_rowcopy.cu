@@ -166,12 +166,15 @@ cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stre
   return unroll_setting() == 8 ? launch_u<8>(width, g, ix, stream, items) : launch_u<4>(width, g, ix, stream, items);
 }
 
-// Pinned staging for index uploads. A pageable cudaMemcpyAsync is staged by the driver at a
-// few GB/s, which for 4 KiB rows cost more than the copy itself; from pinned memory the
-// upload runs at PCIe speed. Buffers are reused once the event recorded after their upload
-// has completed; they live as long as the process (a handful, grown on demand).
+// Index staging: a pinned host buffer and a device buffer of the same size. A pageable
+// cudaMemcpyAsync is staged by the driver at a few GB/s, and stream-ordered allocations are
+// returned to the system at every synchronization (the default pool keeps nothing), both of
+// which cost more than copying 4 KiB rows. A slot is reused once the event recorded after the
+// kernel that read its indices has completed; slots live as long as the process (a handful,
+// grown on demand).
 struct Staging {
   void* host = nullptr;
+  void* dev = nullptr;
   std::size_t cap = 0;
   cudaEvent_t done = nullptr;
   int device = -1;
@@ -210,22 +213,32 @@ std::string take_staging(int device, std::size_t bytes, Staging** out) {
   std::size_t cap = 1 << 16;
   while (cap < bytes) cap <<= 1;
   void* host = nullptr;
+  void* dev = nullptr;
   cudaError_t e = cudaHostAlloc(&host, cap, cudaHostAllocPortable);
   if (e != cudaSuccess) return fail("allocating pinned index staging", e);
+  e = cudaMalloc(&dev, cap);
+  if (e != cudaSuccess) {
+    (void)cudaFreeHost(host);
+    return fail("allocating device index staging", e);
+  }
   if (victim == nullptr) {
     victim = new Staging();
     victim->device = device;
     e = cudaEventCreateWithFlags(&victim->done, cudaEventDisableTiming);
     if (e != cudaSuccess) {
       (void)cudaFreeHost(host);
+      (void)cudaFree(dev);
       delete victim;
       return fail("creating a staging event", e);
     }
     g_staging.push_back(victim);
   } else {
-    (void)cudaFreeHost(victim->host);  // its last upload has completed (event checked above)
+    // Its last kernel has completed (event checked above): nothing reads these any more.
+    (void)cudaFreeHost(victim->host);
+    (void)cudaFree(victim->dev);
   }
   victim->host = host;
+  victim->dev = dev;
   victim->cap = cap;
   victim->busy = true;
   *out = victim;
@@ -277,38 +290,33 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
     cudaError_t e = launch(width, g, ix, stream);
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
-  // Stream-ordered device scratch (allocated, filled, used and freed in stream order, so the
-  // call never waits for the device), filled from pinned staging.
+  // Pinned host and device staging (see Staging): fill, upload, launch, then an event marks
+  // the slot reusable once the kernel that reads it has finished. The call never waits.
   const int arrays = (p.src.index ? 1 : 0) + (p.dst.index ? 1 : 0);
   const std::size_t one = sizeof(std::int64_t) * static_cast<std::size_t>(p.n_rows);
   int current = device;
-  if (current < 0 && cudaGetDevice(&current) != cudaSuccess) return fail("cudaGetDevice", cudaGetLastError());
+  if (current < 0) {
+    cudaError_t e = cudaGetDevice(&current);
+    if (e != cudaSuccess) return fail("cudaGetDevice", e);
+  }
   Staging* st = nullptr;
   err = take_staging(current, one * arrays, &st);
   if (!err.empty()) return err;
   auto* host = static_cast<unsigned char*>(st->host);
   if (p.src.index) std::memcpy(host, p.src.index, one);
   if (p.dst.index) std::memcpy(host + (p.src.index ? one : 0), p.dst.index, one);
-  void* scratch = nullptr;
-  cudaError_t e = cudaMallocAsync(&scratch, one * arrays, stream);
-  if (e != cudaSuccess) {
-    give_staging(st, stream, false);
-    return fail("allocating index scratch (cudaMallocAsync)", e);
-  }
-  e = cudaMemcpyAsync(scratch, host, one * arrays, cudaMemcpyHostToDevice, stream);
-  give_staging(st, stream, e == cudaSuccess);
-  Indices ix{nullptr, nullptr};
-  auto* cursor = static_cast<const std::int64_t*>(scratch);
-  if (p.src.index) ix.src = cursor;
-  if (p.dst.index) ix.dst = cursor + (p.src.index ? p.n_rows : 0);
+  cudaError_t e = cudaMemcpyAsync(st->dev, host, one * arrays, cudaMemcpyHostToDevice, stream);
   if (e == cudaSuccess) {
+    Indices ix{nullptr, nullptr};
+    auto* cursor = static_cast<const std::int64_t*>(st->dev);
+    if (p.src.index) ix.src = cursor;
+    if (p.dst.index) ix.dst = cursor + (p.src.index ? p.n_rows : 0);
     e = launch(width, g, ix, stream);
     if (e != cudaSuccess) err = fail("launching the row copy kernel", e);
   } else {
     err = fail("uploading row indices", e);
   }
-  cudaError_t f = cudaFreeAsync(scratch, stream);
-  if (f != cudaSuccess && err.empty()) err = fail("freeing index scratch", f);
+  give_staging(st, stream, true);
   return err;
 }
 
