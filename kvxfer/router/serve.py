@@ -23,7 +23,7 @@ from typing import Any
 
 from kvxfer.router.http import BadRequest, HttpServer, Request, Response
 from kvxfer.router.router import POLICIES, SELECTIONS, Completion, Router
-from kvxfer.worker.serve import announce, reserve_stdout, watch_stdin
+from kvxfer.worker.announce import announce, reserve_stdout, watch_stdin
 
 
 def completion_json(c: Completion) -> dict[str, Any]:

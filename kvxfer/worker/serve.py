@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
-import threading
-from pathlib import Path
 
 import torch
 
 from kvxfer.contract import TransferMode
 from kvxfer.engine import LlamaModel, ModelConfig, load_checkpoint
 from kvxfer.router.http import HttpServer
+from kvxfer.worker.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
 from kvxfer.worker.core import Worker, WorkerConfig
@@ -63,44 +61,6 @@ def model_args_list(args: argparse.Namespace) -> list[str]:
            str(args.intermediate), "--vocab", str(args.vocab), "--block-tokens", str(args.block_tokens),
            "--dtype", args.dtype, "--seed", str(args.seed)]
     return out + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
-
-
-def watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """Set ``stop`` when stdin reaches EOF: the parent that holds its other end is gone."""
-    def run() -> None:
-        try:
-            while sys.stdin.buffer.read(4096):
-                pass
-        except (OSError, ValueError):
-            pass
-        try:
-            loop.call_soon_threadsafe(stop.set)
-        except RuntimeError:
-            pass
-    threading.Thread(target=run, name="kvxfer-parent-watch", daemon=True).start()
-
-
-def reserve_stdout() -> int:
-    """Keep stdout for the ready line alone: return a duplicate of it, and point fd 1 (and
-    Python's stdout) at stderr, so that libraries printing there (NIXL logs) neither mix
-    into the announcement nor fill a pipe that the parent stops reading."""
-    sys.stdout.flush()
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return fd
-
-
-def announce(info: dict[str, object], port_file: str, fd: int) -> None:
-    line = json.dumps(info)
-    if port_file:
-        tmp = Path(port_file + ".tmp")
-        tmp.write_text(line + "\n")
-        os.replace(tmp, port_file)  # atomic: a reader never sees half a line
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
