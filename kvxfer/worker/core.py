@@ -443,11 +443,11 @@ class Worker:
         if reserved is not None:
             if reserved.busy:
                 raise BadRequest(f"request {rid!r} is already generating")
-            reserved.busy = True
             hint_p = _hint(body, "hint") if body.get("hint") else None
             first = body.get("first_token")
-            if hint_p is not None and not isinstance(first, int):
-                raise BadRequest("generate with a hint needs first_token (the prefill worker's token)")
+            if hint_p is not None and (not isinstance(first, int) or not 0 <= first < self.config.model.vocab_size):
+                raise BadRequest("generate with a hint needs first_token (the prefill worker's token id)")
+            reserved.busy = True  # only once the call is known to be well formed
             return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, hint_p, first, policy,
                                        timeout, bool(body.get("peer_dead", False)))
         prompt = _prompt(body, self.config.model)
