@@ -101,6 +101,7 @@ class NixlBackend(Backend):
         fail_after_rows: int | None = None,
         chunk_pause_s: float = 0.0,
         use_etcd: bool | None = None,
+        nixl_progress_thread: bool = False,
     ) -> None:
         if chunk_bytes <= 0 or window <= 0 or deadline_s <= 0 or heartbeat_s <= 0:
             raise ValueError("chunk_bytes, window, deadline_s and heartbeat_s must be positive")
@@ -113,7 +114,7 @@ class NixlBackend(Backend):
         self.coalesce = coalesce
         self.fail_after_rows = fail_after_rows  # fault injection: fail after this many rows
         self.chunk_pause_s = chunk_pause_s      # pace chunk posts (tests kill a peer mid-way)
-        self._agent = NixlAgent(self.name, use_etcd=use_etcd)
+        self._agent = NixlAgent(self.name, use_etcd=use_etcd, progress_thread=nixl_progress_thread)
         kinds = self._agent.reachable()
         if MemoryKind.DEVICE in kinds and not cuda_present():
             kinds = kinds - {MemoryKind.DEVICE}
@@ -291,7 +292,10 @@ class NixlBackend(Backend):
         self._check_passive()
         self._heartbeat()
         self._drop_dead_peers()
-        return busy
+        # A passive wait needs UCX progressed on our side too (AM-based lanes such as TCP move
+        # the peer's data through our worker), so poll fast while one is pending.
+        with self._lock:
+            return busy or bool(self._passive)
 
     def _on_message(self, sender: str, message: bytes) -> None:
         if message == HEARTBEAT:
