@@ -54,7 +54,11 @@ def _buffer(mem: str, nbytes: int, fill: int) -> tuple[Any, int, int]:
 def _agent(role: str) -> Any:
     import nixl._api as api  # noqa: PLC0415
 
-    return api.nixl_agent(f"kvxfer-doctor-{role}-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+    # The target keeps NIXL's progress thread (lanes over TCP need the target's worker to
+    # progress); the initiator progresses by polling its own requests, as the backend does,
+    # so that it does not compete with the transfer for this machine's cores.
+    config = api.nixl_agent_config(enable_prog_thread=role == "target", backends=["UCX"])
+    return api.nixl_agent(f"kvxfer-doctor-{role}-{os.getpid()}", config)
 
 
 def target(sock: socket.socket, mem: str, nbytes: int) -> None:
