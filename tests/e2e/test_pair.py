@@ -62,7 +62,7 @@ def test_pair_twenty_mixed_prompts_token_identical(tmp_path: Path) -> None:
 def test_pair_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvxfer.cli", "pair", "--requests", "40", "--max-new-tokens", "32", "--warmup", "0",
+        [sys.executable, "-m", "kvxfer.cli", "pair", "--requests", "24", "--max-new-tokens", "32", "--warmup", "0",
          "--log-dir", str(logs), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -70,7 +70,7 @@ def test_pair_ctrl_c_stops_every_process(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         processes = json.loads((logs / "processes.json").read_text())
-        time.sleep(1.0)  # mid-workload
+        time.sleep(0.5)  # mid-workload
         os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
