@@ -40,8 +40,8 @@ from collections.abc import Iterable
 
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.matching import check_agreement, match_rows
-from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, XferError
-from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait
+from kvxfer.backends.nixl_agent import NixlAgent, PeerGone
+from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_chunks
 from kvxfer.backends.nixl_plan import plan_chunks
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
@@ -374,88 +374,28 @@ class NixlBackend(Backend):
 
     # --- active jobs --------------------------------------------------------------------
     def _advance(self, job: ActiveJob) -> bool:
-        """Check, post and conclude one job's chunks. True while requests are in flight."""
-        now = time.monotonic()
-        peer = job.hint.agent
-        if now > job.deadline and job.failure is None:
-            job.failure = f"timeout after {self.deadline_s:g}s moving rows with peer {peer!r}"
-        if not job.ready and job.failure is None:
-            try:
-                job.ready = self._agent.ensure_peer(peer, job.hint.endpoint)
-            except (ValueError, PeerGone) as exc:
-                job.failure = f"peer {peer!r} unreachable: {exc}"
-        for index, handle in list(job.inflight.items()):
-            state = self._agent.state(handle)
-            if state == "PROC" and job.failure is None:
-                continue
-            if state == "DONE":
-                job.done.append(index)
-            elif state == "GONE":
-                self._peer_lost(peer)
-            elif state == "ERR":
-                job.failure = job.failure or f"NIXL reported an error on chunk {index} with peer {peer!r}"
-            # PROC with a failure set: abort it; its rows stay unproven.
-            del job.inflight[index]
-            if not self._agent.release(handle):
-                job.stuck.append(handle)
-        job.stuck = [h for h in job.stuck if not self._agent.release(h)]
-        stopping = job.failure is not None or job.attempt.cancel_requested or not job.ready
-        while (not stopping and len(job.inflight) < self.window and job.next_chunk < len(job.chunks)
-               and now >= job.not_before):
-            index = job.next_chunk
-            chunk = job.chunks[index]
-            job.next_chunk += 1
-            try:
-                post = self._agent.post(job.op, chunk.local_descs, chunk.local_kind, chunk.remote_descs,
-                                        chunk.remote_kind, peer)
-            except PeerGone:
-                self._peer_lost(peer)
-                break
-            except XferError as exc:
-                job.failure = str(exc)
-                break
-            if post.state == "DONE":
-                job.done.append(index)
-                if not self._agent.release(post.handle):
-                    job.stuck.append(post.handle)
-            else:
-                job.inflight[index] = post.handle
-            if self.chunk_pause_s:
-                job.not_before = time.monotonic() + self.chunk_pause_s
-                break
+        """Step one job's chunks; conclude it once nothing can touch memory. True while busy."""
+        lost = step_chunks(job, self._agent, window=self.window, pause_s=self.chunk_pause_s,
+                           deadline_s=self.deadline_s)
+        if lost:
+            self._peer_lost(job.hint.agent)
         if job.touching:
             return True
-        if not job.ready and job.failure is None and not job.attempt.cancel_requested:
-            return False  # waiting for the peer's metadata from etcd
-        stopping = job.failure is not None or job.attempt.cancel_requested
-        if not stopping and job.next_chunk < len(job.chunks):
-            return False  # paced: the next chunk is due later
-        self._conclude_active(job)
-        return False
-
-    def _conclude_active(self, job: ActiveJob) -> None:
-        local, peer = job.masks()
-        complete = len(job.done) == len(job.chunks)
-        if job.failure is not None:
-            status, outcome = RecordStatus.FAILED, Failed(job.failure, local)
-            reason = job.failure
-        elif job.injected is not None and complete:
-            status, outcome, reason = RecordStatus.FAILED, Failed(job.injected, local), job.injected
-        elif job.attempt.cancel_requested and not complete:
-            status, outcome = RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, local)
-            reason = "cancelled"
-        else:
-            status, outcome, reason = RecordStatus.DELIVERED, Delivered(local), ""
+        if not job.finished:
+            return False  # paced, or waiting for the peer's metadata from etcd
+        status, outcome, reason = conclusion(job)
         # NIXL flushes the endpoint before a request is DONE, so the rows this record
         # marks are visible at the peer before the record can arrive.
         if job.hint.agent not in self._dead:
+            _, peer_masks = job.masks()
             self._send(job.hint.agent, CompletionRecord(
-                job.hint.transfer_id, self.name, job.view.request, status, peer, reason))
+                job.hint.transfer_id, self.name, job.view.request, status, peer_masks, reason))
         with self._lock:
             if job in self._active:
                 self._active.remove(job)
         job.attempt.conclude(outcome)
         job.attempt.mark_quiesced()
+        return False
 
     # --- passive waits, heartbeats, dead peers ------------------------------------------
     def _check_passive(self) -> None:

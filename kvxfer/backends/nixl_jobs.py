@@ -2,19 +2,21 @@
 
 An active job (push publisher, pull fetcher) moves bytes in chunks; a passive wait (push
 fetcher, pull publisher) waits for the active end's completion record. Only the backend's
-progress thread changes them after submission.
+progress thread changes them after submission, through ``step_chunks``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, XferError
 from kvxfer.backends.nixl_plan import Chunk
-from kvxfer.contract import BoolArray, Hint, View
+from kvxfer.contract import BoolArray, Cancelled, Delivered, Failed, Hint, Outcome, RecordStatus, View
 
 
 @dataclass(eq=False)
@@ -42,6 +44,16 @@ class ActiveJob:
         """True while some NIXL request of this job may still access memory."""
         return bool(self.inflight or self.stuck)
 
+    @property
+    def finished(self) -> bool:
+        """Nothing more will be posted: stopped (failure, cancel) or every chunk posted."""
+        if self.touching:
+            return False
+        stopping = self.failure is not None or self.attempt.cancel_requested
+        if not self.ready and not stopping:
+            return False
+        return stopping or self.next_chunk >= len(self.chunks)
+
     def masks(self) -> tuple[list[BoolArray], list[BoolArray]]:
         """(local masks aligned with the view, peer masks aligned with the hint) of proven chunks."""
         local = self.view.row_masks()
@@ -63,3 +75,72 @@ class PassiveWait:
     own_id: str
     deadline: float
     told_peer: bool = False
+
+
+def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float, deadline_s: float) -> bool:
+    """Check the job's requests, then post more (at most ``window`` in flight, none once it
+    stops). A request that is DONE proves its chunk; once the job fails, requests still in
+    progress are released (NIXL aborts them) and their rows stay unproven. Returns True
+    when the peer turned out to be disconnected."""
+    now = time.monotonic()
+    peer = job.hint.agent
+    lost = False
+    if now > job.deadline and job.failure is None:
+        job.failure = f"timeout after {deadline_s:g}s moving rows with peer {peer!r}"
+    if not job.ready and job.failure is None:
+        try:
+            job.ready = agent.ensure_peer(peer, job.hint.endpoint)
+        except (ValueError, PeerGone) as exc:
+            job.failure = f"peer {peer!r} unreachable: {exc}"
+    for index, handle in list(job.inflight.items()):
+        state = agent.state(handle)
+        if state == "PROC" and job.failure is None:
+            continue
+        if state == "DONE":
+            job.done.append(index)
+        elif state == "GONE":
+            lost = True
+            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+        elif state == "ERR":
+            job.failure = job.failure or f"NIXL reported an error on chunk {index} with peer {peer!r}"
+        del job.inflight[index]
+        if not agent.release(handle):
+            job.stuck.append(handle)
+    job.stuck = [h for h in job.stuck if not agent.release(h)]
+    while (job.failure is None and not job.attempt.cancel_requested and job.ready
+           and len(job.inflight) < window and job.next_chunk < len(job.chunks) and now >= job.not_before):
+        index = job.next_chunk
+        chunk = job.chunks[index]
+        job.next_chunk += 1
+        try:
+            post = agent.post(job.op, chunk.local_descs, chunk.local_kind, chunk.remote_descs, chunk.remote_kind, peer)
+        except PeerGone:
+            lost = True
+            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+            break
+        except XferError as exc:
+            job.failure = str(exc)
+            break
+        if post.state == "DONE":
+            job.done.append(index)
+            if not agent.release(post.handle):
+                job.stuck.append(post.handle)
+        else:
+            job.inflight[index] = post.handle
+        if pause_s:
+            job.not_before = time.monotonic() + pause_s
+            break
+    return lost
+
+
+def conclusion(job: ActiveJob) -> tuple[RecordStatus, Outcome, str]:
+    """The record status, local outcome and reason of a finished job."""
+    local, _ = job.masks()
+    complete = len(job.done) == len(job.chunks)
+    if job.failure is not None:
+        return RecordStatus.FAILED, Failed(job.failure, local), job.failure
+    if job.injected is not None and complete:
+        return RecordStatus.FAILED, Failed(job.injected, local), job.injected
+    if job.attempt.cancel_requested and not complete:
+        return RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, local), "cancelled"
+    return RecordStatus.DELIVERED, Delivered(tuple(local)), ""
