@@ -73,7 +73,7 @@ def info() -> NativeInfo:
         return NativeInfo(False, False, False, 0, 0, 0, "", _LOAD_REASON)
     path = str(getattr(mod, "__file__", ""))
     if not mod.HAS_CUDA:
-        return NativeInfo(True, False, False, 0, 0, 0, path, "kvxfer._native was built without CUDA (no nvcc)")
+        return NativeInfo(True, False, False, 0, 0, 0, path, "kvxfer._native was built without CUDA (no nvcc found, or KVXFER_CUDA=OFF)")
     try:
         runtime, driver = mod.versions()
         count = mod.device_count()
