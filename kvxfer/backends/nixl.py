@@ -36,7 +36,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.matching import check_agreement, match_rows
@@ -68,6 +70,16 @@ log = logging.getLogger(__name__)
 
 BACKEND_KIND = "nixl"
 HEARTBEAT = b""  # an empty notification: proves the peer is reachable, carries nothing
+
+
+KEPT = 4096  # stashed records and withdrawn transfer ids kept
+
+
+def _bounded_put(table: OrderedDict[Any, Any], key: Hashable, value: Any) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > KEPT:
+        table.popitem(last=False)
 
 
 def unique_agent_name(prefix: str = "kvxfer") -> str:
@@ -125,8 +137,10 @@ class NixlBackend(Backend):
         self._lock = threading.Lock()  # guards the job tables below
         self._active: list[ActiveJob] = []
         self._passive: dict[str, PassiveWait] = {}       # by this end's transfer id
-        self._stashed: dict[str, CompletionRecord] = {}  # records that came before their fetch
-        self._revoked: set[tuple[str, str]] = set()      # (peer agent, its transfer id) withdrawn
+        # Records that came before their fetch, and (peer agent, its transfer id) pairs the peer
+        # withdrew; both bounded, oldest dropped first, so a confused peer cannot grow them.
+        self._stashed: OrderedDict[str, CompletionRecord] = OrderedDict()
+        self._revoked: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._dead: set[str] = set()                     # peers found disconnected, not yet dropped
         self._replies: list[tuple[str, CompletionRecord]] = []  # withdrawals owed to peers
         self._next_heartbeat = 0.0
@@ -318,7 +332,7 @@ class NixlBackend(Backend):
                         if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
                 if not jobs:
                     # Nothing of ours touches the peer's rows; refuse to start later, and say so.
-                    self._revoked.add((record.sender, record.transfer_id))
+                    _bounded_put(self._revoked, (record.sender, record.transfer_id), None)
             for job in jobs:
                 job.cancelled_by_peer = True
                 job.attempt.cancel()
@@ -330,7 +344,7 @@ class NixlBackend(Backend):
             wait = self._passive.get(record.transfer_id)
             if wait is None:
                 if not self._own.is_retired(record.transfer_id):
-                    self._stashed[record.transfer_id] = record
+                    _bounded_put(self._stashed, record.transfer_id, record)
                 return
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
