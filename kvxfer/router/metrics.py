@@ -120,6 +120,15 @@ class Registry:
         self.metrics.append(metric)
         return metric
 
+    def snapshot(self) -> dict[str, float]:
+        """Every sample line as ``{"name{labels}": value}`` (for JSON reports)."""
+        out: dict[str, float] = {}
+        for metric in self.metrics:
+            for line in metric.lines():  # type: ignore[attr-defined]
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
     def render(self) -> str:
         lines: list[str] = []
         for metric in self.metrics:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from kvxfer.router.http import BadRequest, HttpServer, Request, Response
@@ -76,6 +78,9 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
         await stop.wait()
     finally:
         await server.close()
+        if args.json:
+            Path(args.json).write_text(json.dumps({"role": "router", "metrics": router.metrics.snapshot()},
+                                                  indent=2) + "\n")
     return 0
 
 
@@ -90,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--port-file", default="")
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
+    p.add_argument("--json", default="", metavar="PATH", help="on exit, write a JSON report (metrics)")
     p.add_argument("--log-level", default="WARNING")
     return p
 

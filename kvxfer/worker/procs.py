@@ -110,16 +110,20 @@ class Child:
         if self.alive():
             self.proc.send_signal(signal.SIGKILL)
 
+    def signal_stop(self) -> None:
+        """Ask the child to stop (close its stdin, SIGTERM) without waiting."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> int:
         """Close stdin (the child's parent watch), SIGTERM, wait, SIGKILL: always reaped."""
         try:
-            if self.proc.stdin is not None and not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()
-                except OSError:
-                    pass
-            if self.alive():
-                self.proc.send_signal(signal.SIGTERM)
+            self.signal_stop()
             try:
                 return self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -158,7 +162,12 @@ class ProcessGroup:
 
     def stop(self) -> dict[str, int]:
         codes = {}
-        for child in reversed(self.children):  # the router first, then the workers
+        for child in reversed(self.children):  # all at once: they shut down in parallel
+            try:
+                child.signal_stop()
+            except OSError:
+                pass
+        for child in reversed(self.children):
             try:
                 codes[child.name] = child.stop()
             except Exception as exc:  # keep stopping the others

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -85,8 +87,13 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
         await stop.wait()
     finally:
         await server.close()
+        await worker.metrics_text()  # refreshes the gauges the JSON report reads
         report = await worker.close()
-        logging.getLogger("kvxfer.worker").info("worker %s stopped: %s", worker.name, report)
+        level = logging.WARNING if any(report.values()) else logging.INFO
+        logging.getLogger("kvxfer.worker").log(level, "worker %s stopped: %s", worker.name, report)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"role": args.role, "name": worker.name, "shutdown": report,
+                                                   "metrics": worker.metrics.snapshot()}, indent=2) + "\n")
     return 0
 
 
@@ -109,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true", help="decode: do not share cached prompt blocks")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 avoids oversubscription)")
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
+    p.add_argument("--json", default="", metavar="PATH", help="on exit, write a JSON report (shutdown, metrics)")
     p.add_argument("--log-level", default="WARNING")
     add_model_args(p)
     return p
