@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvxfer.contract.arrays import IndexArray, frozen_int64
 from kvxfer.contract.memory import MemoryKind
 from kvxfer.contract.rows import CacheKind
@@ -46,12 +48,16 @@ class HintGroup:
             raise TypeError("HintGroup.kind must be a CacheKind and memory_kind a MemoryKind")
         if self.address < 0 or self.slot_bytes <= 0 or self.region_slots <= 0 or self.device_id < 0:
             raise ValueError(f"HintGroup {self.layer_group!r}: bad region geometry")
+        if self.address + self.slot_bytes * self.region_slots > 1 << 64:
+            raise ValueError(f"HintGroup {self.layer_group!r}: region end overflows 64 bits")
         slots = frozen_int64(self.slots, f"hint slots of group {self.layer_group!r}")
         ordinals = frozen_int64(self.ordinals, f"hint ordinals of group {self.layer_group!r}")
         if slots.shape != ordinals.shape:
             raise ValueError(f"hint group {self.layer_group!r}: {slots.size} slots but {ordinals.size} ordinals")
         if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.region_slots):
             raise ValueError(f"hint group {self.layer_group!r}: slot outside [0, {self.region_slots})")
+        if np.unique(ordinals).size != ordinals.size:
+            raise ValueError(f"hint group {self.layer_group!r} repeats an ordinal")
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "ordinals", ordinals)
 

@@ -88,3 +88,13 @@ def test_contract_imports_nothing_heavy() -> None:
     assert not [m for m in modules if m.split(".")[0] in ("torch", "nixl", "msgpack")], modules
     ours = [m for m in modules if m.startswith("kvxfer")]
     assert all(m == "kvxfer" or m.startswith("kvxfer.contract") for m in ours), ours
+
+
+def test_hint_group_geometry_overflow_refused() -> None:
+    with pytest.raises(ValueError, match="overflows 64 bits"):
+        HintGroup("g", CacheKind.PAGED, "r", (1 << 64) - 64, 64, 2, MemoryKind.HOST, 0, [0], [0])
+
+
+def test_hint_group_repeated_ordinal_refused() -> None:
+    with pytest.raises(ValueError, match="repeats an ordinal"):
+        HintGroup("g", CacheKind.PAGED, "r", 0, 64, 4, MemoryKind.HOST, 0, [0, 1], [3, 3])
