@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
               "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
               "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
               "model": f"{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
-                       f"{model.config.kv_heads}kv/{model.config.dtype}", "model_config": model.config.to_json(),
+                       f"{model.config.kv_heads}kv/{model.config.dtype} on {model.device}",
+              "device": str(model.device), "model_config": model.config.to_json(),
               "log_dir": str(log_dir)}
     group = ProcessGroup(log_dir)
     try:

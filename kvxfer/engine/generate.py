@@ -45,7 +45,7 @@ def colocated_generate(model: LlamaModel, prompt: Sequence[int], max_new_tokens:
     need = tokens_needed(len(prompt), max_new_tokens)
     own = pool is None
     if pool is None:
-        pool = cfg.make_pool(-(-need // cfg.block_tokens))
+        pool = cfg.make_pool(-(-need // cfg.block_tokens), device=str(model.device))
     pool.allocate(request, need)
     try:
         first = model.next_token(pool, request, list(prompt), 0)

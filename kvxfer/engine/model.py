@@ -20,25 +20,28 @@ import torch
 import torch.nn.functional as F
 
 from kvxfer.engine.config import GROUP, ModelConfig
-from kvxfer.engine.weights import Weights, seeded_weights
+from kvxfer.engine.weights import LayerWeights, Weights, seeded_weights
 from kvxfer.pool import PagedKVPool
 
 
 class LlamaModel:
     """Weights plus the forward pass. Stateless between calls: the KV lives in the pool."""
 
-    def __init__(self, config: ModelConfig, weights: Weights | None = None) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights | None = None, device: str | torch.device = "cpu") -> None:
         self.config = config
-        self.weights = weights if weights is not None else seeded_weights(config)
+        self.device = torch.device(device)
+        weights = weights if weights is not None else seeded_weights(config)  # drawn on the CPU: same everywhere
+        self.weights = _to_device(weights, self.device) if self.device.type != "cpu" else weights
         d = config.head_dim
         self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Angles in float64 then cast: the same position gets the same cos/sin on every call.
+        # Angles in float64 on the CPU, then cast and moved: the same position gets the same
+        # cos/sin on every call and every device.
         freqs = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         dtype = self.config.torch_dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,7 +58,7 @@ class LlamaModel:
         """Run tokens ``[start, start + n)`` of ``request``; K/V for ``[0, start)`` must already
         be in the pool. Writes their K/V, commits ``[0, start + n)``, returns the last logits."""
         cfg = self.config
-        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        ids = torch.as_tensor(tokens, dtype=torch.int64)  # checked on the CPU, then moved
         n = int(ids.numel())
         if n == 0:
             raise ValueError(f"request {request!r}: forward needs at least one token")
@@ -66,13 +69,15 @@ class LlamaModel:
             raise ValueError(f"request {request!r}: tokens up to {end} but the pool holds room for {pool.length(request)}")
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise ValueError(f"request {request!r}: token ids must lie in [0, {cfg.vocab_size})")
+        if pool.device.type != self.device.type:
+            raise ValueError(f"request {request!r}: the pool is on {pool.device}, the model on {self.device}")
         cos, sin = self._rope(torch.arange(start, end))
         table = pool.block_table_tensor(request, GROUP)[: -(-end // cfg.block_tokens)]
         group_size = cfg.heads // cfg.kv_heads
         # Query i (position start + i) sees keys at positions <= start + i.
-        causal = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        causal = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
         scale = cfg.head_dim ** -0.5
-        x = self.weights.embed[ids]
+        x = self.weights.embed[ids.to(self.device)]
         for layer, w in enumerate(self.weights.layers):
             h = self._norm(x, w.attn_norm)
             q = (h @ w.wq.T).view(n, cfg.heads, cfg.head_dim)
@@ -99,3 +104,9 @@ class LlamaModel:
     def next_token(self, pool: PagedKVPool, request: str, tokens: Sequence[int] | torch.Tensor, start: int) -> int:
         """Greedy: the argmax of the last logits (ties go to the lowest id, as torch.argmax does)."""
         return int(torch.argmax(self.forward(pool, request, tokens, start)))
+
+
+def _to_device(weights: Weights, device: torch.device) -> Weights:
+    layers = tuple(LayerWeights(**{k: getattr(lw, k).to(device) for k in LayerWeights.__dataclass_fields__})
+                   for lw in weights.layers)
+    return Weights(weights.embed.to(device), layers, weights.norm.to(device), weights.lm_head.to(device))

@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import Attempt, Backend, Cancelled, Delivered, Failed, Outcome, TransferMode, View
 from kvxfer.engine import LlamaModel, ModelConfig, tokens_needed
@@ -61,6 +63,7 @@ class WorkerConfig:
     name: str = ""
     chunk_bytes: int | None = None  # nixl: bytes per submission chunk (None: the backend's default)
     chunk_pause_s: float = 0.0      # nixl: pause between chunk posts (fault-injection tests)
+    device: str = "cpu"             # where the pool lives (the model must be on the same device)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -116,7 +119,9 @@ class Worker:
                  fabric: LoopbackFabric | None = None) -> None:
         self.config = config
         self.role = config.role
-        self.model = model if model is not None else LlamaModel(config.model)
+        self.model = model if model is not None else LlamaModel(config.model, device=config.device)
+        if self.model.device.type != torch.device(config.device).type:
+            raise ValueError(f"worker {config.name!r}: model on {self.model.device}, pool on {config.device}")
         self.name = config.name or f"{config.role}"
         self._fabric = fabric
         self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.name}-engine")
@@ -141,7 +146,7 @@ class Worker:
 
     def _build(self) -> None:
         cfg = self.config
-        self.pool = cfg.model.make_pool(cfg.num_blocks, name=f"{self.name}-kv")
+        self.pool = cfg.model.make_pool(cfg.num_blocks, device=cfg.device, name=f"{self.name}-kv")
         if cfg.lender == "staging":
             row = cfg.model.group_spec().row_bytes
             self.lender = StagingLender(self.pool, fetch_tokens=cfg.model.max_positions, max_fetches=8,

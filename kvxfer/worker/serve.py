@@ -44,16 +44,27 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="weight seed (seeded weights)")
     g.add_argument("--checkpoint", default="",
                    help="local Llama safetensors file or directory (with config.json); nothing is downloaded")
+    g.add_argument("--device", default="auto",
+                   help="where the weights and the KV pool live: auto (cuda when present, else cpu), cpu, cuda[:N]")
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: no CUDA device is visible")
+    return name
 
 
 def model_from_args(args: argparse.Namespace) -> LlamaModel:
+    device = resolve_device(args.device)
     if args.checkpoint:
         config, weights = load_checkpoint(args.checkpoint, dtype=args.dtype, block_tokens=args.block_tokens)
-        return LlamaModel(config, weights)
+        return LlamaModel(config, weights, device=device)
     return LlamaModel(ModelConfig(
         vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         head_dim=args.head_dim, intermediate=args.intermediate, block_tokens=args.block_tokens, dtype=args.dtype,
-        seed=args.seed))
+        seed=args.seed), device=device)
 
 
 def model_args_list(args: argparse.Namespace) -> list[str]:
@@ -61,7 +72,7 @@ def model_args_list(args: argparse.Namespace) -> list[str]:
     out = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
            "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim), "--intermediate",
            str(args.intermediate), "--vocab", str(args.vocab), "--block-tokens", str(args.block_tokens),
-           "--dtype", args.dtype, "--seed", str(args.seed)]
+           "--dtype", args.dtype, "--seed", str(args.seed), "--device", resolve_device(args.device)]
     return out + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
 
 
@@ -70,7 +81,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
                           mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
-                          chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause)
+                          chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause,
+                          device=str(model.device))
     worker = Worker(config, model=model)
     await worker.start()
     server = HttpServer(make_handler(worker), args.host, args.port)
