@@ -39,10 +39,13 @@ def hint_groups(draw: st.DrawFn, name: str) -> HintGroup:
     region_slots = draw(st.integers(1, 2**40))
     rows = draw(st.integers(0, 40))
     slots = draw(st.lists(st.integers(0, region_slots - 1), min_size=rows, max_size=rows))
-    ordinals = draw(st.lists(INT64, min_size=rows, max_size=rows))
+    ordinals = draw(st.lists(INT64, min_size=rows, max_size=rows, unique=True))
+    # A valid region ends at or below 2**64: draw the size first, then an address that fits.
+    slot_bytes = draw(st.integers(1, 2**64 // region_slots))
+    address = draw(st.integers(0, 2**64 - slot_bytes * region_slots))
     return HintGroup(
         layer_group=name, kind=draw(st.sampled_from(CacheKind)), region=draw(names),
-        address=draw(st.integers(0, 2**64 - 1)), slot_bytes=draw(st.integers(1, 2**63)),
+        address=address, slot_bytes=slot_bytes,
         region_slots=region_slots, memory_kind=draw(st.sampled_from(MemoryKind)),
         device_id=draw(st.integers(0, 2**32)), slots=np.array(slots, dtype=np.int64),
         ordinals=np.array(ordinals, dtype=np.int64),
