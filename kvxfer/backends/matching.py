@@ -61,19 +61,33 @@ def match_rows(view: View, hint: Hint) -> list[GroupMatch]:
         if peer is None or len(peer) == 0 or len(group) == 0:
             matches.append(GroupMatch(group, peer, empty, empty, empty, empty))
             continue
-        if np.unique(peer.ordinals).size != len(peer):
-            raise InvalidSubmission(f"peer's group {group.layer_group!r} repeats an ordinal")
-        order = np.argsort(peer.ordinals, kind="stable")
-        sorted_ordinals = peer.ordinals[order]
-        pos = np.searchsorted(sorted_ordinals, group.ordinals)
-        pos_clipped = np.minimum(pos, sorted_ordinals.size - 1)
-        found = sorted_ordinals[pos_clipped] == group.ordinals
-        local_rows = np.flatnonzero(found).astype(np.int64)
-        peer_rows = order[pos_clipped[found]].astype(np.int64)
+        # HintGroup and RegionTable.check_view already refused repeated ordinals on both ends.
+        local_rows, peer_rows = _pair_ordinals(group.ordinals, peer.ordinals)
         matches.append(
             GroupMatch(group, peer, local_rows, peer_rows, group.slots[local_rows], peer.slots[peer_rows])
         )
     return matches
+
+
+def _pair_ordinals(local: IndexArray, peer: IndexArray) -> tuple[IndexArray, IndexArray]:
+    """Indices (into local, into peer) of equal ordinals, in local order. Both sides distinct."""
+    if local.size == peer.size and np.array_equal(local, peer):
+        same = np.arange(local.size, dtype=np.int64)
+        return same, same
+    low = min(int(local.min()), int(peer.min()))
+    span = max(int(local.max()), int(peer.max())) - low + 1
+    if span <= 4 * (local.size + peer.size) + 4096:
+        # Dense ordinals (the usual token blocks): a lookup table, linear time.
+        table = np.full(span, -1, dtype=np.int64)
+        table[peer - low] = np.arange(peer.size, dtype=np.int64)
+        at = table[local - low]
+        local_rows = np.flatnonzero(at >= 0).astype(np.int64)
+        return local_rows, at[local_rows]
+    order = np.argsort(peer, kind="stable")
+    sorted_ordinals = peer[order]
+    pos = np.minimum(np.searchsorted(sorted_ordinals, local), sorted_ordinals.size - 1)
+    found = sorted_ordinals[pos] == local
+    return np.flatnonzero(found).astype(np.int64), order[pos[found]].astype(np.int64)
 
 
 def coalesce(src: IndexArray, dst: IndexArray) -> tuple[IndexArray, IndexArray, IndexArray]:

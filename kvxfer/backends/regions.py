@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvxfer.contract import InvalidSubmission, MemoryKind, SlotRegion, View
+from kvxfer.contract.arrays import all_distinct
 
 
 class RegionTable:
@@ -64,7 +65,7 @@ class RegionTable:
                     f"group {group.layer_group!r}: slot {low if low < 0 else high} is outside "
                     f"region {registered.name!r} of {registered.slots} slots"
                 )
-            if np.unique(group.ordinals).size != len(group):
+            if not all_distinct(group.ordinals):
                 raise InvalidSubmission(f"group {group.layer_group!r} repeats an ordinal")
         if for_fetch:
             # Rows of one region are equal slots, and registered regions never overlap, so
@@ -73,6 +74,6 @@ class RegionTable:
             for group in view.groups:
                 by_region.setdefault(group.region.name, []).append(group.slots)
             for name, parts in by_region.items():
-                slots = np.concatenate(parts)
-                if np.unique(slots).size != slots.size:
+                slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                if not all_distinct(slots):
                     raise InvalidSubmission(f"fetch writes region {name!r} slots more than once (overlapping rows)")

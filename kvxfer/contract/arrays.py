@@ -29,3 +29,20 @@ def frozen_int64(values: Any, what: str) -> IndexArray:
     out = np.array(array, dtype=np.int64, copy=True)
     out.flags.writeable = False
     return out
+
+
+def all_distinct(values: IndexArray) -> bool:
+    """True when no value repeats. Linear for sorted or densely ranged input (the usual
+    slots and ordinals); ``np.unique`` is an order of magnitude slower at 100k rows."""
+    n = values.size
+    if n < 2:
+        return True
+    steps = np.diff(values)
+    if bool((steps > 0).all()) or bool((steps < 0).all()):
+        return True
+    low, high = int(values.min()), int(values.max())
+    span = high - low + 1
+    if span <= 4 * n + 4096:
+        return int(np.bincount(values - low, minlength=span).max()) <= 1
+    ordered = np.sort(values)
+    return not bool((ordered[1:] == ordered[:-1]).any())

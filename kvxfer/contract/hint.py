@@ -12,9 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from kvxfer.contract.arrays import IndexArray, frozen_int64
+from kvxfer.contract.arrays import IndexArray, all_distinct, frozen_int64
 from kvxfer.contract.memory import MemoryKind
 from kvxfer.contract.rows import CacheKind
 
@@ -56,7 +54,7 @@ class HintGroup:
             raise ValueError(f"hint group {self.layer_group!r}: {slots.size} slots but {ordinals.size} ordinals")
         if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.region_slots):
             raise ValueError(f"hint group {self.layer_group!r}: slot outside [0, {self.region_slots})")
-        if np.unique(ordinals).size != ordinals.size:
+        if not all_distinct(ordinals):
             raise ValueError(f"hint group {self.layer_group!r} repeats an ordinal")
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "ordinals", ordinals)
