@@ -138,11 +138,12 @@ class ChildPairs:
 
 def push_rows_throughput(memory_kind: str = "host", *, rows: int = 4096, row_bytes: int = 64 << 10,
                          run: int = 16, coalesce: bool = True, reps: int = 3,
-                         chunk_bytes: int = 64 << 20) -> dict[str, float]:
+                         **options: Any) -> dict[str, float]:
     """GB/s of a NixlBackend push between two processes: ``rows`` rows in runs of ``run``
     slots contiguous on both ends (runs scattered), from publish() to the publisher's
     outcome (every chunk DONE: NIXL flushed, so the rows are at the peer). Best and median
-    of ``reps``; the bytes of the last repetition are checked."""
+    of ``reps``; the bytes of the last repetition are checked. ``options`` go to the
+    publishing NixlBackend (e.g. ``chunk_bytes``)."""
     slots = rows * 2
     spec = (("S", row_bytes, slots),)
     rng = np.random.default_rng(0)
@@ -153,7 +154,7 @@ def push_rows_throughput(memory_kind: str = "host", *, rows: int = 4096, row_byt
 
     local_mem = rows_of(memory_kind, spec)
     touch_pages(local_mem)
-    local = make_backend(TransferMode.PUSH, local_mem, coalesce=coalesce, chunk_bytes=chunk_bytes, deadline_s=120.0)
+    local = make_backend(TransferMode.PUSH, local_mem, coalesce=coalesce, deadline_s=120.0, **options)
     peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
                           {"mode": "push", "buffers": [["P", row_bytes, slots]], "memory_kind": memory_kind,
                            "deadline_s": 120.0, "touch": True})
