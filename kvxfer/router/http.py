@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,7 +225,7 @@ async def request_text(url: str, path: str, timeout: float = 10.0) -> str:
 
 
 async def stream_json(url: str, path: str, body: Any, timeout: float, idle_timeout: float
-                      ) -> AsyncIterator[dict[str, Any]]:
+                      ) -> AsyncGenerator[dict[str, Any], None]:
     """POST ``body`` and yield each NDJSON event as it arrives.
 
     ``idle_timeout`` bounds the wait for each event; a connection cut before the stream's

@@ -27,7 +27,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,6 +230,8 @@ class Router:
             d.url, "POST", "/reserve", {"request": run.rid, "prompt": run.prompt, "max_new_tokens": run.max_new}, t))
         prefill = asyncio.create_task(request_json(p.url, "POST", "/prefill", {"request": run.rid,
                                                                                  "prompt": run.prompt}, t))
+        reserved: Any
+        prefilled: Any
         try:
             reserved, prefilled = await asyncio.gather(reserve, prefill, return_exceptions=True)
         except asyncio.CancelledError:
@@ -283,7 +285,7 @@ class Router:
             if figures is not None:
                 run.transfer = figures  # the publisher's view: submission to its outcome
 
-    async def _publish_outcome(self, publish: AsyncIterator[dict[str, Any]]) -> TransferFigures | None:
+    async def _publish_outcome(self, publish: AsyncGenerator[dict[str, Any], None]) -> TransferFigures | None:
         try:
             async for event in publish:
                 if event.get("event") == "transfer":
@@ -291,7 +293,7 @@ class Router:
         except HttpError:
             return None
         finally:
-            await publish.aclose()  # type: ignore[attr-defined]
+            await publish.aclose()
         return None
 
     async def _generate(self, run: _Run, d: _Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
