@@ -256,3 +256,25 @@ def test_workers_of_different_models_refuse_each_other_and_rows_stay_quarantined
                 await w.close()
 
     asyncio.run(main())
+
+
+def test_decode_worker_with_the_prefix_cached_asks_only_for_the_rest() -> None:
+    """The decode worker keeps a finished prompt's full blocks; the same prefix later moves
+    only the blocks it lacks, and decodes to the same tokens."""
+    prompt = synthetic_prompts(1, 22, 22, CFG.vocab_size, seed=9)[0]  # 5 full blocks of 4, and 2 tokens
+
+    async def main() -> None:
+        async with cluster() as c:
+            router = Router(c.prefill, c.decode)
+            first = await router.generate(prompt, 4)
+            again = await router.generate(prompt, 4)
+            longer = await router.generate(prompt + [1, 2, 3, 4, 5, 6], 4)
+            assert [list(d.tokens) for d in (first, again)] == [oracle(prompt, 4)] * 2
+            assert list(longer.tokens) == oracle(prompt + [1, 2, 3, 4, 5, 6], 4)
+            assert first.transfer is not None and first.transfer.rows_delivered == 6
+            # The last token's block always moves; the 5 cached full blocks do not.
+            assert again.transfer is not None and again.transfer.rows_delivered == 1
+            assert longer.transfer is not None and longer.transfer.rows_delivered == 7 - 5
+            assert all(d.transfer is not None and d.transfer.status == "delivered" for d in (first, again, longer))
+
+    asyncio.run(main())
