@@ -42,7 +42,7 @@ from typing import Any
 
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.matching import check_agreement, match_rows
-from kvxfer.backends.nixl_agent import NixlAgent, PeerGone
+from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, PeerUnknown
 from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_chunks
 from kvxfer.backends.nixl_plan import plan_chunks
 from kvxfer.backends.regions import RegionTable
@@ -371,9 +371,13 @@ class NixlBackend(Backend):
         wait.attempt.mark_quiesced()
 
     def _send(self, peer: str, record: CompletionRecord) -> bool:
+        """Notify ``peer``; False when it is gone (then marked lost) or not loaded (yet)."""
         try:
             self._agent.notify(peer, encode_completion(record))
             return True
+        except PeerUnknown as exc:
+            log.info("nixl backend %s: %s", self.name, exc)
+            return False
         except PeerGone as exc:
             log.info("nixl backend %s: %s", self.name, exc)
             self._peer_lost(peer)
@@ -428,11 +432,14 @@ class NixlBackend(Backend):
                     f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}", wait.view.row_masks()
                 ))
                 reason = "timeout"
-            if reason and not wait.told_peer:
-                wait.told_peer = True
+            if reason:
+                wait.stop_reason = reason
+            if wait.attempt.poll() is not None and not wait.told_peer and self._agent.knows(wait.hint.agent):
                 # Stays unquiesced until the peer confirms that it stopped (or is found dead).
-                self._send(wait.hint.agent, CompletionRecord(
-                    wait.own_id, self.name, wait.view.request, RecordStatus.CANCEL_REQUEST, [], reason))
+                # An etcd peer not loaded yet is asked again once it is.
+                wait.told_peer = self._send(wait.hint.agent, CompletionRecord(
+                    wait.own_id, self.name, wait.view.request, RecordStatus.CANCEL_REQUEST, [],
+                    wait.stop_reason or "stopped"))
 
     def _heartbeat(self) -> None:
         """An idle peer's death is seen only when something is posted to it (PERF.md)."""
@@ -441,11 +448,13 @@ class NixlBackend(Backend):
             return
         self._next_heartbeat = now + self.heartbeat_s
         with self._lock:
-            peers = {w.hint.agent for w in self._passive.values()} - self._dead
-        for peer in peers:
+            peers = {w.hint.agent: w.hint.endpoint for w in self._passive.values() if w.hint.agent not in self._dead}
+        for peer, endpoint in peers.items():
             try:
+                if not self._agent.knows(peer) and not self._agent.ensure_peer(peer, endpoint):
+                    continue  # etcd has not delivered its metadata yet
                 self._agent.notify(peer, HEARTBEAT)
-            except PeerGone as exc:
+            except (PeerGone, PeerUnknown, ValueError) as exc:
                 log.info("nixl backend %s: heartbeat: %s", self.name, exc)
                 self._peer_lost(peer)
 

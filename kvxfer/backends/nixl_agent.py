@@ -34,6 +34,10 @@ class PeerGone(Exception):
     """The peer's agent disconnected (NIXL_ERR_REMOTE_DISCONNECT) or cannot be reached."""
 
 
+class PeerUnknown(Exception):
+    """The peer's metadata is not loaded (yet: in etcd mode it may still arrive)."""
+
+
 class XferError(Exception):
     """NIXL refused or failed a transfer request; the message says how."""
 
@@ -211,10 +215,11 @@ class NixlAgent:
 
     # --- notifications ------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
-        """Send a notification; PeerGone when the peer disconnected or is unknown."""
+        """Send a notification; PeerGone when the peer disconnected, PeerUnknown when its
+        metadata is not loaded."""
         with self._lock:
             if peer not in self._peers:
-                raise PeerGone(f"agent {peer!r} is not loaded")
+                raise PeerUnknown(f"agent {peer!r} is not loaded")
             try:
                 self._agent.send_notif(peer, message)
             except Exception as exc:

@@ -74,7 +74,8 @@ class PassiveWait:
     hint: Hint
     own_id: str
     deadline: float
-    told_peer: bool = False
+    told_peer: bool = False  # the peer was asked to stop (CANCEL_REQUEST sent)
+    stop_reason: str = ""
 
 
 def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float, deadline_s: float) -> bool:
