@@ -14,6 +14,14 @@ heartbeats to the peers of passive waits, enforces per-attempt deadlines and han
 cancel, injected faults and dead peers. Submissions go in chunks (``nixl_plan``): a
 failure part-way reports exactly the chunks whose requests NIXL completed.
 
+A passive wait that is cancelled or times out concludes at once but stays unquiesced until
+the peer answers its CANCEL_REQUEST (or is found dead): a NIXL notification needs the
+receiver's metadata, so a peer that never loaded ours answers only when it later submits
+that transfer (refused as withdrawn). ``shutdown()`` returns such waits, honestly.
+
+UCX is progressed by this thread (NIXL's own progress thread spins a core per agent);
+pass ``nixl_progress_thread=True`` to use NIXL's instead.
+
 Metadata travels in the hint (``Hint.endpoint``). Where ``NIXL_ETCD_ENDPOINTS`` is set,
 the agent publishes its metadata to etcd instead, hints carry an empty endpoint, and a
 peer's metadata is fetched from etcd by agent name (not tested here: no etcd in CI).
