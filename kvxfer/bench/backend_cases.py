@@ -116,26 +116,31 @@ class _Memory:
         return View(request, TokenRange(0, rows * BLOCK_TOKENS), groups, LAYOUT)
 
     def fill_source(self, source: str, seed: int) -> None:
+        """Random bytes in every slot of the source end (on the device itself for DEVICE rows)."""
+        if self.device:
+            import torch
+
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            for a in self.arrays[source]:
+                a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8, device=a.device, generator=gen))
+            torch.cuda.synchronize()
+            return
         rng = np.random.default_rng(seed)
         for a in self.arrays[source]:
-            data = rng.integers(0, 256, size=a.shape, dtype=np.uint8)
-            if self.device:
-                import torch
-
-                a.copy_(torch.from_numpy(data).to(a.device))
-            else:
-                a[...] = data
+            a[...] = rng.integers(0, 256, size=a.shape, dtype=np.uint8)
 
     def rows_equal(self, source: str, dest: str) -> bool:
         for g in range(self.point.groups):
-            src = self.arrays[source][g][self.slots[source][g]]
-            dst = self.arrays[dest][g][self.slots[dest][g]]
+            src_rows, dst_rows = self.slots[source][g], self.slots[dest][g]
             if self.device:
                 import torch
 
+                s_arr, d_arr = self.arrays[source][g], self.arrays[dest][g]
+                src = s_arr[torch.as_tensor(src_rows, device=s_arr.device)]
+                dst = d_arr[torch.as_tensor(dst_rows, device=d_arr.device)]
                 if not bool(torch.equal(src, dst)):
                     return False
-            elif not np.array_equal(src, dst):
+            elif not np.array_equal(self.arrays[source][g][src_rows], self.arrays[dest][g][dst_rows]):
                 return False
         return True
 

@@ -209,4 +209,11 @@ def versions() -> dict[str, Any]:
         out["cuda"] = torch.version.cuda
     except ImportError:
         pass
+    try:  # which row copy ran: the compiled module, or the numpy/torch fallback
+        from kvxfer import native
+
+        info = native.info()
+        out["kvxfer_native"] = {"compiled": info.compiled, "cuda_usable": info.cuda_usable, "reason": info.reason}
+    except Exception:  # optional information
+        out["kvxfer_native"] = None
     return out

@@ -120,7 +120,10 @@ def run(config: BenchConfig, progress: Progress | None = None,
                     figures.append(figure("error" if runner.startswith("could not") else "skipped", runner))
                 else:
                     try:
-                        figures.append(figure("ok", m=_measure(runner, item, config)))
+                        m = _measure(runner, item, config)
+                        # per figure, since other work on the machine comes and goes during a run
+                        m.facts.setdefault("loadavg_1m", _loadavg())
+                        figures.append(figure("ok", m=m))
                     except Skip as err:
                         figures.append(figure("skipped", str(err)))
                     except Exception as err:

@@ -97,7 +97,7 @@ TARGETS = (
            and f.key.get("rows", 0) * f.key.get("groups", 1) >= 100_000, _overhead_judge, "an overhead sweep at 100k rows"),
     Target("CPU, two processes, NIXL, 64 KiB rows, coalescable", "≥ 90% of NIXL one descriptor",
            lambda f: f.case == "nixl_2p" and _tp(f, "host", "contiguous") and f.key["row_bytes"] == 64 * K,
-           _ratio_judge("nixl_one_desc", 0.90), "kvxfer.backends.nixl"),
+           _ratio_judge("nixl_one_desc", 0.90), "the nixl_2p case (kvxfer NIXL, peer in a second process) over host memory"),
 )
 
 PULL_NOTE = TargetRow("NIXL pull where it would fall back to TCP", "-", "-", "checked by `kvxfer doctor`, not a figure",

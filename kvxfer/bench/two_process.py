@@ -102,6 +102,23 @@ class TwoProcessCase:
         self.config = config
         self.kind = kind
         self._rng = np.random.default_rng(config.seed + 3)
+        self._peers: dict[TransferMode, Any] = {}  # children kept across points, where they can rebuild
+
+    def _peer(self, mode: TransferMode, geometry: Geometry) -> Any:
+        """A child for ``geometry``: reused (rebuilt in place) when it supports that, since a
+        child takes seconds to start (NIXL's import alone) and tens of seconds on a busy host."""
+        peer = self._peers.get(mode)
+        if peer is not None:
+            try:
+                peer.rebuild({"mode": mode.value, "geometry": [list(g) for g in geometry]})
+                return peer
+            except Exception:
+                self._peers.pop(mode)
+                peer.close()
+        peer = self.kind.peer(mode, geometry)
+        if hasattr(peer, "rebuild"):
+            self._peers[mode] = peer
+        return peer
 
     def throughput(self, point: Point) -> Measurement:
         if point.memory != self.kind.memory:
@@ -116,7 +133,7 @@ class TwoProcessCase:
         memory = self.kind.rows(geometry_local)
         peer = local = None
         try:
-            peer = self.kind.peer(mode, geometry_peer)
+            peer = self._peer(mode, geometry_peer)
             local = self.kind.local(mode)
             local.register(memory.regions)
             v_local = _view(memory.regions, local_slots, point.rows)
@@ -159,8 +176,8 @@ class TwoProcessCase:
                     raise RuntimeError(f"group {g}: destination rows differ from the source after the timed runs")
         finally:
             left = len(local.shutdown()) if local is not None else 0
-            if peer is not None:
-                peer.close()
+            if peer is not None and self._peers.get(mode) is not peer:
+                peer.close()  # a kept child shuts its backend down when it rebuilds, or at close()
             if hasattr(memory, "close"):
                 memory.close()
         if left:
@@ -176,7 +193,9 @@ class TwoProcessCase:
         raise Skip("submission overhead is measured with both ends in one process")
 
     def close(self) -> None:
-        pass
+        peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
 
 
 _ALL = ("memory", "direction", "slots", "row_bytes", "rows", "groups")

@@ -107,3 +107,28 @@ def test_progress_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--preset", "tiny", "--cases", "local_copy", "--no-latency", "--no-overhead"]) == 0
     out = capsys.readouterr()
     assert "2/2" in out.err and "[" not in out.out.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_nixl_cases_two_processes_verified_and_reaped() -> None:
+    """Raw NIXL baselines and kvxfer NIXL with its peer in a child: bytes checked, children gone."""
+    pytest.importorskip("nixl._api")
+    import multiprocessing
+
+    from kvxfer.bench.config import Repetition
+    from kvxfer.testing.subprocess_peer import live_children
+
+    cfg = dataclasses.replace(
+        _tiny(("nixl_one_desc", "nixl_per_row", "peer_practice", "nixl_2p")),
+        throughput=(ThroughputSweep(row_bytes=(4096,), rows=(16,), directions=("push", "pull"),
+                                    slots=("scattered",)),),
+        latency=None, overhead=None, repetition=Repetition(warmup=0, reps=3, budget_s=0.1))
+    result = run(cfg)
+    assert all(f.ok for f in result.figures), [(f.id, f.reason) for f in result.figures if not f.ok]
+    assert {f.case for f in result.figures} == {"nixl_one_desc", "nixl_per_row", "peer_practice", "nixl_2p"}
+    assert all(f.facts["verified"] is True and f.facts["processes"] == 2 for f in result.figures)
+    per_row = [f for f in result.figures if f.case == "nixl_per_row"]
+    assert {f.facts["descriptors"] for f in per_row} == {16}
+    assert {f.facts["descriptors"] for f in result.figures if f.case == "peer_practice"} == {16 * 2 * 4}
+    assert multiprocessing.active_children() == []
+    assert live_children() == []
