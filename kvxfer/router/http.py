@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,17 +57,20 @@ class Response:
     status: int = 200
     body: bytes = b""
     content_type: str = "application/json"
-    stream: AsyncIterator[bytes] | None = field(default=None)
+    stream: AsyncGenerator[bytes, None] | None = field(default=None)
 
     @classmethod
     def json(cls, data: Any, status: int = 200) -> Response:
         return cls(status, json.dumps(data).encode())
 
     @classmethod
-    def ndjson(cls, events: AsyncIterator[dict[str, Any]]) -> Response:
-        async def lines() -> AsyncIterator[bytes]:
-            async for event in events:
-                yield json.dumps(event).encode() + b"\n"
+    def ndjson(cls, events: AsyncGenerator[dict[str, Any], None]) -> Response:
+        async def lines() -> AsyncGenerator[bytes, None]:
+            try:
+                async for event in events:
+                    yield json.dumps(event).encode() + b"\n"
+            finally:
+                await events.aclose()  # its own clean-up runs now, not at garbage collection
         return cls(200, b"", "application/x-ndjson", lines())
 
 
@@ -146,9 +149,16 @@ class HttpServer:
                 writer.write(_head(response.status, response.content_type, len(response.body)) + response.body)
             else:
                 writer.write(_head(response.status, response.content_type, None))
-                async for chunk in response.stream:
-                    writer.write(chunk)
-                    await writer.drain()
+                try:
+                    async for chunk in response.stream:
+                        # The client sends nothing after its request: EOF means it went away,
+                        # so stop producing (a decode would otherwise run on for nobody).
+                        if reader.at_eof() or writer.is_closing():
+                            break
+                        writer.write(chunk)
+                        await writer.drain()
+                finally:
+                    await response.stream.aclose()
             await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass

@@ -174,7 +174,7 @@ class Router:
         raise AssertionError("stream ended without a Completion")
 
     async def stream(self, prompt: Sequence[int], max_new_tokens: int,
-                     request: str | None = None) -> AsyncIterator[Token | Completion]:
+                     request: str | None = None) -> AsyncGenerator[Token | Completion, None]:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         run = _Run(request or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}", list(prompt), max_new_tokens,
@@ -252,8 +252,8 @@ class Router:
                 yield tok
             return
         if isinstance(prefilled, BaseException):
-            async for tok in self._after_prefill_loss(run, p, d, f"prefill on {p.url} failed: {prefilled}",
-                                                      _is_dead(prefilled)):
+            # The prefill worker never saw hint D: nothing can write into the reservation.
+            async for tok in self._after_prefill_loss(run, p, d, f"prefill on {p.url} failed: {prefilled}", True):
                 yield tok
             return
         # Publish: the prefill worker answers with its hint as soon as the transfer is posted.
@@ -266,7 +266,7 @@ class Router:
             await publish.aclose()
             self._down(p, exc)
             async for tok in self._after_prefill_loss(run, p, d, f"publish on {p.url} failed: {exc}",
-                                                      _is_dead(exc)):
+                                                      _rows_safe(exc)):
                 yield tok
             return
         outcome = asyncio.create_task(self._publish_outcome(publish))
@@ -321,14 +321,14 @@ class Router:
             raise _Failure(f"decode {d.url} failed: {exc}", dead=True) from None
 
     async def _after_prefill_loss(self, run: _Run, p: _Endpoint, d: _Endpoint, what: str,
-                                  dead: bool) -> AsyncIterator[Token]:
+                                  rows_safe: bool) -> AsyncIterator[Token]:
         run.events.append(what)
         if self.on_failure == "fail":
-            await self._quiet(request_json(d.url, "POST", "/abort", {"request": run.rid, "peer_dead": dead},
+            await self._quiet(request_json(d.url, "POST", "/abort", {"request": run.rid, "rows_safe": rows_safe},
                                            self.timeout_s))
             raise _Failure(f"{what} (policy fail)", dead=False)
         run.path = "local"
-        body = {"request": run.rid, "on_failure": "recompute", "peer_dead": dead, "timeout_s": self.timeout_s}
+        body = {"request": run.rid, "on_failure": "recompute", "rows_safe": rows_safe, "timeout_s": self.timeout_s}
         try:
             async for tok in self._generate(run, d, body):
                 yield tok
@@ -412,8 +412,11 @@ class Router:
         return out
 
 
-def _is_dead(exc: BaseException) -> bool:
-    return isinstance(exc, HttpError) and exc.unreachable
+def _rows_safe(exc: BaseException) -> bool:
+    """After a failed /publish: can the prefill worker still write into the decode rows?
+    Not if it is gone (connection refused or cut), nor if it refused before submitting
+    (400, 409). A timeout or a 500 proves nothing, so the rows are quarantined then."""
+    return isinstance(exc, HttpError) and (exc.unreachable or exc.status in (400, 409))
 
 
 async def _settled(task: asyncio.Task[TransferFigures | None], timeout: float) -> TransferFigures | None:

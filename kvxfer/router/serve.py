@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +53,17 @@ def make_handler(router: Router):  # type: ignore[no-untyped-def]
     return handle
 
 
-async def _events(router: Router, prompt: list[int], max_new: int, rid: str | None) -> AsyncIterator[dict[str, Any]]:
-    async for item in router.stream(prompt, max_new, rid):
-        if isinstance(item, Completion):
-            yield {"event": "done", "final": True, "completion": completion_json(item)}
-        else:
-            yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
+async def _events(router: Router, prompt: list[int], max_new: int, rid: str | None
+                  ) -> AsyncGenerator[dict[str, Any], None]:
+    stream = router.stream(prompt, max_new, rid)
+    try:
+        async for item in stream:
+            if isinstance(item, Completion):
+                yield {"event": "done", "final": True, "completion": completion_json(item)}
+            else:
+                yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
+    finally:
+        await stream.aclose()  # a client that went away stops its request's worker calls now
 
 
 async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:

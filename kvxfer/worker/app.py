@@ -5,26 +5,33 @@
     POST /prefill  {request, prompt}  -> {"token": first, "compute_s": ...}          (prefill)
     POST /publish  {request, hint}    -> NDJSON: published {hint}, transfer {...}     (prefill)
     POST /reserve  {request, prompt, max_new_tokens} -> {"hint": ...}               (decode)
-    POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, peer_dead?}
+    POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, rows_safe?}
                                       -> NDJSON: resume {...}, token {index, token}..., done | error   (decode)
-    POST /abort    {request, peer_dead?} -> {"dropped": "held" | "reserved" | null}
+    POST /abort    {request, rows_safe?} -> {"dropped": "held" | "reserved" | null}
 
 Streams end with an event holding ``"final": true``; a stream cut before it means the
-worker went away.
+worker went away. Status 400 (malformed) and 409 (refused: a contract rejection, a lease or
+pool refusal) promise that nothing was submitted; 500 promises nothing (rule 3 of the
+backend contract: memory access may have escaped). ``rows_safe`` tells the decode worker
+that the prefill side cannot write into a reservation, so its rows may be reused.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from kvxfer.contract import KvxferError
+from kvxfer.contract import InvalidSubmission, SubmissionRejected
+from kvxfer.lender import LeaseError
+from kvxfer.pool import PoolExhausted, UnknownRequest
 from kvxfer.router.http import BadRequest, Request, Response
 from kvxfer.wire import WireError
 from kvxfer.worker.core import Worker
 
 log = logging.getLogger(__name__)
+NOTHING_ESCAPED = (InvalidSubmission, SubmissionRejected, LeaseError, PoolExhausted, UnknownRequest)
+"""Refusals that promise no submission happened (answered 409); anything else is 500."""
 
 
 def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
@@ -37,7 +44,7 @@ def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
         except (BadRequest, WireError) as exc:
             worker.m_requests.inc(endpoint=endpoint, result="bad_request")
             return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 400)
-        except KvxferError as exc:
+        except NOTHING_ESCAPED as exc:
             worker.m_requests.inc(endpoint=endpoint, result="refused")
             return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 409)
         except Exception as exc:  # answer, log and keep serving: one bad request must not kill the worker
@@ -72,7 +79,8 @@ async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
     return Response.json({"error": f"no POST /{endpoint}"}, 404)
 
 
-async def _guard(worker: Worker, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+async def _guard(worker: Worker, events: AsyncGenerator[dict[str, Any], None]
+                 ) -> AsyncGenerator[dict[str, Any], None]:
     """Once streaming, an error becomes a final error event (the status line is already sent)."""
     try:
         async for event in events:
@@ -80,3 +88,5 @@ async def _guard(worker: Worker, events: AsyncIterator[dict[str, Any]]) -> Async
     except Exception as exc:
         log.exception("worker %s: stream failed", worker.name)
         yield {"event": "error", "final": True, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        await events.aclose()  # frees the request's pool blocks and leases now

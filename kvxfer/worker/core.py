@@ -26,7 +26,7 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -322,7 +322,7 @@ class Worker:
             self.pool.free(rid)
             raise
 
-    async def publish(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def publish(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         self._need("prefill")
         rid = _request_id(body)
         held = self._held.get(rid)
@@ -358,7 +358,7 @@ class Worker:
         return lease, view, hint_p, attempt, submitted
 
     async def _publish_events(self, rid: str, lease: Lease, view: View, hint_p: bytes, attempt: Attempt,
-                              submitted: float, event: asyncio.Event) -> AsyncIterator[dict[str, Any]]:
+                              submitted: float, event: asyncio.Event) -> AsyncGenerator[dict[str, Any], None]:
         self._active += 1
         try:
             yield {"event": "published", "hint": base64.b64encode(hint_p).decode(), "rows": view.rows}
@@ -417,8 +417,9 @@ class Worker:
         return hint, lease, view, reused
 
     async def abort(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Drop a held prefill or a decode reservation. ``peer_dead`` (decode): the prefill
-        worker is known gone, so the rows can be reused; otherwise they are quarantined."""
+        """Drop a held prefill or a decode reservation. ``rows_safe`` (decode): the prefill
+        worker cannot write into the reserved rows (it never received hint D, refused it
+        before submitting, or is dead), so they can be reused; otherwise they are quarantined."""
         rid = _request_id(body)
         if self._held.pop(rid, None) is not None:
             await self._run(self._free, rid)
@@ -426,18 +427,18 @@ class Worker:
         reserved = self._reserved.get(rid)
         if reserved is not None and not reserved.busy:
             del self._reserved[rid]
-            await self._run(self._drop_reservation, rid, reserved, bool(body.get("peer_dead", False)))
+            await self._run(self._drop_reservation, rid, reserved, bool(body.get("rows_safe", False)))
             return {"request": rid, "dropped": "reserved"}
         return {"request": rid, "dropped": None}
 
-    def _drop_reservation(self, rid: str, reserved: _Reserved, peer_dead: bool) -> None:
-        if peer_dead:
+    def _drop_reservation(self, rid: str, reserved: _Reserved, rows_safe: bool) -> None:
+        if rows_safe:
             reserved.lease.release()
         else:
             self._quarantine(reserved)
         self._free(rid)
 
-    async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         self._need("decode")
         rid = _request_id(body)
         policy = body.get("on_failure", "fail")
@@ -454,7 +455,7 @@ class Worker:
                 raise BadRequest("generate with a hint needs first_token (the prefill worker's token id)")
             reserved.busy = True  # only once the call is known to be well formed
             return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, hint_p, first, policy,
-                                       timeout, bool(body.get("peer_dead", False)))
+                                       timeout, bool(body.get("rows_safe", False)))
         prompt = _prompt(body, self.config.model)
         if body.get("hint"):
             raise BadRequest(f"request {rid!r} has no reservation here: reserve before generating with a hint")
@@ -463,7 +464,7 @@ class Worker:
 
     async def _decode_events(self, rid: str, prompt: list[int], max_new: int, reserved: _Reserved | None,
                              hint_p: Any, first: int | None, policy: str, timeout: float,
-                             peer_dead: bool) -> AsyncIterator[dict[str, Any]]:
+                             rows_safe: bool) -> AsyncGenerator[dict[str, Any], None]:
         self._active += 1
         n = len(prompt)
         name = rid
@@ -472,9 +473,9 @@ class Worker:
             if reserved is not None and hint_p is not None:
                 transfer = await self._fetch(rid, reserved, hint_p, timeout)
             elif reserved is not None:
-                # No hint P: the prefill side failed before publishing. Unless it is known
-                # dead, it may still write into our rows: quarantine them and start afresh.
-                await self._run(self._drop_reservation, rid, reserved, peer_dead)
+                # No hint P: the prefill side failed before publishing. Unless the router
+                # knows it cannot write into our rows, quarantine them and start afresh.
+                await self._run(self._drop_reservation, rid, reserved, rows_safe)
                 name = f"{rid}#local"
                 reserved = None
                 first = None

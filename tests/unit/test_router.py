@@ -223,9 +223,9 @@ def test_workers_refuse_malformed_calls_with_named_errors() -> None:
     asyncio.run(main())
 
 
-def test_workers_of_different_models_refuse_each_other_and_rows_stay_quarantined() -> None:
-    """A layout mismatch is refused before any byte moves; the decode rows that a refused
-    peer held a hint for are never reused (quarantined), and the router names the refusal."""
+def test_workers_of_different_models_refuse_each_other_before_any_byte_moves() -> None:
+    """A layout mismatch is refused by the publisher before it submits (409), so the decode
+    rows are safe to reuse; the router names the refusal, or, recomputing, the split."""
     prompt = [9, 8, 7, 6, 5, 4]
 
     async def main() -> None:
@@ -242,18 +242,43 @@ def test_workers_of_different_models_refuse_each_other_and_rows_stay_quarantined
             urls = [f"http://127.0.0.1:{await s.start()}" for s in servers]
             for policy in ("fail", "recompute"):
                 done = await Router(urls[:1], urls[1:], on_failure=policy).generate(prompt, 3)
+                assert done.transfer is None
                 if policy == "fail":
-                    assert done.error is not None and "publish on" in done.error and "layout" in done.error.lower()
+                    assert done.error is not None and "publish on" in done.error and "HTTP 409" in done.error
+                    assert "layout" in done.error.lower()
                 else:  # the decode worker recomputes with its own model: the router sees the split
                     assert done.error is not None and "token 0 diverged on recompute" in done.error
                     assert done.path == "local" and list(done.tokens) == colocated_generate(MODEL, prompt, 1)
             text = await request_text(urls[1], "/metrics")
-            assert "kvxfer_quarantined_slots 4" in text  # 2 rows for each of the two requests
+            assert "kvxfer_quarantined_slots 0" in text and "kvxfer_open_leases 0" in text
+            assert 'kvxfer_transfers_total' not in text.replace("# HELP kvxfer_transfers_total", "").replace(
+                "# TYPE kvxfer_transfers_total", "")  # no transfer was ever submitted
         finally:
             for s in servers:
                 await s.close()
             for w in (p, d):
                 await w.close()
+
+    asyncio.run(main())
+
+
+def test_reservation_dropped_without_proof_is_quarantined() -> None:
+    """Rows a prefill worker may still write into (it holds hint D, and nothing proves it
+    stopped) are never reused; rows it cannot reach are released."""
+    async def main() -> None:
+        async with cluster(0, 1) as c:
+            d = c.decode[0]
+            for rid, safe in (("a", False), ("b", True)):
+                await request_json(d, "POST", "/reserve", {"request": rid, "prompt": list(range(10)),
+                                                          "max_new_tokens": 2})
+                dropped = await request_json(d, "POST", "/abort", {"request": rid, "rows_safe": safe})
+                assert dropped["dropped"] == "reserved"
+            text = await request_text(d, "/metrics")
+            assert "kvxfer_quarantined_slots 3" in text  # request a: 10 tokens = 3 blocks of 4
+            assert "kvxfer_open_leases 1" in text  # a's lease is held for good; b's was released
+            blocks = {line.split("} ")[0]: float(line.split("} ")[1]) for line in text.splitlines()
+                      if line.startswith("kvxfer_pool_blocks{")}
+            assert blocks['kvxfer_pool_blocks{group="full",state="pinned"'] == 3
 
     asyncio.run(main())
 
