@@ -366,11 +366,13 @@ class Worker:
             figures = self._count_transfer(view, outcome, time.perf_counter() - submitted)
             yield {"event": "transfer", "final": True, **figures}
         finally:
-            self._active -= 1
-            self._held.pop(rid, None)
-            if attempt.poll() is None:  # the router went away mid-transfer
-                await self._run(attempt.cancel)
-            await self._run(self._release_and_free, lease, rid)
+            try:
+                self._held.pop(rid, None)
+                if attempt.poll() is None:  # the router went away mid-transfer
+                    await self._run(attempt.cancel)
+                await self._run(self._release_and_free, lease, rid)
+            finally:
+                self._active -= 1  # last: "no active stream" means its clean-up is done
 
     def _release_and_free(self, lease: Lease, rid: str) -> None:
         lease.release()  # memory stays pinned until the tracked attempt is quiesced
@@ -510,9 +512,11 @@ class Worker:
                 yield {"event": "token", "index": index, "token": token}
             yield {"event": "done", "final": True, "tokens": max_new}
         finally:
-            self._active -= 1
-            self._reserved.pop(rid, None)
-            await self._run(self._finish, name, prompt)
+            try:
+                self._reserved.pop(rid, None)
+                await self._run(self._finish, name, prompt)
+            finally:
+                self._active -= 1  # last: "no active stream" means its clean-up is done
 
     async def _fetch(self, rid: str, reserved: _Reserved, hint_p: Any, timeout: float) -> dict[str, Any]:
         event, wake = self._waker()

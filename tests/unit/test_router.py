@@ -303,3 +303,25 @@ def test_decode_worker_with_the_prefix_cached_asks_only_for_the_rest() -> None:
             assert all(d.transfer is not None and d.transfer.status == "delivered" for d in (first, again, longer))
 
     asyncio.run(main())
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_decode_and_frees_its_rows() -> None:
+    async def main() -> None:
+        async with cluster() as c:
+            router = Router(c.prefill, c.decode)
+            stream = router.stream([5, 4, 3, 2, 1], 400)
+            got = [await stream.__anext__() for _ in range(3)]
+            assert [t.index for t in got if isinstance(t, Token)] == [0, 1, 2]
+            await stream.aclose()
+            d = c.decode[0]
+            for _ in range(100):
+                text = await request_text(d, "/metrics")
+                if "kvxfer_worker_active_streams 0" in text:
+                    break
+                await asyncio.sleep(0.02)
+            assert "kvxfer_worker_active_streams 0" in text and "kvxfer_open_leases 0" in text
+            produced = float(text.split("\nkvxfer_generated_tokens_total ")[1].split()[0])
+            assert produced < 100  # stopped long before the 400 tokens asked for
+            assert c.workers[d].pool is not None and c.workers[d].pool.requests == ()
+
+    asyncio.run(main())
