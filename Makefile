@@ -2,6 +2,6 @@
 setup:
 	bash ci/setup.sh
 run: setup
-	.venv/bin/python examples/loopback_roundtrip.py
+	.venv/bin/kvxfer pair
 test: setup
 	bash ci/test.sh
