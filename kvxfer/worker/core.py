@@ -34,7 +34,17 @@ from typing import Any, TypeVar
 import torch
 
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.contract import Attempt, Backend, Cancelled, Delivered, Failed, Outcome, TransferMode, View
+from kvxfer.contract import (
+    Attempt,
+    Backend,
+    Cancelled,
+    Delivered,
+    Failed,
+    KvxferError,
+    Outcome,
+    TransferMode,
+    View,
+)
 from kvxfer.engine import LlamaModel, ModelConfig, tokens_needed
 from kvxfer.lender import InPlaceLender, Lease, Lender, StagingLender
 from kvxfer.pool import PagedKVPool
@@ -473,7 +483,18 @@ class Worker:
         try:
             transfer: dict[str, Any] | None = None
             if reserved is not None and hint_p is not None:
-                transfer = await self._fetch(rid, reserved, hint_p, timeout)
+                try:
+                    transfer = await self._fetch(rid, reserved, hint_p, timeout)
+                except (KvxferError, RuntimeError) as exc:
+                    # The fetch was refused or never settled; its rows stay out of use (see
+                    # _fetch). Policy recompute: prefill the whole prompt in fresh blocks.
+                    if policy == "fail":
+                        raise
+                    self.m_failures.inc(reason=reason_label(None, str(exc)))
+                    transfer = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
+                                "rows": reserved.view.rows, "rows_delivered": 0, "bytes": 0, "seconds": 0.0}
+                    await self._run(self._free, rid)
+                    name, reserved = f"{rid}#local", None
             elif reserved is not None:
                 # No hint P: the prefill side failed before publishing. Unless the router
                 # knows it cannot write into our rows, quarantine them and start afresh.
