@@ -1,7 +1,7 @@
 """``kvxfer pair``: prefill worker, decode worker and router as processes, a workload, a check.
 
-It starts ``kvxfer serve --role prefill``, ``kvxfer serve --role decode`` (CPU pools, NIXL
-over host memory by default) and ``kvxfer router`` as separate processes on this machine,
+It starts ``kvxfer serve --role prefill``, ``kvxfer serve --role decode`` (NIXL; pools on
+the GPU when CUDA is present, else in host memory) and ``kvxfer router`` as separate processes on this machine,
 sends N prompts of mixed lengths through the router at the given concurrency, and checks
 every completion token for token against colocated generation (prefill and decode in this
 process, one pool). It prints a report (requests, tokens, TTFT and transfer time p50/p99,
@@ -183,7 +183,8 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer pair", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvxfer pair", description=__doc__.split("\n\n")[1].replace("\n", " "),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--requests", type=int, default=20, help="prompts to send")
     p.add_argument("--min-len", type=int, default=8, help="shortest prompt (tokens)")
     p.add_argument("--max-len", type=int, default=256, help="longest prompt (tokens)")

@@ -90,7 +90,8 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer router", description="Serve the kvxfer router over HTTP.")
+    p = argparse.ArgumentParser(prog="kvxfer router", description="Serve the kvxfer router over HTTP.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill worker (repeat)")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeat)")
     p.add_argument("--selection", default="round_robin", choices=SELECTIONS)

@@ -110,7 +110,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer serve", description="Run a prefill or decode worker.")
+    p = argparse.ArgumentParser(prog="kvxfer serve", description="Run a prefill or decode worker.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = ephemeral (announced on stdout)")
