@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), type=Path, help="compare two JSON results")
     c.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
     c.add_argument("--all", action="store_true", help="with --compare, list unchanged figures too")
+    c.add_argument("--relative", action="store_true",
+                   help="with --compare, compare throughput as a fraction of each run's own local copy")
     return p
 
 
@@ -127,7 +129,7 @@ def _list_cases() -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     old, new = results.load(args.compare[0]), results.load(args.compare[1])
-    changes = compare(old, new, args.threshold)
+    changes = compare(old, new, args.threshold, relative=args.relative)
     print(render(changes, args.threshold, args.all), end="")
     return 1 if regressions(changes) else 0
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvxfer.bench.results import BenchResult
+from kvxfer.bench.references import ratio
+from kvxfer.bench.results import BenchResult, Figure
 
 # mode -> (metric, higher is better)
 METRICS: dict[str, tuple[tuple[str, bool], ...]] = {
@@ -29,7 +30,16 @@ class Change:
     verdict: str           # regression | improvement | same | lost | new
 
 
-def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10) -> list[Change]:
+def _value(result: BenchResult, f: Figure, metric: str, relative: bool) -> float | None:
+    """The metric, or with ``relative`` a throughput's ratio to its own run's local copy."""
+    if relative and metric == "gbps_best":
+        return ratio(result, f, "local_copy")
+    return f.get(metric)
+
+
+def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relative: bool = False) -> list[Change]:
+    """``relative``: compare throughput as a fraction of each run's own local copy, which
+    cancels a machine that is busier or slower as a whole (shared CI hosts)."""
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
     out: list[Change] = []
@@ -41,18 +51,21 @@ def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10) -> list
             continue
         g = new_by_id.get(f.id)
         for metric, higher in METRICS[f.mode]:
-            before = f.get(metric)
+            before = _value(old, f, metric, relative)
             if before is None:
                 continue
+            name = "vs copy" if relative and metric == "gbps_best" else metric
             if g is None or not g.ok:
                 why = "missing" if g is None else f"{g.status}: {g.reason}"
-                out.append(Change(f.id, f"{metric} ({why})", before, None, None, "lost"))
+                out.append(Change(f.id, f"{name} ({why})", before, None, None, "lost"))
                 continue
-            after = g.get(metric)
-            assert after is not None
+            after = _value(new, g, metric, relative)
+            if after is None:
+                out.append(Change(f.id, f"{name} (no reference in the new run)", before, None, None, "lost"))
+                continue
             rel = _relative(before, after, higher)
             verdict = "regression" if rel < -threshold else "improvement" if rel > threshold else "same"
-            out.append(Change(f.id, metric, before, after, rel, verdict))
+            out.append(Change(f.id, name, before, after, rel, verdict))
     for g in new.figures:
         if g.ok and g.id not in old_ids:
             out.append(Change(g.id, "-", None, None, None, "new"))

@@ -186,3 +186,18 @@ def test_cli_says_which_dependency_plots_need(tmp_path: Path, monkeypatch: pytes
                      "--plots", str(tmp_path)]) == 0
     assert "matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_relative_compare_cancels_a_slower_machine() -> None:
+    old = _result(*_refs(), _tp("loopback", 0.010))
+    # everything twice as slow, the reference included: a busy host, not a regression
+    slow_refs = [Figure(f.mode, f.case, f.role, f.key, f.status, f.reason,
+                        {k: v * 2 if k.startswith("seconds") else v for k, v in f.metrics.items()}) for f in _refs()]
+    new = _result(*slow_refs, _tp("loopback", 0.020))
+    assert any(c.verdict == "regression" for c in compare(old, new))
+    rel = [c for c in compare(old, new, relative=True) if "loopback" in c.figure]
+    assert [(c.metric, c.verdict) for c in rel] == [("vs copy", "same")]
+    assert rel[0].old == pytest.approx(0.4)
+    # the backend alone slower: still a regression when relative
+    new2 = _result(*_refs(), _tp("loopback", 0.020))
+    assert [c.verdict for c in compare(old, new2, relative=True) if "loopback" in c.figure] == ["regression"]
