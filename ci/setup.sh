@@ -9,7 +9,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 stamp="$VENV/.kvxfer-installed"
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ -z "$(find native bindings CMakeLists.txt -newer "$stamp" 2>/dev/null | head -1)" ]; then
+# Reinstall when the build inputs change, or when a new package appears (the editable
+# install's redirect lists the packages that existed when it was made).
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] \
+   && [ -z "$(find native bindings CMakeLists.txt -newer "$stamp" 2>/dev/null | head -1)" ] \
+   && [ -z "$(find kvxfer -name __init__.py -newer "$stamp" 2>/dev/null | head -1)" ]; then
   exit 0
 fi
 "$PY" -m pip install -q --upgrade pip
