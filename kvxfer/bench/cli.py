@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--plots", type=Path, help="write PNG plots into this folder (needs matplotlib)")
     o.add_argument("--out", type=Path, help="write JSON, markdown and plots into this folder, named after the machine")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--time-limit", type=float,
+                   help="seconds after which no new figure starts; the rest are reported skipped and outputs written")
     c = p.add_argument_group("compare")
     c.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), type=Path, help="compare two JSON results")
     c.add_argument("--threshold", type=float, default=0.10, help="relative change that counts (default 0.10)")
@@ -134,6 +137,10 @@ def _compare(args: argparse.Namespace) -> int:
     return 1 if regressions(changes) else 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -147,7 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvxfer bench: {err}", file=sys.stderr)
         return 2
     progress = Progress(len(items), enabled=not args.no_progress)
-    result = runner.run(cfg, progress, log=lambda line: print(f"kvxfer bench: {line}", file=sys.stderr))
+    # SIGTERM (a `timeout`, a job scheduler) ends the run like Ctrl-C: outputs are still written.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = runner.run(cfg, progress, log=lambda line: print(f"kvxfer bench: {line}", file=sys.stderr),
+                            time_limit_s=args.time_limit)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     targets = evaluate(result)
     target_json = [t.to_json() for t in targets]
     print(report.render_text(result, targets), end="")

@@ -80,8 +80,13 @@ def _measure(runner: CaseRunner, item: _Item, config: BenchConfig) -> Measuremen
 
 
 def run(config: BenchConfig, progress: Progress | None = None,
-        specs: dict[str, CaseSpec] | None = None, log: Callable[[str], None] | None = None) -> BenchResult:
+        specs: dict[str, CaseSpec] | None = None, log: Callable[[str], None] | None = None,
+        time_limit_s: float | None = None) -> BenchResult:
+    """Every planned figure, in plan order. Past ``time_limit_s``, or on KeyboardInterrupt
+    (the CLI turns SIGTERM into one), the figures not yet run are reported as skipped with
+    that reason and the result is returned: a run cut short still writes what it measured."""
     started = time.monotonic()
+    stop_reason: str | None = None
     load_before = _loadavg()
     items = plan(config, specs)
     progress = progress or Progress(len(items), enabled=False)
@@ -91,9 +96,15 @@ def run(config: BenchConfig, progress: Progress | None = None,
     remaining = {name: sum(1 for i in items if i.spec.name == name) for name in config.cases}
     try:
         for item in items:
-            progress.step(_label(item))
             spec = item.spec
             key = dict(spec.key(item.point))
+            if stop_reason is None and time_limit_s is not None and time.monotonic() - started > time_limit_s:
+                stop_reason = f"not run: the run's time limit of {time_limit_s:g}s was reached"
+            if stop_reason is not None:
+                figures.append(Figure(item.mode, spec.name, spec.role.value, key, "skipped", stop_reason))
+                progress.advance()
+                continue
+            progress.step(_label(item))
 
             def figure(status: str, reason: str = "", m: Measurement | None = None, _s: CaseSpec = spec,
                        _item: _Item = item, _key: dict[str, Any] = key) -> Figure:
@@ -120,7 +131,11 @@ def run(config: BenchConfig, progress: Progress | None = None,
                     figures.append(figure("error" if runner.startswith("could not") else "skipped", runner))
                 else:
                     try:
-                        m = _measure(runner, item, config)
+                        try:
+                            m = _measure(runner, item, config)
+                        except KeyboardInterrupt:
+                            stop_reason = "not run: the run was interrupted"
+                            raise Skip("interrupted while measuring") from None
                         # per figure, since other work on the machine comes and goes during a run
                         m.facts.setdefault("loadavg_1m", _loadavg())
                         figures.append(figure("ok", m=m))

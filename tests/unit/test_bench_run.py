@@ -132,3 +132,29 @@ def test_nixl_cases_two_processes_verified_and_reaped() -> None:
     assert {f.facts["descriptors"] for f in result.figures if f.case == "peer_practice"} == {16 * 2 * 4}
     assert multiprocessing.active_children() == []
     assert live_children() == []
+
+
+def test_time_limit_and_interrupt_still_return_every_figure() -> None:
+    cfg = dataclasses.replace(_tiny(("local_copy", "loopback")), latency=None, overhead=None)
+    planned = len(run(cfg).figures)
+    cut = run(cfg, time_limit_s=0.0)
+    assert len(cut.figures) == planned
+    assert {f.reason for f in cut.figures} == {"not run: the run's time limit of 0s was reached"}
+
+    class Interrupted:
+        def __init__(self, config: object) -> None:
+            pass
+
+        def throughput(self, point: object) -> object:
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            pass
+
+    specs = dict(registry())
+    specs["ctrl_c"] = CaseSpec("ctrl_c", "ctrl_c", Role.BACKEND, frozenset(), ("row_bytes",),
+                               frozenset({"throughput"}), Interrupted)  # type: ignore[arg-type]
+    result = run(dataclasses.replace(cfg, cases=("ctrl_c", "local_copy")), specs=specs)
+    reasons = [(f.case, f.status, f.reason) for f in result.figures]
+    assert reasons[0] == ("ctrl_c", "skipped", "interrupted while measuring")
+    assert all(r == "not run: the run was interrupted" for _, _, r in reasons[1:]) and len(reasons) > 1
