@@ -14,11 +14,12 @@ attempt quiesced. Three modes:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -67,18 +68,28 @@ def loopback_ends(mode: TransferMode, memory: str) -> Ends:
     return Ends(prefill, decode, lambda: None, {"processes": 1})
 
 
-def nixl_ends(mode: TransferMode, memory: str) -> Ends:
-    """Two kvxfer NIXL backends in this process: two agents, UCX between them."""
+def nixl_ends(mode: TransferMode, memory: str, packed: Literal["auto", "always", "never"] = "auto") -> Ends:
+    """Two kvxfer NIXL backends in this process: two agents, UCX between them.
+
+    ``packed="auto"`` is what a user gets by default (the packed path for pushes of many
+    small descriptors); the ``nixl_packed`` case forces it with ``"always"``.
+    """
     from kvxfer.backends.nixl import NixlBackend
 
-    prefill = NixlBackend(mode=mode)
+    prefill = NixlBackend(mode=mode, packed=packed)
     try:
-        decode = NixlBackend(mode=mode)
+        decode = NixlBackend(mode=mode, packed=packed)
     except BaseException:
         prefill.shutdown()
         raise
     return Ends(prefill, decode, lambda: None, {"processes": 1, "chunk_bytes": prefill.chunk_bytes,
-                                                "window": prefill.window})
+                                                "window": prefill.window, "packed": packed})
+
+
+def nixl_packed_ends(mode: TransferMode, memory: str) -> Ends:
+    if mode is TransferMode.PULL:
+        raise Skip("the NIXL backend packs pushes only; pull stays unpacked")
+    return nixl_ends(mode, memory, packed="always")
 
 
 class _Memory:
@@ -214,6 +225,18 @@ class BackendCase:
             raise
 
     @staticmethod
+    def _paths(ends: Ends) -> dict[str, Any]:
+        """Each end's own counters (e.g. packed vs direct submissions), where it keeps any."""
+        out: dict[str, Any] = {}
+        for end, backend in (("prefill", ends.prefill), ("decode", ends.decode)):
+            stats = getattr(backend, "stats", None)
+            if callable(stats):
+                value = stats()
+                is_record = dataclasses.is_dataclass(value) and not isinstance(value, type)
+                out[f"{end}_stats"] = dataclasses.asdict(value) if is_record else repr(value)
+        return out
+
+    @staticmethod
     def _teardown(ends: Ends) -> None:
         left = ends.prefill.shutdown() | ends.decode.shutdown()
         ends.close()
@@ -257,13 +280,14 @@ class BackendCase:
 
             timing = time_runs(run, self.config.repetition)
             verified = memory.rows_equal("prefill", "decode")
+            paths = self._paths(ends)
         finally:
             self._teardown(ends)
         if not verified:
             raise RuntimeError("decode rows differ from prefill rows after the timed runs")
         return Measurement({"seconds_best": timing.best, "seconds_median": timing.median,
                             "reps": len(timing.samples)},
-                           {**ends.facts, "verified": True,
+                           {**ends.facts, **paths, "verified": True,
                             "measured": "move call to decode outcome visible (wake callback)"})
 
     def latency(self, point: Point, sweep: LatencySweep) -> Measurement:
@@ -317,19 +341,13 @@ class BackendCase:
         pass
 
 
-def _unsupported(what: str) -> EndsFactory:
-    def make(mode: TransferMode, memory: str) -> Ends:
-        raise Skip(f"kvxfer bench does not construct {what} yet")
-    return make
-
-
 # name -> (title, requirements, ends factory)
 BACKENDS: dict[str, tuple[str, frozenset[Requirement], EndsFactory]] = {
     "loopback": ("kvxfer loopback (in-process memmove)", frozenset(), loopback_ends),
     "nixl": ("kvxfer NIXL backend, both ends in this process", frozenset({Requirement.NIXL, Requirement.KVXFER_NIXL}),
              nixl_ends),
-    "nixl_packed": ("kvxfer NIXL, packed rows", frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED}),
-                    _unsupported("the packed NIXL path")),
+    "nixl_packed": ("kvxfer NIXL, packed rows (bounce arena), both ends in this process",
+                    frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED}), nixl_packed_ends),
 }
 
 

@@ -69,7 +69,7 @@ def _nixl_kind() -> Kind:
 
         return HostRows([HostBuffer(name, row_bytes, slots) for name, row_bytes, slots in geometry])
 
-    return Kind("host", local, peer, rows, {"processes": 2, "transport": "NIXL over UCX, host memory"})
+    return Kind("host", local, peer, rows, {"processes": 2, "transport": "NIXL over UCX, host memory", "packed": "auto"})
 
 
 def _ipc_kind() -> Kind:
