@@ -19,6 +19,16 @@ the peer answers its CANCEL_REQUEST (or is found dead): a NIXL notification need
 receiver's metadata, so a peer that never loaded ours answers only when it later submits
 that transfer (refused as withdrawn). ``shutdown()`` returns such waits, honestly.
 
+Packed path (``nixl_packed``): a push of many small rows (``packed="auto"``: at least
+``packed_min_descriptors`` descriptors per chunk after coalescing; ``"always"``; ``"never"``)
+gathers chunks into a registered bounce arena and WRITEs each as one descriptor into the
+peer's arena, whose progress thread scatters it into the rows; arena slots are reused on
+credits the receiver returns once it scattered. The arena (``arena_bytes`` in slots of
+``packed_chunk_bytes``; HOST for host pools, DEVICE for CUDA pools, the kind of the first
+regions registered) is registered once and advertised in ``Hint.extras``. ``stats()`` and
+``path_of(attempt)`` say which path carried each submission. Pull stays unpacked (see
+``nixl_packed``).
+
 UCX is progressed by this thread (NIXL's own progress thread spins a core per agent);
 pass ``nixl_progress_thread=True`` to use NIXL's instead.
 
@@ -44,14 +54,29 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.matching import check_agreement, match_rows
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, PeerUnknown
 from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_chunks
+from kvxfer.backends.nixl_packed import (
+    ARENA_EXTRA,
+    NOTE_PREFIX,
+    Arena,
+    ArenaInfo,
+    Inbound,
+    PackedJob,
+    decode_note,
+    ints,
+    plan_packed,
+    rows_from_runs,
+    step_packed,
+)
 from kvxfer.backends.nixl_plan import plan_chunks
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
@@ -72,6 +97,7 @@ from kvxfer.contract import (
     View,
     WakeFn,
 )
+from kvxfer.native import RowCopyError
 from kvxfer.wire import WireError, decode_completion, encode_completion
 
 log = logging.getLogger(__name__)
@@ -81,6 +107,24 @@ HEARTBEAT = b""  # an empty notification: proves the peer is reachable, carries 
 
 
 KEPT = 4096  # stashed records and withdrawn transfer ids kept
+PACKED = True  # this backend has the packed path (kvxfer bench checks for it)
+PackedMode = Literal["auto", "always", "never"]
+Path = Literal["packed", "unpacked"]
+
+
+@dataclass(frozen=True)
+class NixlStats:
+    """Counters since the backend started: which path carried submissions, and the packed
+    traffic each end saw (sent by the active end, scattered by the receiving one)."""
+
+    packed_submissions: int = 0     # pushes this end sent packed
+    unpacked_submissions: int = 0   # pushes and pulls this end moved one descriptor per run
+    packed_received: int = 0        # transfers that landed here packed
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    chunks_scattered: int = 0
+    bytes_scattered: int = 0
+    credits_granted: int = 0
 
 
 def _bounded_put(table: OrderedDict[Any, Any], key: Hashable, value: Any) -> None:
@@ -122,9 +166,22 @@ class NixlBackend(Backend):
         chunk_pause_s: float = 0.0,
         use_etcd: bool | None = None,
         nixl_progress_thread: bool = False,
+        packed: PackedMode = "auto",
+        packed_min_descriptors: int = 64,
+        arena_bytes: int = 64 << 20,
+        packed_chunk_bytes: int = 4 << 20,
     ) -> None:
         if chunk_bytes <= 0 or window <= 0 or deadline_s <= 0 or heartbeat_s <= 0:
             raise ValueError("chunk_bytes, window, deadline_s and heartbeat_s must be positive")
+        if packed not in ("auto", "always", "never"):
+            raise ValueError(f"packed must be 'auto', 'always' or 'never', got {packed!r}")
+        if arena_bytes and (packed_chunk_bytes <= 0 or arena_bytes < 2 * packed_chunk_bytes):
+            raise ValueError(f"arena_bytes ({arena_bytes}) must hold at least 2 slots of packed_chunk_bytes "
+                             f"({packed_chunk_bytes}), or be 0 for no arena")
+        self.packed: PackedMode = packed
+        self.packed_min_descriptors = packed_min_descriptors
+        self.arena_bytes = arena_bytes
+        self.packed_chunk_bytes = packed_chunk_bytes
         self.name = name or unique_agent_name()
         self.mode = mode
         self.deadline_s = deadline_s
@@ -152,6 +209,13 @@ class NixlBackend(Backend):
         self._dead: set[str] = set()                     # peers found disconnected, not yet dropped
         self._replies: list[tuple[str, CompletionRecord]] = []  # withdrawals owed to peers
         self._next_heartbeat = 0.0
+        # The packed path: our arena (made at the first register()), requests for arena slots
+        # that came before their fetch(), the waits landing in the arena, counters, paths.
+        self._arena: Arena | None = None
+        self._early_requests: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._inbound: dict[str, PassiveWait] = {}
+        self._counts: dict[str, int] = dict.fromkeys(NixlStats.__dataclass_fields__, 0)
+        self._paths: weakref.WeakKeyDictionary[TrackedAttempt, Path] = weakref.WeakKeyDictionary()
         self._kick = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-nixl-{self.name}", daemon=True)
@@ -166,7 +230,26 @@ class NixlBackend(Backend):
         self._refuse_if_closed()
         added = self._regions.add(regions)
         if added:
+            if self._arena is None and self.arena_bytes:
+                first = added[0]
+                self._arena = Arena(self.arena_bytes, self.packed_chunk_bytes, first.memory_kind, first.device_id)
+                added = [*added, self._arena.region(f"kvxfer-arena-{self.name}")]
             self._agent.register(added)
+
+    def stats(self) -> NixlStats:
+        with self._lock:
+            return NixlStats(**self._counts)
+
+    def path_of(self, attempt: TrackedAttempt) -> Path | None:
+        """Which path carries (or carried) this attempt; for a passive wait, None until the
+        peer's first packed chunk request or its completion record says."""
+        with self._lock:
+            return self._paths.get(attempt)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for key, value in deltas.items():
+                self._counts[key] += value
 
     def describe(self, view: View) -> Hint:
         self._refuse_if_closed()
@@ -175,6 +258,7 @@ class NixlBackend(Backend):
             backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
             transfer_id=self._own.mint(view), layout=view.layout, groups=hint_groups(view),
             endpoint=self._agent.metadata,
+            extras=((ARENA_EXTRA, self._arena.info.pack()),) if self._arena is not None else (),
         )
 
     def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
@@ -273,8 +357,21 @@ class NixlBackend(Backend):
                 injected = f"injected fault after {limit} rows" if limit is not None and limit < total else None
                 chunks = plan_chunks(matches, hint, chunk_bytes=self.chunk_bytes,
                                      row_limit=limit if injected else None, coalesce_runs=self.coalesce)
-                self._active.append(ActiveJob(attempt, view, hint, "READ" if fetching else "WRITE", chunks,
-                                              deadline, injected=injected, ready=ready))
+                remote = None if fetching else self._packed_target(matches, hint, chunks)
+                job: ActiveJob
+                if remote is not None:
+                    packed = plan_packed(matches, hint, chunk_bytes=min(self.packed_chunk_bytes, remote.slot_bytes),
+                                         row_limit=limit if injected else None)
+                    job = PackedJob(attempt, view, hint, "WRITE", packed, deadline, injected=injected, ready=ready,
+                                    remote=remote)
+                    self._counts["packed_submissions"] += 1
+                    self._paths[attempt] = "packed"
+                else:
+                    job = ActiveJob(attempt, view, hint, "READ" if fetching else "WRITE", chunks, deadline,
+                                    injected=injected, ready=ready)
+                    self._counts["unpacked_submissions"] += 1
+                    self._paths[attempt] = "unpacked"
+                self._active.append(job)
                 early = None
             else:
                 self._passive[own_id] = PassiveWait(attempt, view, hint, own_id, deadline)
@@ -287,6 +384,34 @@ class NixlBackend(Backend):
 
     def _on_cancel(self, attempt: TrackedAttempt) -> None:
         self._kick.set()
+
+    def _packed_target(self, matches: list[Any], hint: Hint, chunks: list[Any]) -> ArenaInfo | None:
+        """The peer's arena when this push goes packed, else None (see the module docstring)."""
+        arena = self._arena
+        if self.packed == "never" or arena is None or not chunks:
+            return None
+        try:
+            remote = ArenaInfo.of(hint)
+        except ValueError as exc:
+            raise InvalidSubmission(str(exc)) from None
+        if remote is None:
+            return None
+        if self.packed == "auto":
+            descriptors = sum(len(c.local_descs) for c in chunks)
+            if descriptors < self.packed_min_descriptors * len(chunks):
+                return None  # few, large descriptors: NIXL moves them as fast without a copy
+        fit = min(arena.slot_bytes, remote.slot_bytes, self.packed_chunk_bytes)
+        for m in matches:
+            if m.peer is None or m.local_rows.size == 0:
+                continue
+            region = m.local.region
+            if (region.memory_kind, region.device_id) != (arena.memory_kind, arena.device_id) \
+                    or (m.peer.memory_kind, m.peer.device_id) != (remote.memory_kind, remote.device_id) \
+                    or region.slot_bytes > fit:
+                log.debug("nixl backend %s: group %s cannot go packed (memory or row size)", self.name,
+                          m.local.layer_group)
+                return None
+        return remote
 
     # --- the progress thread ----------------------------------------------------------
     def _run(self) -> None:
@@ -306,6 +431,13 @@ class NixlBackend(Backend):
         with self._lock:
             active = list(self._active)
             replies, self._replies = self._replies, []
+            ready = [(t, *self._early_requests.pop(t)) for t in list(self._early_requests) if t in self._passive]
+        for transfer_id, sender, chunks in ready:
+            try:
+                self._on_pack_request(sender, transfer_id, chunks)
+            except ValueError as exc:
+                log.warning("nixl backend %s: dropped a packed request from %r: %s", self.name, sender, exc)
+        self._grant_credits()
         for peer, record in replies:
             self._send(peer, record)
         busy = False
@@ -321,6 +453,18 @@ class NixlBackend(Backend):
 
     def _on_message(self, sender: str, message: bytes) -> None:
         if message == HEARTBEAT:
+            return
+        if message.startswith(NOTE_PREFIX):
+            try:
+                note = decode_note(message)
+                if note["k"] == "req":
+                    self._on_pack_request(sender, note["t"], ints([note.get("n")], "n")[0])
+                elif note["k"] == "credit":
+                    self._on_credit(sender, note)
+                else:
+                    self._on_chunk(sender, note)
+            except ValueError as exc:
+                log.warning("nixl backend %s: dropped a packed note from %r: %s", self.name, sender, exc)
             return
         try:
             record = decode_completion(message)
@@ -356,7 +500,21 @@ class NixlBackend(Backend):
                 return
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
-        if wait.attempt.poll() is None:
+        with self._lock:  # a record without packed chunks before it: the rows came unpacked
+            self._paths.setdefault(wait.attempt, "packed" if wait.inbound is not None else "unpacked")
+        if wait.attempt.poll() is None and wait.inbound is not None:
+            # Packed: the rows in place are those this end scattered, whatever the record says.
+            scattered = wait.masks()
+            if record.status is RecordStatus.DELIVERED:
+                if all(bool(m.all()) for m in scattered):
+                    wait.attempt.conclude(Delivered(tuple(scattered)))
+                else:
+                    wait.attempt.conclude(Failed("peer reported delivery but packed chunks are missing", scattered))
+            elif record.status is RecordStatus.CANCELLED:
+                wait.attempt.conclude(Cancelled(True, scattered))
+            else:
+                wait.attempt.conclude(Failed(f"peer failed: {record.reason}", scattered))
+        elif wait.attempt.poll() is None:
             masks = record.masks
             if record.status is RecordStatus.CANCELLED and not masks:
                 wait.attempt.conclude(Cancelled(True, wait.view.row_masks()))
@@ -373,15 +531,115 @@ class NixlBackend(Backend):
         self._end_passive(wait)  # the active end sends its record only once its requests are done
 
     def _end_passive(self, wait: PassiveWait) -> None:
+        """The peer wrote its last byte into our memory: its arena slots are ours again."""
         with self._lock:
             self._passive.pop(wait.own_id, None)
+            self._inbound.pop(wait.own_id, None)
+        if wait.inbound is not None and self._arena is not None:
+            self._arena.free_in.extend(wait.inbound.granted)
+            wait.inbound.granted.clear()
         self._own.retire(wait.own_id)
         wait.attempt.mark_quiesced()
 
+    # --- the packed path: landing chunks ------------------------------------------------
+    def _on_pack_request(self, sender: str, transfer_id: str, chunks: int) -> None:
+        with self._lock:
+            wait = self._passive.get(transfer_id)
+            if wait is None:
+                if not self._own.is_retired(transfer_id):
+                    _bounded_put(self._early_requests, transfer_id, (sender, chunks))
+                return
+        if wait.hint.agent != sender or wait.inbound is not None or self._arena is None:
+            log.warning("nixl backend %s: ignored a packed request from %r for transfer %s", self.name, sender,
+                        transfer_id)
+            return
+        if not 0 < chunks <= max(1, wait.view.rows):
+            raise ValueError(f"a packed request for {chunks} chunks, the transfer has {wait.view.rows} rows")
+        wait.inbound = Inbound(sender, chunks, wait.view.row_masks())
+        with self._lock:
+            self._inbound[transfer_id] = wait
+            self._paths[wait.attempt] = "packed"
+            self._counts["packed_received"] += 1
+
+    def _grant_credits(self) -> None:
+        """Free arena slots to the transfers that want them, in turn; then send what is owed."""
+        arena = self._arena
+        with self._lock:
+            waits = list(self._inbound.items())
+        if arena is None or not waits:
+            return
+        wanting = [w.inbound for _, w in waits if w.inbound and w.inbound.wanted > 0 and w.attempt.poll() is None]
+        granted = 0
+        while arena.free_in and wanting:
+            for inbound in list(wanting):
+                if not arena.free_in:
+                    break
+                slot = arena.free_in.popleft()
+                inbound.granted.add(slot)
+                inbound.grant.append(slot)
+                inbound.wanted -= 1
+                granted += 1
+                if inbound.wanted == 0:
+                    wanting.remove(inbound)
+        if granted:
+            self._count(credits_granted=granted)
+        for transfer_id, wait in waits:
+            if wait.inbound is not None and wait.inbound.owes_note:
+                self._notify(wait.hint.agent, wait.inbound.note(transfer_id))
+
+    def _on_chunk(self, sender: str, note: dict[str, Any]) -> None:
+        """A packed chunk is in our arena: scatter it into the wait's rows, then acknowledge."""
+        transfer_id = note["t"]
+        chunk, slot, group = ints([note.get("c"), note.get("s"), note.get("g")], "c/s/g")
+        with self._lock:
+            wait = self._passive.get(transfer_id)
+        inbound = wait.inbound if wait is not None else None
+        arena = self._arena
+        if wait is None or inbound is None or inbound.sender != sender or arena is None:
+            raise ValueError(f"chunk {chunk} for transfer {transfer_id}, which is not landing here")
+        if slot not in inbound.granted:
+            inbound.no.append(chunk)
+            raise ValueError(f"chunk {chunk} of transfer {transfer_id} is in slot {slot}, not granted to it")
+        inbound.granted.discard(slot)
+        try:
+            if wait.attempt.poll() is not None:
+                inbound.no.append(chunk)  # concluded (cancelled, timed out): its rows stay as reported
+                return
+            if not 0 <= group < len(wait.view.groups):
+                raise ValueError(f"group {group} of a view with {len(wait.view.groups)} groups")
+            rows_group = wait.view.groups[group]
+            rows = rows_from_runs(note.get("rs"), note.get("rl"), len(rows_group))
+            region = rows_group.region
+            if rows.size * region.slot_bytes > arena.slot_bytes:
+                raise ValueError(f"{rows.size} rows of {region.slot_bytes} bytes exceed an arena slot")
+            if (region.memory_kind, region.device_id) != (arena.memory_kind, arena.device_id):
+                raise ValueError(f"region {region.name!r} is not in the arena's memory")
+            arena.scatter(slot, region, rows_group.slots[rows])
+        except (ValueError, RowCopyError) as exc:
+            inbound.no.append(chunk)
+            wait.attempt.conclude(Failed(f"packed chunk {chunk} from {sender!r}: {exc}", wait.masks()))
+            return
+        finally:
+            arena.free_in.append(slot)
+        inbound.scattered[group][rows] = True
+        inbound.ok.append(chunk)
+        self._count(chunks_scattered=1, bytes_scattered=int(rows.size) * region.slot_bytes)
+
+    def _on_credit(self, sender: str, note: dict[str, Any]) -> None:
+        grant, ok, no = ints(note.get("grant"), "grant"), ints(note.get("ok"), "ok"), ints(note.get("no"), "no")
+        with self._lock:
+            jobs = [j for j in self._active if isinstance(j, PackedJob) and j.hint.agent == sender
+                    and j.hint.transfer_id == note["t"]]
+        for job in jobs:
+            job.on_credit(grant, ok, no)
+
     def _send(self, peer: str, record: CompletionRecord) -> bool:
         """Notify ``peer``; False when it is gone (then marked lost) or not loaded (yet)."""
+        return self._notify(peer, encode_completion(record))
+
+    def _notify(self, peer: str, message: bytes) -> bool:
         try:
-            self._agent.notify(peer, encode_completion(record))
+            self._agent.notify(peer, message)
             return True
         except PeerUnknown as exc:
             log.info("nixl backend %s: %s", self.name, exc)
@@ -401,8 +659,17 @@ class NixlBackend(Backend):
     # --- active jobs --------------------------------------------------------------------
     def _advance(self, job: ActiveJob) -> bool:
         """Step one job's chunks; conclude it once nothing can touch memory. True while busy."""
-        lost = step_chunks(job, self._agent, window=self.window, pause_s=self.chunk_pause_s,
-                           deadline_s=self.deadline_s)
+        if isinstance(job, PackedJob):
+            assert self._arena is not None
+            first = job.next_chunk
+            lost = step_packed(job, self._agent, self._arena, window=self.window, pause_s=self.chunk_pause_s,
+                               deadline_s=self.deadline_s)
+            if job.next_chunk > first:
+                self._count(chunks_sent=job.next_chunk - first,
+                            bytes_sent=sum(c.nbytes for c in job.chunks[first:job.next_chunk]))
+        else:
+            lost = step_chunks(job, self._agent, window=self.window, pause_s=self.chunk_pause_s,
+                               deadline_s=self.deadline_s)
         if lost:
             self._peer_lost(job.hint.agent)
         if job.touching:
@@ -433,11 +700,11 @@ class NixlBackend(Backend):
             if wait.attempt.poll() is not None:
                 pass
             elif wait.attempt.cancel_requested:
-                wait.attempt.conclude(Cancelled(False, wait.view.row_masks()))
+                wait.attempt.conclude(Cancelled(False, wait.masks()))
                 reason = "cancelled"
             elif now > wait.deadline:
                 wait.attempt.conclude(Failed(
-                    f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}", wait.view.row_masks()
+                    f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}", wait.masks()
                 ))
                 reason = "timeout"
             if reason:
@@ -477,6 +744,5 @@ class NixlBackend(Backend):
             with self._lock:
                 self._dead.discard(peer)
         for wait in waits:
-            wait.attempt.conclude(Failed(f"peer {wait.hint.agent!r} disconnected before completing",
-                                         wait.view.row_masks()))
+            wait.attempt.conclude(Failed(f"peer {wait.hint.agent!r} disconnected before completing", wait.masks()))
             self._end_passive(wait)

@@ -165,13 +165,14 @@ class NixlAgent:
 
     # --- transfers ----------------------------------------------------------------------
     def post(self, op: str, local: np.ndarray, local_kind: MemoryKind, remote: np.ndarray,
-             remote_kind: MemoryKind, peer: str) -> Post:
-        """Create and post one transfer of paired (address, bytes, device) descriptors."""
+             remote_kind: MemoryKind, peer: str, notif: bytes = b"") -> Post:
+        """Create and post one transfer of paired (address, bytes, device) descriptors; a
+        ``notif`` reaches the peer once the transfer's bytes are in place there."""
         with self._lock:
             try:
                 handle = self._agent.initialize_xfer(
                     op, self._agent.get_xfer_descs(local, _MEM[local_kind]),
-                    self._agent.get_xfer_descs(remote, _MEM[remote_kind]), peer)
+                    self._agent.get_xfer_descs(remote, _MEM[remote_kind]), peer, notif)
             except Exception as exc:
                 if _is_disconnect(exc):
                     raise PeerGone(f"agent {peer!r} disconnected") from None

@@ -9,14 +9,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, XferError
-from kvxfer.backends.nixl_plan import Chunk
-from kvxfer.contract import BoolArray, Cancelled, Delivered, Failed, Hint, Outcome, RecordStatus, View
+from kvxfer.contract import BoolArray, Cancelled, Delivered, Failed, Hint, IndexArray, Outcome, RecordStatus, View
+
+if TYPE_CHECKING:
+    from kvxfer.backends.nixl_packed import Inbound
+
+
+class Carried(Protocol):
+    """What a job's masks need of a chunk (an unpacked ``Chunk`` or a ``PackedChunk``)."""
+
+    @property
+    def group(self) -> int: ...
+    @property
+    def peer_group(self) -> int: ...
+    @property
+    def local_rows(self) -> IndexArray: ...
+    @property
+    def peer_rows(self) -> IndexArray: ...
 
 
 @dataclass(eq=False)
@@ -27,7 +42,7 @@ class ActiveJob:
     view: View
     hint: Hint
     op: str                      # "WRITE" or "READ"
-    chunks: list[Chunk]
+    chunks: list[Any]            # Chunk, or PackedChunk on the packed path (both are Carried)
     deadline: float
     injected: str | None = None  # the fault to report once the allowed rows are in
     ready: bool = True           # False while etcd has not delivered the peer's metadata
@@ -59,7 +74,7 @@ class ActiveJob:
         local = self.view.row_masks()
         peer = [np.zeros(len(g), dtype=np.bool_) for g in self.hint.groups]
         for index in self.done:
-            chunk = self.chunks[index]
+            chunk: Carried = self.chunks[index]
             local[chunk.group][chunk.local_rows] = True
             peer[chunk.peer_group][chunk.peer_rows] = True
         return local, peer
@@ -76,6 +91,13 @@ class PassiveWait:
     deadline: float
     told_peer: bool = False  # the peer was asked to stop (CANCEL_REQUEST sent)
     stop_reason: str = ""
+    inbound: Inbound | None = None  # set when the peer sends packed chunks (kvxfer.backends.nixl_packed)
+
+    def masks(self) -> list[BoolArray]:
+        """Rows known to be in place at this end: those scattered from packed chunks, else none."""
+        if self.inbound is None:
+            return self.view.row_masks()
+        return [m.copy() for m in self.inbound.scattered]
 
 
 def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float, deadline_s: float) -> bool:

@@ -1,11 +1,13 @@
 """NIXL between two real processes over host memory: byte-exact push and pull of scattered
 rows in two layer groups, prefix-holding fetches, and hints refused before any byte moves.
-Hints cross between the processes as kvxfer.wire bytes, as the router carries them."""
+Hints cross between the processes as kvxfer.wire bytes, as the router carries them. Every
+test runs with the packed path forced on (pushes go packed) and off."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +34,9 @@ LOCAL = (("A", 4096, 256), ("B", 1536, 200))
 PEER = (("PA", 4096, 300), ("PB", 1536, 180))
 CHUNK = 4 * 4096
 LAYOUT = b"twoproc-layout"
+# Packed: slots of one chunk, 4 landing slots, so a transfer reuses each slot several times.
+PACKED = {"always": {"packed": "always", "packed_chunk_bytes": CHUNK, "arena_bytes": 8 * CHUNK},
+          "never": {"packed": "never"}}
 
 
 @dataclass
@@ -40,6 +45,12 @@ class Ends:
     local: NixlBackend
     memory: HostRows
     peer: SubprocessPeer
+    packed: str
+    attempts: list[Any] = field(default_factory=list)
+
+    @property
+    def expected_path(self) -> str:
+        return "packed" if self.packed == "always" and self.mode is TransferMode.PUSH else "unpacked"
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +62,15 @@ def keeps_child() -> Iterator[SubprocessPeer]:
     assert live_children() == []
 
 
-@pytest.fixture(params=list(TransferMode), ids=lambda m: m.value)
+@pytest.fixture(params=[(m, p) for m in TransferMode for p in PACKED], ids=lambda mp: f"{mp[0].value}-{mp[1]}")
 def ends(request: pytest.FixtureRequest, keeps_child: SubprocessPeer) -> Iterator[Ends]:
-    mode = request.param
-    keeps_child.rebuild({"mode": mode.value, "buffers": [list(b) for b in PEER], "chunk_bytes": CHUNK})
+    mode, packed = request.param
+    keeps_child.rebuild({"mode": mode.value, "buffers": [list(b) for b in PEER], "chunk_bytes": CHUNK,
+                         **PACKED[packed]})
     memory = host_rows(LOCAL)
-    local = NixlBackend(mode=mode, chunk_bytes=CHUNK, deadline_s=10.0)
+    local = NixlBackend(mode=mode, chunk_bytes=CHUNK, deadline_s=10.0, **PACKED[packed])  # type: ignore[arg-type]
     local.register(memory.regions)
-    yield Ends(mode, local, memory, keeps_child)
+    yield Ends(mode, local, memory, keeps_child, packed)
     assert local.shutdown() == frozenset()
     assert keeps_child.shutdown() == 0
 
@@ -92,6 +104,7 @@ def _run(ends: Ends, local_view: View, peer_view: View, local_op: str) -> tuple[
     peer_hint = decode_hint(ends.peer.describe_bytes(peer_view))
     handle = ends.peer.start_bytes("publish" if local_op == "fetch" else "fetch", peer_view, local_hint_bytes)
     attempt = (ends.local.fetch if local_op == "fetch" else ends.local.publish)(local_view, peer_hint)
+    ends.attempts.append(attempt)
     assert attempt.wait(20.0), "local attempt did not conclude and quiesce"
     peer_outcome, quiet = ends.peer.result(handle, 20.0)
     assert quiet
@@ -117,6 +130,7 @@ def test_scattered_rows_two_groups_byte_exact(ends: Ends, local_op: str) -> None
     for g, lr, pr in zip(("g0", "g1"), ends.memory.regions, ends.peer.regions):
         got = ends.peer.read(pr.name, ps[g]) if local_op == "publish" else ends.memory.read(lr.name, ls[g])
         assert got == payload[g], f"group {g}: destination bytes differ"
+    assert ends.local.path_of(ends.attempts[-1]) == ends.expected_path
 
 
 def test_fetch_holding_a_prefix_gets_only_the_rest(ends: Ends) -> None:
@@ -137,6 +151,7 @@ def test_fetch_holding_a_prefix_gets_only_the_rest(ends: Ends) -> None:
         assert got[:held * size] == b"\x5a" * (held * size), "rows the fetcher already held were written"
         mask = peer_outcome.masks[gi]  # the publisher learns exactly which of its rows were taken
         assert not mask[:held].any() and mask[held:].all()
+    assert ends.local.path_of(ends.attempts[-1]) == ends.expected_path
 
 
 def _filled(ends: Ends, seed: int, layout: bytes = LAYOUT) -> tuple[View, View, dict[str, bytes], dict[str, bytes]]:

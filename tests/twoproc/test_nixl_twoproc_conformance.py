@@ -1,5 +1,5 @@
 """NixlBackend passes the conformance kit with its peer in a child process (two real processes,
-hints crossing as kvxfer.wire bytes)."""
+hints crossing as kvxfer.wire bytes), with the packed path forced on and off."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from kvxfer.testing.nixl_pairs import ChildPairs
 from kvxfer.testing.subprocess_peer import live_children
 
 
-@pytest.fixture(scope="module")
-def keeps_child() -> Iterator[ChildPairs]:
-    pairs = ChildPairs()
+@pytest.fixture(scope="module", params=["always", "never"], ids=lambda p: f"packed-{p}")
+def keeps_child(request: pytest.FixtureRequest) -> Iterator[ChildPairs]:
+    pairs = ChildPairs(packed=request.param, arena_bytes=8 << 20, packed_chunk_bytes=1 << 20)
     yield pairs
     pid = pairs.peer.pid if pairs.peer else None
     pairs.close()

@@ -1,0 +1,250 @@
+"""The packed NIXL path with two real agents in this process: bytes exact through the bounce
+arenas, exact masks on faults and cancels, arena slots reused on credits, the automatic
+choice of path, and the helpers' refusals."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.nixl import NixlBackend
+from kvxfer.backends.nixl_packed import ARENA_EXTRA, ArenaInfo, rows_from_runs, runs_of
+from kvxfer.contract import (
+    CacheKind,
+    Cancelled,
+    Delivered,
+    Failed,
+    Hint,
+    InvalidSubmission,
+    LayerGroupRows,
+    MemoryKind,
+    TokenRange,
+    TransferMode,
+    View,
+)
+from kvxfer.testing.memory import HostRows
+from kvxfer.testing.nixl_pairs import host_rows
+
+ROW = 4096
+SLOTS = 256
+SENTINEL = 0xA5
+
+
+@pytest.fixture
+def made() -> Iterator[list[NixlBackend]]:
+    backends: list[NixlBackend] = []
+    yield backends
+    for b in backends:
+        assert b.shutdown() == frozenset(), "an attempt was left unquiesced"
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
+
+
+def _backend(made: list[NixlBackend], name: str, row: int = ROW, **options: object) -> tuple[NixlBackend, HostRows]:
+    memory = host_rows(((f"{name}0", row, SLOTS), (f"{name}1", row // 2, SLOTS)))
+    options = {"arena_bytes": 1 << 20, "packed_chunk_bytes": 64 << 10, **options}
+    backend = NixlBackend(mode=TransferMode.PUSH, **options)  # type: ignore[arg-type]
+    backend.register(memory.regions)
+    made.append(backend)
+    return backend, memory
+
+
+def _view(memory: HostRows, request: str, rows: int, seed: int, skip: int = 0, contiguous: bool = False) -> View:
+    """``rows`` ordinals per group in scattered slots (or one contiguous run); the first ``skip``
+    ordinals left out (a prefix this end already holds)."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for i, region in enumerate(memory.regions):
+        slots = np.arange(7, 7 + rows) if contiguous else rng.permutation(region.slots)[:rows]
+        groups.append(LayerGroupRows(f"g{i}", CacheKind.PAGED, region, slots[skip:].astype(np.int64),
+                                     np.arange(skip, rows, dtype=np.int64)))
+    return View(request, TokenRange(0, rows * 16), tuple(groups), b"L")
+
+
+def _fill(memory: HostRows, view: View, seed: int) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for g in view.groups:
+        out[g.layer_group] = rng.integers(0, 256, len(g) * g.region.slot_bytes, dtype=np.uint8).tobytes()
+        memory.write(g.region.name, g.slots, out[g.layer_group])
+    return out
+
+
+def _sentinel(memory: HostRows, view: View) -> None:
+    for g in view.groups:
+        memory.write(g.region.name, g.slots, bytes([SENTINEL]) * (len(g) * g.region.slot_bytes))
+
+
+def _push(pub: NixlBackend, pview: View, fet: NixlBackend, fview: View) -> tuple[object, object, object, object]:
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    sending = pub.publish(pview, fhint)
+    assert sending.wait(10.0) and waiting.wait(10.0), "the push did not conclude and quiesce"
+    return sending, waiting, sending.poll(), waiting.poll()
+
+
+def _rows(memory: HostRows, group: LayerGroupRows, rows: np.ndarray) -> bytes:
+    return memory.read(group.region.name, group.slots[rows])
+
+
+def test_packed_push_scattered_rows_two_groups_prefix_held_byte_exact(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, "P", packed="always")
+    fet, fmem = _backend(made, "F", packed="always")
+    rows, held = 100, 30
+    pview = _view(pmem, "prefix", rows, 1)
+    fview = _view(fmem, "prefix", rows, 2, skip=held)  # the fetcher holds the first 30 blocks
+    payload = _fill(pmem, pview, 3)
+    _sentinel(fmem, fview)
+    sending, waiting, mine, theirs = _push(pub, pview, fet, fview)
+    assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered, (mine, theirs)
+    # Only the rows the fetcher lacks moved (publisher's rows `held:`), each byte for byte.
+    assert [int(m.sum()) for m in mine.masks] == [rows - held] * 2 and not any(m[:held].any() for m in mine.masks)
+    for pg, fg in zip(pview.groups, fview.groups):
+        size = fg.region.slot_bytes
+        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group][held * size:]
+    assert pub.path_of(sending) == "packed" and fet.path_of(waiting) == "packed"  # type: ignore[arg-type]
+    sent, landed = pub.stats(), fet.stats()
+    moved = (rows - held) * (ROW + ROW // 2)
+    assert sent.packed_submissions == 1 and sent.unpacked_submissions == 0 and sent.bytes_sent == moved
+    assert landed.packed_received == 1 and landed.bytes_scattered == moved
+    assert landed.chunks_scattered == sent.chunks_sent >= 2  # one chunk cannot hold both groups
+
+
+def test_hint_advertises_the_arena(made: list[NixlBackend]) -> None:
+    fet, fmem = _backend(made, "F")
+    info = ArenaInfo.of(fet.describe(_view(fmem, "hint", 4, 5)))
+    assert info is not None and info.memory_kind is MemoryKind.HOST and info.slot_bytes == 64 << 10
+    assert info.slots == 16 and info.nbytes == 1 << 20
+
+
+@pytest.mark.parametrize("limit", [5, 16, 37])
+def test_injected_fault_mid_way_masks_exact(made: list[NixlBackend], limit: int) -> None:
+    # Chunks of 16 rows of the first group: the fault lands inside a chunk, on a boundary,
+    # and in a later chunk; both ends report exactly the first `limit` rows, all of them in place.
+    pub, pmem = _backend(made, "P", packed="always", fail_after_rows=limit)
+    fet, fmem = _backend(made, "F", packed="always")
+    pview, fview = _view(pmem, "fault", 60, 6), _view(fmem, "fault", 60, 7)
+    payload = _fill(pmem, pview, 8)
+    _sentinel(fmem, fview)
+    _, _, mine, theirs = _push(pub, pview, fet, fview)
+    expected = np.zeros(60, dtype=bool)
+    expected[:limit] = True
+    for outcome in (mine, theirs):
+        assert isinstance(outcome, Failed) and "injected fault" in outcome.reason, outcome
+        assert np.array_equal(outcome.masks[0], expected) and not outcome.masks[1].any()
+    g = fview.groups[0]
+    assert _rows(fmem, g, np.arange(limit)) == payload["g0"][: limit * ROW]
+    assert _rows(fmem, g, np.arange(limit, 60)) == bytes([SENTINEL]) * ((60 - limit) * ROW)
+
+
+def test_cancel_mid_way_both_ends_report_the_scattered_chunks(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, "P", packed="always", chunk_pause_s=0.05)
+    fet, fmem = _backend(made, "F", packed="always")
+    pview, fview = _view(pmem, "cancel", 200, 9), _view(fmem, "cancel", 200, 10)
+    payload = _fill(pmem, pview, 11)
+    _sentinel(fmem, fview)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    sending = pub.publish(pview, fhint)
+    time.sleep(0.2)
+    sending.cancel()
+    assert sending.wait(10.0) and waiting.wait(10.0)
+    mine, theirs = sending.poll(), waiting.poll()
+    assert isinstance(mine, Cancelled) and isinstance(theirs, Cancelled) and theirs.by_peer, (mine, theirs)
+    assert 0 < mine.rows_delivered < 400
+    for a, b in zip(mine.masks, theirs.masks):
+        assert np.array_equal(a, b), "the two ends disagree on which rows are in place"
+    for i, (pg, fg) in enumerate(zip(pview.groups, fview.groups)):
+        size = fg.region.slot_bytes
+        got = fmem.read(fg.region.name, fg.slots)
+        for r in range(len(fg)):
+            row = got[r * size:(r + 1) * size]
+            assert row == (payload[pg.layer_group][r * size:(r + 1) * size] if theirs.masks[i][r]
+                           else bytes([SENTINEL]) * size), f"group {i} row {r}"
+
+
+def test_small_arena_reuses_slots_on_credits_bytes_exact(made: list[NixlBackend]) -> None:
+    # Two landing slots of 8 KiB at the fetcher and 2 gather slots at the publisher: 4 MiB of
+    # 4 KiB rows need ~500 chunks, so every slot is granted, scattered and granted again.
+    opts = {"packed": "always", "arena_bytes": 32 << 10, "packed_chunk_bytes": 8 << 10}
+    pub, pmem = _backend(made, "P", **opts)
+    fet, fmem = _backend(made, "F", **opts)
+    pview, fview = _view(pmem, "credits", 256, 12), _view(fmem, "credits", 256, 13)
+    payload = _fill(pmem, pview, 14)
+    _sentinel(fmem, fview)
+    _, _, mine, theirs = _push(pub, pview, fet, fview)
+    assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered
+    for pg, fg in zip(pview.groups, fview.groups):
+        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
+    sent, landed = pub.stats(), fet.stats()
+    chunks = 256 // 2 + 256 // 4  # 8 KiB slots: 2 rows of 4 KiB, 4 rows of 2 KiB
+    assert sent.chunks_sent == landed.chunks_scattered == landed.credits_granted == chunks
+
+
+def test_auto_picks_packed_for_scattered_rows_and_unpacked_for_runs(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
+    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    for i, (contiguous, rows, path) in enumerate([(True, 100, "unpacked"), (False, 100, "packed"),
+                                                  (False, 4, "unpacked")]):
+        pview = _view(pmem, f"auto{i}", rows, 20 + i, contiguous=contiguous)
+        fview = _view(fmem, f"auto{i}", rows, 30 + i, contiguous=contiguous)
+        payload = _fill(pmem, pview, 40 + i)
+        before = pub.stats()
+        sending, waiting, mine, theirs = _push(pub, pview, fet, fview)
+        assert isinstance(theirs, Delivered) and theirs.all_delivered
+        for pg, fg in zip(pview.groups, fview.groups):
+            assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
+        assert pub.path_of(sending) == path, (contiguous, rows)  # type: ignore[arg-type]
+        after = pub.stats()
+        assert (after.packed_submissions - before.packed_submissions, after.unpacked_submissions
+                - before.unpacked_submissions) == ((1, 0) if path == "packed" else (0, 1))
+        assert fet.path_of(waiting) == path  # type: ignore[arg-type]
+
+
+def test_never_and_peer_without_arena_stay_unpacked(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, "P", packed="never")
+    fet, fmem = _backend(made, "F", arena_bytes=0)
+    other, omem = _backend(made, "O", packed="always")
+    for sender, smem, request in ((pub, pmem, "never"), (other, omem, "no-arena")):
+        sview, fview = _view(smem, request, 50, 50), _view(fmem, request, 50, 51)
+        sending, _, _, theirs = _push(sender, sview, fet, fview)
+        assert isinstance(theirs, Delivered) and sender.path_of(sending) == "unpacked"  # type: ignore[arg-type]
+    assert fet.stats().packed_received == 0
+
+
+def test_malformed_arena_extra_refused(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, "P", packed="always")
+    fet, fmem = _backend(made, "F")
+    pview, fview = _view(pmem, "bad", 8, 60), _view(fmem, "bad", 8, 61)
+    good = fet.describe(fview)
+    pub.describe(pview)
+    bad = Hint(good.backend, good.mode, good.agent, good.request, good.transfer_id, good.layout, good.groups,
+               good.endpoint, ((ARENA_EXTRA, b"short"),))
+    with pytest.raises(InvalidSubmission, match="nixl.arena"):
+        pub.publish(pview, bad)
+
+
+def test_arena_options_checked() -> None:
+    with pytest.raises(ValueError, match="packed must be"):
+        NixlBackend(packed="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least 2 slots"):
+        NixlBackend(arena_bytes=4 << 20, packed_chunk_bytes=4 << 20)
+
+
+def test_runs_round_trip_and_refusals() -> None:
+    rng = np.random.default_rng(0)
+    for rows in (np.arange(5, 40), np.sort(rng.choice(1000, 300, replace=False)), rng.permutation(64)):
+        rows = rows.astype(np.int64)
+        starts, lengths = runs_of(rows)
+        assert np.array_equal(rows_from_runs(starts, lengths, 1000), rows)
+    assert len(runs_of(np.arange(100, dtype=np.int64))[0]) == 8  # one run for consecutive rows
+    starts, lengths = runs_of(np.arange(10, 20, dtype=np.int64))
+    with pytest.raises(ValueError, match="outside"):
+        rows_from_runs(starts, lengths, 15)
+    with pytest.raises(ValueError, match="malformed"):
+        rows_from_runs(starts, lengths[:4], 100)
+    with pytest.raises(ValueError, match="outside"):
+        rows_from_runs(np.array([-1], dtype=np.int64).tobytes(), np.array([2], dtype=np.int64).tobytes(), 100)
