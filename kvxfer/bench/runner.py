@@ -8,6 +8,7 @@ its message, and the run goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from kvxfer.bench.cases import (
     CaseSpec,
     Measurement,
     Requirement,
+    Role,
     Skip,
     registry,
     release_shared,
@@ -151,6 +153,8 @@ def run(config: BenchConfig, progress: Progress | None = None,
                 done = runners.pop(spec.name, None)
                 if done is not None and not isinstance(done, str):
                     done.close()
+        if stop_reason is None:
+            _second_pass(config, items, figures, progress)
     finally:
         for runner in runners.values():
             if not isinstance(runner, str):
@@ -161,6 +165,37 @@ def run(config: BenchConfig, progress: Progress | None = None,
     machine = {**results.machine(), "loadavg_1m_before": load_before, "loadavg_1m_after": _loadavg()}
     return BenchResult(results.now(), machine, results.versions(), config.to_json(), tuple(figures),
                        time.monotonic() - started)
+
+
+def _second_pass(config: BenchConfig, items: list[_Item], figures: list[Figure], progress: Progress) -> None:
+    """Measure the references (local copy, NIXL one descriptor) again after everything else
+    and keep the faster pass: a reference taken in a moment when other work slowed the
+    machine would overstate every ratio to it. Both passes' figures stay in the facts."""
+    refs = [(i, n) for n, (i, f) in enumerate(zip(items, figures))
+            if f.ok and i.mode == "throughput" and i.spec.role in (Role.REFERENCE, Role.CEILING)]
+    progress.total += len(refs)
+    runners: dict[str, CaseRunner] = {}
+    try:
+        for item, n in refs:
+            progress.step("second pass: " + _label(item))
+            try:
+                runner = runners.get(item.spec.name) or item.spec.factory(config)
+                runners[item.spec.name] = runner
+                again = _measure(runner, item, config)
+            except (Skip, Exception):  # the first pass stands; the second is only a check
+                progress.advance()
+                continue
+            first = figures[n]
+            passes = [first.metrics["seconds_best"], again.metrics["seconds_best"]]
+            best = first if passes[0] <= passes[1] else Figure(
+                first.mode, first.case, first.role, first.key, "ok", "", dict(again.metrics),
+                {**again.facts, "loadavg_1m": _loadavg()})
+            gbps = [round(first.key["total_bytes"] / s / 1e9, 3) for s in passes]
+            figures[n] = dataclasses.replace(best, facts={**best.facts, "passes_gbps_best": gbps})
+            progress.advance()
+    finally:
+        for runner in runners.values():
+            runner.close()
 
 
 def _loadavg() -> float | None:
