@@ -20,7 +20,8 @@ receiver's metadata, so a peer that never loaded ours answers only when it later
 that transfer (refused as withdrawn). ``shutdown()`` returns such waits, honestly.
 
 Packed path (``nixl_packed``): a push of many small rows (``packed="auto"``: at least
-``packed_min_descriptors`` descriptors per chunk after coalescing; ``"always"``; ``"never"``)
+``packed_min_descriptors`` descriptors per chunk after coalescing, by default 64 for device
+memory and 2,048 for host memory, see ``MIN_DESCRIPTORS``; ``"always"``; ``"never"``)
 gathers chunks into a registered bounce arena and WRITEs each as one descriptor into the
 peer's arena, whose progress thread scatters it into the rows; arena slots are reused on
 credits the receiver returns once it scattered. The arena (``arena_bytes`` in slots of
@@ -104,12 +105,21 @@ log = logging.getLogger(__name__)
 
 BACKEND_KIND = "nixl"
 HEARTBEAT = b""  # an empty notification: proves the peer is reachable, carries nothing
+BUSY_POLL_S = 0.00005  # progress-thread pause while transfers are pending
+IDLE_POLL_S = 0.01
 
 
 KEPT = 4096  # stashed records and withdrawn transfer ids kept
 PACKED = True  # this backend has the packed path (kvxfer bench checks for it)
 PackedMode = Literal["auto", "always", "never"]
 Path = Literal["packed", "unpacked"]
+# packed="auto" packs a push when its chunks average at least this many descriptors (runs
+# after coalescing) each. DEVICE: every descriptor costs ~12 µs in UCX while the device
+# gathers and scatters at TB/s (PERF.md), so pack early. HOST: packing adds two memcpys to
+# NIXL's one; measured on the 2-core CPU machine (bench/nixl_packed.py, 256 MiB scattered)
+# packed was 1.4x unpacked at 4 KiB rows but 0.7x at 16 KiB and 0.44x at 64 KiB, so with
+# 16 MiB chunks only rows of about 8 KiB or less (2,048 per chunk) go packed.
+MIN_DESCRIPTORS = {MemoryKind.DEVICE: 64, MemoryKind.HOST: 2048}
 
 
 @dataclass(frozen=True)
@@ -167,7 +177,7 @@ class NixlBackend(Backend):
         use_etcd: bool | None = None,
         nixl_progress_thread: bool = False,
         packed: PackedMode = "auto",
-        packed_min_descriptors: int = 64,
+        packed_min_descriptors: int | None = None,
         arena_bytes: int = 64 << 20,
         packed_chunk_bytes: int = 4 << 20,
     ) -> None:
@@ -398,7 +408,8 @@ class NixlBackend(Backend):
             return None
         if self.packed == "auto":
             descriptors = sum(len(c.local_descs) for c in chunks)
-            if descriptors < self.packed_min_descriptors * len(chunks):
+            floor = self.packed_min_descriptors or MIN_DESCRIPTORS[arena.memory_kind]
+            if descriptors < floor * len(chunks):
                 return None  # few, large descriptors: NIXL moves them as fast without a copy
         fit = min(arena.slot_bytes, remote.slot_bytes, self.packed_chunk_bytes)
         for m in matches:
@@ -421,7 +432,7 @@ class NixlBackend(Backend):
             except Exception:  # keep progressing other attempts; the failing one times out
                 log.exception("nixl backend %s: progress step failed", self.name)
                 busy = False
-            self._kick.wait(timeout=0.0005 if busy else 0.01)
+            self._kick.wait(timeout=BUSY_POLL_S if busy else IDLE_POLL_S)
             self._kick.clear()
 
     def _step(self) -> bool:
@@ -675,7 +686,9 @@ class NixlBackend(Backend):
         if job.touching:
             return True
         if not job.finished:
-            return False  # paced, or waiting for the peer's metadata from etcd
+            # Paced, or waiting for the peer's metadata from etcd; a packed job waiting for
+            # credits or acknowledgements polls fast: they come in a fraction of a millisecond.
+            return isinstance(job, PackedJob) and job.requested
         status, outcome, reason = conclusion(job)
         # NIXL flushes the endpoint before a request is DONE, so the rows this record
         # marks are visible at the peer before the record can arrive.

@@ -248,3 +248,27 @@ def test_runs_round_trip_and_refusals() -> None:
         rows_from_runs(starts, lengths[:4], 100)
     with pytest.raises(ValueError, match="outside"):
         rows_from_runs(np.array([-1], dtype=np.int64).tobytes(), np.array([2], dtype=np.int64).tobytes(), 100)
+
+
+def test_auto_default_on_host_packs_only_very_small_descriptors(made: list[NixlBackend]) -> None:
+    # Host default (MIN_DESCRIPTORS): 2,048 descriptors per chunk. Chunks of 2,048 rows of 256
+    # bytes at even slots (nothing coalesces): a full chunk goes packed, half a chunk does not.
+    ends = []
+    for name in ("P", "F"):
+        memory = host_rows(((name, 256, 4096),))
+        backend = NixlBackend(mode=TransferMode.PUSH, chunk_bytes=2048 * 256, arena_bytes=1 << 20,
+                              packed_chunk_bytes=64 << 10)
+        backend.register(memory.regions)
+        made.append(backend)
+        ends.append((backend, memory))
+    (pub, pmem), (fet, fmem) = ends
+    rng = np.random.default_rng(70)
+    for rows, path in ((2048, "packed"), (1024, "unpacked")):
+        views = [View(f"host-{rows}", TokenRange(0, rows * 16), (LayerGroupRows(
+            "g", CacheKind.PAGED, m.regions[0], (2 * rng.permutation(2048)[:rows]).astype(np.int64),
+            np.arange(rows, dtype=np.int64)),), b"L") for m in (pmem, fmem)]
+        payload = _fill(pmem, views[0], rows)
+        sending, _, _, theirs = _push(pub, views[0], fet, views[1])
+        assert isinstance(theirs, Delivered) and pub.path_of(sending) == path  # type: ignore[arg-type]
+        g = views[1].groups[0]
+        assert fmem.read(g.region.name, g.slots) == payload["g"]

@@ -1,0 +1,154 @@
+"""NixlBackend push of scattered rows between two processes: one descriptor per row (unpacked)
+against the packed path, with raw NIXL's one-descriptor WRITE of the same bytes, measured in
+the same run, as the ceiling.
+
+    .venv/bin/python bench/nixl_packed.py [--rows 4096] [--row-bytes 65536] [--reps 5] [--memory host|device]
+                                          [--json out.json]
+
+Every figure is payload bytes over the time from the call that moves them to the moment they
+are proven at the destination: raw NIXL, post to DONE (busy-polled); NixlBackend, publish() to
+the publisher's outcome (unpacked: every request DONE, NIXL flushed; packed: every chunk
+acknowledged as scattered by the peer). Rows are scattered at random on both ends (nothing
+coalesces), host memory (or device memory with --memory device), pages faulted in beforehand; the first run of each case warms up.
+The fetcher's outcome must be Delivered for every row, the path taken is read from the
+backends' stats, and the bytes of the last repetition are compared row for row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import numpy as np  # noqa: E402
+
+from kvxfer.backends.nixl import NixlBackend  # noqa: E402
+from kvxfer.contract import CacheKind, Delivered, LayerGroupRows, TokenRange, TransferMode, View  # noqa: E402
+from kvxfer.testing.nixl_pairs import rows_of, touch_pages  # noqa: E402
+from kvxfer.testing.subprocess_peer import SubprocessPeer  # noqa: E402
+from kvxfer.wire import decode_hint, encode_hint  # noqa: E402
+
+
+def summary(seconds: list[float], nbytes: int) -> dict[str, float]:
+    return {"best_gbps": nbytes / min(seconds) / 1e9, "median_gbps": nbytes / statistics.median(seconds) / 1e9,
+            "best_s": min(seconds), "median_s": statistics.median(seconds), "reps": len(seconds)}
+
+
+def raw_one_descriptor(nbytes: int, reps: int, memory: str) -> dict[str, float]:
+    """NIXL itself, no kvxfer code: the whole payload as one WRITE descriptor into a child."""
+    from kvxfer.bench.nixl_raw import NixlPair
+
+    pair = NixlPair(nbytes, memory)
+    try:
+        zero = np.zeros(1, dtype=np.int64)
+        handle = pair.handle("WRITE", pair.local.address + zero, pair.remote_address + zero, nbytes)
+        times = []
+        for i in range(reps + 1):
+            start = time.perf_counter()
+            pair.run(handle)
+            if i:
+                times.append(time.perf_counter() - start)
+        check = pair.verify("WRITE", zero, zero, nbytes, seed=7)
+        pair.run(handle)
+        if not check():
+            raise RuntimeError("raw NIXL: bytes at the target differ")
+        pair.release(handle)
+    finally:
+        pair.close()
+    return summary(times, nbytes)
+
+
+def backend_push(path: str, rows: int, row_bytes: int, reps: int, memory_kind: str,
+                 options: dict[str, Any]) -> dict[str, Any]:
+    """NixlBackend publisher here, NixlBackend fetcher in a child; ``path``: packed always|never."""
+    slots = rows * 2
+    opts = {"packed": path, "deadline_s": 300.0, **options}
+    memory = rows_of(memory_kind, (("S", row_bytes, slots),))
+    touch_pages(memory)
+    local = NixlBackend(mode=TransferMode.PUSH, **opts)
+    local.register(memory.regions)
+    peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
+                          {"mode": "push", "buffers": [["P", row_bytes, slots]], "touch": True,
+                           "memory_kind": memory_kind, **opts})
+    rng = np.random.default_rng(1)
+    ordinals = np.arange(rows, dtype=np.int64)
+    times = []
+    try:
+        payload = rng.integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
+        for i in range(reps + 1):
+            ls = rng.permutation(slots)[:rows].astype(np.int64)
+            ps = rng.permutation(slots)[:rows].astype(np.int64)
+            request = f"{path}-{i}"
+            lview = View(request, TokenRange(0, rows * 16),
+                         (LayerGroupRows("g", CacheKind.PAGED, memory.regions[0], ls, ordinals),), b"B")
+            pview = View(request, TokenRange(0, rows * 16),
+                         (LayerGroupRows("g", CacheKind.PAGED, peer.regions[0], ps, ordinals),), b"B")
+            if i == reps:
+                memory.write("S", ls, payload)
+            hint = decode_hint(peer.describe_bytes(pview))  # the fetcher describes, then waits
+            handle = peer.start_bytes("fetch", pview, encode_hint(local.describe(lview)))
+            start = time.perf_counter()
+            attempt = local.publish(lview, hint)
+            if not attempt.wait(300.0):
+                raise RuntimeError(f"{path}: publish did not conclude")
+            elapsed = time.perf_counter() - start
+            outcome, quiet = peer.result(handle, 120.0)
+            mine = attempt.poll()
+            if not isinstance(mine, Delivered) or not isinstance(outcome, Delivered) or not outcome.all_delivered:
+                raise RuntimeError(f"{path}: not every row delivered: {mine} / {outcome}")
+            if local.path_of(attempt) != ("packed" if path == "always" else "unpacked"):
+                raise RuntimeError(f"{path}: went {local.path_of(attempt)}")
+            if i:
+                times.append(elapsed)
+        if peer.read("P", ps) != payload:
+            raise RuntimeError(f"{path}: bytes at the fetcher differ")
+        stats = local.stats()
+    finally:
+        local.shutdown()
+        peer.close()
+    return {**summary(times, rows * row_bytes), "stats": stats.__dict__, "options": opts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--row-bytes", type=int, default=64 << 10)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--arena-mib", type=int, default=64)
+    parser.add_argument("--packed-chunk-mib", type=int, default=4)
+    parser.add_argument("--memory", choices=("host", "device"), default="host")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    nbytes = args.rows * args.row_bytes
+    options = {"arena_bytes": args.arena_mib << 20, "packed_chunk_bytes": args.packed_chunk_mib << 20}
+    result: dict[str, Any] = {
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                    "loadavg": os.getloadavg()},
+        "rows": args.rows, "row_bytes": args.row_bytes, "bytes": nbytes, "reps": args.reps, "memory": args.memory,
+    }
+    result["raw_one_descriptor"] = raw_one_descriptor(nbytes, args.reps, args.memory)
+    for name, path in (("unpacked", "never"), ("packed", "always")):
+        result[name] = backend_push(path, args.rows, args.row_bytes, args.reps, args.memory, options)
+    ceiling = result["raw_one_descriptor"]["best_gbps"]
+    print(f"{args.rows} scattered rows x {args.row_bytes // 1024} KiB = {nbytes >> 20} MiB, two processes, {args.memory} memory,"
+          f" best / median of {args.reps}")
+    for name in ("raw_one_descriptor", "unpacked", "packed"):
+        r = result[name]
+        print(f"  {name:20s} {r['best_gbps']:7.2f} / {r['median_gbps']:7.2f} GB/s   "
+              f"({r['best_gbps'] / ceiling:5.1%} of the one-descriptor ceiling)")
+    print(f"  packed / unpacked (best): {result['packed']['best_gbps'] / result['unpacked']['best_gbps']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
