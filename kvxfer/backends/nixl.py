@@ -116,9 +116,9 @@ Path = Literal["packed", "unpacked"]
 # packed="auto" packs a push when its chunks average at least this many descriptors (runs
 # after coalescing) each. DEVICE: every descriptor costs ~12 µs in UCX while the device
 # gathers and scatters at TB/s (PERF.md), so pack early. HOST: packing adds two memcpys to
-# NIXL's one; measured on the 2-core CPU machine (bench/nixl_packed.py, 256 MiB scattered)
-# packed was 1.4x unpacked at 4 KiB rows but 0.7x at 16 KiB and 0.44x at 64 KiB, so with
-# 16 MiB chunks only rows of about 8 KiB or less (2,048 per chunk) go packed.
+# NIXL's one; measured on the 2-core CPU machine (bench/nixl_packed.py, 256 MiB of scattered
+# rows, two processes) packed was 2.9x unpacked at 4 KiB rows, 1.07x at 16 KiB, 0.65x at
+# 64 KiB, so with 16 MiB chunks only rows of about 8 KiB or less (2,048 per chunk) go packed.
 MIN_DESCRIPTORS = {MemoryKind.DEVICE: 64, MemoryKind.HOST: 2048}
 
 
@@ -666,6 +666,8 @@ class NixlBackend(Backend):
             jobs = [j for j in self._active if j.hint.agent == peer]
         for job in jobs:
             job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+            if isinstance(job, PackedJob):
+                job.abandoned = True  # no acknowledgement will come: its rows stay as proven
 
     # --- active jobs --------------------------------------------------------------------
     def _advance(self, job: ActiveJob) -> bool:
@@ -730,13 +732,17 @@ class NixlBackend(Backend):
                     wait.stop_reason or "stopped"))
 
     def _heartbeat(self) -> None:
-        """An idle peer's death is seen only when something is posted to it (PERF.md)."""
+        """An idle peer's death is seen only when something is posted to it (PERF.md): so peers
+        we wait on (passive waits, packed pushes waiting for credits) get an empty note."""
         now = time.monotonic()
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.heartbeat_s
         with self._lock:
             peers = {w.hint.agent: w.hint.endpoint for w in self._passive.values() if w.hint.agent not in self._dead}
+            # A packed push waiting for credits or acknowledgements posts nothing that would fail.
+            peers.update({j.hint.agent: j.hint.endpoint for j in self._active if isinstance(j, PackedJob)
+                          and j.requested and not j.touching and j.hint.agent not in self._dead})
         for peer, endpoint in peers.items():
             try:
                 if not self._agent.knows(peer) and not self._agent.ensure_peer(peer, endpoint):
