@@ -121,13 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--row-bytes", type=int, default=64 << 10)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--arena-mib", type=int, default=64)
-    parser.add_argument("--packed-chunk-mib", type=int, default=4)
+    parser.add_argument("--arena-mib", type=int, default=0, help="0: the backend's default for the memory kind")
+    parser.add_argument("--packed-chunk-mib", type=int, default=0, help="0: the backend's default")
     parser.add_argument("--memory", choices=("host", "device"), default="host")
+    parser.add_argument("--poll-us", type=float, default=500.0,
+                        help="progress-thread pause while transfers are pending (NixlBackend poll_s)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     nbytes = args.rows * args.row_bytes
-    options = {"arena_bytes": args.arena_mib << 20, "packed_chunk_bytes": args.packed_chunk_mib << 20}
+    options = {"arena_bytes": args.arena_mib << 20 if args.arena_mib else None,
+               "packed_chunk_bytes": args.packed_chunk_mib << 20 if args.packed_chunk_mib else None,
+               "poll_s": args.poll_us * 1e-6}
     result: dict[str, Any] = {
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg": os.getloadavg()},

@@ -26,11 +26,14 @@ gathers chunks into a registered bounce arena and WRITEs each as one descriptor 
 peer's arena, whose progress thread scatters it into the rows; arena slots are reused on
 credits the receiver returns once it scattered. The arena (``arena_bytes`` in slots of
 ``packed_chunk_bytes``; HOST for host pools, DEVICE for CUDA pools, the kind of the first
-regions registered) is registered once and advertised in ``Hint.extras``. ``stats()`` and
+regions registered; defaults in ``ARENA_DEFAULTS``) is registered once and advertised in
+``Hint.extras``. ``stats()`` and
 ``path_of(attempt)`` say which path carried each submission. Pull stays unpacked (see
 ``nixl_packed``).
 
-UCX is progressed by this thread (NIXL's own progress thread spins a core per agent);
+UCX is progressed by this thread, which pauses ``poll_s`` between steps while transfers are
+pending (a packed push waits on notification round trips, so a smaller pause helps it where
+cores are spare). (NIXL's own progress thread spins a core per agent);
 pass ``nixl_progress_thread=True`` to use NIXL's instead.
 
 Metadata travels in the hint (``Hint.endpoint``). Where ``NIXL_ETCD_ENDPOINTS`` is set,
@@ -105,8 +108,11 @@ log = logging.getLogger(__name__)
 
 BACKEND_KIND = "nixl"
 HEARTBEAT = b""  # an empty notification: proves the peer is reachable, carries nothing
-BUSY_POLL_S = 0.00005  # progress-thread pause while transfers are pending
-IDLE_POLL_S = 0.01
+IDLE_POLL_S = 0.01  # progress-thread pause with nothing pending (``poll_s`` while something is)
+# Arena geometry by memory kind when not given: (bytes, slot bytes). Half the slots gather,
+# half land. DEVICE: a notification round trip (~0.1-0.5 ms, PERF.md) is worth hundreds of
+# MB at device speed, so slots are large and many MB are in flight per credit round.
+ARENA_DEFAULTS = {MemoryKind.HOST: (64 << 20, 4 << 20), MemoryKind.DEVICE: (512 << 20, 32 << 20)}
 
 
 KEPT = 4096  # stashed records and withdrawn transfer ids kept
@@ -178,16 +184,21 @@ class NixlBackend(Backend):
         nixl_progress_thread: bool = False,
         packed: PackedMode = "auto",
         packed_min_descriptors: int | None = None,
-        arena_bytes: int = 64 << 20,
-        packed_chunk_bytes: int = 4 << 20,
+        arena_bytes: int | None = None,
+        packed_chunk_bytes: int | None = None,
+        poll_s: float = 0.0005,
     ) -> None:
         if chunk_bytes <= 0 or window <= 0 or deadline_s <= 0 or heartbeat_s <= 0:
             raise ValueError("chunk_bytes, window, deadline_s and heartbeat_s must be positive")
         if packed not in ("auto", "always", "never"):
             raise ValueError(f"packed must be 'auto', 'always' or 'never', got {packed!r}")
-        if arena_bytes and (packed_chunk_bytes <= 0 or arena_bytes < 2 * packed_chunk_bytes):
+        if arena_bytes and packed_chunk_bytes is not None and (
+                packed_chunk_bytes <= 0 or arena_bytes < 2 * packed_chunk_bytes):
             raise ValueError(f"arena_bytes ({arena_bytes}) must hold at least 2 slots of packed_chunk_bytes "
                              f"({packed_chunk_bytes}), or be 0 for no arena")
+        if poll_s < 0:
+            raise ValueError("poll_s must not be negative")
+        self.poll_s = poll_s
         self.packed: PackedMode = packed
         self.packed_min_descriptors = packed_min_descriptors
         self.arena_bytes = arena_bytes
@@ -240,9 +251,11 @@ class NixlBackend(Backend):
         self._refuse_if_closed()
         added = self._regions.add(regions)
         if added:
-            if self._arena is None and self.arena_bytes:
+            if self._arena is None and self.arena_bytes != 0:
                 first = added[0]
-                self._arena = Arena(self.arena_bytes, self.packed_chunk_bytes, first.memory_kind, first.device_id)
+                size, slot = ARENA_DEFAULTS[first.memory_kind]
+                self._arena = Arena(self.arena_bytes or size, self.packed_chunk_bytes or slot, first.memory_kind,
+                                    first.device_id)
                 added = [*added, self._arena.region(f"kvxfer-arena-{self.name}")]
             self._agent.register(added)
 
@@ -369,8 +382,8 @@ class NixlBackend(Backend):
                                      row_limit=limit if injected else None, coalesce_runs=self.coalesce)
                 remote = None if fetching else self._packed_target(matches, hint, chunks)
                 job: ActiveJob
-                if remote is not None:
-                    packed = plan_packed(matches, hint, chunk_bytes=min(self.packed_chunk_bytes, remote.slot_bytes),
+                if remote is not None and self._arena is not None:
+                    packed = plan_packed(matches, hint, chunk_bytes=min(self._arena.slot_bytes, remote.slot_bytes),
                                          row_limit=limit if injected else None)
                     job = PackedJob(attempt, view, hint, "WRITE", packed, deadline, injected=injected, ready=ready,
                                     remote=remote)
@@ -411,7 +424,7 @@ class NixlBackend(Backend):
             floor = self.packed_min_descriptors or MIN_DESCRIPTORS[arena.memory_kind]
             if descriptors < floor * len(chunks):
                 return None  # few, large descriptors: NIXL moves them as fast without a copy
-        fit = min(arena.slot_bytes, remote.slot_bytes, self.packed_chunk_bytes)
+        fit = min(arena.slot_bytes, remote.slot_bytes)
         for m in matches:
             if m.peer is None or m.local_rows.size == 0:
                 continue
@@ -432,7 +445,7 @@ class NixlBackend(Backend):
             except Exception:  # keep progressing other attempts; the failing one times out
                 log.exception("nixl backend %s: progress step failed", self.name)
                 busy = False
-            self._kick.wait(timeout=BUSY_POLL_S if busy else IDLE_POLL_S)
+            self._kick.wait(timeout=self.poll_s if busy else IDLE_POLL_S)
             self._kick.clear()
 
     def _step(self) -> bool:
