@@ -323,7 +323,7 @@ class NixlBackend(Backend):
                 job.attempt.conclude(Cancelled(False, local))
                 job.attempt.mark_quiesced()
         for wait in self._passive.values():
-            wait.attempt.conclude(Cancelled(False, wait.view.row_masks()))
+            wait.attempt.conclude(Cancelled(False, wait.masks()))
         left = frozenset(a for a in self._all_attempts() if not a.quiesced())
         if not left:  # nothing can touch our regions any more: drop peers and registrations
             self._agent.close()
@@ -592,7 +592,8 @@ class NixlBackend(Backend):
             waits = list(self._inbound.items())
         if arena is None or not waits:
             return
-        wanting = [w.inbound for _, w in waits if w.inbound and w.inbound.wanted > 0 and w.attempt.poll() is None]
+        wanting = [w.inbound for _, w in waits if w.inbound and w.inbound.wanted > 0 and w.attempt.poll() is None
+                   and not w.attempt.cancel_requested]  # a cancelled wait concludes this step: no new writes
         granted = 0
         while arena.free_in and wanting:
             for inbound in list(wanting):

@@ -166,6 +166,39 @@ def test_cancel_mid_way_both_ends_report_the_scattered_chunks(made: list[NixlBac
                            else bytes([SENTINEL]) * size), f"group {i} row {r}"
 
 
+def test_fetcher_cancel_mid_way_later_chunks_dropped_unscattered(made: list[NixlBackend]) -> None:
+    # The receiver concludes at its cancel with the rows it scattered; chunks still in flight are
+    # acknowledged "not scattered" and their rows stay untouched, so both ends report the same rows.
+    # Two landing slots of 2-4 rows and slow polling: ~75 credit rounds of a few ms, chunks
+    # always in flight when the cancel lands.
+    opts = {"packed": "always", "arena_bytes": 32 << 10, "packed_chunk_bytes": 8 << 10, "poll_s": 0.002}
+    pub, pmem = _backend(made, "P", **opts)
+    fet, fmem = _backend(made, "F", **opts)
+    pview, fview = _view(pmem, "fcancel", 200, 15), _view(fmem, "fcancel", 200, 16)
+    payload = _fill(pmem, pview, 17)
+    _sentinel(fmem, fview)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    sending = pub.publish(pview, fhint)
+    time.sleep(0.1)
+    waiting.cancel()
+    assert sending.wait(10.0) and waiting.wait(10.0)
+    mine, theirs = sending.poll(), waiting.poll()
+    assert isinstance(theirs, Cancelled) and not theirs.by_peer, theirs
+    assert isinstance(mine, Cancelled) and mine.by_peer, mine
+    assert 0 < theirs.rows_delivered < 400
+    for a, b in zip(mine.masks, theirs.masks):
+        assert np.array_equal(a, b), "the two ends disagree on which rows are in place"
+    time.sleep(0.1)  # nothing may land after the outcome: rows reported False stay untouched
+    for i, (pg, fg) in enumerate(zip(pview.groups, fview.groups)):
+        size = fg.region.slot_bytes
+        got = fmem.read(fg.region.name, fg.slots)
+        for r in range(len(fg)):
+            row = got[r * size:(r + 1) * size]
+            assert row == (payload[pg.layer_group][r * size:(r + 1) * size] if theirs.masks[i][r]
+                           else bytes([SENTINEL]) * size), f"group {i} row {r}"
+
+
 def test_small_arena_reuses_slots_on_credits_bytes_exact(made: list[NixlBackend]) -> None:
     # Two landing slots of 8 KiB at the fetcher and 2 gather slots at the publisher: 4 MiB of
     # 4 KiB rows need ~500 chunks, so every slot is granted, scattered and granted again.
