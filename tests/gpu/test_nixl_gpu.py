@@ -38,6 +38,8 @@ def test_nixl_vram_push_conformance_two_processes(check, device_pairs):  # type:
 def test_nixl_vram_push_64k_rows_with_and_without_coalescing() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    # The module's kit fixture keeps its own child alive until teardown: only ours must be gone.
+    before = set(live_children())
     figures = {
         "coalesced_runs16": push_rows_throughput("device", coalesce=True, run=16),
         "per_row_runs16": push_rows_throughput("device", coalesce=False, run=16),
@@ -45,7 +47,7 @@ def test_nixl_vram_push_64k_rows_with_and_without_coalescing() -> None:
     }
     print("\nNIXL VRAM push, 4096 x 64 KiB rows, two processes:\n" + json.dumps(figures, indent=2))
     assert all(f["best_gbps"] > 0 for f in figures.values())
-    assert live_children() == []
+    assert set(live_children()) <= before
 
 
 def test_doctor_on_the_gpu_machine(tmp_path) -> None:  # type: ignore[no-untyped-def]
