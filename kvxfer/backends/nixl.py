@@ -233,7 +233,7 @@ class NixlBackend(Backend):
         # The packed path: our arena (made at the first register()), requests for arena slots
         # that came before their fetch(), the waits landing in the arena, counters, paths.
         self._arena: Arena | None = None
-        self._early_requests: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._early_requests: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
         self._inbound: dict[str, PassiveWait] = {}
         self._counts: dict[str, int] = dict.fromkeys(NixlStats.__dataclass_fields__, 0)
         self._paths: weakref.WeakKeyDictionary[TrackedAttempt, Path] = weakref.WeakKeyDictionary()
@@ -456,9 +456,9 @@ class NixlBackend(Backend):
             active = list(self._active)
             replies, self._replies = self._replies, []
             ready = [(t, *self._early_requests.pop(t)) for t in list(self._early_requests) if t in self._passive]
-        for transfer_id, sender, chunks in ready:
+        for transfer_id, sender, chunks, rows in ready:
             try:
-                self._on_pack_request(sender, transfer_id, chunks)
+                self._on_pack_request(sender, transfer_id, chunks, rows)
             except ValueError as exc:
                 log.warning("nixl backend %s: dropped a packed request from %r: %s", self.name, sender, exc)
         self._grant_credits()
@@ -482,7 +482,8 @@ class NixlBackend(Backend):
             try:
                 note = decode_note(message)
                 if note["k"] == "req":
-                    self._on_pack_request(sender, note["t"], ints([note.get("n")], "n")[0])
+                    chunks, rows = ints([note.get("n"), note.get("r", -1)], "n/r")
+                    self._on_pack_request(sender, note["t"], chunks, rows)
                 elif note["k"] == "credit":
                     self._on_credit(sender, note)
                 else:
@@ -566,20 +567,21 @@ class NixlBackend(Backend):
         wait.attempt.mark_quiesced()
 
     # --- the packed path: landing chunks ------------------------------------------------
-    def _on_pack_request(self, sender: str, transfer_id: str, chunks: int) -> None:
+    def _on_pack_request(self, sender: str, transfer_id: str, chunks: int, rows: int) -> None:
         with self._lock:
             wait = self._passive.get(transfer_id)
             if wait is None:
                 if not self._own.is_retired(transfer_id):
-                    _bounded_put(self._early_requests, transfer_id, (sender, chunks))
+                    _bounded_put(self._early_requests, transfer_id, (sender, chunks, rows))
                 return
         if wait.hint.agent != sender or wait.inbound is not None or self._arena is None:
             log.warning("nixl backend %s: ignored a packed request from %r for transfer %s", self.name, sender,
                         transfer_id)
             return
-        if not 0 < chunks <= max(1, wait.view.rows):
-            raise ValueError(f"a packed request for {chunks} chunks, the transfer has {wait.view.rows} rows")
-        wait.inbound = Inbound(sender, chunks, wait.view.row_masks())
+        if not 0 < chunks <= max(1, wait.view.rows) or not -1 <= rows <= wait.view.rows:
+            raise ValueError(f"a packed request for {chunks} chunks of {rows} rows, the transfer has "
+                             f"{wait.view.rows} rows")
+        wait.inbound = Inbound(sender, chunks, wait.view.row_masks(), rows)
         with self._lock:
             self._inbound[transfer_id] = wait
             self._paths[wait.attempt] = "packed"
@@ -649,6 +651,12 @@ class NixlBackend(Backend):
         inbound.scattered[group][rows] = True
         inbound.ok.append(chunk)
         self._count(chunks_scattered=1, bytes_scattered=int(rows.size) * region.slot_bytes)
+        if inbound.complete:
+            # Every row the sender will send is in place: conclude now rather than one
+            # notification later. The sender still needs the last acknowledgement.
+            self._notify(sender, inbound.note(transfer_id))
+            wait.attempt.conclude(Delivered(tuple(wait.masks())))
+            self._end_passive(wait)
 
     def _on_credit(self, sender: str, note: dict[str, Any]) -> None:
         grant, ok, no = ints(note.get("grant"), "grant"), ints(note.get("ok"), "ok"), ints(note.get("no"), "no")
@@ -689,8 +697,7 @@ class NixlBackend(Backend):
         if isinstance(job, PackedJob):
             assert self._arena is not None
             first = job.next_chunk
-            lost = step_packed(job, self._agent, self._arena, window=self.window, pause_s=self.chunk_pause_s,
-                               deadline_s=self.deadline_s)
+            lost = step_packed(job, self._agent, self._arena, pause_s=self.chunk_pause_s, deadline_s=self.deadline_s)
             if job.next_chunk > first:
                 self._count(chunks_sent=job.next_chunk - first,
                             bytes_sent=sum(c.nbytes for c in job.chunks[first:job.next_chunk]))

@@ -7,7 +7,8 @@ of the fetcher's arena, and the fetcher scatters it into its rows on its progres
 
 Protocol (push only; notes are NIXL notifications, ``NOTE_PREFIX`` + msgpack):
 
-- sender -> receiver ``req`` {t, n}: transfer ``t`` (the receiver's id) has ``n`` chunks;
+- sender -> receiver ``req`` {t, n, r}: transfer ``t`` (the receiver's id) has ``n`` chunks
+  carrying ``r`` rows, all it will send (-1: the sender will fail after them, an injected fault);
 - receiver -> sender ``credit`` {t, grant, ok, no}: arena slots the sender may write now
   (each granted to one transfer at a time), chunks scattered (``ok``) and chunks dropped
   unscattered (``no``: the receiver had already concluded, or the scatter failed);
@@ -15,7 +16,9 @@ Protocol (push only; notes are NIXL notifications, ``NOTE_PREFIX`` + msgpack):
   delivers it once the bytes are in the receiver's arena): chunk ``c`` is in slot ``s``,
   rows of hint group ``g`` given as runs (int64 starts ``rs``, lengths ``rl``).
 
-A slot returns to the receiver's free list only after its chunk was scattered (or dropped),
+The receiver concludes Delivered by itself once it scattered all ``r`` rows (the sender's
+record, one notification later, then finds the wait retired); its memory is quiet then, as
+the sender writes nothing but the receiver's arena. A slot returns to the receiver's free list only after its chunk was scattered (or dropped),
 or after the sender's completion record (then nothing of the sender writes any more), so a
 sender never overwrites a chunk still being scattered. Masks: the receiver's are the rows it
 scattered; the sender's are the chunks acknowledged ``ok``; a sender that stops waits for the
@@ -278,9 +281,9 @@ class PackedJob(ActiveJob):
                     self.failure = self.failure or f"peer {self.hint.agent!r} did not scatter chunk {c}"
 
 
-def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, window: int, pause_s: float,
-                deadline_s: float) -> bool:
-    """Check the job's WRITEs, then post more while credits, local slots and the window allow.
+def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: float, deadline_s: float) -> bool:
+    """Check the job's WRITEs, then post more while credits and local gather slots allow (they
+    bound what is in flight: each WRITE is one large descriptor, so no further window).
     Returns True when the peer turned out to be disconnected."""
     assert job.remote is not None
     now = time.monotonic()
@@ -318,7 +321,8 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, window: int, 
     stopping = job.failure is not None or job.attempt.cancel_requested
     if not job.requested and job.ready and not stopping:
         try:
-            agent.notify(peer, encode_note("req", t=job.hint.transfer_id, n=len(job.chunks)))
+            rows = -1 if job.injected else sum(c.rows for c in job.chunks)
+            agent.notify(peer, encode_note("req", t=job.hint.transfer_id, n=len(job.chunks), r=rows))
             job.requested = True
         except PeerUnknown:
             pass  # etcd metadata not there yet: asked again on the next step
@@ -326,7 +330,7 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, window: int, 
             job.failure, job.abandoned = f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)", True
             return True
     while (job.failure is None and not job.attempt.cancel_requested and job.requested and job.credits
-           and arena.free_out and len(job.inflight) < window and job.next_chunk < len(job.chunks)
+           and arena.free_out and job.next_chunk < len(job.chunks)
            and now >= job.not_before):
         index = job.next_chunk
         chunk = job.chunks[index]
@@ -379,10 +383,15 @@ class Inbound:
     sender: str
     wanted: int                                      # chunks the sender still needs slots for
     scattered: list[BoolArray]                       # per view group: rows in place
+    expected: int                                    # rows the sender will send; -1: unknown
     granted: set[int] = field(default_factory=set)  # slots the sender may be writing
     grant: list[int] = field(default_factory=list)  # to send: new slots
     ok: list[int] = field(default_factory=list)     # to send: chunks scattered
     no: list[int] = field(default_factory=list)     # to send: chunks dropped
+
+    @property
+    def complete(self) -> bool:
+        return self.expected >= 0 and sum(int(m.sum()) for m in self.scattered) == self.expected
 
     @property
     def owes_note(self) -> bool:
