@@ -9,7 +9,8 @@ Every figure is payload bytes over the time from the call that moves them to the
 are proven at the destination: raw NIXL, post to DONE (busy-polled); NixlBackend, publish() to
 the publisher's outcome (unpacked: every request DONE, NIXL flushed; packed: every chunk
 acknowledged as scattered by the peer). Rows are scattered at random on both ends (nothing
-coalesces), host memory (or device memory with --memory device), pages faulted in beforehand; the first run of each case warms up.
+coalesces), host memory (or device memory with --memory device), pages faulted in beforehand;
+the first run of each case warms up.
 The fetcher's outcome must be Delivered for every row, the path taken is read from the
 backends' stats, and the bytes of the last repetition are compared row for row.
 """
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, path in (("unpacked", "never"), ("packed", "always")):
         result[name] = backend_push(path, args.rows, args.row_bytes, args.reps, args.memory, options)
     ceiling = result["raw_one_descriptor"]["best_gbps"]
-    print(f"{args.rows} scattered rows x {args.row_bytes // 1024} KiB = {nbytes >> 20} MiB, two processes, {args.memory} memory,"
-          f" best / median of {args.reps}")
+    print(f"{args.rows} scattered rows x {args.row_bytes // 1024} KiB = {nbytes >> 20} MiB, two processes, "
+          f"{args.memory} memory, best / median of {args.reps}")
     for name in ("raw_one_descriptor", "unpacked", "packed"):
         r = result[name]
         print(f"  {name:20s} {r['best_gbps']:7.2f} / {r['median_gbps']:7.2f} GB/s   "

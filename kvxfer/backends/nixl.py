@@ -123,8 +123,9 @@ Path = Literal["packed", "unpacked"]
 # after coalescing) each. DEVICE: every descriptor costs ~12 µs in UCX while the device
 # gathers and scatters at TB/s (PERF.md), so pack early. HOST: packing adds two memcpys to
 # NIXL's one; measured on the 2-core CPU machine (bench/nixl_packed.py, 256 MiB of scattered
-# rows, two processes) packed was 2.9x unpacked at 4 KiB rows, 1.07x at 16 KiB, 0.65x at
-# 64 KiB, so with 16 MiB chunks only rows of about 8 KiB or less (2,048 per chunk) go packed.
+# rows, two processes, best of 3-7 over several runs) packed was 2.2-2.9x unpacked at 4 KiB
+# rows, 0.8-1.1x at 16 KiB, 0.5-0.65x at 64 KiB, so with 16 MiB chunks only rows of about
+# 8 KiB or less (2,048 per chunk) go packed.
 MIN_DESCRIPTORS = {MemoryKind.DEVICE: 64, MemoryKind.HOST: 2048}
 
 

@@ -4,6 +4,8 @@ Why: each NIXL descriptor costs about 12 µs in UCX (PERF.md), so scattered smal
 one descriptor each, cap a transfer near 5-8 GB/s. Packed, the publisher gathers a chunk
 of rows into a slot of its registered bounce arena, WRITEs it as one descriptor into a slot
 of the fetcher's arena, and the fetcher scatters it into its rows on its progress thread.
+On host memory packing adds two memcpys to NIXL's one and pays only for small rows
+(``nixl.MIN_DESCRIPTORS`` says where ``packed="auto"`` draws the line, and why).
 
 Protocol (push only; notes are NIXL notifications, ``NOTE_PREFIX`` + msgpack):
 
@@ -18,9 +20,10 @@ Protocol (push only; notes are NIXL notifications, ``NOTE_PREFIX`` + msgpack):
 
 The receiver concludes Delivered by itself once it scattered all ``r`` rows (the sender's
 record, one notification later, then finds the wait retired); its memory is quiet then, as
-the sender writes nothing but the receiver's arena. A slot returns to the receiver's free list only after its chunk was scattered (or dropped),
-or after the sender's completion record (then nothing of the sender writes any more), so a
-sender never overwrites a chunk still being scattered. Masks: the receiver's are the rows it
+the sender writes nothing but the receiver's arena. A slot returns to the receiver's free
+list only after its chunk was scattered (or dropped), or after the sender's completion
+record (then nothing of the sender writes any more), so a sender never overwrites a chunk
+still being scattered. Masks: the receiver's are the rows it
 scattered; the sender's are the chunks acknowledged ``ok``; a sender that stops waits for the
 acknowledgements of what it wrote (unless the peer died or the deadline passed, when it
 undercounts), so both ends report the same rows.

@@ -69,7 +69,8 @@ def _views(pmem: DeviceRows, fmem: DeviceRows, request: str, rows: int, seed: in
     rng = np.random.default_rng(seed)
     out = []
     for memory, skip in ((pmem, 0), (fmem, held)):
-        groups = tuple(LayerGroupRows(f"g{i}", CacheKind.PAGED, r, rng.permutation(r.slots)[:rows][skip:].astype(np.int64),
+        groups = tuple(LayerGroupRows(f"g{i}", CacheKind.PAGED, r,
+                                      rng.permutation(r.slots)[:rows][skip:].astype(np.int64),
                                       np.arange(skip, rows, dtype=np.int64)) for i, r in enumerate(memory.regions))
         out.append(View(request, TokenRange(0, rows * 16), groups, b"L"))
     return out[0], out[1]

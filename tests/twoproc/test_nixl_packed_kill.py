@@ -56,7 +56,8 @@ def _whole_chunks(masks: list[np.ndarray]) -> int:
 @pytest.mark.parametrize("we", ["send", "receive"])
 def test_kill_peer_mid_packed_push(we: str) -> None:
     memory = host_rows(LOCAL)
-    local = NixlBackend(mode=TransferMode.PUSH, chunk_pause_s=PAUSE if we == "send" else 0.0, **PACKED)  # type: ignore[arg-type]
+    pause = PAUSE if we == "send" else 0.0
+    local = NixlBackend(mode=TransferMode.PUSH, chunk_pause_s=pause, **PACKED)  # type: ignore[arg-type]
     local.register(memory.regions)
     peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
                           {"mode": "push", "buffers": PEER, "chunk_pause_s": PAUSE if we == "receive" else 0.0,
