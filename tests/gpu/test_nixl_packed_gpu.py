@@ -139,6 +139,8 @@ def test_small_vram_arena_reuses_slots_bytes_exact(ends) -> None:  # type: ignor
 
 def test_packed_vs_per_row_vram_64k_rows() -> None:
     _need_cuda()
+    # The module's kit fixture keeps its own child alive until teardown: only ours must be gone.
+    before = set(live_children())
     figures = {
         "packed": push_rows_throughput("device", run=1, packed="always"),
         "per_row": push_rows_throughput("device", run=1, packed="never"),
@@ -146,4 +148,4 @@ def test_packed_vs_per_row_vram_64k_rows() -> None:
     figures["packed_over_per_row"] = figures["packed"]["best_gbps"] / figures["per_row"]["best_gbps"]
     print("\nNIXL VRAM push, 4096 scattered x 64 KiB rows, two processes:\n" + json.dumps(figures, indent=2))
     assert figures["packed_over_per_row"] > 1.0, "packing did not beat one descriptor per row on the GPU"
-    assert live_children() == []
+    assert set(live_children()) <= before
