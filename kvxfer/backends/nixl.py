@@ -187,7 +187,7 @@ class NixlBackend(Backend):
         packed_min_descriptors: int | None = None,
         arena_bytes: int | None = None,
         packed_chunk_bytes: int | None = None,
-        poll_s: float = 0.0005,
+        poll_s: float = 0.0001,
     ) -> None:
         if chunk_bytes <= 0 or window <= 0 or deadline_s <= 0 or heartbeat_s <= 0:
             raise ValueError("chunk_bytes, window, deadline_s and heartbeat_s must be positive")
