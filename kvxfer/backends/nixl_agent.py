@@ -133,7 +133,10 @@ class NixlAgent:
                     raise PeerGone(f"cannot connect to agent {name!r}: {exc}") from None
                 loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
                 if loaded_name != name:
-                    self._invalidate(loaded_name)
+                    # Undo only what this call added: a peer we already know stays loaded (its
+                    # transfers may be in flight), or a wrong hint would cut it off.
+                    if loaded_name not in self._peers:
+                        self._invalidate(loaded_name)
                     raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
                 self._peers[name] = metadata
                 return True

@@ -3,6 +3,7 @@ cancel mid-way, faults across chunk boundaries, early records, refusals and clea
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -154,3 +155,23 @@ def test_device_memory_refused_without_cuda(made: list[NixlBackend]) -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(InvalidSubmission, match="cannot reach"):
         backend.register([SlotRegion("vram", 1 << 40, 4096, 4, MemoryKind.DEVICE)])
+
+
+def test_hint_with_a_known_peers_metadata_under_another_name_leaves_that_peer_loaded(
+        made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, TransferMode.PUSH, "P")
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, "known", 21), _view(fmem, "known", 22)
+    payload = _fill(pmem, pview, 23)
+    fhint, phint = fet.describe(fview), pub.describe(pview)
+    assert pub._agent.ensure_peer(fet.name, fhint.endpoint)  # the fetcher is a known peer now
+    forged = dataclasses.replace(fhint, agent="someone-else")
+    with pytest.raises(InvalidSubmission, match="metadata is agent"):
+        pub.publish(pview, forged)
+    # The refusal must not have unloaded the real peer: its transfer still goes through.
+    attempt = fet.fetch(fview, phint)
+    published = pub.publish(pview, fhint)
+    assert published.wait(10.0) and isinstance(published.poll(), Delivered), published.poll()
+    assert attempt.wait(10.0) and isinstance(attempt.poll(), Delivered) and attempt.poll().all_delivered
+    for g in fview.groups:
+        assert fmem.read(g.region.name, g.slots) == payload[g.layer_group]
