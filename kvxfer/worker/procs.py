@@ -22,9 +22,15 @@ from typing import IO, Any
 
 from kvxfer.contract import KvxferError
 
+_INTERPRETER_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+
 
 def children_of(pid: int) -> list[int]:
-    """Live (not zombie) processes whose parent is ``pid``, read from /proc (Linux)."""
+    """Live (not zombie) processes whose parent is ``pid``, read from /proc (Linux).
+
+    Python's own multiprocessing helpers (the resource tracker that any ``spawn`` context
+    starts once per interpreter, the fork server) are left out: they live as long as the
+    interpreter and exit when it does, so they are no process a job forgot to stop."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -34,7 +40,13 @@ def children_of(pid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
+        if int(fields[1]) != pid or fields[0] == "Z":
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if not any(helper in cmdline for helper in _INTERPRETER_HELPERS):
             out.append(int(entry.name))
     return out
 
