@@ -211,13 +211,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a workload that cannot run before any process starts (a usage error, exit 2)."""
+    for flag, low in (("requests", 1), ("concurrency", 1), ("min_len", 1), ("max_new_tokens", 1),
+                      ("prefill_workers", 1), ("decode_workers", 1), ("blocks", 1), ("warmup", 0)):
+        if getattr(args, flag) < low:
+            parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    if args.min_len > args.max_len:
+        parser.error(f"--min-len {args.min_len} is over --max-len {args.max_len}")
+    for flag in ("timeout", "startup_timeout"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     torch.set_num_threads(1)
     model = model_from_args(args)
-    prompts = synthetic_prompts(args.requests, args.min_len, min(args.max_len, model.config.max_positions
-                                                                 - args.max_new_tokens),
-                                model.config.vocab_size, args.prompt_seed)
+    longest = min(args.max_len, model.config.max_positions - args.max_new_tokens)
+    if longest < args.min_len:
+        parser.error(f"the model holds {model.config.max_positions} positions: prompts of at least --min-len "
+                     f"{args.min_len} plus --max-new-tokens {args.max_new_tokens} do not fit")
+    prompts = synthetic_prompts(args.requests, args.min_len, longest, model.config.vocab_size, args.prompt_seed)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
     worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
                    str(args.blocks), "--transfer-timeout", str(args.timeout), *model_args_list(args)]
