@@ -230,6 +230,7 @@ class NixlBackend(Backend):
         self._revoked: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._dead: set[str] = set()                     # peers found disconnected, not yet dropped
         self._replies: list[tuple[str, CompletionRecord]] = []  # withdrawals owed to peers
+        self._early: list[CompletionRecord] = []  # stashed records whose wait now exists
         self._next_heartbeat = 0.0
         # The packed path: our arena (made at the first register()), requests for arena slots
         # that came before their fetch(), the waits landing in the arena, counters, paths.
@@ -396,13 +397,14 @@ class NixlBackend(Backend):
                     self._counts["unpacked_submissions"] += 1
                     self._paths[attempt] = "unpacked"
                 self._active.append(job)
-                early = None
             else:
                 self._passive[own_id] = PassiveWait(attempt, view, hint, own_id, deadline)
                 early = self._stashed.pop(own_id, None)
+                if early is not None:
+                    # Handled by the progress thread, as every record: concluding here would
+                    # call wake inside fetch() and race that thread over the wait.
+                    self._early.append(early)
         self._own.consume(view, own_id)
-        if early is not None:
-            self._on_record(early)
         self._kick.set()
         return attempt
 
@@ -456,7 +458,10 @@ class NixlBackend(Backend):
         with self._lock:
             active = list(self._active)
             replies, self._replies = self._replies, []
+            early, self._early = self._early, []
             ready = [(t, *self._early_requests.pop(t)) for t in list(self._early_requests) if t in self._passive]
+        for record in early:
+            self._on_record(record)
         for transfer_id, sender, chunks, rows in ready:
             try:
                 self._on_pack_request(sender, transfer_id, chunks, rows)

@@ -175,3 +175,22 @@ def test_hint_with_a_known_peers_metadata_under_another_name_leaves_that_peer_lo
     assert attempt.wait(10.0) and isinstance(attempt.poll(), Delivered) and attempt.poll().all_delivered
     for g in fview.groups:
         assert fmem.read(g.region.name, g.slots) == payload[g.layer_group]
+
+
+def test_a_stashed_record_concludes_on_the_progress_thread_not_inside_fetch(made: list[NixlBackend]) -> None:
+    pub, pmem = _backend(made, TransferMode.PUSH, "P")
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, "early-wake", 31), _view(fmem, "early-wake", 32)
+    _fill(pmem, pview, 33)
+    fhint, phint = fet.describe(fview), pub.describe(pview)
+    published = pub.publish(pview, fhint)
+    assert published.wait(5.0) and isinstance(published.poll(), Delivered)
+    give_up = time.monotonic() + 10.0
+    while fhint.transfer_id not in fet._stashed and time.monotonic() < give_up:  # the record is here first
+        time.sleep(0.005)
+    assert fhint.transfer_id in fet._stashed
+    woken_on: list[threading.Thread] = []
+    attempt = fet.fetch(fview, phint, wake=lambda: woken_on.append(threading.current_thread()))
+    assert attempt.wait(5.0) and isinstance(attempt.poll(), Delivered)
+    # A wake inside fetch() would reach an owner that has no attempt yet (and may hold its own lock).
+    assert woken_on and threading.current_thread() not in woken_on
