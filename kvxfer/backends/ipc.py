@@ -231,7 +231,9 @@ class IpcBackend(Backend):
     def shutdown(self) -> frozenset[TrackedAttempt]:
         with self._jobs_lock:
             if self._closed and not self._thread.is_alive():
-                return frozenset()
+                # Already shut down: still report what was never proven quiesced.
+                left = [w.attempt for w in self._passive.values()] + [j.attempt for j in self._in_flight]
+                return frozenset(a for a in left if not a.quiesced())
             self._closed = True
             active = list(self._in_flight)
             passive = list(self._passive.values())
