@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.contract import KvxferError
 
+log = logging.getLogger(__name__)
 MAX_HEADER = 64 << 10
 MAX_BODY = 64 << 20
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
@@ -91,7 +93,10 @@ async def _read_request(reader: asyncio.StreamReader) -> Request:
         if ":" in line:
             k, v = line.split(":", 1)
             headers[k.strip().lower()] = v.strip()
-    length = int(headers.get("content-length", "0") or 0)
+    raw_length = headers.get("content-length", "0") or "0"
+    if not raw_length.isdigit():
+        raise BadRequest(f"Content-Length {raw_length[:40]!r} is not a byte count")
+    length = int(raw_length)
     if length > MAX_BODY:
         raise BadRequest(f"body of {length} bytes is over {MAX_BODY}")
     body = await reader.readexactly(length) if length else b""
@@ -145,6 +150,9 @@ class HttpServer:
                 response = Response.json({"error": str(exc)}, 400)
             except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
                 return
+            except Exception as exc:  # a handler's bug: answer it rather than cut the connection
+                log.exception("HTTP handler failed")
+                response = Response.json({"error": f"{type(exc).__name__}: {exc}"}, 500)
             if response.stream is None:
                 writer.write(_head(response.status, response.content_type, len(response.body)) + response.body)
             else:

@@ -43,9 +43,10 @@ def make_handler(router: Router):  # type: ignore[no-untyped-def]
             body = request.json()
             prompt = body.get("prompt") if isinstance(body, dict) else None
             max_new = body.get("max_new_tokens", 16) if isinstance(body, dict) else None
-            if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            if not isinstance(prompt, list) or not prompt or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise BadRequest("'prompt' must be a non-empty list of token ids")
-            if not isinstance(max_new, int) or max_new < 1:
+            if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
                 raise BadRequest("'max_new_tokens' must be a positive integer")
             rid = body.get("request")
             return Response.ndjson(_events(router, prompt, max_new, rid if isinstance(rid, str) else None))

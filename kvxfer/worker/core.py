@@ -433,13 +433,14 @@ class Worker:
         worker cannot write into the reserved rows (it never received hint D, refused it
         before submitting, or is dead), so they can be reused; otherwise they are quarantined."""
         rid = _request_id(body)
+        rows_safe = _flag(body, "rows_safe")
         if self._held.pop(rid, None) is not None:
             await self._run(self._free, rid)
             return {"request": rid, "dropped": "held"}
         reserved = self._reserved.get(rid)
         if reserved is not None and not reserved.busy:
             del self._reserved[rid]
-            await self._run(self._drop_reservation, rid, reserved, bool(body.get("rows_safe", False)))
+            await self._run(self._drop_reservation, rid, reserved, rows_safe)
             return {"request": rid, "dropped": "reserved"}
         return {"request": rid, "dropped": None}
 
@@ -456,18 +457,20 @@ class Worker:
         policy = body.get("on_failure", "fail")
         if policy not in POLICIES:
             raise BadRequest(f"on_failure must be one of {POLICIES}, got {policy!r}")
-        timeout = float(body.get("timeout_s", self.config.transfer_timeout_s))
+        timeout = _seconds(body, "timeout_s", self.config.transfer_timeout_s)
+        rows_safe = _flag(body, "rows_safe")
         reserved = self._reserved.get(rid)
         if reserved is not None:
             if reserved.busy:
                 raise BadRequest(f"request {rid!r} is already generating")
             hint_p = _hint(body, "hint") if body.get("hint") else None
             first = body.get("first_token")
-            if hint_p is not None and (not isinstance(first, int) or not 0 <= first < self.config.model.vocab_size):
+            if hint_p is not None and (not isinstance(first, int) or isinstance(first, bool)
+                                       or not 0 <= first < self.config.model.vocab_size):
                 raise BadRequest("generate with a hint needs first_token (the prefill worker's token id)")
             reserved.busy = True  # only once the call is known to be well formed
             return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, hint_p, first, policy,
-                                       timeout, bool(body.get("rows_safe", False)))
+                                       timeout, rows_safe)
         prompt = _prompt(body, self.config.model)
         if body.get("hint"):
             raise BadRequest(f"request {rid!r} has no reservation here: reserve before generating with a hint")
@@ -637,6 +640,22 @@ def _positive(body: dict[str, Any], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise BadRequest(f"'{key}' must be a positive integer")
     return value
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    """A JSON boolean (absent: false). A string such as "false" is refused, not read as true:
+    ``rows_safe`` true lets rows a peer may still write into be reused."""
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _seconds(body: dict[str, Any], key: str, default: float) -> float:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise BadRequest(f"'{key}' must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _hint(body: dict[str, Any], key: str) -> Any:

@@ -1,0 +1,84 @@
+"""Malformed input to the workers' and the router's HTTP APIs gets a 4xx naming what is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_router import cluster  # noqa: I001 - pytest puts tests/unit on sys.path
+
+from kvxfer.router import Router
+from kvxfer.router.http import HttpError, HttpServer, Request, Response, request_json, request_text
+from kvxfer.router.serve import make_handler as router_handler
+
+
+async def _raw(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    out = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return out
+
+
+def test_bad_content_length_is_a_400_and_a_failing_handler_a_500() -> None:
+    async def handler(request: Request) -> Response:
+        if request.path == "/boom":
+            raise ValueError("handler bug")
+        return Response.json({"ok": True})
+
+    async def main() -> None:
+        server = HttpServer(handler)
+        port = await server.start()
+        try:
+            out = await _raw(port, b"POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 400") and b"Content-Length 'abc' is not a byte count" in out
+            out = await _raw(port, b"POST /x HTTP/1.1\r\nContent-Length: -5\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 400"), out
+            with pytest.raises(HttpError) as info:
+                await request_json(f"http://127.0.0.1:{port}", "GET", "/boom")
+            assert info.value.status == 500 and "ValueError: handler bug" in str(info.value)
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_worker_flags_and_timeouts_must_have_their_json_types() -> None:
+    """``rows_safe: "false"`` used to read as true (rows a peer may write into were reused);
+    a string timeout was a 500 (ValueError) instead of a 400."""
+    async def main() -> None:
+        async with cluster(0, 1) as c:
+            d = c.decode[0]
+            await request_json(d, "POST", "/reserve", {"request": "a", "prompt": list(range(10)),
+                                                      "max_new_tokens": 2})
+            cases = [("/abort", {"request": "a", "rows_safe": "false"}, "'rows_safe' must be true or false"),
+                     ("/generate", {"request": "a", "timeout_s": "soon"}, "'timeout_s' must be a positive number"),
+                     ("/generate", {"request": "a", "timeout_s": -1}, "'timeout_s' must be a positive number"),
+                     ("/generate", {"request": "a", "rows_safe": 1}, "'rows_safe' must be true or false")]
+            for path, body, words in cases:
+                with pytest.raises(HttpError) as info:
+                    await request_json(d, "POST", path, body)
+                assert info.value.status == 400 and words in str(info.value), (path, str(info.value))
+            health = await request_json(d, "GET", "/health")
+            assert health["reserved"] == 1  # nothing was dropped by the refused calls
+            await request_json(d, "POST", "/abort", {"request": "a", "rows_safe": False})
+            assert "kvxfer_quarantined_slots 3" in await request_text(d, "/metrics")
+
+    asyncio.run(main())
+
+
+def test_router_refuses_boolean_token_ids() -> None:
+    async def main() -> None:
+        server = HttpServer(router_handler(Router([], ["http://127.0.0.1:9"])))
+        port = await server.start()
+        try:
+            for body, words in (({"prompt": [True, 2]}, "'prompt'"), ({"prompt": [1], "max_new_tokens": True},
+                                                                       "'max_new_tokens'")):
+                with pytest.raises(HttpError) as info:
+                    await request_json(f"http://127.0.0.1:{port}", "POST", "/generate", body)
+                assert info.value.status == 400 and words in str(info.value)
+        finally:
+            await server.close()
+
+    asyncio.run(main())
