@@ -146,6 +146,7 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
+        self._torn_down = False  # set on the engine thread once the lender and backend are shut down
         self._metrics()
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -186,6 +187,7 @@ class Worker:
             self._quarantine(r)  # a peer may hold hint D: never reuse
         self._reserved.clear()
         self._held.clear()
+        self._torn_down = True  # from here on no job touches the pool (see _engine)
         unquiesced = len(self.backend.shutdown()) if self.backend is not None else 0
         retained = 0
         if self.lender is not None:
@@ -195,7 +197,16 @@ class Worker:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._exec, fn, *args)
+        return await loop.run_in_executor(self._exec, self._engine, fn, args)
+
+    def _engine(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """Run one job on the engine thread, unless the worker was torn down: streams still
+        running at close queue their next decode step behind the teardown, and that step
+        would write K/V into blocks the forced lender shutdown retained (a peer may still
+        write them) or free and commit them after the lender stopped watching the pool."""
+        if self._torn_down:
+            raise RuntimeError(f"worker {self.name!r} is shut down: its pool takes no more work")
+        return fn(*args)
 
     # --- waiting for attempts ---------------------------------------------------------------
     def _waker(self) -> tuple[asyncio.Event, Callable[[], None]]:
