@@ -40,8 +40,10 @@ from kvxfer.contract import (
     Cancelled,
     Delivered,
     Failed,
+    InvalidSubmission,
     KvxferError,
     Outcome,
+    SubmissionRejected,
     TransferMode,
     View,
 )
@@ -298,8 +300,11 @@ class Worker:
         return out
 
     def _quarantine(self, reserved: _Reserved) -> None:
-        self._quarantined.append(reserved.lease)
-        self._quarantined_count += reserved.view.rows
+        self._quarantine_lease(reserved.lease, reserved.view)
+
+    def _quarantine_lease(self, lease: Lease, view: View) -> None:
+        self._quarantined.append(lease)
+        self._quarantined_count += view.rows
 
     def _count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:
         status = _status(outcome)
@@ -371,9 +376,18 @@ class Worker:
                 raise RuntimeError(f"read lease of {rid!r} is not ready (staging copy pending)")
             hint_p = encode_hint(self.backend.describe(view))
             submitted = time.perf_counter()
-            attempt = self.backend.publish(view, hint_d, wake)
         except BaseException:
             lease.release()
+            raise
+        try:
+            attempt = self.backend.publish(view, hint_d, wake)
+        except (InvalidSubmission, SubmissionRejected):
+            lease.release()  # the backend promises that nothing escaped
+            raise
+        except BaseException:
+            # Rule 3: any other raise means memory access may have escaped (a peer may be
+            # reading these rows) and no attempt tells when it stops: never reuse them.
+            self._quarantine_lease(lease, view)
             raise
         lease.track(attempt)
         return lease, view, hint_p, attempt, submitted

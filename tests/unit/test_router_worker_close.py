@@ -61,3 +61,32 @@ def test_no_decode_step_runs_after_the_lender_was_shut_down() -> None:
     assert "shutdown" in order
     assert "step" not in order[order.index("shutdown"):], order[-5:]
 
+
+def test_a_publish_that_raises_keeps_its_rows_out_of_reuse() -> None:
+    """Backend rule 3: a raise other than InvalidSubmission/SubmissionRejected means access may
+    have escaped. The read lease used to be released and the blocks freed for reuse."""
+    from test_router import backend, cluster  # noqa: I001 - pytest puts tests/unit on sys.path
+
+    from kvxfer.router.http import HttpError, request_json, request_text
+
+    async def main() -> str:
+        async with cluster(1, 1) as c:
+            p, d = c.prefill[0], c.decode[0]
+            prompt = list(range(1, 11))  # 10 tokens: 3 blocks of 4
+
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                raise OSError("transport fell over mid-post")
+
+            backend(c.workers[p]).publish = broken  # type: ignore[method-assign]
+            hint = (await request_json(d, "POST", "/reserve", {"request": "a", "prompt": prompt,
+                                                              "max_new_tokens": 2}))["hint"]
+            await request_json(p, "POST", "/prefill", {"request": "a", "prompt": prompt})
+            with pytest.raises(HttpError) as info:
+                await request_json(p, "POST", "/publish", {"request": "a", "hint": hint})
+            assert info.value.status == 500 and "transport fell over" in str(info.value)
+            await request_json(d, "POST", "/abort", {"request": "a", "rows_safe": True})
+            return await request_text(p, "/metrics")
+
+    text = asyncio.run(main())
+    assert "kvxfer_open_leases 1\n" in text and "kvxfer_quarantined_slots 3\n" in text
+    assert 'kvxfer_pool_blocks{group="full",state="pinned"} 3\n' in text
