@@ -14,8 +14,25 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 Labels = tuple[tuple[str, str], ...]
 
 
+def _escape(value: str) -> str:
+    """A label value as the text format wants it (a quote or newline would break the line)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(value: float) -> str:
+    """A sample value, exact: ``%g`` kept 6 digits, so 1234567 bytes rendered as 1.23457e+06."""
+    value = float(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return f"{value:.15g}"  # 15 digits: no float noise (7.105, not 7.1050000000000004)
+
+
 def _labels(labels: Labels, extra: str = "") -> str:
-    parts = [f'{k}="{v}"' for k, v in labels]
+    parts = [f'{k}="{_escape(v)}"' for k, v in labels]
     if extra:
         parts.append(extra)
     return "{" + ",".join(parts) + "}" if parts else ""
@@ -46,7 +63,7 @@ class Counter(_Metric):
         return self.values.get(tuple(sorted(labels.items())), 0.0)
 
     def lines(self) -> list[str]:
-        return [f"{self.name}{_labels(k)} {v:g}" for k, v in sorted(self.values.items())]
+        return [f"{self.name}{_labels(k)} {_num(v)}" for k, v in sorted(self.values.items())]
 
 
 class Gauge(_Metric):
@@ -64,7 +81,7 @@ class Gauge(_Metric):
 
     def lines(self) -> list[str]:
         values = self.fn() if self.fn is not None else self.values
-        return [f"{self.name}{_labels(k)} {v:g}" for k, v in sorted(values.items())]
+        return [f"{self.name}{_labels(k)} {_num(v)}" for k, v in sorted(values.items())]
 
 
 class Histogram(_Metric):
@@ -95,7 +112,7 @@ class Histogram(_Metric):
                 le = "+Inf" if bound == float("inf") else f"{bound:g}"
                 tag = 'le="' + le + '"'
                 out.append(f"{self.name}_bucket{_labels(key, tag)} {running}")
-            out.append(f"{self.name}_sum{_labels(key)} {total[0]:.9g}")
+            out.append(f"{self.name}_sum{_labels(key)} {_num(total[0])}")
             out.append(f"{self.name}_count{_labels(key)} {int(total[1])}")
         return out
 

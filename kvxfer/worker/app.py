@@ -34,12 +34,17 @@ NOTHING_ESCAPED = (InvalidSubmission, SubmissionRejected, LeaseError, PoolExhaus
 """Refusals that promise no submission happened (answered 409); anything else is 500."""
 
 
+ENDPOINTS = frozenset({"health", "metrics", "prefill", "publish", "reserve", "generate", "abort"})
+
+
 def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
     async def handle(request: Request) -> Response:
-        endpoint = request.path.strip("/") or "health"
+        path = request.path.strip("/") or "health"
+        # The metric label is bounded: any path a client invents would otherwise be a new series.
+        endpoint = path if path in ENDPOINTS else "other"
         try:
-            response = await _route(worker, endpoint, request)
-            worker.m_requests.inc(endpoint=endpoint, result="ok")
+            response = await _route(worker, path, request)
+            worker.m_requests.inc(endpoint=endpoint, result="ok" if response.status < 400 else "not_found")
             return response
         except (BadRequest, WireError) as exc:
             worker.m_requests.inc(endpoint=endpoint, result="bad_request")
