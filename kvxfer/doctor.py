@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.backends.nixl import cuda_present
+from kvxfer.doctor_probe import ROW
 
 _CELL_TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
 _OPS = {"remote memory write by": "write", "remote memory read by": "read"}
@@ -205,6 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each probe step")
     parser.add_argument("--no-device", action="store_true", help="skip device memory even when CUDA is present")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.bytes < 2 * ROW:  # the row figures need two 64 KiB rows at least
+        parser.error(f"--bytes must be at least {2 * ROW} (two {ROW >> 10} KiB rows), got {args.bytes}")
+    if args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
     started = time.time()
     _say("reading versions")
     report: dict[str, Any] = {"versions": versions(), "host": socket.gethostname(), "memory": {}}

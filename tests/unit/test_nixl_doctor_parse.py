@@ -43,3 +43,18 @@ def test_tcp_lane_gets_a_loud_warning_with_the_remedy() -> None:
     assert len(tcp) == 1 and tcp[0].startswith("!!! DEVICE PULL lane falls back to TCP")
     assert "push mode" in tcp[0] and "ipc backend" in tcp[0]
     assert any("host push lane" in w and "unknown" in w for w in warnings)
+
+
+def test_doctor_refuses_sizes_it_cannot_probe_before_starting_processes(capsys: object) -> None:
+    """``--bytes 0`` and ``--reps 0`` used to start both probe processes and end in an IndexError."""
+    import pytest
+
+    from kvxfer.doctor import main
+
+    for argv, words in ((["--bytes", "0"], "--bytes must be at least 131072"),
+                        (["--reps", "0"], "--reps must be at least 1"),
+                        (["--timeout", "-1"], "--timeout must be positive")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert words in capsys.readouterr().err  # type: ignore[attr-defined]
