@@ -36,6 +36,8 @@ from kvxfer.router.metrics import Registry
 
 SELECTIONS = ("round_robin", "least_outstanding")
 POLICIES = ("fail", "recompute")
+WORKER_SETTLE_S = 15.0
+"""A decode worker's waits after a fetch's deadline: cancel grace (5 s) plus quiescence (10 s)."""
 
 
 @dataclass(frozen=True)
@@ -297,9 +299,14 @@ class Router:
         return None
 
     async def _generate(self, run: _Run, d: _Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
-        """Run /generate on ``d``; a cut stream raises _Failure(dead=True)."""
+        """Run /generate on ``d``; a cut stream raises _Failure(dead=True).
+
+        The decode worker gives its fetch ``timeout_s``, then a cancel grace and a quiescence
+        wait, before its first event says how it resumes: the router waits that long too, or
+        its own timer would fire first and policy recompute could never resume there."""
+        idle = self.timeout_s + WORKER_SETTLE_S
         try:
-            async for event in stream_json(d.url, "/generate", body, self.timeout_s, self.timeout_s):
+            async for event in stream_json(d.url, "/generate", body, self.timeout_s, idle):
                 kind = event.get("event")
                 if kind == "token":
                     tok = run.token(int(event["index"]), int(event["token"]))

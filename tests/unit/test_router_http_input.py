@@ -82,3 +82,25 @@ def test_router_refuses_boolean_token_ids() -> None:
             await server.close()
 
     asyncio.run(main())
+
+
+def test_a_transfer_past_its_deadline_is_recomputed_on_the_same_decode_worker() -> None:
+    """Policy recompute: the decode worker cancels a fetch at ``timeout_s`` and resumes; the
+    router's idle timer for /generate used to be the same ``timeout_s``, so it always fired
+    first and the request failed ("no other decode worker to recompute on")."""
+    from test_router import backend, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
+
+    from kvxfer.engine import synthetic_prompts
+    from kvxfer.router import Router
+
+    prompt = synthetic_prompts(1, 30, 30, 128, seed=4)[0]
+
+    async def main() -> None:
+        async with cluster() as c:
+            backend(c.workers[c.prefill[0]]).delay_s = 4.0  # the publisher holds its rows past the deadline
+            done = await Router(c.prefill, c.decode, on_failure="recompute", timeout_s=1.0).generate(prompt, 4)
+            assert done.ok, (done.error, done.events)
+            assert list(done.tokens) == oracle(prompt, 4)
+            assert done.decode == c.decode[0] and done.path == "resumed"
+
+    asyncio.run(main())
