@@ -63,7 +63,10 @@ def test_pair_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvxfer.cli", "pair", "--requests", "24", "--max-new-tokens", "32", "--warmup", "0",
-         "--log-dir", str(logs), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--log-dir", str(logs), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A shell that ran the suite in the background hands SIGINT down as ignored, and Python
+        # then installs no KeyboardInterrupt handler: give the child the terminal's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     try:
         deadline = time.monotonic() + 180
         while not (logs / "processes.json").exists():
