@@ -27,6 +27,7 @@ import torch
 
 from kvxfer.engine import colocated_generate, synthetic_prompts
 from kvxfer.router.http import HttpError, request_text, stream_json
+from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import add_model_args, model_args_list, model_from_args
 
@@ -159,8 +160,11 @@ def _ms(value: float | None) -> str:
 def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     c = report["config"]
     gbps = report["transfer_gb_per_s"]
+    mode = c["mode"]
+    if c.get("mode_requested", mode) != mode:
+        mode = f"{mode}, routed from {c['mode_requested']}: its lane is TCP"
     lines = [
-        f"kvxfer pair: {c['backend']} ({c['mode']}, {c['lender']} lender), {c['prefill_workers']} prefill + "
+        f"kvxfer pair: {c['backend']} ({mode}, {c['lender']} lender), {c['prefill_workers']} prefill + "
         f"{c['decode_workers']} decode workers, model {c['model']}",
         f"  requests     {report['requests']} sent, {report['completed']} completed, "
         f"{report['matched']} token-identical to colocated generation, {report['mismatched']} differ, "
@@ -196,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-seed", type=int, default=0)
     p.add_argument("--backend", default="nixl", choices=["nixl", "ipc"])
     p.add_argument("--mode", default="push", choices=["push", "pull"])
+    p.add_argument("--pull-on-tcp", default="push", choices=[x.value for x in PullOnTcp],
+                   help="nixl pull: the lanes are probed first; when the pull lane is TCP, route to push "
+                        "(if push is faster), keep pull with a warning, or fail")
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -235,10 +242,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the model holds {model.config.max_positions} positions: prompts of at least --min-len "
                      f"{args.min_len} plus --max-new-tokens {args.max_new_tokens} do not fit")
     prompts = synthetic_prompts(args.requests, args.min_len, longest, model.config.vocab_size, args.prompt_seed)
+    requested_mode, lanes = args.mode, None
+    if args.backend == "nixl" and args.mode == "pull":
+        memory = "device" if model.device.type == "cuda" else "host"
+        try:
+            lanes = probe_lanes(memory, args.startup_timeout)
+            args.mode, warning = choose_mode(args.mode, lanes, PullOnTcp(args.pull_on_tcp))
+        except PullOverTcp as exc:
+            print(f"kvxfer pair: {exc}", file=sys.stderr)
+            return 2
+        except (RuntimeError, OSError, EOFError) as exc:
+            print(f"kvxfer pair: could not probe the NIXL lanes ({exc}); refusing to run pull unchecked",
+                  file=sys.stderr)
+            return 2
+        if warning:
+            print(f"kvxfer pair: {warning}", file=sys.stderr, flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
     worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
                    str(args.blocks), "--transfer-timeout", str(args.timeout), *model_args_list(args)]
-    config = {"backend": args.backend, "mode": args.mode, "lender": args.lender, "requests": args.requests,
+    config = {"backend": args.backend, "mode": args.mode, "mode_requested": requested_mode,
+              "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
+                                                   "pull": list(lanes.pull)},
+              "lender": args.lender, "requests": args.requests,
               "prompt_lengths": [args.min_len, args.max_len], "max_new_tokens": args.max_new_tokens,
               "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
               "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
