@@ -42,7 +42,7 @@ from kvxfer import native
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.ipc_channel import Channel
 from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
-from kvxfer.backends.matching import GroupMatch, check_agreement, match_rows
+from kvxfer.backends.matching import GroupMatch, check_submission, match_rows
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
 from kvxfer.contract import (
@@ -279,12 +279,7 @@ class IpcBackend(Backend):
 
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         self._refuse_if_closed()
-        if not isinstance(hint, Hint):
-            raise InvalidSubmission(f"expected a Hint, got {type(hint).__name__}")
-        self._regions.check_view(view, for_fetch=fetching)
-        check_agreement(view, hint, BACKEND_KIND, self.mode)
-        if hint.request != view.request:
-            raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
+        check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=fetching)
         if not hint.endpoint:
             raise InvalidSubmission("the peer's hint has no endpoint (socket path)")
         if hint.extra(EXTRA_NODE) != self._node:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxfer.backends.attempt import TrackedAttempt
-from kvxfer.backends.matching import GroupMatch, check_agreement, coalesce, match_rows
+from kvxfer.backends.matching import GroupMatch, check_submission, coalesce, match_rows
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
 from kvxfer.contract import (
@@ -203,12 +203,7 @@ class LoopbackBackend(Backend):
 
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         self._refuse_if_closed()
-        if not isinstance(hint, Hint):
-            raise InvalidSubmission(f"expected a Hint, got {type(hint).__name__}")
-        self._regions.check_view(view, for_fetch=fetching)
-        check_agreement(view, hint, BACKEND_KIND, self.mode)
-        if hint.request != view.request:
-            raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
+        check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=fetching)
         own_id = self._own.lookup(view)
         active = fetching == (self.mode is TransferMode.PULL)
         now = time.monotonic()

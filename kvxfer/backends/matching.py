@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.backends.regions import RegionTable
 from kvxfer.contract import Hint, HintGroup, IndexArray, InvalidSubmission, LayerGroupRows, View
 
 
@@ -30,6 +31,18 @@ class GroupMatch:
         mask = np.ones(len(self.local), dtype=np.bool_)
         mask[self.local_rows] = False
         return np.flatnonzero(mask).astype(np.int64)
+
+
+def check_submission(view: View, hint: Hint, regions: RegionTable, backend: str, mode: object,
+                     *, fetching: bool) -> None:
+    """Every backend's checks before a fetch/publish touches anything: InvalidSubmission if the
+    hint is not a Hint, the view's rows are not ours, the ends disagree, or the requests differ."""
+    if not isinstance(hint, Hint):
+        raise InvalidSubmission(f"expected a Hint, got {type(hint).__name__}")
+    regions.check_view(view, for_fetch=fetching)
+    check_agreement(view, hint, backend, mode)
+    if hint.request != view.request:
+        raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
 
 
 def check_agreement(view: View, hint: Hint, backend: str, mode: object) -> None:

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvxfer.backends.attempt import TrackedAttempt
-from kvxfer.backends.matching import check_agreement, match_rows
+from kvxfer.backends.matching import check_submission, match_rows
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, PeerUnknown
 from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_chunks
 from kvxfer.backends.nixl_packed import (
@@ -341,12 +341,7 @@ class NixlBackend(Backend):
 
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         self._refuse_if_closed()
-        if not isinstance(hint, Hint):
-            raise InvalidSubmission(f"expected a Hint, got {type(hint).__name__}")
-        self._regions.check_view(view, for_fetch=fetching)
-        check_agreement(view, hint, BACKEND_KIND, self.mode)
-        if hint.request != view.request:
-            raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
+        check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=fetching)
         if hint.agent == self.name:
             raise InvalidSubmission(f"hint names this backend's own agent {self.name!r}")
         own_id = self._own.lookup(view)
