@@ -75,7 +75,10 @@ def match_rows(view: View, hint: Hint) -> list[GroupMatch]:
             matches.append(GroupMatch(group, peer, empty, empty, empty, empty))
             continue
         # HintGroup and RegionTable.check_view already refused repeated ordinals on both ends.
-        local_rows, peer_rows = _pair_ordinals(group.ordinals, peer.ordinals)
+        if len(group) == len(peer) and group.ordinals_are_positions and peer.ordinals_are_positions:
+            local_rows = peer_rows = np.arange(len(group), dtype=np.int64)  # a whole request on both ends
+        else:
+            local_rows, peer_rows = _pair_ordinals(group.ordinals, peer.ordinals)
         matches.append(
             GroupMatch(group, peer, local_rows, peer_rows, group.slots[local_rows], peer.slots[peer_rows])
         )

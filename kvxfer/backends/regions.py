@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvxfer.contract import InvalidSubmission, MemoryKind, SlotRegion, View
+from kvxfer.contract import InvalidSubmission, LayerGroupRows, MemoryKind, SlotRegion, View
 from kvxfer.contract.arrays import all_distinct
 
 
@@ -57,23 +57,27 @@ class RegionTable:
                 raise InvalidSubmission(
                     f"group {group.layer_group!r} rows lie in region {group.region.name!r}, which is not registered"
                 )
-            if len(group) == 0:
+            span = group.slot_bounds  # cached on the group: describe() then publish() pay once
+            if span is None:
                 continue
-            low, high = int(group.slots.min()), int(group.slots.max())
+            low, high = span
             if low < 0 or high >= registered.slots:
                 raise InvalidSubmission(
                     f"group {group.layer_group!r}: slot {low if low < 0 else high} is outside "
                     f"region {registered.name!r} of {registered.slots} slots"
                 )
-            if not all_distinct(group.ordinals):
+            if not group.ordinals_distinct:
                 raise InvalidSubmission(f"group {group.layer_group!r} repeats an ordinal")
         if for_fetch:
             # Rows of one region are equal slots, and registered regions never overlap, so
             # two rows overlap exactly when they name the same slot of the same region.
-            by_region: dict[str, list[np.ndarray]] = {}
+            by_region: dict[str, list[LayerGroupRows]] = {}
             for group in view.groups:
-                by_region.setdefault(group.region.name, []).append(group.slots)
+                by_region.setdefault(group.region.name, []).append(group)
             for name, parts in by_region.items():
-                slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                if not all_distinct(slots):
+                if len(parts) == 1:
+                    distinct = parts[0].slots_distinct
+                else:
+                    distinct = all_distinct(np.concatenate([g.slots for g in parts]))
+                if not distinct:
                     raise InvalidSubmission(f"fetch writes region {name!r} slots more than once (overlapping rows)")

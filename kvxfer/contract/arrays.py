@@ -31,12 +31,39 @@ def frozen_int64(values: Any, what: str) -> IndexArray:
     return out
 
 
+_SMALL = 128  # below this a Python set beats numpy's per-call overhead (a small request's rows)
+
+
+def bounds(values: IndexArray) -> tuple[int, int] | None:
+    """(min, max), or None for an empty array."""
+    if values.size == 0:
+        return None
+    if values.size <= _SMALL:  # numpy's per-call overhead dominates small requests
+        listed = values.tolist()
+        return min(listed), max(listed)
+    return int(values.min()), int(values.max())
+
+
+def is_positions(values: IndexArray) -> bool:
+    """True when ``values`` is exactly 0, 1, ..., n-1: every block of a request, in order."""
+    n = values.size
+    if n == 0:
+        return True
+    if int(values[0]) != 0 or int(values[-1]) != n - 1:
+        return False
+    if n <= _SMALL:
+        return bool(values.tolist() == list(range(n)))
+    return bool((np.diff(values) == 1).all())
+
+
 def all_distinct(values: IndexArray) -> bool:
     """True when no value repeats. Linear for sorted or densely ranged input (the usual
     slots and ordinals); ``np.unique`` is an order of magnitude slower at 100k rows."""
     n = values.size
     if n < 2:
         return True
+    if n <= _SMALL:
+        return len(set(values.tolist())) == n
     steps = np.diff(values)
     if bool((steps > 0).all()) or bool((steps < 0).all()):
         return True

@@ -10,9 +10,10 @@ attempt.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
-from kvxfer.contract.arrays import IndexArray, all_distinct, frozen_int64
+from kvxfer.contract.arrays import IndexArray, all_distinct, bounds, frozen_int64, is_positions
 from kvxfer.contract.memory import MemoryKind
 from kvxfer.contract.rows import CacheKind
 
@@ -52,12 +53,20 @@ class HintGroup:
         ordinals = frozen_int64(self.ordinals, f"hint ordinals of group {self.layer_group!r}")
         if slots.shape != ordinals.shape:
             raise ValueError(f"hint group {self.layer_group!r}: {slots.size} slots but {ordinals.size} ordinals")
-        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.region_slots):
+        span = bounds(slots)
+        if span is not None and (span[0] < 0 or span[1] >= self.region_slots):
             raise ValueError(f"hint group {self.layer_group!r}: slot outside [0, {self.region_slots})")
-        if not all_distinct(ordinals):
+        positions = is_positions(ordinals)
+        if not positions and not all_distinct(ordinals):
             raise ValueError(f"hint group {self.layer_group!r} repeats an ordinal")
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "ordinals", ordinals)
+        self.__dict__["ordinals_are_positions"] = positions  # seeds the cached property below
+
+    @functools.cached_property
+    def ordinals_are_positions(self) -> bool:
+        """True when ordinals are 0..n-1 in order (known from construction)."""
+        return is_positions(self.ordinals)
 
     def __len__(self) -> int:
         return int(self.slots.size)

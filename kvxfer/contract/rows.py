@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvxfer.contract.arrays import BoolArray, IndexArray, frozen_int64
+from kvxfer.contract.arrays import BoolArray, IndexArray, all_distinct, bounds, frozen_int64, is_positions
 from kvxfer.contract.memory import SlotRegion
 
 
@@ -72,6 +73,26 @@ class LayerGroupRows:
 
     def __len__(self) -> int:
         return int(self.slots.size)
+
+    # Facts about the (read-only) arrays, computed on first use and kept: a backend checks a
+    # view in describe() and again in publish()/fetch(), and the worker does both on one view.
+    @functools.cached_property
+    def slot_bounds(self) -> tuple[int, int] | None:
+        """(lowest, highest) slot, or None when the group is empty."""
+        return bounds(self.slots)
+
+    @functools.cached_property
+    def ordinals_are_positions(self) -> bool:
+        """True when ordinals are 0..n-1 in order (so row i holds block i)."""
+        return is_positions(self.ordinals)
+
+    @functools.cached_property
+    def ordinals_distinct(self) -> bool:
+        return self.ordinals_are_positions or all_distinct(self.ordinals)
+
+    @functools.cached_property
+    def slots_distinct(self) -> bool:
+        return all_distinct(self.slots)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LayerGroupRows):

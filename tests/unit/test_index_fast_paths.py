@@ -41,3 +41,60 @@ def test_pair_ordinals_matches_brute_force(local: list[int], peer: list[int], sa
     where = {o: i for i, o in enumerate(peer)}
     expected = [(i, where[o]) for i, o in enumerate(local) if o in where]
     assert list(zip(local_rows.tolist(), peer_rows.tolist())) == expected
+
+
+# Arrays past the small-array threshold (128) take the numpy paths; below it, Python sets.
+def _array(kind: str, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "positions":
+        a = np.arange(n, dtype=np.int64)
+    elif kind == "permutation":
+        a = rng.permutation(n).astype(np.int64)
+    elif kind == "repeat":
+        a = rng.integers(0, max(1, n // 2), size=n).astype(np.int64)
+    elif kind == "gap":
+        a = np.arange(n, dtype=np.int64)
+        a[n // 2:] += 1  # increasing, distinct, but not 0..n-1
+    else:
+        a = np.sort(rng.choice(1 << 40, size=n, replace=False)).astype(np.int64)
+    return a
+
+
+kinds = st.sampled_from(["positions", "permutation", "repeat", "gap", "sparse"])
+sizes = st.one_of(st.integers(0, 140), st.integers(120, 5000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(kinds, sizes, st.integers(0, 2**32 - 1))
+def test_index_facts_match_brute_force(kind: str, n: int, seed: int) -> None:
+    from kvxfer.contract.arrays import bounds, is_positions
+
+    a = _array(kind, n, seed)
+    assert all_distinct(a) == (np.unique(a).size == a.size)
+    assert is_positions(a) == bool(np.array_equal(a, np.arange(n)))
+    assert bounds(a) == ((int(a.min()), int(a.max())) if n else None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(kinds, sizes, st.integers(0, 2**32 - 1))
+def test_group_facts_are_computed_once_and_survive_pickling(kind: str, n: int, seed: int) -> None:
+    import pickle
+
+    from kvxfer.contract import CacheKind, HintGroup, LayerGroupRows, MemoryKind, SlotRegion
+
+    ordinals = _array(kind, n, seed)
+    slots = np.arange(n, dtype=np.int64)
+    region = SlotRegion("r", 4096, 64, max(n, 1), MemoryKind.HOST)
+    group = LayerGroupRows("g", CacheKind.PAGED, region, slots, ordinals)
+    positions = bool(np.array_equal(ordinals, np.arange(n)))
+    distinct = np.unique(ordinals).size == n
+    assert group.ordinals_are_positions == positions
+    assert group.ordinals_distinct == distinct
+    assert group.slots_distinct
+    assert group.slot_bounds == ((0, n - 1) if n else None)
+    again = pickle.loads(pickle.dumps(group))
+    assert (again.ordinals_are_positions, again.ordinals_distinct) == (positions, distinct)
+    if distinct:
+        hint = HintGroup("g", CacheKind.PAGED, "r", 4096, 64, max(n, 1), MemoryKind.HOST, 0, slots, ordinals)
+        assert hint.ordinals_are_positions == positions
+        assert pickle.loads(pickle.dumps(hint)).ordinals_are_positions == positions
