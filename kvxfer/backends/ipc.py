@@ -26,6 +26,7 @@ IpcUnavailable naming why, and the module still imports.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import secrets
@@ -71,6 +72,17 @@ BACKEND_KIND = "ipc"
 EXTRA_NODE = "ipc.node"
 
 
+HEAD_SPIN_S = 200e-6  # how long the progress thread spins on the oldest copy's event per pass
+
+
+def _set_rows(mask: np.ndarray, rows: np.ndarray, n: int) -> None:
+    """mask[rows[:n]] = True; rows are distinct, so all of them means every row of the mask."""
+    if n == rows.size == mask.size:
+        mask[:] = True
+    else:
+        mask[rows[:n]] = True
+
+
 class IpcUnavailable(KvxferError):
     """The IPC backend cannot run in this process (no compiled CUDA module, no GPU)."""
 
@@ -84,6 +96,21 @@ def node_identity() -> bytes:
         return socket.gethostname().encode()
 
 
+@functools.lru_cache(maxsize=16)
+def _positions(n: int) -> np.ndarray:
+    """0..n-1, read-only and shared: requests of one size repeat, and allocating it per
+    submission costs as much as the rest of a large submission's matching."""
+    rows = np.arange(n, dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.size <= 128:  # a small request: comparing bytes beats numpy's per-call overhead
+        return a.shape == b.shape and a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
+
+
 def _match(view: View, hint: Hint) -> list[GroupMatch]:
     """match_rows, with a shortcut for the common case of both ends listing the same ordinals
     in the same order (a whole request): then row i pairs with row i. Local ordinals were
@@ -91,9 +118,10 @@ def _match(view: View, hint: Hint) -> list[GroupMatch]:
     out = []
     for group in view.groups:
         peer = hint.group(group.layer_group)
-        if peer is None or not np.array_equal(peer.ordinals, group.ordinals):
+        if peer is None or len(peer) != len(group) or not (
+                (group.ordinals_are_positions and peer.ordinals_are_positions) or _same(peer.ordinals, group.ordinals)):
             return match_rows(view, hint)
-        rows = np.arange(len(group), dtype=np.int64)
+        rows = _positions(len(group))
         out.append(GroupMatch(group, peer, rows, rows, group.slots, peer.slots))
     return out
 
@@ -115,6 +143,8 @@ class _Active:
     local_masks: list[np.ndarray] = field(default_factory=list)
     peer_masks: list[np.ndarray] = field(default_factory=list)
     failure: str | None = None
+    frame: bytes | None = None  # the DELIVERED record, encoded while the kernel runs
+    delivered: Delivered | None = None  # and our outcome if it ends so
 
 
 @dataclass(eq=False)
@@ -161,6 +191,7 @@ class IpcBackend(Backend):
         self._node = node_identity()
         self._regions = RegionTable(frozenset({MemoryKind.DEVICE}))
         self._exports: dict[str, Export] = {}
+        self._peer_export_cache: dict[bytes, Export] = {}  # packed export -> Export (hints repeat them)
         self._own = OwnTransfers()
         self._closed = False
         self._jobs_lock = threading.Lock()
@@ -261,9 +292,9 @@ class IpcBackend(Backend):
         while self._in_flight:
             self._finish(self._in_flight.popleft(), None if stream_ok else "the copy stream failed")
         with self._map_lock:
-            left = self._mappings.close_all()
-        if left:
-            log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, left)
+            still_mapped = self._mappings.close_all()
+        if still_mapped:
+            log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, still_mapped)
         for ev in self._events:
             self._native.event_destroy(ev)
         self._events.clear()
@@ -301,6 +332,11 @@ class IpcBackend(Backend):
                             "describe again")
                 self._launch(job)
                 self._in_flight.append(job)
+            self._channel.wake()  # the progress thread watches the event while we encode the record
+            if job.launched and job.failure is None:
+                # Both made while the kernels run; used if the event completes cleanly.
+                job.frame = self._encode(self._delivered_record(job))
+                job.delivered = Delivered(tuple(job.local_masks))
         else:
             wait = _Passive(attempt, view, hint, own_id, deadline=time.monotonic() + self.deadline_s)
             with self._jobs_lock:
@@ -310,8 +346,7 @@ class IpcBackend(Backend):
         self._channel.wake()
         return attempt
 
-    @staticmethod
-    def _peer_exports(hint: Hint, matches: list[GroupMatch]) -> dict[str, Export]:
+    def _peer_exports(self, hint: Hint, matches: list[GroupMatch]) -> dict[str, Export]:
         exports: dict[str, Export] = {}
         for match in matches:
             peer = match.peer
@@ -322,10 +357,15 @@ class IpcBackend(Backend):
             data = hint.extra(EXTRA_PREFIX + peer.region)
             if data is None:
                 raise InvalidSubmission(f"the peer's hint has no IPC handle for region {peer.region!r}")
-            try:
-                export = Export.unpack(data, peer.region)
-            except ValueError as exc:
-                raise InvalidSubmission(str(exc)) from exc
+            export = self._peer_export_cache.get(data)
+            if export is None:
+                try:
+                    export = Export.unpack(data, peer.region)
+                except ValueError as exc:
+                    raise InvalidSubmission(str(exc)) from exc
+                if len(self._peer_export_cache) >= 4096:
+                    self._peer_export_cache.clear()
+                self._peer_export_cache[data] = export
             offset = peer.address - export.alloc_base
             if offset < 0 or offset + peer.slot_bytes * peer.region_slots > export.alloc_size:
                 raise InvalidSubmission(f"peer region {peer.region!r} lies outside the allocation it exported")
@@ -338,6 +378,8 @@ class IpcBackend(Backend):
     # --- the progress thread ----------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._in_flight:
+                self._watch_head()
             busy = bool(self._in_flight)
             # While copies are in flight, look without sleeping: their events are polled, and
             # a sleep's granularity (or a driver callback's wake-up, measured slower on an
@@ -359,6 +401,21 @@ class IpcBackend(Backend):
             if busy:
                 os.sched_yield()
 
+    def _watch_head(self) -> None:
+        """Query the oldest copy's event in a tight loop for up to HEAD_SPIN_S: a full pass of
+        the loop (socket poll, waits, deadlines) costs tens of microseconds of Python on a
+        busy host, which would add as much to every small transfer."""
+        job = self._in_flight[0]
+        if not job.event:
+            return
+        end = time.perf_counter() + HEAD_SPIN_S
+        query = self._native.event_query
+        try:
+            while not query(job.event) and time.perf_counter() < end and not self._stop.is_set():
+                os.sched_yield()
+        except self._native.CopyError:
+            pass  # _poll_in_flight queries again and reports it
+
     def _on_frame(self, frame: bytes) -> None:
         try:
             record = decode_completion(frame, self._key)
@@ -367,13 +424,18 @@ class IpcBackend(Backend):
             return
         self._on_record(record)
 
-    def _send(self, peer: bytes, record: CompletionRecord) -> bool:
+    def _encode(self, record: CompletionRecord) -> bytes | None:
         try:
-            frame = encode_completion(record, self._key)
+            return encode_completion(record, self._key)
         except WireError as exc:
             log.error("IPC backend %s: cannot encode a completion record: %s", self.name, exc)
-            return False
-        return self._channel.send(peer, frame)
+            return None
+
+    def _send(self, peer: bytes, record: CompletionRecord | None, frame: bytes | None = None) -> bool:
+        """Send ``frame``, or ``record`` encoded when no frame is given."""
+        if frame is None and record is not None:
+            frame = self._encode(record)
+        return frame is not None and self._channel.send(peer, frame)
 
     def _on_peer_gone(self, peer: bytes) -> None:
         with self._launch_lock:  # no launch into its mappings from here on
@@ -469,12 +531,11 @@ class IpcBackend(Backend):
     def _launch(self, job: _Active) -> None:
         """Queue the job's kernels and its event (caller's thread, under _launch_lock). Every
         outcome is left to the progress thread, which finishes jobs in launch order."""
-        job.local_masks = job.view.row_masks()
-        job.peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
+        copied: list[tuple[int, GroupMatch, int]] = []  # (group, match, rows) whose kernel is queued
         if job.hint.endpoint in self._gone:
             job.failure = f"peer {job.hint.agent!r} is gone"
+            self._set_masks(job, copied)
             return
-        peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
         total = sum(m.local_rows.size for m in job.matches if m.peer is not None)
         budget = total if self.fail_after_rows is None else min(total, self.fail_after_rows)
         if budget < total:
@@ -505,17 +566,21 @@ class IpcBackend(Backend):
                 src = (peer_base, peer_slots, peer.region_slots)
                 dst = (local.address, local_slots, local.slots)
             try:
+                # Slot bounds were checked already: ours by check_view, the peer's by HintGroup
+                # (and its region against the exported allocation), so the kernel is told -1.
                 self._native.cuda_copy_rows(src[0], row, src[1], dst[0], row, dst[1], n, row, self._stream,
-                                            self.device, src[2], dst[2])
+                                            self.device, -1, -1)
             except self._native.CopyError as exc:
+                # A large copy goes in chunks: some may be queued already. The job waits for
+                # an event like any other before anything is reported (their rows stay False).
                 job.failure = f"row copy launch failed: {exc}"
+                job.launched = True
                 break
             budget -= n
             job.launched = True
-            # Set now, reported only after the event says the kernel finished.
-            job.local_masks[gi][match.local_rows[:n]] = True
-            job.peer_masks[peer_index[peer.layer_group]][match.peer_rows[:n]] = True
+            copied.append((gi, match, n))
         if not job.launched:
+            self._set_masks(job, copied)
             return
         try:
             job.event = self._events.pop() if self._events else self._native.event_create(self.device)
@@ -528,8 +593,25 @@ class IpcBackend(Backend):
                 self._native.stream_synchronize(self._stream)
             except self._native.CopyError as sync_exc:
                 job.failure = f"the copy stream failed: {sync_exc}"
-                job.local_masks = job.view.row_masks()
-                job.peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
+                copied = []
+        self._set_masks(job, copied)
+
+    @staticmethod
+    def _set_masks(job: _Active, copied: list[tuple[int, GroupMatch, int]]) -> None:
+        """The rows whose kernels are queued, set after queueing them so that this overlaps
+        the copy; reported only after the event says the kernels finished. Read-only, so that
+        outcomes and records take them without copying."""
+        local = job.view.row_masks()
+        peer = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
+        if copied:
+            peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
+            for gi, match, n in copied:
+                assert match.peer is not None
+                _set_rows(local[gi], match.local_rows, n)
+                _set_rows(peer[peer_index[match.peer.layer_group]], match.peer_rows, n)
+        for mask in local + peer:
+            mask.flags.writeable = False
+        job.local_masks, job.peer_masks = local, peer
 
     def _poll_in_flight(self) -> None:
         # One stream: events complete in queue order, so stop at the first pending one.
@@ -566,15 +648,22 @@ class IpcBackend(Backend):
         elif job.cancelled_by_peer:
             self._complete(job, RecordStatus.CANCELLED, Cancelled(True, job.local_masks), "")
         else:
-            self._complete(job, RecordStatus.DELIVERED, Delivered(tuple(job.local_masks)), "")
+            self._complete(job, RecordStatus.DELIVERED, job.delivered or Delivered(tuple(job.local_masks)), "")
+
+    def _delivered_record(self, job: _Active) -> CompletionRecord:
+        return CompletionRecord(job.hint.transfer_id, self.name, job.view.request, RecordStatus.DELIVERED,
+                                job.peer_masks, "")
 
     def _complete(self, job: _Active, status: RecordStatus, outcome: Delivered | Failed | Cancelled,
                   reason: str) -> None:
         """Tell the passive end what is in place on its side; then ours concludes."""
-        record = CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
-                                  job.peer_masks or [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups],
-                                  reason)
-        if not self._send(job.hint.endpoint, record) and status is RecordStatus.DELIVERED:
+        frame = job.frame if status is RecordStatus.DELIVERED else None
+        record = None
+        if frame is None:
+            record = CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
+                                      job.peer_masks or [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups],
+                                      reason)
+        if not self._send(job.hint.endpoint, record, frame) and status is RecordStatus.DELIVERED:
             outcome = Failed(f"peer {job.hint.agent!r} is gone; its completion record was not delivered",
                              job.local_masks)
         job.attempt.conclude(outcome)

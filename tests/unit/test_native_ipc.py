@@ -110,3 +110,30 @@ def test_mappings_open_once_and_close_only_when_unused() -> None:
     maps.release(m2)
     assert cuda.closed == [m1.base] and len(maps) == 0
     assert Export.unpack(exp.pack(), "r") == exp
+
+
+def test_launch_mask_fill_marks_exactly_the_launched_rows() -> None:
+    from kvxfer.backends.ipc import _set_rows
+
+    rows = np.array([3, 0, 2, 1], dtype=np.int64)  # a permutation of every row
+    full = np.zeros(4, dtype=np.bool_)
+    _set_rows(full, rows, 4)
+    assert full.all()
+    part = np.zeros(4, dtype=np.bool_)
+    _set_rows(part, rows, 2)  # a fault budget stops after two rows
+    assert part.tolist() == [True, False, False, True]
+    sub = np.zeros(6, dtype=np.bool_)
+    _set_rows(sub, np.array([5, 1], dtype=np.int64), 2)  # only some rows matched
+    assert np.flatnonzero(sub).tolist() == [1, 5]
+
+
+@pytest.mark.parametrize("n", [3, 128, 129, 5000])
+def test_ordinal_comparison_small_and_large(n: int) -> None:
+    from kvxfer.backends.ipc import _same
+
+    a = np.arange(n, dtype=np.int64)
+    b = a.copy()
+    assert _same(a, b)
+    b[-1] += 1
+    assert not _same(a, b)
+    assert not _same(a, a[:-1])
