@@ -8,6 +8,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <thread>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -179,6 +182,10 @@ struct Staging {
   cudaEvent_t done = nullptr;
   int device = -1;
   bool busy = false;
+  // Large submissions upload their indices in chunks on a stream of their own, so that the
+  // copy engine moves chunk k+1's indices while the kernel of chunk k runs (see copy_rows).
+  cudaStream_t upload = nullptr;
+  std::vector<cudaEvent_t> ready;  // one per chunk: that chunk's indices are on the device
 };
 std::mutex g_staging_mu;
 std::vector<Staging*> g_staging;
@@ -231,6 +238,14 @@ std::string take_staging(int device, std::size_t bytes, Staging** out) {
       delete victim;
       return fail("creating a staging event", e);
     }
+    e = cudaStreamCreateWithFlags(&victim->upload, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+      (void)cudaFreeHost(host);
+      (void)cudaFree(dev);
+      (void)cudaEventDestroy(victim->done);
+      delete victim;
+      return fail("creating an index upload stream", e);
+    }
     g_staging.push_back(victim);
   } else {
     // Its last kernel has completed (event checked above): nothing reads these any more.
@@ -245,6 +260,17 @@ std::string take_staging(int device, std::size_t bytes, Staging** out) {
   return {};
 }
 
+// Events marking chunks' indices as uploaded; grown on demand, reused once `done` completed.
+std::string ready_events(Staging* st, std::size_t n) {
+  while (st->ready.size() < n) {
+    cudaEvent_t ev = nullptr;
+    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) return fail("creating an index upload event", e);
+    st->ready.push_back(ev);
+  }
+  return {};
+}
+
 void give_staging(Staging* st, cudaStream_t stream, bool recorded_ok) {
   std::lock_guard<std::mutex> lock(g_staging_mu);
   if (!recorded_ok || cudaEventRecord(st->done, stream) != cudaSuccess) {
@@ -253,6 +279,78 @@ void give_staging(Staging* st, cudaStream_t stream, bool recorded_ok) {
     (void)cudaGetLastError();
   }
   st->busy = false;
+}
+
+constexpr std::int64_t kPipelineRows = 8192;
+constexpr int kFillHelpers = 3;  // threads that fill index staging beside the caller's
+
+// Chunks of at least 8,192 rows, at most 8 of them: each chunk costs a launch, an upload and
+// an event on the host, so that the chunks stay few while the first starts early. Filling
+// the pinned staging (16 bytes per row) is a host memcpy that one core of a VM does at a few
+// GB/s, slower than the kernel copies 4 KiB rows; helper threads fill chunks ahead while
+// the caller queues each chunk, in order, as soon as it is filled.
+std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int arrays, Staging* st,
+                           cudaStream_t stream) {
+  const std::int64_t chunk = std::max<std::int64_t>(8192, (p.n_rows + 7) / 8);
+  const std::size_t chunks = static_cast<std::size_t>((p.n_rows + chunk - 1) / chunk);
+  std::string err = ready_events(st, chunks);
+  if (!err.empty()) return err;
+  auto* host = static_cast<unsigned char*>(st->host);
+  auto* dev = static_cast<unsigned char*>(st->dev);
+  auto rows_of = [&](std::size_t c) {
+    return std::min<std::int64_t>(chunk, p.n_rows - static_cast<std::int64_t>(c) * chunk);
+  };
+  auto offset_of = [&](std::size_t c) {
+    return sizeof(std::int64_t) * static_cast<std::size_t>(static_cast<std::int64_t>(c) * chunk) * arrays;
+  };
+  std::unique_ptr<std::atomic<bool>[]> filled(new std::atomic<bool>[chunks]);
+  for (std::size_t c = 0; c < chunks; ++c) filled[c].store(false, std::memory_order_relaxed);
+  std::atomic<std::size_t> next{0};
+  auto fill_one = [&]() {
+    const std::size_t c = next.fetch_add(1, std::memory_order_relaxed);
+    if (c >= chunks) return false;
+    const std::int64_t first = static_cast<std::int64_t>(c) * chunk;
+    const std::size_t one = sizeof(std::int64_t) * static_cast<std::size_t>(rows_of(c));
+    unsigned char* h = host + offset_of(c);
+    if (p.src.index) std::memcpy(h, p.src.index + first, one);
+    if (p.dst.index) std::memcpy(h + (p.src.index ? one : 0), p.dst.index + first, one);
+    filled[c].store(true, std::memory_order_release);
+    return true;
+  };
+  std::vector<std::thread> helpers;
+  const std::size_t want = std::min<std::size_t>(kFillHelpers, chunks > 1 ? chunks - 1 : 0);
+  try {
+    for (std::size_t i = 0; i < want; ++i) helpers.emplace_back([&] { while (fill_one()) {} });
+  } catch (const std::exception&) {
+    // Fewer helpers (or none): the caller fills what they do not.
+  }
+  for (std::size_t c = 0; c < chunks && err.empty(); ++c) {
+    while (!filled[c].load(std::memory_order_acquire)) {
+      if (!fill_one()) std::this_thread::yield();  // help, or wait for the helper filling chunk c
+    }
+    const std::int64_t first = static_cast<std::int64_t>(c) * chunk;
+    const std::int64_t rows = rows_of(c);
+    const std::size_t one = sizeof(std::int64_t) * static_cast<std::size_t>(rows);
+    const std::size_t at = offset_of(c);
+    cudaError_t e = cudaMemcpyAsync(dev + at, host + at, one * arrays, cudaMemcpyHostToDevice, st->upload);
+    if (e == cudaSuccess) e = cudaEventRecord(st->ready[c], st->upload);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, st->ready[c], 0);
+    if (e != cudaSuccess) {
+      err = fail("uploading row indices", e);
+      break;
+    }
+    Geometry gc = g;
+    gc.n_rows = rows;
+    gc.src = g.src + (p.src.index ? 0 : first * g.src_stride);  // a contiguous end moves on by rows
+    gc.dst = g.dst + (p.dst.index ? 0 : first * g.dst_stride);
+    const auto* cursor = reinterpret_cast<const std::int64_t*>(dev + at);
+    Indices ix{p.src.index ? cursor : nullptr, p.dst.index ? cursor + (p.src.index ? rows : 0) : nullptr};
+    e = launch(width, gc, ix, stream);
+    if (e != cudaSuccess) err = fail("launching the row copy kernel", e);
+  }
+  next.store(chunks, std::memory_order_relaxed);  // on an error, helpers stop claiming chunks
+  for (auto& t : helpers) t.join();  // they read the caller's index arrays: finish before returning
+  return err;
 }
 
 }  // namespace
@@ -292,6 +390,9 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
   }
   // Pinned host and device staging (see Staging): fill, upload, launch, then an event marks
   // the slot reusable once the kernel that reads it has finished. The call never waits.
+  // Past kPipelineRows rows the work goes in chunks: filling chunk k+1's staging on the host
+  // (a memcpy of 16 bytes per row) overlaps its upload and the kernel of chunk k, instead of
+  // the whole index upload preceding the first row copied.
   const int arrays = (p.src.index ? 1 : 0) + (p.dst.index ? 1 : 0);
   const std::size_t one = sizeof(std::int64_t) * static_cast<std::size_t>(p.n_rows);
   int current = device;
@@ -302,6 +403,11 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
   Staging* st = nullptr;
   err = take_staging(current, one * arrays, &st);
   if (!err.empty()) return err;
+  if (p.n_rows > kPipelineRows) {
+    err = pipelined_copy(p, g, width, arrays, st, stream);
+    give_staging(st, stream, true);
+    return err;
+  }
   auto* host = static_cast<unsigned char*>(st->host);
   if (p.src.index) std::memcpy(host, p.src.index, one);
   if (p.dst.index) std::memcpy(host + (p.src.index ? one : 0), p.dst.index, one);

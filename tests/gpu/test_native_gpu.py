@@ -126,3 +126,29 @@ def test_stream_signal_fd_writes_after_the_work() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+@pytest.mark.parametrize("n", [8193, 20000, 70001])  # past 8,192 rows the indices upload in chunks
+@pytest.mark.parametrize("ends", ["both", "gather", "scatter"])
+@pytest.mark.parametrize("row_bytes", [16, 100])
+def test_chunked_index_upload_matches_fallback(n: int, ends: str, row_bytes: int) -> None:
+    slots = n + 1000
+    src = dev_space(slots, row_bytes, 0, 5)
+    results = []
+    for impl in ("native", "fallback"):
+        out = []
+        stream = torch.cuda.Stream()
+        # Two copies queued back to back before any synchronization: the second takes
+        # another staging slot while the first's chunks may still be in flight.
+        for rep in range(2):
+            r = np.random.default_rng(rep)
+            s_ix = None if ends == "scatter" else r.permutation(slots)[:n].astype(np.int64)
+            d_ix = None if ends == "gather" else r.permutation(slots)[:n].astype(np.int64)
+            dst = torch.zeros(slots * row_bytes + 64, dtype=torch.uint8, device="cuda")
+            native.copy_rows(src_base=src.data_ptr(), src_stride=row_bytes, src_slots=s_ix,
+                             dst_base=dst.data_ptr(), dst_stride=row_bytes, dst_slots=d_ix, row_bytes=row_bytes,
+                             n_rows=n, memory=MemoryKind.DEVICE, stream=stream.cuda_stream, impl=impl)
+            out.append(dst)
+        stream.synchronize()
+        results.append([d.cpu().numpy().tobytes() for d in out])
+    assert results[0] == results[1]
