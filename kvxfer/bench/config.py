@@ -229,7 +229,7 @@ class BenchConfig:
 K, M, G = 1 << 10, 1 << 20, 1 << 30
 ROW_SIZES = (4 * K, 16 * K, 64 * K, 256 * K, 1 * M, 4 * M)
 ALL_CASES = ("local_copy", "local_rows", "nixl_one_desc", "nixl_per_row", "peer_practice",
-             "loopback", "nixl", "nixl_2p", "nixl_packed", "ipc")
+             "loopback", "nixl", "nixl_2p", "nixl_packed", "nixl_2p_packed", "ipc_kernel", "ipc")
 
 
 def preset(name: str) -> BenchConfig:

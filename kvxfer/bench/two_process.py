@@ -23,53 +23,52 @@ from kvxfer.bench.backend_cases import BLOCK_TOKENS, LAYOUT, Watch, wait_settled
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
-from kvxfer.bench.timing import time_runs
+from kvxfer.bench.nixl_raw import latency_measurement
+from kvxfer.bench.timing import Timing, time_runs
 from kvxfer.contract import Backend, CacheKind, LayerGroupRows, SlotRegion, TokenRange, TransferMode, View
 
 _RESULT_TIMEOUT_S = 60.0
 Geometry = tuple[tuple[str, int, int], ...]  # (region name, row bytes, slots) per group
 
 
-def passive_nixl_child(mode: str, geometry: list[list[Any]]) -> tuple[Any, Any, None]:
-    """Runs in the child (``SubprocessPeer``): a NixlBackend over host rows of ``geometry``."""
-    from kvxfer.backends.nixl import NixlBackend
-    from kvxfer.testing.memory import HostBuffer, HostRows
-
-    memory = HostRows([HostBuffer(name, row_bytes, slots) for name, row_bytes, slots in geometry])
-    backend = NixlBackend(mode=TransferMode(mode))
-    backend.register(memory.regions)
-    return backend, memory, None
-
-
 @dataclass(frozen=True)
 class Kind:
     """How to build one backend kind's two ends and their rows."""
 
-    memory: str                                             # the memory kind it runs over
+    memory: tuple[str, ...]                                 # the memory kinds it runs over
     local: Callable[[TransferMode], Backend]
-    peer: Callable[[TransferMode, Geometry], Any]           # a PeerEnd with regions, close()
-    rows: Callable[[Geometry], Any]                         # RowMemory with regions (and close())
+    peer: Callable[[TransferMode, Geometry, str], Any]      # a PeerEnd with regions, close()
+    rebuild_args: Callable[[TransferMode, Geometry, str], dict[str, Any]] | None  # a kept child's new backend
+    rows: Callable[[Geometry, str], Any]                    # RowMemory with regions (and close())
     facts: dict[str, Any]
 
 
-def _nixl_kind() -> Kind:
+def _nixl_kind(packed: str) -> Kind:
+    """NixlBackend here and in a SubprocessPeer child, over host or device rows."""
+
     def local(mode: TransferMode) -> Backend:
         from kvxfer.backends.nixl import NixlBackend
 
-        return NixlBackend(mode=mode)
+        return NixlBackend(mode=mode, packed=packed)  # type: ignore[arg-type]
 
-    def peer(mode: TransferMode, geometry: Geometry) -> Any:
+    def args(mode: TransferMode, geometry: Geometry, memory: str) -> dict[str, Any]:
+        return {"mode": mode.value, "buffers": [list(g) for g in geometry], "memory_kind": memory,
+                "touch": True, "packed": packed}
+
+    def peer(mode: TransferMode, geometry: Geometry, memory: str) -> Any:
         from kvxfer.testing.subprocess_peer import SubprocessPeer
 
-        return SubprocessPeer("kvxfer.bench.two_process:passive_nixl_child",
-                              {"mode": mode.value, "geometry": [list(g) for g in geometry]})
+        return SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", args(mode, geometry, memory))
 
-    def rows(geometry: Geometry) -> Any:
-        from kvxfer.testing.memory import HostBuffer, HostRows
+    def rows(geometry: Geometry, memory: str) -> Any:
+        from kvxfer.testing.nixl_pairs import rows_of, touch_pages
 
-        return HostRows([HostBuffer(name, row_bytes, slots) for name, row_bytes, slots in geometry])
+        made = rows_of(memory, geometry)
+        touch_pages(made)
+        return made
 
-    return Kind("host", local, peer, rows, {"processes": 2, "transport": "NIXL over UCX, host memory", "packed": "auto"})
+    return Kind(("host", "device"), local, peer, args, rows,
+                {"processes": 2, "transport": "NIXL over UCX", "packed": packed})
 
 
 def _ipc_kind() -> Kind:
@@ -78,23 +77,25 @@ def _ipc_kind() -> Kind:
 
         return IpcBackend("bench", mode)
 
-    def peer(mode: TransferMode, geometry: Geometry) -> Any:
+    def peer(mode: TransferMode, geometry: Geometry, memory: str) -> Any:
         from kvxfer.backends.ipc_pair import ChildPeer, PeerSpec
 
         return ChildPeer(PeerSpec(mode, geometry=geometry))
 
-    def rows(geometry: Geometry) -> Any:
+    def rows(geometry: Geometry, memory: str) -> Any:
         from kvxfer.backends.ipc_pair import DeviceRows
 
         return DeviceRows(geometry)
 
-    return Kind("device", local, peer, rows, {"processes": 2, "transport": "CUDA IPC mapping + native row kernel"})
+    return Kind(("device",), local, peer, None, rows,
+                {"processes": 2, "transport": "CUDA IPC mapping + native row kernel"})
 
 
-def _view(regions: tuple[SlotRegion, ...] | list[SlotRegion], slots: list[np.ndarray], rows: int) -> View:
+def _view(regions: tuple[SlotRegion, ...] | list[SlotRegion], slots: list[np.ndarray], rows: int,
+          request: str = "bench") -> View:
     groups = tuple(LayerGroupRows(f"g{i}", CacheKind.PAGED, r, slots[i], np.arange(rows, dtype=np.int64))
                    for i, r in enumerate(regions))
-    return View("bench", TokenRange(0, rows * BLOCK_TOKENS), groups, LAYOUT)
+    return View(request, TokenRange(0, rows * BLOCK_TOKENS), groups, LAYOUT)
 
 
 class TwoProcessCase:
@@ -102,27 +103,28 @@ class TwoProcessCase:
         self.config = config
         self.kind = kind
         self._rng = np.random.default_rng(config.seed + 3)
-        self._peers: dict[TransferMode, Any] = {}  # children kept across points, where they can rebuild
+        self._peers: dict[tuple[TransferMode, str], Any] = {}  # children kept across points, where they can rebuild
 
-    def _peer(self, mode: TransferMode, geometry: Geometry) -> Any:
+    def _peer(self, mode: TransferMode, geometry: Geometry, memory: str) -> Any:
         """A child for ``geometry``: reused (rebuilt in place) when it supports that, since a
         child takes seconds to start (NIXL's import alone) and tens of seconds on a busy host."""
-        peer = self._peers.get(mode)
-        if peer is not None:
+        key = (mode, memory)
+        peer = self._peers.get(key)
+        if peer is not None and self.kind.rebuild_args is not None:
             try:
-                peer.rebuild({"mode": mode.value, "geometry": [list(g) for g in geometry]})
+                peer.rebuild(self.kind.rebuild_args(mode, geometry, memory))
                 return peer
             except Exception:
-                self._peers.pop(mode)
+                self._peers.pop(key)
                 peer.close()
-        peer = self.kind.peer(mode, geometry)
-        if hasattr(peer, "rebuild"):
-            self._peers[mode] = peer
+        peer = self.kind.peer(mode, geometry, memory)
+        if self.kind.rebuild_args is not None:
+            self._peers[key] = peer
         return peer
 
     def throughput(self, point: Point) -> Measurement:
-        if point.memory != self.kind.memory:
-            raise Skip(f"this pair runs over {self.kind.memory} memory")
+        if point.memory not in self.kind.memory:
+            raise Skip(f"this pair runs over {' or '.join(self.kind.memory)} memory")
         push = point.direction == "push"
         mode = TransferMode.PUSH if push else TransferMode.PULL
         n_slots = pool_slots(point, self.config.pool_factor)
@@ -130,10 +132,11 @@ class TwoProcessCase:
         geometry_peer = tuple((f"peer-g{g}", point.row_bytes, n_slots) for g in range(point.groups))
         local_slots = [choose_slots(point, self.config.pool_factor, self._rng) for _ in range(point.groups)]
         peer_slots = [choose_slots(point, self.config.pool_factor, self._rng) for _ in range(point.groups)]
-        memory = self.kind.rows(geometry_local)
+        memory = self.kind.rows(geometry_local, point.memory)
         peer = local = None
+        paths: set[str] = set()
         try:
-            peer = self._peer(mode, geometry_peer)
+            peer = self._peer(mode, geometry_peer, point.memory)
             local = self.kind.local(mode)
             local.register(memory.regions)
             v_local = _view(memory.regions, local_slots, point.rows)
@@ -159,6 +162,8 @@ class TwoProcessCase:
                            else local.fetch(v_local, h_peer, wake=watch))
                 watch.bind(attempt)
                 seen = watch.wait_outcome()
+                if hasattr(local, "path_of"):
+                    paths.add(str(local.path_of(attempt)))
                 mine = wait_settled(attempt, "local attempt")
                 theirs, quiesced = peer.result(handle, _RESULT_TIMEOUT_S)
                 for name, outcome in (("local", mine), ("peer", theirs)):
@@ -176,18 +181,62 @@ class TwoProcessCase:
                     raise RuntimeError(f"group {g}: destination rows differ from the source after the timed runs")
         finally:
             left = len(local.shutdown()) if local is not None else 0
-            if peer is not None and self._peers.get(mode) is not peer:
+            if peer is not None and self._peers.get((mode, point.memory)) is not peer:
                 peer.close()  # a kept child shuts its backend down when it rebuilds, or at close()
             if hasattr(memory, "close"):
                 memory.close()
         if left:
             raise RuntimeError(f"{left} attempts were not quiesced at shutdown")
+        facts = {**self.kind.facts, "verified": True,
+                 "measured": "move call to the active end's outcome visible (bytes in place)"}
+        if paths:
+            facts["path"] = "/".join(sorted(paths))
         return Measurement({"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},
-                           {**self.kind.facts, "verified": True,
-                            "measured": "move call to the active end's outcome visible (bytes in place)"})
+                           facts)
 
     def latency(self, point: Point, sweep: LatencySweep) -> Measurement:
-        raise Skip("latency is measured with both ends in one process (the decode outcome must reach the timer)")
+        """publish() call here -> the fetch outcome visible in the child (its wake callback
+        stamps CLOCK_MONOTONIC, which both processes share). Push only: the decode end must
+        be the child, and only ``ipc_pair.ChildPeer`` reports when its outcome became visible."""
+        if point.memory not in self.kind.memory:
+            raise Skip(f"this pair runs over {' or '.join(self.kind.memory)} memory")
+        if point.direction != "push" or self.kind.rebuild_args is not None:
+            raise Skip("two-process latency is measured for IPC push (its child stamps the decode outcome)")
+        slots = 4 * point.rows
+        memory = self.kind.rows((("prefill", point.row_bytes, slots),), point.memory)
+        peer = local = None
+        samples: list[float] = []
+        try:
+            peer = self._peer(TransferMode.PUSH, (("decode", point.row_bytes, slots),), point.memory)
+            local = self.kind.local(TransferMode.PUSH)
+            local.register(memory.regions)
+            rng = np.random.default_rng(self.config.seed + 5)
+            for i in range(sweep.warmup + sweep.samples):
+                picks = [rng.permutation(slots)[:point.rows].astype(np.int64) for _ in range(2)]
+                v_local = _view(memory.regions, picks[:1], point.rows, f"lat{i}")
+                v_peer = _view(peer.regions, picks[1:], point.rows, f"lat{i}")
+                h_peer = peer.describe(v_peer)
+                handle = peer.start("fetch", v_peer, local.describe(v_local))
+                t0 = time.monotonic_ns()
+                attempt = local.publish(v_local, h_peer)
+                mine = wait_settled(attempt, "local attempt")
+                theirs, quiesced = peer.result(handle, _RESULT_TIMEOUT_S)
+                if mine is None or theirs is None or not (mine.all_delivered and theirs.all_delivered) or not quiesced:
+                    raise RuntimeError(f"sample {i}: outcomes {mine!r} / {theirs!r} are not Delivered and quiet")
+                if peer.last_visible_ns is None:
+                    raise RuntimeError(f"sample {i}: the decode end did not stamp its outcome")
+                if i >= sweep.warmup:
+                    samples.append((peer.last_visible_ns - t0) / 1e9)
+        finally:
+            if local is not None:
+                local.shutdown()
+            if peer is not None:
+                peer.close()
+            if hasattr(memory, "close"):
+                memory.close()
+        return latency_measurement(Timing(tuple(samples)), {
+            **self.kind.facts, "verified": True,
+            "measured": "publish call to decode outcome visible (decode end in a second process)"})
 
     def overhead(self, point: Point, sweep: OverheadSweep) -> Measurement:
         raise Skip("submission overhead is measured with both ends in one process")
@@ -200,10 +249,13 @@ class TwoProcessCase:
 
 _ALL = ("memory", "direction", "slots", "row_bytes", "rows", "groups")
 SPECS = [
-    CaseSpec("nixl_2p", "kvxfer NIXL backend, peer in a second process", Role.BACKEND,
+    CaseSpec("nixl_2p", "kvxfer NIXL backend (packed=auto), peer in a second process", Role.BACKEND,
              frozenset({Requirement.NIXL, Requirement.KVXFER_NIXL, Requirement.SUBPROCESS_PEER}), _ALL,
-             frozenset({"throughput"}), lambda config: TwoProcessCase(config, _nixl_kind())),
+             frozenset({"throughput"}), lambda config: TwoProcessCase(config, _nixl_kind("auto"))),
+    CaseSpec("nixl_2p_packed", "kvxfer NIXL backend, packed rows (bounce arena), peer in a second process",
+             Role.BACKEND, frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED, Requirement.SUBPROCESS_PEER}),
+             _ALL, frozenset({"throughput"}), lambda config: TwoProcessCase(config, _nixl_kind("always"))),
     CaseSpec("ipc", "kvxfer CUDA IPC backend, peer in a second process", Role.BACKEND,
              frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
-             frozenset({"throughput"}), lambda config: TwoProcessCase(config, _ipc_kind())),
+             frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind())),
 ]

@@ -1,0 +1,165 @@
+"""Where an IpcBackend push spends its time, step by step (a diagnostic for the GPU machine).
+
+    python bench/ipc_breakdown.py [--cases 262144x4096,16384x65536,32x65536] [--reps 5] [--small-reps 200]
+
+The publisher is an IpcBackend here; the fetcher an IpcBackend in a child process
+(``ipc_pair.ChildPeer``). Both processes wrap the backend's steps (checks, row matching,
+launch, the native call, record encoding and decoding, finishing) with CLOCK_MONOTONIC
+stamps, which the two processes share. Each line is the median over the repetitions of a
+step's stamp, in microseconds since the publish() call. The wrappers cost time themselves
+(tens of microseconds per request on a slow host): read differences, not the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import kvxfer.backends.ipc as ipc
+import kvxfer.backends.ipc_pair as pair
+from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
+
+STAMPS: list[tuple[str, int]] = []
+_ORIGINAL_SERVE = pair._serve
+
+
+def _stamp(label: str) -> None:
+    STAMPS.append((label, time.monotonic_ns()))
+
+
+def _timed(fn: Any, name: str) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _stamp(name + ">")
+        out = fn(*args, **kwargs)
+        _stamp(name + "<")
+        return out
+    return wrapper
+
+
+class _TimedNative:
+    """The native module, with the row copy call and the first completed event query stamped."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def cuda_copy_rows(self, *args: Any) -> Any:
+        _stamp("native>")
+        out = self._module.cuda_copy_rows(*args)
+        _stamp("native<")
+        return out
+
+    def event_query(self, event: int) -> bool:
+        done = bool(self._module.event_query(event))
+        if done:
+            _stamp("event_done")
+        return done
+
+
+def instrument() -> None:
+    for name in ("check_submission", "_match", "encode_completion", "decode_completion"):
+        setattr(ipc, name, _timed(getattr(ipc, name), name))
+    backend = ipc.IpcBackend
+    for name in ("_launch", "_complete", "_finish", "_on_record", "_peer_exports"):
+        setattr(backend, name, _timed(getattr(backend, name), name))
+    init = backend.__init__
+
+    def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._native = _TimedNative(self._native)
+
+    backend.__init__ = timed_init  # type: ignore[method-assign]
+
+
+def serve_instrumented(conn: Any, spec: Any) -> None:
+    """The child: the usual IPC peer, instrumented, answering a 'stamps' command too."""
+    instrument()
+    handle = pair._handle
+
+    def with_stamps(cmd: str, args: list[Any], *rest: Any) -> Any:
+        if cmd == "stamps":
+            out = list(STAMPS)
+            STAMPS.clear()
+            return out
+        return handle(cmd, args, *rest)
+
+    pair._handle = with_stamps
+    _ORIGINAL_SERVE(conn, spec)
+
+
+def _view(region: Any, slots: np.ndarray, rows: int, request: str) -> View:
+    group = LayerGroupRows("g", CacheKind.PAGED, region, slots, np.arange(rows, dtype=np.int64))
+    return View(request, TokenRange(0, rows * 16), (group,), b"x")
+
+
+def run(row: int, rows: int, reps: int, warmup: int = 3) -> None:
+    slots = rows + rows // 4
+    pair._serve = serve_instrumented  # the spawned child runs this module's function
+    try:
+        peer = pair.ChildPeer(pair.PeerSpec(TransferMode.PUSH, geometry=(("decode", row, slots),)))
+    finally:
+        pair._serve = _ORIGINAL_SERVE
+    memory = pair.DeviceRows((("prefill", row, slots),))
+    local = ipc.IpcBackend("prefill", TransferMode.PUSH)
+    samples: list[dict[str, int]] = []
+    try:
+        local.register(memory.regions)
+        rng = np.random.default_rng(1)
+        for i in range(reps + warmup):
+            lv = _view(memory.regions[0], rng.permutation(slots)[:rows].astype(np.int64), rows, f"r{i}")
+            pv = _view(peer.regions[0], rng.permutation(slots)[:rows].astype(np.int64), rows, f"r{i}")
+            hint = peer.describe(pv)
+            handle = peer.start("fetch", pv, local.describe(lv))
+            peer._call("stamps")
+            STAMPS.clear()
+            woke: list[int] = []
+            _stamp("t0")
+            attempt = local.publish(lv, hint, lambda w=woke: w.append(time.monotonic_ns()))
+            _stamp("publish_ret")
+            if not attempt.wait(30):
+                raise RuntimeError("the publisher did not conclude")
+            outcome, _quiet = peer.result(handle, 30)
+            if outcome is None or not outcome.all_delivered:
+                raise RuntimeError(f"not delivered: {outcome!r}")
+            seen: dict[str, int] = {}
+            for label, t in STAMPS:
+                seen.setdefault(label, t)
+            seen["local_wake"] = woke[0]
+            for label, t in peer._call("stamps"):
+                seen.setdefault("peer:" + label, t)
+            seen["peer_visible"] = peer.last_visible_ns or 0
+            if i >= warmup:
+                samples.append(seen)
+    finally:
+        local.shutdown()
+        peer.close()
+        memory.close()
+    order = sorted(samples[0], key=lambda k: samples[0][k])
+    print(f"--- {rows} x {row // 1024} KiB ({rows * row / 2**20:.0f} MiB), median over {len(samples)} (us since t0)")
+    for label in order:
+        values = [s[label] - s["t0"] for s in samples if label in s]
+        print(f"  {label:28s} {statistics.median(values) / 1e3:10.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="262144x4096,16384x65536,32x65536", help="ROWSxROW_BYTES, comma-separated")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of cases of more than 1,000 rows")
+    ap.add_argument("--small-reps", type=int, default=200, help="repetitions of smaller cases")
+    args = ap.parse_args(argv)
+    instrument()
+    for case in args.cases.split(","):
+        rows, row = (int(x) for x in case.split("x"))
+        run(row, rows, args.reps if rows > 1000 else args.small_reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
