@@ -342,8 +342,8 @@ class IpcBackend(Backend):
             with self._jobs_lock:
                 self._refuse_if_closed()
                 self._passive[own_id] = wait  # a record that came early is in _stashed: see _run
+            self._channel.wake()
         self._own.consume(view, own_id)
-        self._channel.wake()
         return attempt
 
     def _peer_exports(self, hint: Hint, matches: list[GroupMatch]) -> dict[str, Export]:

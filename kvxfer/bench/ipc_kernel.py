@@ -20,7 +20,7 @@ import numpy as np
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
-from kvxfer.bench.timing import time_runs
+from kvxfer.bench.timing import cuda_timed, time_runs
 from kvxfer.contract import MemoryKind
 
 _ANSWER_S = 120.0
@@ -120,16 +120,7 @@ class IpcKernel:
                                  row_bytes=point.row_bytes, n_rows=int(s.numel()), memory=MemoryKind.DEVICE,
                                  stream=stream, device=0)
 
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-        def run() -> float:
-            start.record()
-            copy()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        timing = time_runs(run, self.config.repetition)
+        timing = time_runs(cuda_timed(copy), self.config.repetition)
         verified = self._verify(torch, src, span, point, picks, peer)
         return Measurement(
             {"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},

@@ -13,7 +13,7 @@ import numpy as np
 from kvxfer.bench.cases import CaseSpec, Measurement, Role, Skip
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
-from kvxfer.bench.timing import Timing, time_runs
+from kvxfer.bench.timing import Timing, cuda_timed, time_runs
 
 
 class LocalCopy:
@@ -55,20 +55,9 @@ class LocalCopy:
                     timing, how = threaded, "kvxfer.native threaded memcpy, 1 MiB pieces"
             ok = bool(d[0] == 0x5A and d[-1] == 0x5A)
         else:
-            import torch
-
             src, dst = self._device_buffers(n)
             s, d = src[:n], dst[:n]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-            def run() -> float:
-                start.record()
-                d.copy_(s)
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3
-
-            timing = time_runs(run, self.config.repetition)
+            timing = time_runs(cuda_timed(lambda: d.copy_(s)), self.config.repetition)
             ok = bool(d[0].item() == 0x5A and d[-1].item() == 0x5A)
             how = "torch copy_ on one device, CUDA events"
             facts_extra = {}
@@ -138,18 +127,7 @@ class LocalRows(LocalCopy):
                                  row_bytes=point.row_bytes, memory=kind, src_limit=slots, dst_limit=slots)
 
         if device:
-            import torch
-
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-            def run() -> float:
-                start.record()
-                copy()
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3
-
-            timing = time_runs(run, self.config.repetition)
+            timing = time_runs(cuda_timed(copy), self.config.repetition)
         else:
             timing = time_runs(copy, self.config.repetition)
         info = native.info()

@@ -33,6 +33,23 @@ class Timing:
         return float(np.percentile(np.asarray(self.samples), q))
 
 
+def cuda_timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """``fn`` as a run for ``time_runs`` that returns its device time: CUDA events recorded on
+    the current stream around it (torch must be importable and see a GPU)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run() -> float:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+
+    return run
+
+
 def time_runs(run: Callable[[], float | None], rep: Repetition, *, setup: Callable[[], None] | None = None) -> Timing:
     """Call ``run`` ``rep.warmup`` times untimed, then up to ``rep.reps`` times timed.
 
