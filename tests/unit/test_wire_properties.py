@@ -94,7 +94,11 @@ def test_hint_round_trip(hint: Hint, key: bytes) -> None:
 @FAST
 @given(records(), keys)
 def test_completion_round_trip(record: CompletionRecord, key: bytes) -> None:
-    assert same_record(decode_completion(encode_completion(record, key), key), record)
+    back = decode_completion(encode_completion(record, key), key)
+    assert same_record(back, record)
+    for mask in back.masks:  # real bool arrays, read-only (a view of unpacked bits)
+        assert mask.dtype == np.bool_ and not mask.flags.writeable
+        assert set(mask.view(np.uint8).tolist()) <= {0, 1}
 
 
 @FAST
