@@ -476,7 +476,10 @@ class IpcBackend(Backend):
         self._end_passive(wait)
 
     def _on_cancel_request(self, record: CompletionRecord) -> None:
-        with self._jobs_lock:
+        # _launch_lock first (the order _submit takes them): a launch in progress finishes and
+        # its job is in _in_flight before we look, so a job being launched is never missed
+        # (which would tell the peer "withdrawn" while our kernels still touch its rows).
+        with self._launch_lock, self._jobs_lock:
             jobs = [j for j in list(self._in_flight)
                     if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
             if not jobs:
@@ -570,7 +573,7 @@ class IpcBackend(Backend):
                 # (and its region against the exported allocation), so the kernel is told -1.
                 self._native.cuda_copy_rows(src[0], row, src[1], dst[0], row, dst[1], n, row, self._stream,
                                             self.device, -1, -1)
-            except self._native.CopyError as exc:
+            except (self._native.CopyError, MemoryError, RuntimeError) as exc:
                 # A large copy goes in chunks: some may be queued already. The job waits for
                 # an event like any other before anything is reported (their rows stay False).
                 job.failure = f"row copy launch failed: {exc}"
@@ -587,6 +590,11 @@ class IpcBackend(Backend):
             self._native.event_record(job.event, self._stream)
         except self._native.CopyError as exc:
             # Without an event we cannot tell when the kernels end: wait for the whole stream.
+            if job.event:
+                try:
+                    self._native.event_destroy(job.event)
+                except self._native.CopyError:
+                    pass
             job.event = 0
             job.failure = f"cannot record a completion event: {exc}"
             try:
