@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvxfer.contract.arrays import IndexArray, all_distinct, bounds, frozen_int64, is_positions
 from kvxfer.contract.memory import MemoryKind
@@ -62,6 +63,12 @@ class HintGroup:
         object.__setattr__(self, "slots", slots)
         object.__setattr__(self, "ordinals", ordinals)
         self.__dict__["ordinals_are_positions"] = positions  # seeds the cached property below
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Rebuilt (and so validated) through the constructor: a backend trusts a HintGroup's
+        # slot bounds, and numpy does not pickle the read-only flag.
+        return (HintGroup, (self.layer_group, self.kind, self.region, self.address, self.slot_bytes,
+                            self.region_slots, self.memory_kind, self.device_id, self.slots, self.ordinals))
 
     @functools.cached_property
     def ordinals_are_positions(self) -> bool:

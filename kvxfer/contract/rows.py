@@ -74,6 +74,11 @@ class LayerGroupRows:
     def __len__(self) -> int:
         return int(self.slots.size)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Rebuilt through the constructor: numpy does not pickle the read-only flag, and the
+        # cached facts below must describe the arrays the copy really holds.
+        return (LayerGroupRows, (self.layer_group, self.kind, self.region, self.slots, self.ordinals))
+
     # Facts about the (read-only) arrays, computed on first use and kept: a backend checks a
     # view in describe() and again in publish()/fetch(), and the worker does both on one view.
     @functools.cached_property

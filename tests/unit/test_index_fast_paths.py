@@ -98,3 +98,29 @@ def test_group_facts_are_computed_once_and_survive_pickling(kind: str, n: int, s
         hint = HintGroup("g", CacheKind.PAGED, "r", 4096, 64, max(n, 1), MemoryKind.HOST, 0, slots, ordinals)
         assert hint.ordinals_are_positions == positions
         assert pickle.loads(pickle.dumps(hint)).ordinals_are_positions == positions
+
+
+def test_unpickled_groups_are_rebuilt_read_only_and_validated() -> None:
+    import pickle
+
+    from kvxfer.contract import CacheKind, HintGroup, LayerGroupRows, MemoryKind, SlotRegion
+
+    slots = np.array([3, 1, 2], dtype=np.int64)
+    ordinals = np.arange(3, dtype=np.int64)
+    group = LayerGroupRows("g", CacheKind.PAGED, SlotRegion("r", 4096, 64, 8, MemoryKind.HOST), slots, ordinals)
+    assert group.slot_bounds == (1, 3)
+    back = pickle.loads(pickle.dumps(group))
+    assert not back.slots.flags.writeable and not back.ordinals.flags.writeable
+    assert back == group and back.slot_bounds == (1, 3)
+    hint = HintGroup("g", CacheKind.PAGED, "r", 4096, 64, 8, MemoryKind.HOST, 0, slots, ordinals)
+    again = pickle.loads(pickle.dumps(hint))
+    assert not again.slots.flags.writeable and again.ordinals_are_positions
+    # A pickle whose slots lie outside the region is refused on loading, as the constructor would.
+    object.__setattr__(hint, "slots", np.array([3, 1, 9], dtype=np.int64))
+    data = pickle.dumps(hint)
+    try:
+        pickle.loads(data)
+    except ValueError as exc:
+        assert "slot outside" in str(exc)
+    else:
+        raise AssertionError("an out-of-range hint group was unpickled")
