@@ -318,6 +318,18 @@ std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int 
     return true;
   };
   std::vector<std::thread> helpers;
+  // Whatever happens below (an error, an exception), helpers stop claiming chunks and are
+  // joined before this returns: they read the caller's index arrays.
+  struct JoinHelpers {
+    std::atomic<std::size_t>& next;
+    std::size_t chunks;
+    std::vector<std::thread>& threads;
+    ~JoinHelpers() {
+      next.store(chunks, std::memory_order_relaxed);
+      for (auto& t : threads)
+        if (t.joinable()) t.join();
+    }
+  } join_helpers{next, chunks, helpers};
   const std::size_t want = std::min<std::size_t>(kFillHelpers, chunks > 1 ? chunks - 1 : 0);
   try {
     for (std::size_t i = 0; i < want; ++i) helpers.emplace_back([&] { while (fill_one()) {} });
@@ -348,8 +360,12 @@ std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int 
     e = launch(width, gc, ix, stream);
     if (e != cudaSuccess) err = fail("launching the row copy kernel", e);
   }
-  next.store(chunks, std::memory_order_relaxed);  // on an error, helpers stop claiming chunks
-  for (auto& t : helpers) t.join();  // they read the caller's index arrays: finish before returning
+  if (!err.empty()) {
+    // An upload may be queued whose event the copy stream never waited on: finish it, so that
+    // nothing writes this staging slot after it is handed back.
+    (void)cudaStreamSynchronize(st->upload);
+    (void)cudaGetLastError();
+  }
   return err;
 }
 
@@ -378,6 +394,11 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
     cudaError_t e = launch(width, g, Indices{p.src.index, p.dst.index}, stream);
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
+  if (p.src.index == nullptr && p.dst.index == nullptr) {
+    // Contiguous on both ends: nothing to upload.
+    cudaError_t e = launch(width, g, Indices{nullptr, nullptr}, stream);
+    return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
+  }
   if (p.n_rows <= kInlineRows) {
     // Small submissions (the latency case) skip the index upload entirely.
     InlineIndices ix{};
@@ -403,11 +424,12 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
   Staging* st = nullptr;
   err = take_staging(current, one * arrays, &st);
   if (!err.empty()) return err;
-  if (p.n_rows > kPipelineRows) {
-    err = pipelined_copy(p, g, width, arrays, st, stream);
-    give_staging(st, stream, true);
-    return err;
-  }
+  struct GiveBack {  // the slot is handed back on every path, exceptions included
+    Staging* st;
+    cudaStream_t stream;
+    ~GiveBack() { give_staging(st, stream, true); }
+  } give_back{st, stream};
+  if (p.n_rows > kPipelineRows) return pipelined_copy(p, g, width, arrays, st, stream);
   auto* host = static_cast<unsigned char*>(st->host);
   if (p.src.index) std::memcpy(host, p.src.index, one);
   if (p.dst.index) std::memcpy(host + (p.src.index ? one : 0), p.dst.index, one);
@@ -422,7 +444,6 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
   } else {
     err = fail("uploading row indices", e);
   }
-  give_staging(st, stream, true);
   return err;
 }
 
