@@ -20,7 +20,8 @@ until the active end confirms. Here:
   copy goes into its mappings, which close once the copies in flight have ended.
 
 It needs kvxfer._native built with CUDA and a visible GPU; without them construction raises
-IpcUnavailable naming why, and the module still imports.
+IpcUnavailable naming why, and the module still imports. ``cuda=kvxfer.testing.host_cuda``
+runs the same control path over shared host memory, which is how CI tests it without a GPU.
 """
 
 from __future__ import annotations
@@ -174,13 +175,19 @@ class IpcBackend(Backend):
         deadline_s: float = 30.0,
         fail_after_rows: int | None = None,
         dead_peer_grace_s: float = 0.5,
+        cuda: ModuleType | None = None,
     ) -> None:
-        try:
-            self._native: ModuleType = native.cuda_module()
-        except native.RowCopyError as exc:
-            raise IpcUnavailable(f"IpcBackend needs kvxfer._native with CUDA and a visible GPU: {exc}") from exc
-        if not 0 <= device < native.info().device_count:
-            raise IpcUnavailable(f"IpcBackend: device {device} does not exist ({native.info().device_count} visible)")
+        # ``cuda``: the CUDA calls to make, kvxfer._native by default; kvxfer.testing.host_cuda
+        # emulates them over shared host memory so that CI runs this control path without a GPU.
+        if cuda is None:
+            try:
+                cuda = native.cuda_module()
+            except native.RowCopyError as exc:
+                raise IpcUnavailable(f"IpcBackend needs kvxfer._native with CUDA and a visible GPU: {exc}") from exc
+        self._native: ModuleType = cuda
+        visible = int(cuda.device_count())
+        if not 0 <= device < visible:
+            raise IpcUnavailable(f"IpcBackend: device {device} does not exist ({visible} visible)")
         self.mode = mode
         self.device = device
         self.deadline_s = deadline_s

@@ -31,8 +31,8 @@ PEER_GEOMETRY = (("P0", 256, 48), ("P1", 96, 50))
 class DeviceRows(RowMemory):
     """Device regions from cudaMalloc, each cut into slots; freed by close()."""
 
-    def __init__(self, geometry: tuple[tuple[str, int, int], ...], device: int = 0) -> None:
-        self._n = native.cuda_module()
+    def __init__(self, geometry: tuple[tuple[str, int, int], ...], device: int = 0, cuda: Any = None) -> None:
+        self._n = cuda or native.cuda_module()
         self.device = device
         self._ptrs: dict[str, int] = {}
         self._regions: dict[str, SlotRegion] = {}
@@ -91,13 +91,24 @@ class PeerSpec:
     device: int = 0
     deadline_s: float = 10.0
     key: bytes | None = None
+    emulated: bool = False  # kvxfer.testing.host_cuda instead of CUDA (CI without a GPU)
+
+
+def cuda_calls(emulated: bool) -> Any:
+    """The emulation module when asked for, else None (the backend's default: kvxfer._native)."""
+    if not emulated:
+        return None
+    from kvxfer.testing import host_cuda
+
+    return host_cuda
 
 
 def _serve(conn: Connection, spec: PeerSpec) -> None:
     from kvxfer.backends.ipc import IpcBackend
 
-    memory = DeviceRows(spec.geometry, spec.device)
-    backend = IpcBackend("child", spec.mode, device=spec.device, deadline_s=spec.deadline_s, key=spec.key)
+    cuda = cuda_calls(spec.emulated)
+    memory = DeviceRows(spec.geometry, spec.device, cuda)
+    backend = IpcBackend("child", spec.mode, device=spec.device, deadline_s=spec.deadline_s, key=spec.key, cuda=cuda)
     backend.register(memory.regions)
     attempts: dict[int, Any] = {}
     visible: dict[int, int] = {}
@@ -233,17 +244,19 @@ class ChildPeer(PeerEnd):
         self._conn.close()
 
 
-def ipc_pair(mode: TransferMode, *, device: int = 0, deadline_s: float = 10.0) -> Pair:
-    """A local IpcBackend over device memory here, and its peer in a child process."""
+def ipc_pair(mode: TransferMode, *, device: int = 0, deadline_s: float = 10.0, emulated: bool = False) -> Pair:
+    """A local IpcBackend over device memory here, and its peer in a child process
+    (``emulated``: both over kvxfer.testing.host_cuda, for CI without a GPU)."""
     from kvxfer.backends.ipc import IpcBackend
 
-    peer = ChildPeer(PeerSpec(mode, device=device, deadline_s=deadline_s))
+    cuda = cuda_calls(emulated)
+    peer = ChildPeer(PeerSpec(mode, device=device, deadline_s=deadline_s, emulated=emulated))
     try:
-        memory = DeviceRows(LOCAL_GEOMETRY, device)
+        memory = DeviceRows(LOCAL_GEOMETRY, device, cuda)
     except BaseException:
         peer.close()
         raise
-    local = IpcBackend("local", mode, device=device, deadline_s=deadline_s)
+    local = IpcBackend("local", mode, device=device, deadline_s=deadline_s, cuda=cuda)
     local.register(memory.regions)
 
     def inject_local(rows: int | None) -> None:
