@@ -22,8 +22,8 @@ class TrackedAttempt(Attempt):
         self._quiesced = False
         self._wake = wake
         self._on_cancel = on_cancel
-        self._cancel_requested = threading.Event()
-        self._done = threading.Event()
+        self._cancel_requested = False  # set once, read without the lock (a bool is atomic here)
+        self._done: threading.Event | None = None  # made by the first wait(): most attempts are never waited on
         self.label = label
         self.started = time.monotonic()
 
@@ -35,21 +35,27 @@ class TrackedAttempt(Attempt):
         return self._quiesced
 
     def cancel(self) -> None:
-        if self._cancel_requested.is_set() or self._outcome is not None:
-            self._cancel_requested.set()
+        if self._cancel_requested or self._outcome is not None:
+            self._cancel_requested = True
             return
-        self._cancel_requested.set()
+        self._cancel_requested = True
         if self._on_cancel is not None:
             self._on_cancel(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until concluded and quiesced (for tests and tools, not for owners' loops)."""
-        return self._done.wait(timeout)
+        with self._lock:
+            if self._outcome is not None and self._quiesced:
+                return True
+            if self._done is None:
+                self._done = threading.Event()
+            done = self._done
+        return done.wait(timeout)
 
     # --- the backend's side -----------------------------------------------------------
     @property
     def cancel_requested(self) -> bool:
-        return self._cancel_requested.is_set()
+        return self._cancel_requested
 
     def conclude(self, outcome: Outcome) -> bool:
         """Set the outcome unless one is set already; True when this call set it."""
@@ -57,9 +63,9 @@ class TrackedAttempt(Attempt):
             if self._outcome is not None:
                 return False
             self._outcome = outcome
-            done = self._quiesced
-        if done:
-            self._done.set()
+            done = self._done if self._quiesced else None
+        if done is not None:
+            done.set()
         self._notify()
         return True
 
@@ -68,9 +74,9 @@ class TrackedAttempt(Attempt):
             if self._quiesced:
                 return
             self._quiesced = True
-            done = self._outcome is not None
-        if done:
-            self._done.set()
+            done = self._done if self._outcome is not None else None
+        if done is not None:
+            done.set()
         self._notify()
 
     def _notify(self) -> None:

@@ -84,6 +84,26 @@ def _set_rows(mask: np.ndarray, rows: np.ndarray, n: int) -> None:
         mask[rows[:n]] = True
 
 
+@functools.lru_cache(maxsize=64)
+def _constant_mask(n: int, value: bool) -> np.ndarray:
+    """A shared read-only mask of n rows, all ``value``: most groups move whole, and these
+    are allocated once per size instead of per submission. A view of a read-only array, so
+    that nobody can make it writeable again."""
+    base = np.full(n, value, dtype=np.bool_)
+    base.flags.writeable = False
+    return base[:]
+
+
+def _mask_of(size: int, rows: np.ndarray, n: int) -> np.ndarray:
+    """Read-only mask of ``size`` rows with ``rows[:n]`` True."""
+    if n == rows.size == size:
+        return _constant_mask(size, True)
+    mask = np.zeros(size, dtype=np.bool_)
+    _set_rows(mask, rows, n)
+    mask.flags.writeable = False
+    return mask
+
+
 class IpcUnavailable(KvxferError):
     """The IPC backend cannot run in this process (no compiled CUDA module, no GPU)."""
 
@@ -616,17 +636,17 @@ class IpcBackend(Backend):
         """The rows whose kernels are queued, set after queueing them so that this overlaps
         the copy; reported only after the event says the kernels finished. Read-only, so that
         outcomes and records take them without copying."""
-        local = job.view.row_masks()
-        peer = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
+        local: list[np.ndarray | None] = [None] * len(job.view.groups)
+        peer: list[np.ndarray | None] = [None] * len(job.hint.groups)
         if copied:
             peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
             for gi, match, n in copied:
                 assert match.peer is not None
-                _set_rows(local[gi], match.local_rows, n)
-                _set_rows(peer[peer_index[match.peer.layer_group]], match.peer_rows, n)
-        for mask in local + peer:
-            mask.flags.writeable = False
-        job.local_masks, job.peer_masks = local, peer
+                local[gi] = _mask_of(len(match.local), match.local_rows, n)
+                pi = peer_index[match.peer.layer_group]
+                peer[pi] = _mask_of(len(job.hint.groups[pi]), match.peer_rows, n)
+        job.local_masks = [m if m is not None else _constant_mask(len(g), False) for m, g in zip(local, job.view.groups)]
+        job.peer_masks = [m if m is not None else _constant_mask(len(g), False) for m, g in zip(peer, job.hint.groups)]
 
     def _poll_in_flight(self) -> None:
         # One stream: events complete in queue order, so stop at the first pending one.

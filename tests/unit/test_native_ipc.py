@@ -137,3 +137,18 @@ def test_ordinal_comparison_small_and_large(n: int) -> None:
     b[-1] += 1
     assert not _same(a, b)
     assert not _same(a, a[:-1])
+
+
+def test_launch_masks_are_read_only_and_shared_only_when_whole() -> None:
+    from kvxfer.backends.ipc import _mask_of
+
+    rows = np.array([2, 0, 1], dtype=np.int64)
+    whole = _mask_of(3, rows, 3)
+    assert whole.all() and whole is _mask_of(3, rows[::-1].copy(), 3)  # one shared array per size
+    part = _mask_of(3, rows, 1)
+    assert part.tolist() == [False, False, True] and part is not _mask_of(3, rows, 1)
+    for mask in (whole, part):
+        with pytest.raises(ValueError):
+            mask[0] = not mask[0]
+    with pytest.raises(ValueError):
+        whole.flags.writeable = True  # nobody can turn the shared one back into a writable array
