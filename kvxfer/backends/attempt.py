@@ -12,6 +12,18 @@ from kvxfer.contract import Attempt, Outcome, WakeFn
 log = logging.getLogger(__name__)
 
 
+def cancel_and_wait_quiet(attempts: list[TrackedAttempt], kick: Callable[[], None], grace_s: float = 1.0) -> None:
+    """A backend's shutdown, first step: cancel every attempt, then give peers up to
+    ``grace_s`` to confirm that they stopped touching our memory, kicking the backend's
+    progress thread (``kick``) while waiting so that it handles their answers."""
+    for attempt in attempts:
+        attempt.cancel()
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not all(a.quiesced() for a in attempts):
+        kick()
+        time.sleep(0.002)
+
+
 class TrackedAttempt(Attempt):
     """Outcome and quiescence are set once each, by the backend; wake runs after each is visible."""
 

@@ -41,7 +41,7 @@ from types import ModuleType
 import numpy as np
 
 from kvxfer import native
-from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
 from kvxfer.backends.ipc_channel import Channel
 from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
 from kvxfer.backends.matching import GroupMatch, check_submission, match_rows
@@ -295,15 +295,7 @@ class IpcBackend(Backend):
             self._closed = True
             active = list(self._in_flight)
             passive = list(self._passive.values())
-        for job in active:
-            job.attempt.cancel()
-        for wait in passive:
-            wait.attempt.cancel()
-        # Give peers a moment to confirm that they stopped touching our memory.
-        grace = time.monotonic() + 1.0
-        while time.monotonic() < grace and not all(j.attempt.quiesced() for j in active + passive):
-            self._channel.wake()
-            time.sleep(0.002)
+        cancel_and_wait_quiet([j.attempt for j in active] + [w.attempt for w in passive], self._channel.wake)
         self._stop.set()
         self._channel.wake()
         self._thread.join(timeout=10.0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
 from kvxfer.backends.matching import GroupMatch, check_submission, coalesce, match_rows
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
@@ -173,17 +173,7 @@ class LoopbackBackend(Backend):
             self._closed = True
             active = list(self._active)
             passive = list(self._passive.values())
-        for job in active:
-            job.attempt.cancel()
-        for wait in passive:
-            wait.attempt.cancel()
-        # Give peers a moment to confirm that they stopped touching our memory.
-        grace = time.monotonic() + 1.0
-        while time.monotonic() < grace and not all(
-            j.attempt.quiesced() for j in active + passive
-        ):
-            self._kick.set()
-            time.sleep(0.005)
+        cancel_and_wait_quiet([j.attempt for j in active] + [w.attempt for w in passive], self._kick.set)
         self._stop.set()
         self._kick.set()
         self._thread.join(timeout=10.0)
@@ -379,12 +369,13 @@ class LoopbackBackend(Backend):
                                        match.local.region.slot_bytes, peer, local)
             local_masks[gi][match.local_rows[:done]] = True
             peer_masks[peer_index[match.peer.layer_group]][match.peer_rows[:done]] = True
+        outcome: Failed | Cancelled | Delivered
         if failure is not None:
             status, outcome = RecordStatus.FAILED, Failed(failure, local_masks)
         elif job.attempt.cancel_requested:
             status, outcome = RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, local_masks)
         else:
-            status, outcome = RecordStatus.DELIVERED, Delivered(local_masks)
+            status, outcome = RecordStatus.DELIVERED, Delivered(tuple(local_masks))
         # The passive end learns what is in place on its side; then ours concludes.
         record = CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
                                   peer_masks, failure or "")

@@ -64,7 +64,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
 from kvxfer.backends.matching import check_submission, match_rows
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, PeerUnknown
 from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_chunks
@@ -299,15 +299,7 @@ class NixlBackend(Backend):
             self._closed = True
             active = list(self._active)
             passive = list(self._passive.values())
-        for job in active:
-            job.attempt.cancel()
-        for wait in passive:
-            wait.attempt.cancel()
-        # Peers get a moment to confirm that they stopped touching our memory.
-        grace = time.monotonic() + 1.0
-        while time.monotonic() < grace and not all(j.attempt.quiesced() for j in active + passive):
-            self._kick.set()
-            time.sleep(0.005)
+        cancel_and_wait_quiet([j.attempt for j in active] + [w.attempt for w in passive], self._kick.set)
         self._stop.set()
         self._kick.set()
         self._thread.join(timeout=10.0)
