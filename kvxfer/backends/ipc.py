@@ -351,11 +351,13 @@ class IpcBackend(Backend):
                             "describe again")
                 self._launch(job)
                 self._in_flight.append(job)
-            self._channel.wake()  # the progress thread watches the event while we encode the record
             if job.launched and job.failure is None:
                 # Both made while the kernels run; used if the event completes cleanly.
                 job.frame = self._encode(self._delivered_record(job))
                 job.delivered = Delivered(tuple(job.local_masks))
+            # Woken only now: woken earlier, the progress thread takes the GIL while we encode,
+            # often finds the copy done, and encodes the record a second time.
+            self._channel.wake()
         else:
             wait = _Passive(attempt, view, hint, own_id, deadline=time.monotonic() + self.deadline_s)
             with self._jobs_lock:
