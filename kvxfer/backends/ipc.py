@@ -166,6 +166,10 @@ class _Active:
     failure: str | None = None
     frame: bytes | None = None  # the DELIVERED record, encoded while the kernel runs
     delivered: Delivered | None = None  # and our outcome if it ends so
+    # Who sends the record: the owner thread (a copy already ended when publish() was
+    # about to return) or the progress thread; whoever sets ``sent`` first, under the lock.
+    sent: bool = False
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(eq=False)
@@ -355,6 +359,7 @@ class IpcBackend(Backend):
                 # Both made while the kernels run; used if the event completes cleanly.
                 job.frame = self._encode(self._delivered_record(job))
                 job.delivered = Delivered(tuple(job.local_masks))
+                self._send_if_copied(job)
             # Woken only now: woken earlier, the progress thread takes the GIL while we encode,
             # often finds the copy done, and encodes the record a second time.
             self._channel.wake()
@@ -366,6 +371,21 @@ class IpcBackend(Backend):
             self._channel.wake()
         self._own.consume(view, own_id)
         return attempt
+
+    def _send_if_copied(self, job: _Active) -> None:
+        """A small copy has often ended by now: then the record goes to the peer from here,
+        saving it the progress thread's wake-up. Never waits: try_send() gives up instead."""
+        if job.frame is None or not job.event:
+            return
+        with job.send_lock:
+            if job.sent:
+                return
+            try:
+                if not self._native.event_query(job.event):
+                    return
+            except self._native.CopyError:
+                return  # the progress thread reports it
+            job.sent = self._channel.try_send(job.hint.endpoint, job.frame)
 
     def _peer_exports(self, hint: Hint, matches: list[GroupMatch]) -> dict[str, Export]:
         exports: dict[str, Export] = {}
@@ -406,6 +426,7 @@ class IpcBackend(Backend):
             # a sleep's granularity (or a driver callback's wake-up, measured slower on an
             # H200 host) would dominate a small transfer's latency.
             frames, gone = self._channel.wait(0.0 if busy else 0.02)
+            gone += self._channel.flush()  # the rest of a record the owner thread began
             for frame in frames:
                 self._on_frame(frame)
             for peer in gone:
@@ -657,6 +678,9 @@ class IpcBackend(Backend):
             self._finish(job, error)
 
     def _finish(self, job: _Active, device_error: str | None) -> None:
+        with job.send_lock:
+            owner_sent = job.sent
+            job.sent = True  # from here on the owner thread sends nothing (and the event is recycled)
         with self._map_lock:
             for mapping in job.mappings:
                 self._mappings.release(mapping)
@@ -665,6 +689,11 @@ class IpcBackend(Backend):
             if device_error is None:
                 self._events.append(job.event)
             job.event = 0
+        if owner_sent:
+            # The owner saw the event complete and told the peer DELIVERED: so it ended.
+            self._complete(job, RecordStatus.DELIVERED, job.delivered or Delivered(tuple(job.local_masks)), "",
+                           send=False)
+            return
         if device_error is not None:
             # After a device fault nothing says which rows landed: report none.
             job.local_masks = job.view.row_masks()
@@ -684,15 +713,16 @@ class IpcBackend(Backend):
                                 job.peer_masks, "")
 
     def _complete(self, job: _Active, status: RecordStatus, outcome: Delivered | Failed | Cancelled,
-                  reason: str) -> None:
-        """Tell the passive end what is in place on its side; then ours concludes."""
+                  reason: str, *, send: bool = True) -> None:
+        """Tell the passive end what is in place on its side (unless the owner thread did);
+        then ours concludes."""
         frame = job.frame if status is RecordStatus.DELIVERED else None
         record = None
         if frame is None:
             record = CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
                                       job.peer_masks or [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups],
                                       reason)
-        if not self._send(job.hint.endpoint, record, frame) and status is RecordStatus.DELIVERED:
+        if send and not self._send(job.hint.endpoint, record, frame) and status is RecordStatus.DELIVERED:
             outcome = Failed(f"peer {job.hint.agent!r} is gone; its completion record was not delivered",
                              job.local_masks)
         job.attempt.conclude(outcome)

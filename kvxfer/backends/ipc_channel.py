@@ -6,8 +6,10 @@ receives on the connections peers opened to it. Frames are a 4-byte big-endian l
 then the bytes of ``kvxfer.wire.encode_completion``. A connection that reaches end of file
 or fails to send means the peer's backend has gone: its process exited or it shut down.
 
-Everything here runs on the owning backend's progress thread, except ``wake()`` (any
-thread) and ``close()`` (after that thread has stopped).
+Everything here runs on the owning backend's progress thread, except ``wake()`` and
+``try_send()`` (any thread) and ``close()`` (after that thread has stopped). Writes to a
+peer's connection hold one lock, so that frames never interleave; ``try_send()`` never
+waits for it, and a frame it could write only in part is finished by ``flush()``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +38,7 @@ class _Conn:
     sock: socket.socket
     peer: bytes  # the endpoint we dialled; b"" for a connection a peer opened to us
     buf: bytearray = field(default_factory=bytearray)
+    pending: bytes = b""  # outbound: the rest of a frame try_send() wrote only in part
 
 
 class Channel:
@@ -54,6 +58,7 @@ class Channel:
         os.set_blocking(self._wake_w, False)
         self._inbound: dict[int, _Conn] = {}
         self._outbound: dict[bytes, _Conn] = {}
+        self._write_lock = threading.RLock()  # writes to (and closing of) outbound connections
         self._poll = select.poll()
         self._poll.register(self._listener.fileno(), select.POLLIN)
         self._poll.register(self._wake_r, select.POLLIN)
@@ -93,12 +98,55 @@ class Channel:
                     gone.append(conn.peer)
         return frames, gone
 
+    def try_send(self, peer: bytes, frame: bytes) -> bool:
+        """Send one frame now, from any thread, without waiting: False (nothing sent) when
+        that would wait (another thread is writing, ``peer`` is not connected yet, its socket
+        is full) or fails; the caller then leaves the frame to ``send()``."""
+        if not self._write_lock.acquire(blocking=False):
+            return False
+        try:
+            conn = self._outbound.get(peer)
+            if conn is None or conn.pending:
+                return False
+            data = _FRAME.pack(len(frame)) + frame
+            try:
+                sent = conn.sock.send(data)
+            except OSError:  # would block, or the peer is gone: send() finds out which
+                return False
+            if sent < len(data):
+                conn.pending = data[sent:]
+                self.wake()  # the progress thread's flush() finishes it
+            return True
+        finally:
+            self._write_lock.release()
+
+    def flush(self) -> list[bytes]:
+        """Write what ``try_send()`` left; return the peers found gone meanwhile."""
+        gone: list[bytes] = []
+        with self._write_lock:
+            for conn in list(self._outbound.values()):
+                if not conn.pending:
+                    continue
+                try:
+                    conn.pending = conn.pending[conn.sock.send(conn.pending):]
+                except BlockingIOError:
+                    pass  # the next pass tries again
+                except OSError:
+                    gone.append(conn.peer)
+                    self._drop_outbound(conn)
+        return gone
+
     def send(self, peer: bytes, frame: bytes) -> bool:
         """Send one frame to ``peer``; False (and the connection dropped) when it is gone."""
+        with self._write_lock:
+            return self._send_locked(peer, frame)
+
+    def _send_locked(self, peer: bytes, frame: bytes) -> bool:
         conn = self.connect(peer)
         if conn is None:
             return False
-        data = memoryview(_FRAME.pack(len(frame)) + frame)
+        data = memoryview(conn.pending + _FRAME.pack(len(frame)) + frame)
+        conn.pending = b""
         deadline = time.monotonic() + SEND_TIMEOUT_S
         try:
             while data:
@@ -167,13 +215,14 @@ class Channel:
         return False
 
     def _drop_outbound(self, conn: _Conn) -> None:
-        if self._outbound.get(conn.peer) is conn:
-            del self._outbound[conn.peer]
-        try:
-            self._poll.unregister(conn.sock.fileno())
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
+        with self._write_lock:  # not while another thread writes to it
+            if self._outbound.get(conn.peer) is conn:
+                del self._outbound[conn.peer]
+            try:
+                self._poll.unregister(conn.sock.fileno())
+            except (KeyError, ValueError):
+                pass
+            conn.sock.close()
 
     def _accept(self) -> None:
         while True:
