@@ -152,3 +152,30 @@ def test_launch_masks_are_read_only_and_shared_only_when_whole() -> None:
             mask[0] = not mask[0]
     with pytest.raises(ValueError):
         whole.flags.writeable = True  # nobody can turn the shared one back into a writable array
+
+
+def test_try_send_never_waits_and_flush_finishes_a_partial_frame() -> None:
+    a, b = Channel("a"), Channel("b")
+    try:
+        assert not a.try_send(b.endpoint, b"early")  # not connected yet: left to send()
+        assert a.send(b.endpoint, b"first")
+        big = bytes(range(256)) * (16 << 10)  # 4 MiB: far more than a socket buffer holds
+        assert a.try_send(b.endpoint, big)  # took part of it; the rest is pending
+        assert not a.try_send(b.endpoint, b"x")  # behind a pending tail: refused, not interleaved
+        got: list[bytes] = []
+        for _ in range(500):
+            assert a.flush() == []
+            got += b.wait(0.01)[0]
+            if len(got) == 2:
+                break
+        assert got == [b"first", big]
+        assert a.try_send(b.endpoint, b"after")  # the connection is clear again
+        assert a.send(b.endpoint, b"last")
+        for _ in range(200):
+            got += b.wait(0.01)[0]
+            if len(got) == 4:
+                break
+        assert got[2:] == [b"after", b"last"]  # in order, whole
+    finally:
+        a.close()
+        b.close()
