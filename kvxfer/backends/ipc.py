@@ -474,10 +474,17 @@ class IpcBackend(Backend):
             return None
 
     def _send(self, peer: bytes, record: CompletionRecord | None, frame: bytes | None = None) -> bool:
-        """Send ``frame``, or ``record`` encoded when no frame is given."""
+        """Send ``frame``, or ``record`` encoded when no frame is given. A peer that cannot be
+        sent to is gone (the channel's rule): its mappings close and its waits fail, also when
+        this is the first we hear of it (we had never connected to it before)."""
         if frame is None and record is not None:
             frame = self._encode(record)
-        return frame is not None and self._channel.send(peer, frame)
+        if frame is None:
+            return False
+        if self._channel.send(peer, frame):
+            return True
+        self._on_peer_gone(peer)
+        return False
 
     def _on_peer_gone(self, peer: bytes) -> None:
         with self._launch_lock:  # no launch into its mappings from here on
