@@ -106,10 +106,11 @@ def run(row: int, rows: int, reps: int, warmup: int = 3) -> None:
         peer = pair.ChildPeer(pair.PeerSpec(TransferMode.PUSH, geometry=(("decode", row, slots),)))
     finally:
         pair._serve = _ORIGINAL_SERVE
-    memory = pair.DeviceRows((("prefill", row, slots),))
-    local = ipc.IpcBackend("prefill", TransferMode.PUSH)
+    memory = local = None
     samples: list[dict[str, int]] = []
     try:
+        memory = pair.DeviceRows((("prefill", row, slots),))
+        local = ipc.IpcBackend("prefill", TransferMode.PUSH)
         local.register(memory.regions)
         rng = np.random.default_rng(1)
         for i in range(reps + warmup):
@@ -134,13 +135,19 @@ def run(row: int, rows: int, reps: int, warmup: int = 3) -> None:
             seen["local_wake"] = woke[0]
             for label, t in peer._call("stamps"):
                 seen.setdefault("peer:" + label, t)
-            seen["peer_visible"] = peer.last_visible_ns or 0
+            if peer.last_visible_ns is None:
+                raise RuntimeError("the decode process did not stamp its outcome")
+            seen["peer_visible"] = peer.last_visible_ns
             if i >= warmup:
                 samples.append(seen)
     finally:
-        local.shutdown()
+        if local is not None:
+            local.shutdown()
         peer.close()
-        memory.close()
+        if memory is not None:
+            memory.close()
+    if not samples:
+        raise SystemExit("no samples: --reps must be at least 1")
     order = sorted(samples[0], key=lambda k: samples[0][k])
     print(f"--- {rows} x {row // 1024} KiB ({rows * row / 2**20:.0f} MiB), median over {len(samples)} (us since t0)")
     for label in order:

@@ -101,7 +101,12 @@ def requirement_missing(req: Requirement) -> str | None:
         return None if _has_module("kvxfer.backends.nixl") else "kvxfer.backends.nixl does not exist yet"
     if req is Requirement.KVXFER_IPC:
         missing = [m for m in ("kvxfer.backends.ipc", "kvxfer.backends.ipc_pair") if not _has_module(m)]
-        return f"{' and '.join(missing)} do{'es' if len(missing) == 1 else ''} not exist yet" if missing else None
+        if missing:
+            return f"{' and '.join(missing)} do{'es' if len(missing) == 1 else ''} not exist yet"
+        from kvxfer import native
+
+        state = native.info()
+        return None if state.cuda_usable else f"kvxfer._native has no usable CUDA ({state.reason})"
     if req is Requirement.SUBPROCESS_PEER:
         return None if _has_module("kvxfer.testing.subprocess_peer") else "kvxfer.testing.subprocess_peer is absent"
     if req is Requirement.KVXFER_PACKED:

@@ -41,6 +41,7 @@ class Kind:
     rebuild_args: Callable[[TransferMode, Geometry, str], dict[str, Any]] | None  # a kept child's new backend
     rows: Callable[[Geometry, str], Any]                    # RowMemory with regions (and close())
     facts: dict[str, Any]
+    stamps_outcome: bool = False  # its child reports when its outcome became visible (latency)
 
 
 def _nixl_kind(packed: str) -> Kind:
@@ -88,7 +89,7 @@ def _ipc_kind() -> Kind:
         return DeviceRows(geometry)
 
     return Kind(("device",), local, peer, None, rows,
-                {"processes": 2, "transport": "CUDA IPC mapping + native row kernel"})
+                {"processes": 2, "transport": "CUDA IPC mapping + native row kernel"}, stamps_outcome=True)
 
 
 def _view(regions: tuple[SlotRegion, ...] | list[SlotRegion], slots: list[np.ndarray], rows: int,
@@ -200,17 +201,21 @@ class TwoProcessCase:
         be the child, and only ``ipc_pair.ChildPeer`` reports when its outcome became visible."""
         if point.memory not in self.kind.memory:
             raise Skip(f"this pair runs over {' or '.join(self.kind.memory)} memory")
-        if point.direction != "push" or self.kind.rebuild_args is not None:
+        if point.direction != "push" or not self.kind.stamps_outcome:
             raise Skip("two-process latency is measured for IPC push (its child stamps the decode outcome)")
         slots = 4 * point.rows
         memory = self.kind.rows((("prefill", point.row_bytes, slots),), point.memory)
         peer = local = None
         samples: list[float] = []
+        left = 0
         try:
             peer = self._peer(TransferMode.PUSH, (("decode", point.row_bytes, slots),), point.memory)
             local = self.kind.local(TransferMode.PUSH)
             local.register(memory.regions)
             rng = np.random.default_rng(self.config.seed + 5)
+            everything = np.arange(slots, dtype=np.int64)
+            # Distinct bytes in every source slot; each sample's rows are compared afterwards (untimed).
+            memory.write("prefill", everything, rng.integers(0, 256, slots * point.row_bytes, dtype=np.uint8).tobytes())
             for i in range(sweep.warmup + sweep.samples):
                 picks = [rng.permutation(slots)[:point.rows].astype(np.int64) for _ in range(2)]
                 v_local = _view(memory.regions, picks[:1], point.rows, f"lat{i}")
@@ -227,13 +232,18 @@ class TwoProcessCase:
                     raise RuntimeError(f"sample {i}: the decode end did not stamp its outcome")
                 if i >= sweep.warmup:
                     samples.append((peer.last_visible_ns - t0) / 1e9)
+                if peer.read("decode", picks[1]) != memory.read("prefill", picks[0]):
+                    raise RuntimeError(f"sample {i}: the decode rows differ from the prefill rows")
+                peer.write("decode", picks[1], bytes(point.rows * point.row_bytes))  # so no later sample can pass on stale rows
         finally:
             if local is not None:
-                local.shutdown()
+                left = len(local.shutdown())
             if peer is not None:
                 peer.close()
             if hasattr(memory, "close"):
                 memory.close()
+        if left:
+            raise RuntimeError(f"{left} attempts were not quiesced at shutdown")
         return latency_measurement(Timing(tuple(samples)), {
             **self.kind.facts, "verified": True,
             "measured": "publish call to decode outcome visible (decode end in a second process)"})

@@ -3,19 +3,29 @@
 
 Only what the backend and ``ipc_pair.DeviceRows`` call is here, with the same names and
 signatures as ``kvxfer._native``. "Device memory" is a ``memfd`` mapped into this process;
-its IPC handle names the file descriptor through ``/proc/<pid>/fd/<n>``, so that another
+its IPC handle names the file descriptor through ``/proc/<pid>/fd/<n>`` and the file's inode
+(fd numbers are reused; a handle must never name another allocation), so that another
 process maps the same pages (and, as with CUDA, the exporting process may not open its own
-handle). Copies run at once on the calling thread (native host row copy), so every event
-is complete when recorded: work is never later than CUDA's, only earlier. The real CUDA
-path is covered by ``tests/gpu`` on the GPU machine; this module never replaces it there.
+handle).
+
+Copies on stream 0 (the legacy default stream, used synchronously by ``DeviceRows``) run at
+once. On other streams they run at once too, unless ``KVXFER_HOST_CUDA_DELAY_S`` is set (a
+spawned peer inherits it): then a worker thread per stream runs them in order, each that
+long after it was queued, and an event completes only when the work queued before it has,
+so that the backend's in-flight paths (events still pending, records sent by the progress
+thread, peers dying mid-copy, shutdown with copies queued) run too. The real CUDA path is
+covered by ``tests/gpu`` on the GPU machine; this module never replaces it there.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -81,8 +91,12 @@ def device_alloc(device: int, nbytes: int) -> int:
 
 
 def device_free(device: int, ptr: int) -> None:
+    _drain_all()  # as cudaFree: no queued copy may still touch it
     with _MEM.lock:
-        size, fd = _MEM.owned.pop(ptr)
+        entry = _MEM.owned.pop(ptr, None)
+    if entry is None:
+        raise CopyError("cudaFree: not an allocation of this process")
+    size, fd = entry
     _libc.munmap(ptr, size)
     os.close(fd)
 
@@ -91,15 +105,15 @@ def ipc_export(device: int, ptr: int) -> tuple[bytes, int, int]:
     with _MEM.lock:
         for base, (size, fd) in _MEM.owned.items():
             if base <= ptr < base + size:
-                handle = f"/proc/{os.getpid()}/fd/{fd}".encode().ljust(HANDLE_BYTES, b"\0")
-                return handle, base, size
+                name = f"/proc/{os.getpid()}/fd/{fd}:{os.fstat(fd).st_ino}"
+                return name.encode().ljust(HANDLE_BYTES, b"\0"), base, size
     raise CopyError("cuMemGetAddressRange failed: the address is not device memory of this process")
 
 
 def ipc_open(device: int, handle: bytes) -> int:
     if len(handle) != HANDLE_BYTES:
         raise CopyError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)}")
-    path = handle.rstrip(b"\0").decode()
+    path, _, inode = handle.rstrip(b"\0").decode().rpartition(":")
     if path.startswith(f"/proc/{os.getpid()}/"):
         raise CopyError("cudaIpcOpenMemHandle: cudaErrorInvalidContext: a process cannot open its own handle")
     try:
@@ -107,7 +121,10 @@ def ipc_open(device: int, handle: bytes) -> int:
     except OSError as exc:
         raise CopyError(f"cudaIpcOpenMemHandle: {exc}") from exc
     try:
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        if str(stat.st_ino) != inode:
+            raise CopyError("cudaIpcOpenMemHandle: the handle's allocation was freed")
+        size = stat.st_size
         base = _map(fd, size)
     finally:
         os.close(fd)  # the mapping keeps the pages
@@ -117,6 +134,7 @@ def ipc_open(device: int, handle: bytes) -> int:
 
 
 def ipc_close(device: int, base: int) -> None:
+    _drain_all()
     with _MEM.lock:
         size = _MEM.opened.pop(base, None)
     if size is None:
@@ -131,50 +149,170 @@ def copy_bytes(device: int, dst: int, src: int, nbytes: int) -> None:
 def cuda_copy_rows(src_base: int, src_stride: int, src_index: Any, dst_base: int, dst_stride: int, dst_index: Any,
                    n_rows: int, row_bytes: int, stream: int, device: int = -1, src_limit: int = -1,
                    dst_limit: int = -1) -> None:
-    try:
-        native.copy_rows(src_base=src_base, src_stride=src_stride, src_slots=_index(src_index), dst_base=dst_base,
-                         dst_stride=dst_stride, dst_slots=_index(dst_index), row_bytes=row_bytes, n_rows=n_rows,
-                         memory=MemoryKind.HOST, src_limit=None if src_limit < 0 else src_limit,
-                         dst_limit=None if dst_limit < 0 else dst_limit)
-    except native.RowCopyError as exc:
-        raise CopyError(str(exc)) from exc
+    src_slots, dst_slots = _index(src_index), _index(dst_index)  # copies: the caller may reuse its arrays
+    src_cap = None if src_limit < 0 else src_limit
+    dst_cap = None if dst_limit < 0 else dst_limit
+    if src_cap is not None or dst_cap is not None:  # refused at once, as the real launch does
+        try:
+            native.copy_rows(src_base=1, src_stride=0, src_slots=src_slots, dst_base=1, dst_stride=0,
+                             dst_slots=dst_slots, row_bytes=0, n_rows=n_rows, memory=MemoryKind.HOST,
+                             src_limit=src_cap, dst_limit=dst_cap)
+        except native.RowCopyError as exc:
+            raise CopyError(str(exc)) from exc
+
+    def copy() -> None:
+        native.copy_rows(src_base=src_base, src_stride=src_stride, src_slots=src_slots, dst_base=dst_base,
+                         dst_stride=dst_stride, dst_slots=dst_slots, row_bytes=row_bytes, n_rows=n_rows,
+                         memory=MemoryKind.HOST)
+
+    _enqueue(stream, copy)
 
 
 def _index(index: Any) -> Any:
-    return None if index is None else np.ascontiguousarray(index, dtype=np.int64)
+    return None if index is None else np.array(index, dtype=np.int64, copy=True)
 
 
-# Streams and events: copies are done when queued, so both are bookkeeping only.
+# --- streams and events -------------------------------------------------------------------
+def _delay_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get("KVXFER_HOST_CUDA_DELAY_S", "0") or 0))
+    except ValueError:
+        return 0.0
+
+
+class _Stream:
+    """Work queued on one stream, run in order by a worker thread (deferred mode only)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queue: collections.deque[tuple[float, Callable[[], None] | None, int]] = collections.deque()
+        self.queued = 0     # items ever queued
+        self.done = 0       # items run (in order)
+        self.closed = False
+        self.error: str | None = None  # a copy that failed: the stream's later events report it
+        self.thread: threading.Thread | None = None
+
+    def put(self, fn: Callable[[], None] | None, delay: float) -> int:
+        with self.cond:
+            self.queued += 1
+            self.queue.append((time.monotonic() + delay, fn, self.queued))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="kvxfer-host-cuda", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+            return self.queued
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                due, fn, _ = self.queue[0]
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                if fn is not None:
+                    fn()
+            except Exception as exc:  # as a device fault: sticky, reported by later queries
+                self.error = self.error or f"row copy failed: {exc}"
+            with self.cond:
+                self.queue.popleft()
+                self.done += 1
+                self.cond.notify_all()
+
+    def drain(self) -> None:
+        with self.cond:
+            while self.done < self.queued:
+                self.cond.wait()
+
+    def close(self) -> None:
+        self.drain()
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+
+
 _HANDLES = itertools.count(1)
+_STREAMS: dict[int, _Stream] = {}
+_EVENTS: dict[int, tuple[int, int]] = {}  # event -> (stream, item it waits for); (0, 0) = complete
+_LOCK = threading.Lock()
+
+
+def _enqueue(stream: int, fn: Callable[[], None]) -> None:
+    delay = _delay_s()
+    with _LOCK:
+        queue = _STREAMS.get(stream)
+    if stream == 0 or queue is None or (delay == 0 and queue.done == queue.queued):
+        fn()  # nothing ahead of it: run now
+        return
+    queue.put(fn, delay)
+
+
+def _drain_all() -> None:
+    with _LOCK:
+        queues = list(_STREAMS.values())
+    for queue in queues:
+        queue.drain()
 
 
 def stream_create(device: int) -> int:
-    return next(_HANDLES)
+    handle = next(_HANDLES)
+    with _LOCK:
+        _STREAMS[handle] = _Stream()
+    return handle
 
 
 def stream_destroy(stream: int) -> None:
-    pass
+    with _LOCK:
+        queue = _STREAMS.pop(stream, None)
+    if queue is not None:
+        queue.close()
 
 
 def stream_synchronize(stream: int) -> None:
-    pass
+    with _LOCK:
+        queue = _STREAMS.get(stream)
+    if queue is not None:
+        queue.drain()
 
 
 def event_create(device: int) -> int:
-    return next(_HANDLES)
+    handle = next(_HANDLES)
+    with _LOCK:
+        _EVENTS[handle] = (0, 0)
+    return handle
 
 
 def event_record(event: int, stream: int) -> None:
-    pass
+    with _LOCK:
+        queue = _STREAMS.get(stream)
+    item = 0
+    if queue is not None and _delay_s() > 0:
+        item = queue.put(None, 0.0)  # a marker: done once everything queued before it is
+    with _LOCK:
+        _EVENTS[event] = (stream, item)
 
 
 def event_query(event: int) -> bool:
-    return True
+    with _LOCK:
+        stream, item = _EVENTS.get(event, (0, 0))
+        queue = _STREAMS.get(stream)
+    if item == 0 or queue is None:
+        return True
+    with queue.cond:
+        if queue.error is not None:
+            raise CopyError(queue.error)
+        return queue.done >= item
 
 
 def event_synchronize(event: int) -> None:
-    pass
+    while not event_query(event):
+        time.sleep(0.0002)
 
 
 def event_destroy(event: int) -> None:
-    pass
+    with _LOCK:
+        _EVENTS.pop(event, None)

@@ -1,11 +1,15 @@
 """IpcBackend's control path in CI: two processes over kvxfer.testing.host_cuda (shared host
-memory standing in for CUDA IPC). The conformance kit, byte-exact rows, and a dead peer.
+memory standing in for CUDA IPC). The conformance kit with copies done at once and with
+copies still in flight (deferred mode), byte-exact rows, dead peers, a cancel mid-launch.
 The same backend over real CUDA is tests/gpu/test_ipc.py, on the GPU machine."""
 
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,10 +20,21 @@ from kvxfer.contract import CacheKind, Cancelled, Delivered, Failed, LayerGroupR
 from kvxfer.testing import host_cuda
 from kvxfer.testing.conformance import CHECKS
 
+DELAY = "KVXFER_HOST_CUDA_DELAY_S"  # deferred mode: copies land this long after queueing
 
+
+@pytest.fixture(autouse=True)
+def no_ipc_child_left() -> Iterator[None]:
+    yield
+    left = [p for p in mp.active_children() if p.name == "kvxfer-ipc-peer"]
+    assert not left, f"IPC peer processes left running: {left}"
+
+
+@pytest.mark.parametrize("delay", ["0", "0.003"], ids=["at-once", "in-flight"])
 @pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
-def test_ipc_conformance_emulated(check, mode):  # type: ignore[no-untyped-def]
+def test_ipc_conformance_emulated(check, mode, delay, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(DELAY, delay)  # the spawned peer inherits it
     check(functools.partial(ipc_pair, emulated=True), mode)
 
 
@@ -29,9 +44,19 @@ def _view(region, slots: np.ndarray, request: str) -> View:  # type: ignore[no-u
                 b"L")
 
 
+def _close(local: IpcBackend, peer: ChildPeer, memory: DeviceRows) -> None:
+    """Close everything first, then assert: a failed shutdown must not leak the peer."""
+    try:
+        left = local.shutdown()
+    finally:
+        peer.close()
+        memory.close()
+    assert left == frozenset(), f"attempts not quiesced at shutdown: {left}"
+
+
 @pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
 def test_large_scattered_rows_byte_exact_emulated(mode: TransferMode) -> None:
-    rb, slots, n = 4096, 20_000, 12_000  # past the native call's 8,192-row chunking
+    rb, slots, n = 4096, 20_000, 12_000
     peer = ChildPeer(PeerSpec(mode, geometry=(("P", rb, slots),), emulated=True))
     memory = DeviceRows((("L", rb, slots),), cuda=host_cuda)
     local = IpcBackend("local", mode, cuda=host_cuda)
@@ -58,9 +83,7 @@ def test_large_scattered_rows_byte_exact_emulated(mode: TransferMode) -> None:
         got = peer.read("P", ps) if mode is TransferMode.PUSH else memory.read("L", ls)
         assert got == payload
     finally:
-        assert local.shutdown() == frozenset()
-        peer.close()
-        memory.close()
+        _close(local, peer, memory)
 
 
 def test_dead_fetcher_fails_the_next_publish_by_name_emulated() -> None:
@@ -89,26 +112,57 @@ def test_dead_fetcher_fails_the_next_publish_by_name_emulated() -> None:
         outcome = second.poll()
         assert isinstance(outcome, Failed) and "gone" in outcome.reason and not outcome.masks[0].any()
     finally:
-        assert local.shutdown() == frozenset()
-        peer.close()
-        memory.close()
+        _close(local, peer, memory)
+
+
+def test_peer_dying_mid_copy_keeps_its_mapping_until_the_copy_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DELAY, "0.4")  # the copy is still queued when the peer dies
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        ls = np.arange(8, dtype=np.int64)
+        lv, pv = _view(memory.regions[0], ls, "r"), _view(peer.regions[0], ls, "r")
+        hint = peer.describe(pv)
+        peer.start("fetch", pv, local.describe(lv))
+        attempt = local.publish(lv, hint)
+        peer.kill()
+        time.sleep(0.15)  # the progress thread sees the peer go while the copy is in flight
+        assert attempt.poll() is None and len(local._mappings) == 1, "closed under a running copy"
+        assert attempt.wait(15)
+        outcome = attempt.poll()
+        assert isinstance(outcome, Failed) and "gone" in outcome.reason, outcome
+        deadline = time.monotonic() + 5
+        while len(local._mappings) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(local._mappings) == 0
+    finally:
+        _close(local, peer, memory)
 
 
 def test_cancel_arriving_during_a_launch_is_answered_after_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """The peer cancels while our kernels are being queued: its request must find the job
     (and be answered once the copy ended), not be told 'withdrawn' while rows still move."""
-    import threading
-
+    entered, seen = threading.Event(), threading.Event()
     real_copy = host_cuda.cuda_copy_rows
 
-    def slow_copy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        time.sleep(0.5)  # the launch is still going on when the cancel arrives
+    def held_copy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entered.set()
+        seen.wait(10)  # the launch goes on until the peer's request has reached our thread
         return real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(host_cuda, "cuda_copy_rows", slow_copy)  # this process only: the publisher
+    monkeypatch.setattr(host_cuda, "cuda_copy_rows", held_copy)  # this process only: the publisher
     peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
     memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
     local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
+    on_cancel_request = local._on_cancel_request
+
+    def seen_then_handle(record):  # type: ignore[no-untyped-def]
+        seen.set()
+        on_cancel_request(record)
+
+    local._on_cancel_request = seen_then_handle  # type: ignore[method-assign]
     try:
         local.register(memory.regions)
         ls = np.arange(8, dtype=np.int64)
@@ -118,7 +172,7 @@ def test_cancel_arriving_during_a_launch_is_answered_after_the_copy(monkeypatch:
         attempts: list = []
         publisher = threading.Thread(target=lambda: attempts.append(local.publish(lv, hint)))
         publisher.start()
-        time.sleep(0.15)
+        assert entered.wait(10)
         peer.cancel(handle)
         publisher.join(10)
         assert attempts and attempts[0].wait(15)
@@ -131,6 +185,16 @@ def test_cancel_arriving_during_a_launch_is_answered_after_the_copy(monkeypatch:
         theirs, quiet = peer.result(handle, 15)
         assert isinstance(theirs, Cancelled) and quiet
     finally:
-        assert local.shutdown() == frozenset()
-        peer.close()
-        memory.close()
+        seen.set()
+        _close(local, peer, memory)
+
+
+def test_emulated_handles_never_name_a_later_allocation() -> None:
+    ptr = host_cuda.device_alloc(0, 4096)
+    handle, _, _ = host_cuda.ipc_export(0, ptr)
+    host_cuda.device_free(0, ptr)
+    again = host_cuda.device_alloc(0, 4096)  # likely the same fd number
+    try:
+        assert host_cuda.ipc_export(0, again)[0] != handle
+    finally:
+        host_cuda.device_free(0, again)

@@ -1,0 +1,60 @@
+"""kvxfer bench's two-process IPC case (throughput and the small-request latency) run end to
+end on CPU, with IpcBackend over kvxfer.testing.host_cuda: the measuring code, its byte
+checks and its clean-up, not the figures (those come from the GPU machine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvxfer.backends.ipc import IpcBackend
+from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
+from kvxfer.bench.config import LatencySweep, Point, Repetition, preset
+from kvxfer.bench.two_process import Kind, TwoProcessCase
+from kvxfer.testing import host_cuda
+
+
+def emulated_ipc_kind() -> Kind:
+    return Kind(
+        memory=("device",),
+        local=lambda mode: IpcBackend("bench", mode, cuda=host_cuda),
+        peer=lambda mode, geometry, memory: ChildPeer(PeerSpec(mode, geometry=geometry, emulated=True)),
+        rebuild_args=None,
+        rows=lambda geometry, memory: DeviceRows(geometry, cuda=host_cuda),
+        facts={"processes": 2, "transport": "emulated CUDA IPC (host memory)"},
+        stamps_outcome=True,
+    )
+
+
+@pytest.fixture()
+def case():  # type: ignore[no-untyped-def]
+    config = dataclasses.replace(preset("tiny"), repetition=Repetition(warmup=1, reps=3, budget_s=0.5))
+    runner = TwoProcessCase(config, emulated_ipc_kind())
+    yield runner
+    runner.close()
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_throughput_moves_and_verifies_rows(case, direction):  # type: ignore[no-untyped-def]
+    m = case.throughput(Point(direction, "device", "scattered", 4096, 64, 2))
+    assert m.facts["verified"] is True and m.metrics["reps"] >= 3
+    assert 0 < m.metrics["seconds_best"] <= m.metrics["seconds_median"]
+
+
+def test_latency_samples_are_decode_side_stamps_with_rows_checked(case):  # type: ignore[no-untyped-def]
+    sweep = LatencySweep(rows=(8,), row_bytes=4096, memory=("device",), samples=5, warmup=1)
+    m = case.latency(Point("push", "device", "scattered", 4096, 8, 1), sweep)
+    assert m.facts["verified"] is True
+    assert m.metrics["samples"] == 5
+    assert 0 < m.metrics["min_s"] <= m.metrics["p50_s"] <= m.metrics["p99_s"]
+
+
+def test_latency_is_refused_where_nobody_stamps_the_decode_outcome(case):  # type: ignore[no-untyped-def]
+    from kvxfer.bench.cases import Skip
+
+    sweep = LatencySweep(rows=(8,), row_bytes=4096, memory=("device",), samples=2, warmup=0)
+    with pytest.raises(Skip, match="IPC push"):
+        case.latency(Point("pull", "device", "scattered", 4096, 8, 1), sweep)
+    with pytest.raises(Skip, match="device"):
+        case.latency(Point("push", "host", "scattered", 4096, 8, 1), sweep)
