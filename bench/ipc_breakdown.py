@@ -1,6 +1,7 @@
 """Where an IpcBackend push spends its time, step by step (a diagnostic for the GPU machine).
 
     python bench/ipc_breakdown.py [--cases 262144x4096,16384x65536,32x65536] [--reps 5] [--small-reps 200]
+                                  [--emulated]
 
 The publisher is an IpcBackend here; the fetcher an IpcBackend in a child process
 (``ipc_pair.ChildPeer``). Both processes wrap the backend's steps (checks, row matching,
@@ -8,6 +9,8 @@ launch, the native call, record encoding and decoding, finishing) with CLOCK_MON
 stamps, which the two processes share. Each line is the median over the repetitions of a
 step's stamp, in microseconds since the publish() call. The wrappers cost time themselves
 (tens of microseconds per request on a slow host): read differences, not the total.
+``--emulated`` runs both ends over kvxfer.testing.host_cuda (no GPU): the control path's
+Python costs on any machine; its copies are host memcpy, so those steps say nothing of a GPU.
 """
 
 from __future__ import annotations
@@ -99,18 +102,19 @@ def _view(region: Any, slots: np.ndarray, rows: int, request: str) -> View:
     return View(request, TokenRange(0, rows * 16), (group,), b"x")
 
 
-def run(row: int, rows: int, reps: int, warmup: int = 3) -> None:
+def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False) -> None:
     slots = rows + rows // 4
+    cuda = pair.cuda_calls(emulated)
     pair._serve = serve_instrumented  # the spawned child runs this module's function
     try:
-        peer = pair.ChildPeer(pair.PeerSpec(TransferMode.PUSH, geometry=(("decode", row, slots),)))
+        peer = pair.ChildPeer(pair.PeerSpec(TransferMode.PUSH, geometry=(("decode", row, slots),), emulated=emulated))
     finally:
         pair._serve = _ORIGINAL_SERVE
     memory = local = None
     samples: list[dict[str, int]] = []
     try:
-        memory = pair.DeviceRows((("prefill", row, slots),))
-        local = ipc.IpcBackend("prefill", TransferMode.PUSH)
+        memory = pair.DeviceRows((("prefill", row, slots),), cuda=cuda)
+        local = ipc.IpcBackend("prefill", TransferMode.PUSH, cuda=cuda)
         local.register(memory.regions)
         rng = np.random.default_rng(1)
         for i in range(reps + warmup):
@@ -149,7 +153,7 @@ def run(row: int, rows: int, reps: int, warmup: int = 3) -> None:
     if not samples:
         raise SystemExit("no samples: --reps must be at least 1")
     order = sorted(samples[0], key=lambda k: samples[0][k])
-    print(f"--- {rows} x {row // 1024} KiB ({rows * row / 2**20:.0f} MiB), median over {len(samples)} (us since t0)")
+    print(f"--- {'emulated (host memory), ' if emulated else ''}{rows} x {row // 1024} KiB ({rows * row / 2**20:.0f} MiB), median over {len(samples)} (us since t0)")
     for label in order:
         values = [s[label] - s["t0"] for s in samples if label in s]
         print(f"  {label:28s} {statistics.median(values) / 1e3:10.1f}")
@@ -160,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="262144x4096,16384x65536,32x65536", help="ROWSxROW_BYTES, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of cases of more than 1,000 rows")
     ap.add_argument("--small-reps", type=int, default=200, help="repetitions of smaller cases")
+    ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
     args = ap.parse_args(argv)
     instrument()
     for case in args.cases.split(","):
         rows, row = (int(x) for x in case.split("x"))
-        run(row, rows, args.reps if rows > 1000 else args.small_reps)
+        run(row, rows, args.reps if rows > 1000 else args.small_reps, emulated=args.emulated)
     return 0
 
 
