@@ -11,14 +11,14 @@ import threading
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec, ipc_pair
-from kvxfer.contract import CacheKind, Cancelled, Delivered, Failed, LayerGroupRows, TokenRange, TransferMode, View
+from kvxfer.contract import Cancelled, Delivered, Failed, TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.conformance import CHECKS
+from kvxfer.testing.ipc_scenarios import close_all, dead_peers_fail_by_name, large_rows_byte_exact, views
 
 DELAY = "KVXFER_HOST_CUDA_DELAY_S"  # deferred mode: copies land this long after queueing
 
@@ -38,81 +38,13 @@ def test_ipc_conformance_emulated(check, mode, delay, monkeypatch):  # type: ign
     check(functools.partial(ipc_pair, emulated=True), mode)
 
 
-def _view(region, slots: np.ndarray, request: str) -> View:  # type: ignore[no-untyped-def]
-    ords = np.arange(slots.size, dtype=np.int64)
-    return View(request, TokenRange(0, slots.size * 16), (LayerGroupRows("g", CacheKind.PAGED, region, slots, ords),),
-                b"L")
-
-
-def _close(local: IpcBackend, peer: ChildPeer, memory: DeviceRows) -> None:
-    """Close everything first, then assert: a failed shutdown must not leak the peer."""
-    try:
-        left = local.shutdown()
-    finally:
-        peer.close()
-        memory.close()
-    assert left == frozenset(), f"attempts not quiesced at shutdown: {left}"
-
-
 @pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
 def test_large_scattered_rows_byte_exact_emulated(mode: TransferMode) -> None:
-    rb, slots, n = 4096, 20_000, 12_000
-    peer = ChildPeer(PeerSpec(mode, geometry=(("P", rb, slots),), emulated=True))
-    memory = DeviceRows((("L", rb, slots),), cuda=host_cuda)
-    local = IpcBackend("local", mode, cuda=host_cuda)
-    try:
-        local.register(memory.regions)
-        rng = np.random.default_rng(3)
-        ls, ps = (rng.permutation(slots)[:n].astype(np.int64) for _ in range(2))
-        lv, pv = _view(memory.regions[0], ls, "big"), _view(peer.regions[0], ps, "big")
-        payload = rng.integers(0, 256, n * rb, dtype=np.uint8).tobytes()
-        hint_p = peer.describe(pv)  # each end describes its view before the other submits
-        if mode is TransferMode.PUSH:
-            memory.write("L", ls, payload)
-            handle = peer.start("fetch", pv, local.describe(lv))
-            attempt = local.publish(lv, hint_p)
-        else:
-            peer.write("P", ps, payload)
-            handle = peer.start("publish", pv, local.describe(lv))
-            attempt = local.fetch(lv, hint_p)
-        assert attempt.wait(30)
-        theirs, quiet = peer.result(handle, 30)
-        for outcome in (attempt.poll(), theirs):
-            assert isinstance(outcome, Delivered) and outcome.all_delivered, outcome
-        assert quiet
-        got = peer.read("P", ps) if mode is TransferMode.PUSH else memory.read("L", ls)
-        assert got == payload
-    finally:
-        _close(local, peer, memory)
+    large_rows_byte_exact(mode, cuda=host_cuda, row_bytes=4096, slots=20_000, rows=12_000)
 
 
-def test_dead_fetcher_fails_the_next_publish_by_name_emulated() -> None:
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
-    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
-    local = IpcBackend("local", TransferMode.PUSH, dead_peer_grace_s=0.1, cuda=host_cuda)
-    try:
-        local.register(memory.regions)
-        ls = np.arange(8, dtype=np.int64)
-        lv, pv = _view(memory.regions[0], ls, "r"), _view(peer.regions[0], ls + 3, "r")
-        hint = peer.describe(pv)
-        handle = peer.start("fetch", pv, local.describe(lv))
-        first = local.publish(lv, hint)
-        assert first.wait(15) and isinstance(first.poll(), Delivered)
-        assert peer.result(handle, 15)[0] is not None
-        assert len(local._mappings) == 1  # cached after use
-        hint = peer.describe(pv)
-        peer.kill()
-        deadline = time.monotonic() + 10
-        while len(local._mappings) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(local._mappings) == 0, "the dead peer's mapping was not closed"
-        local.describe(lv)
-        second = local.publish(lv, hint)
-        assert second.wait(15)
-        outcome = second.poll()
-        assert isinstance(outcome, Failed) and "gone" in outcome.reason and not outcome.masks[0].any()
-    finally:
-        _close(local, peer, memory)
+def test_dead_peers_fail_by_name_emulated() -> None:
+    dead_peers_fail_by_name(cuda=host_cuda)
 
 
 def test_peer_dying_mid_copy_keeps_its_mapping_until_the_copy_ends(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,8 +54,7 @@ def test_peer_dying_mid_copy_keeps_its_mapping_until_the_copy_ends(monkeypatch: 
     local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
     try:
         local.register(memory.regions)
-        ls = np.arange(8, dtype=np.int64)
-        lv, pv = _view(memory.regions[0], ls, "r"), _view(peer.regions[0], ls, "r")
+        lv, pv, _, _ = views(memory.regions[0], peer.regions[0], 8, 1)
         hint = peer.describe(pv)
         peer.start("fetch", pv, local.describe(lv))
         attempt = local.publish(lv, hint)
@@ -138,7 +69,7 @@ def test_peer_dying_mid_copy_keeps_its_mapping_until_the_copy_ends(monkeypatch: 
             time.sleep(0.01)
         assert len(local._mappings) == 0
     finally:
-        _close(local, peer, memory)
+        close_all(local, [peer], memory)
 
 
 def test_cancel_arriving_during_a_launch_is_answered_after_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,8 +96,7 @@ def test_cancel_arriving_during_a_launch_is_answered_after_the_copy(monkeypatch:
     local._on_cancel_request = seen_then_handle  # type: ignore[method-assign]
     try:
         local.register(memory.regions)
-        ls = np.arange(8, dtype=np.int64)
-        lv, pv = _view(memory.regions[0], ls, "r"), _view(peer.regions[0], ls, "r")
+        lv, pv, _, _ = views(memory.regions[0], peer.regions[0], 8, 2)
         hint = peer.describe(pv)
         handle = peer.start("fetch", pv, local.describe(lv))
         attempts: list = []
@@ -186,7 +116,7 @@ def test_cancel_arriving_during_a_launch_is_answered_after_the_copy(monkeypatch:
         assert isinstance(theirs, Cancelled) and quiet
     finally:
         seen.set()
-        _close(local, peer, memory)
+        close_all(local, [peer], memory)
 
 
 def test_emulated_handles_never_name_a_later_allocation() -> None:
