@@ -117,36 +117,6 @@ def node_identity() -> bytes:
         return socket.gethostname().encode()
 
 
-@functools.lru_cache(maxsize=16)
-def _positions(n: int) -> np.ndarray:
-    """0..n-1, read-only and shared: requests of one size repeat, and allocating it per
-    submission costs as much as the rest of a large submission's matching."""
-    rows = np.arange(n, dtype=np.int64)
-    rows.flags.writeable = False
-    return rows
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.size <= 128:  # a small request: comparing bytes beats numpy's per-call overhead
-        return a.shape == b.shape and a.tobytes() == b.tobytes()
-    return bool(np.array_equal(a, b))
-
-
-def _match(view: View, hint: Hint) -> list[GroupMatch]:
-    """match_rows, with a shortcut for the common case of both ends listing the same ordinals
-    in the same order (a whole request): then row i pairs with row i. Local ordinals were
-    checked unique by check_view, so equal arrays need no further check."""
-    out = []
-    for group in view.groups:
-        peer = hint.group(group.layer_group)
-        if peer is None or len(peer) != len(group) or not (
-                (group.ordinals_are_positions and peer.ordinals_are_positions) or _same(peer.ordinals, group.ordinals)):
-            return match_rows(view, hint)
-        rows = _positions(len(group))
-        out.append(GroupMatch(group, peer, rows, rows, group.slots, peer.slots))
-    return out
-
-
 @dataclass(eq=False)
 class _Active:
     """This end moves the bytes (push publisher, pull fetcher)."""
@@ -343,7 +313,7 @@ class IpcBackend(Backend):
         label = f"{self.name}:{'fetch' if fetching else 'publish'}:{view.request}"
         attempt = TrackedAttempt(wake, self._on_cancel, label)
         if active:
-            matches = _match(view, hint)
+            matches = match_rows(view, hint)
             exports = self._peer_exports(hint, matches)
             job = _Active(attempt, view, hint, matches, exports, writes_peer=not fetching)
             with self._launch_lock:

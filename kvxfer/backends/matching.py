@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,30 +66,50 @@ def check_agreement(view: View, hint: Hint, backend: str, mode: object) -> None:
             raise InvalidSubmission(f"group {group.layer_group!r}: peer kind {peer.kind.name}, local {group.kind.name}")
 
 
+@functools.lru_cache(maxsize=16)
+def positions(n: int) -> IndexArray:
+    """0..n-1, read-only and shared: requests of one size repeat, and allocating it per
+    submission costs as much as the rest of a large submission's matching."""
+    rows = np.arange(n, dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
+
+
 def match_rows(view: View, hint: Hint) -> list[GroupMatch]:
-    """One GroupMatch per view group, aligned with ``view.groups``."""
+    """One GroupMatch per view group, aligned with ``view.groups``. Arrays are read-only."""
     matches = []
-    empty = np.zeros(0, dtype=np.int64)
+    empty = positions(0)
     for group in view.groups:
         peer = hint.group(group.layer_group)
         if peer is None or len(peer) == 0 or len(group) == 0:
             matches.append(GroupMatch(group, peer, empty, empty, empty, empty))
             continue
         # HintGroup and RegionTable.check_view already refused repeated ordinals on both ends.
-        if len(group) == len(peer) and group.ordinals_are_positions and peer.ordinals_are_positions:
-            local_rows = peer_rows = np.arange(len(group), dtype=np.int64)  # a whole request on both ends
-        else:
-            local_rows, peer_rows = _pair_ordinals(group.ordinals, peer.ordinals)
-        matches.append(
-            GroupMatch(group, peer, local_rows, peer_rows, group.slots[local_rows], peer.slots[peer_rows])
-        )
+        if len(group) == len(peer) and (
+                (group.ordinals_are_positions and peer.ordinals_are_positions)  # known: O(1)
+                or _same(group.ordinals, peer.ordinals)):
+            # Row i pairs with row i (a whole request, usually): the slots as they are.
+            rows = positions(len(group))
+            matches.append(GroupMatch(group, peer, rows, rows, group.slots, peer.slots))
+            continue
+        local_rows, peer_rows = _pair_ordinals(group.ordinals, peer.ordinals)
+        arrays = (local_rows, peer_rows, group.slots[local_rows], peer.slots[peer_rows])
+        for array in arrays:
+            array.flags.writeable = False
+        matches.append(GroupMatch(group, peer, *arrays))
     return matches
+
+
+def _same(a: IndexArray, b: IndexArray) -> bool:
+    if a.size <= 128:  # a small request: comparing bytes beats numpy's per-call overhead
+        return a.shape == b.shape and a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
 
 
 def _pair_ordinals(local: IndexArray, peer: IndexArray) -> tuple[IndexArray, IndexArray]:
     """Indices (into local, into peer) of equal ordinals, in local order. Both sides distinct."""
     if local.size == peer.size and np.array_equal(local, peer):
-        same = np.arange(local.size, dtype=np.int64)
+        same = positions(local.size)
         return same, same
     low = min(int(local.min()), int(peer.min()))
     span = max(int(local.max()), int(peer.max())) - low + 1

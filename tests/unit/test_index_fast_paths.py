@@ -124,3 +124,36 @@ def test_unpickled_groups_are_rebuilt_read_only_and_validated() -> None:
         assert "slot outside" in str(exc)
     else:
         raise AssertionError("an out-of-range hint group was unpickled")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 300), st.sampled_from(["positions", "same-order", "shuffled"]), st.integers(0, 2**32 - 1))
+def test_match_rows_pairs_equal_ordinals_and_shares_whole_requests(n: int, kind: str, seed: int) -> None:
+    from kvxfer.backends.matching import match_rows
+    from kvxfer.contract import (
+        CacheKind,
+        Hint,
+        HintGroup,
+        LayerGroupRows,
+        MemoryKind,
+        SlotRegion,
+        TokenRange,
+        TransferMode,
+        View,
+    )
+
+    rng = np.random.default_rng(seed)
+    ordinals = np.arange(n, dtype=np.int64) + (0 if kind == "positions" else 5)
+    peer_ordinals = ordinals if kind != "shuffled" else rng.permutation(ordinals)
+    slots, peer_slots = rng.permutation(2 * n + 1)[:n], rng.permutation(2 * n + 1)[:n]
+    region = SlotRegion("r", 4096, 64, 2 * n + 1, MemoryKind.HOST)
+    view = View("q", TokenRange(0, 16), (LayerGroupRows("g", CacheKind.PAGED, region, slots, ordinals),))
+    hint = Hint(backend="x", mode=TransferMode.PUSH, agent="a", request="q", transfer_id="t", layout=b"",
+                groups=(HintGroup("g", CacheKind.PAGED, "p", 4096, 64, 2 * n + 1, MemoryKind.HOST, 0, peer_slots,
+                                  peer_ordinals),))
+    (m,) = match_rows(view, hint)
+    assert m.local_rows.size == n
+    assert np.array_equal(ordinals[m.local_rows], peer_ordinals[m.peer_rows])  # each pair names one block
+    assert np.array_equal(m.local_slots, slots[m.local_rows]) and np.array_equal(m.peer_slots, peer_slots[m.peer_rows])
+    for a in (m.local_rows, m.peer_rows, m.local_slots, m.peer_slots):
+        assert not a.flags.writeable

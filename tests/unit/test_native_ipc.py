@@ -129,7 +129,7 @@ def test_launch_mask_fill_marks_exactly_the_launched_rows() -> None:
 
 @pytest.mark.parametrize("n", [3, 128, 129, 5000])
 def test_ordinal_comparison_small_and_large(n: int) -> None:
-    from kvxfer.backends.ipc import _same
+    from kvxfer.backends.matching import _same
 
     a = np.arange(n, dtype=np.int64)
     b = a.copy()
