@@ -67,7 +67,7 @@ class _TimedNative:
 
 
 def instrument() -> None:
-    for name in ("check_submission", "_match", "encode_completion", "decode_completion"):
+    for name in ("check_submission", "match_rows", "encode_completion", "decode_completion"):
         setattr(ipc, name, _timed(getattr(ipc, name), name))
     backend = ipc.IpcBackend
     for name in ("_launch", "_complete", "_finish", "_on_record", "_peer_exports"):

@@ -58,3 +58,19 @@ def test_latency_is_refused_where_nobody_stamps_the_decode_outcome(case):  # typ
         case.latency(Point("pull", "device", "scattered", 4096, 8, 1), sweep)
     with pytest.raises(Skip, match="device"):
         case.latency(Point("push", "host", "scattered", 4096, 8, 1), sweep)
+
+
+def test_ipc_breakdown_script_runs_emulated():  # type: ignore[no-untyped-def]
+    """bench/ipc_breakdown.py stamps the backend's steps by name: renaming one of them must
+    fail here, on CPU, not on the GPU machine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "ipc_breakdown.py"
+    done = subprocess.run([sys.executable, str(script), "--emulated", "--cases", "32x4096", "--small-reps", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    steps = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
+    for step in ("check_submission<", "match_rows<", "native<", "event_done", "peer:decode_completion<", "peer_visible"):
+        assert step in steps, (step, done.stdout)
