@@ -13,6 +13,7 @@
 #include <string>
 #include <tuple>
 
+#include "fill_helpers.h"
 #include "rowcopy.h"
 #ifdef KVXFER_WITH_CUDA
 #include "cuda_api.h"
@@ -117,6 +118,14 @@ NB_MODULE(_native, m) {
   m.attr("HAS_CUDA") = false;
 #endif
   m.attr("ABI_VERSION") = 1;
+
+  m.def("fill_helper_threads", [] { return kvxfer::FillHelpers::instance().threads(); },
+        "How many persistent index-fill helper threads are running (started by large CUDA copies).");
+  m.def("stop_fill_helpers", [] {
+        nb::gil_scoped_release release;
+        kvxfer::FillHelpers::instance().stop();
+      },
+      "Join the index-fill helper threads (after a copy using them ends); the next large copy starts them again.");
 
   m.def("host_copy_rows", &host_copy_rows, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(), "dst_base"_a,
         "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "threads"_a = 0, "src_limit"_a = -1,

@@ -12,6 +12,7 @@ give identical bytes; overlapping source and destination rows are undefined on b
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ def _load() -> tuple[ModuleType | None, str]:
 
 
 _NATIVE, _LOAD_REASON = _load()
+if _NATIVE is not None and hasattr(_NATIVE, "stop_fill_helpers"):
+    # Large CUDA copies fill their index staging with persistent native helper threads.
+    atexit.register(_NATIVE.stop_fill_helpers)
 
 
 @functools.lru_cache(maxsize=1)

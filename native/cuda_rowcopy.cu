@@ -19,6 +19,7 @@
 #include <string>
 
 #include "cuda_api.h"
+#include "fill_helpers.h"
 
 namespace kvxfer::cuda {
 namespace {
@@ -282,26 +283,38 @@ void give_staging(Staging* st, cudaStream_t stream, bool recorded_ok) {
 }
 
 constexpr std::int64_t kPipelineRows = 8192;
-constexpr int kFillHelpers = 3;  // threads that fill index staging beside the caller's
+constexpr std::size_t kMaxChunks = 8;
+constexpr std::size_t kFillHelpers = 3;  // threads that fill index staging beside the caller
 
-// Chunks of at least 8,192 rows, at most 8 of them: each chunk costs a launch, an upload and
-// an event on the host, so that the chunks stay few while the first starts early. Filling
-// the pinned staging (16 bytes per row) is a host memcpy that one core of a VM does at a few
-// GB/s, slower than the kernel copies 4 KiB rows; helper threads fill chunks ahead while
-// the caller queues each chunk, in order, as soon as it is filled.
+// The first chunk is kPipelineRows rows, so that the first kernel starts after a short fill
+// and upload; the rest is split in up to kMaxChunks - 1 chunks of at least kPipelineRows
+// (each chunk costs a launch, an upload and an event on the host). Filling the pinned staging
+// (16 bytes per row) is a host memcpy that one core of a VM does at a few GB/s, slower than
+// the kernel copies 4 KiB rows; persistent helpers (FillHelpers) fill chunks ahead while the
+// caller queues each chunk, in order, as soon as it is filled.
+std::vector<std::int64_t> chunk_starts(std::int64_t n_rows) {
+  std::vector<std::int64_t> starts{0};
+  const std::int64_t rest = n_rows - kPipelineRows;
+  if (rest > 0) {
+    const std::int64_t chunk = std::max<std::int64_t>(
+        kPipelineRows, (rest + static_cast<std::int64_t>(kMaxChunks) - 2) / static_cast<std::int64_t>(kMaxChunks - 1));
+    for (std::int64_t at = kPipelineRows; at < n_rows; at += chunk) starts.push_back(at);
+  }
+  starts.push_back(n_rows);  // the end of the last chunk
+  return starts;
+}
+
 std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int arrays, Staging* st,
                            cudaStream_t stream) {
-  const std::int64_t chunk = std::max<std::int64_t>(8192, (p.n_rows + 7) / 8);
-  const std::size_t chunks = static_cast<std::size_t>((p.n_rows + chunk - 1) / chunk);
+  const std::vector<std::int64_t> starts = chunk_starts(p.n_rows);
+  const std::size_t chunks = starts.size() - 1;
   std::string err = ready_events(st, chunks);
   if (!err.empty()) return err;
   auto* host = static_cast<unsigned char*>(st->host);
   auto* dev = static_cast<unsigned char*>(st->dev);
-  auto rows_of = [&](std::size_t c) {
-    return std::min<std::int64_t>(chunk, p.n_rows - static_cast<std::int64_t>(c) * chunk);
-  };
+  auto rows_of = [&](std::size_t c) { return starts[c + 1] - starts[c]; };
   auto offset_of = [&](std::size_t c) {
-    return sizeof(std::int64_t) * static_cast<std::size_t>(static_cast<std::int64_t>(c) * chunk) * arrays;
+    return sizeof(std::int64_t) * static_cast<std::size_t>(starts[c]) * static_cast<std::size_t>(arrays);
   };
   std::unique_ptr<std::atomic<bool>[]> filled(new std::atomic<bool>[chunks]);
   for (std::size_t c = 0; c < chunks; ++c) filled[c].store(false, std::memory_order_relaxed);
@@ -309,7 +322,7 @@ std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int 
   auto fill_one = [&]() {
     const std::size_t c = next.fetch_add(1, std::memory_order_relaxed);
     if (c >= chunks) return false;
-    const std::int64_t first = static_cast<std::int64_t>(c) * chunk;
+    const std::int64_t first = starts[c];
     const std::size_t one = sizeof(std::int64_t) * static_cast<std::size_t>(rows_of(c));
     unsigned char* h = host + offset_of(c);
     if (p.src.index) std::memcpy(h, p.src.index + first, one);
@@ -317,30 +330,22 @@ std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int 
     filled[c].store(true, std::memory_order_release);
     return true;
   };
-  std::vector<std::thread> helpers;
-  // Whatever happens below (an error, an exception), helpers stop claiming chunks and are
-  // joined before this returns: they read the caller's index arrays.
-  struct JoinHelpers {
+  // Declared after what the task uses: whatever happens below (an error, an exception), the
+  // helpers stop claiming chunks and are joined before those go away (they read the caller's
+  // index arrays too).
+  FillHelpers::Lease helpers(FillHelpers::instance());
+  struct StopClaims {
     std::atomic<std::size_t>& next;
     std::size_t chunks;
-    std::vector<std::thread>& threads;
-    ~JoinHelpers() {
-      next.store(chunks, std::memory_order_relaxed);
-      for (auto& t : threads)
-        if (t.joinable()) t.join();
-    }
-  } join_helpers{next, chunks, helpers};
-  const std::size_t want = std::min<std::size_t>(kFillHelpers, chunks > 1 ? chunks - 1 : 0);
-  try {
-    for (std::size_t i = 0; i < want; ++i) helpers.emplace_back([&] { while (fill_one()) {} });
-  } catch (const std::exception&) {
-    // Fewer helpers (or none): the caller fills what they do not.
-  }
+    ~StopClaims() { next.store(chunks, std::memory_order_relaxed); }
+  };
+  StopClaims stop_claims{next, chunks};  // destroyed first: then the lease joins
+  helpers.lend([&] { while (fill_one()) {} }, std::min<std::size_t>(kFillHelpers, chunks - 1));
   for (std::size_t c = 0; c < chunks && err.empty(); ++c) {
     while (!filled[c].load(std::memory_order_acquire)) {
       if (!fill_one()) std::this_thread::yield();  // help, or wait for the helper filling chunk c
     }
-    const std::int64_t first = static_cast<std::int64_t>(c) * chunk;
+    const std::int64_t first = starts[c];
     const std::int64_t rows = rows_of(c);
     const std::size_t one = sizeof(std::int64_t) * static_cast<std::size_t>(rows);
     const std::size_t at = offset_of(c);

@@ -128,7 +128,8 @@ def test_stream_signal_fd_writes_after_the_work() -> None:
         os.close(w)
 
 
-@pytest.mark.parametrize("n", [8193, 20000, 70001])  # past 8,192 rows the indices upload in chunks
+# Past 8,192 rows the indices upload in chunks: a first one of 8,192 rows, then up to 7 more.
+@pytest.mark.parametrize("n", [8193, 16385, 20000, 70001, 262147])
 @pytest.mark.parametrize("ends", ["both", "gather", "scatter"])
 @pytest.mark.parametrize("row_bytes", [16, 100])
 def test_chunked_index_upload_matches_fallback(n: int, ends: str, row_bytes: int) -> None:
@@ -152,3 +153,61 @@ def test_chunked_index_upload_matches_fallback(n: int, ends: str, row_bytes: int
         stream.synchronize()
         results.append([d.cpu().numpy().tobytes() for d in out])
     assert results[0] == results[1]
+
+
+def _large_copy(n: int, seed: int, src: torch.Tensor, stream: torch.cuda.Stream, impl: str = "native",
+                sync: bool = True) -> torch.Tensor:
+    r = np.random.default_rng(seed)
+    slots = src.numel() // 16
+    s_ix = r.permutation(slots)[:n].astype(np.int64)
+    d_ix = r.permutation(slots)[:n].astype(np.int64)
+    dst = torch.zeros_like(src)
+    native.copy_rows(src_base=src.data_ptr(), src_stride=16, src_slots=s_ix, dst_base=dst.data_ptr(), dst_stride=16,
+                     dst_slots=d_ix, row_bytes=16, n_rows=n, memory=MemoryKind.DEVICE, stream=stream.cuda_stream,
+                     impl=impl)
+    if sync:
+        stream.synchronize()
+    return dst
+
+
+def test_fill_helpers_persist_stop_and_restart() -> None:
+    from kvxfer import _native  # type: ignore[attr-defined]
+
+    src = dev_space(100_000, 16, 0, 9)[: 100_000 * 16]
+    stream = torch.cuda.Stream()
+    want = _large_copy(90_000, 1, src, stream, "fallback")
+    assert bytes(_large_copy(90_000, 1, src, stream).cpu().numpy()) == bytes(want.cpu().numpy())
+    assert _native.fill_helper_threads() == 3  # started by the first chunked copy, kept
+    _native.stop_fill_helpers()
+    assert _native.fill_helper_threads() == 0
+    assert bytes(_large_copy(90_000, 1, src, stream).cpu().numpy()) == bytes(want.cpu().numpy())
+    assert _native.fill_helper_threads() == 3
+
+
+def test_concurrent_large_copies_share_no_helpers() -> None:
+    """Callers on several threads at once: one is lent the helpers, the others fill alone."""
+    import threading
+
+    src = dev_space(100_000, 16, 0, 11)[: 100_000 * 16]
+    want = {seed: bytes(_large_copy(70_000, seed, src, torch.cuda.Stream(), "fallback").cpu().numpy())
+            for seed in range(4)}
+    got: dict[int, bytes] = {}
+    errors: list[BaseException] = []
+
+    def caller(seed: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            outs = [_large_copy(70_000, seed, src, stream, sync=False) for _ in range(5)]
+            stream.synchronize()
+            got[seed] = bytes(outs[-1].cpu().numpy())
+            assert all(bytes(o.cpu().numpy()) == got[seed] for o in outs)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert got == want
