@@ -66,6 +66,7 @@ from kvxfer.contract import (
     WakeFn,
 )
 from kvxfer.wire import WireError, decode_completion, encode_completion
+from kvxfer.wire.auth import resolve_key
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,8 @@ class IpcBackend(Backend):
     ) -> None:
         # ``cuda``: the CUDA calls to make, kvxfer._native by default; kvxfer.testing.host_cuda
         # emulates them over shared host memory so that CI runs this control path without a GPU.
+        # ``key`` signs completion records (kvxfer.wire.auth); None takes KVXFER_HINT_KEY, read
+        # here once rather than at every record (a malformed value fails here, by name).
         if cuda is None:
             try:
                 cuda = native.cuda_module()
@@ -188,7 +191,7 @@ class IpcBackend(Backend):
         self.fail_after_rows = fail_after_rows
         # A dead peer's last kernels may still run while its process is torn down.
         self.dead_peer_grace_s = dead_peer_grace_s
-        self._key = key
+        self._key = resolve_key(key) or b""  # b"": unsigned, whatever the environment says later
         self._node = node_identity()
         self._regions = RegionTable(frozenset({MemoryKind.DEVICE}))
         self._exports: dict[str, Export] = {}

@@ -8,6 +8,7 @@ and size of each value, so the codecs above it never see a value of the wrong sh
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, TypeVar
 
 from kvxfer.wire.errors import WireError
@@ -73,11 +74,18 @@ class Fields:
 
     def choice(self, name: str, cls: type[E]) -> E:
         value = self._value[name]
-        allowed = [m.value for m in cls]
-        if type(value) is not str or value not in allowed:
+        members = _members(cls)
+        member = members.get(value) if type(value) is str else None
+        if member is None:
             shown = repr(value) if type(value) is str and len(value) <= 64 else describe(value)
-            raise WireError(f"{self.where}: field {name} must be one of {allowed}, got {shown}")
-        return cls(value)
+            raise WireError(f"{self.where}: field {name} must be one of {list(members)}, got {shown}")
+        return member
+
+
+@functools.cache
+def _members(cls: type[E]) -> dict[Any, E]:
+    """An enum's members by value, built once per enum (records are decoded per transfer)."""
+    return {m.value: m for m in cls}
 
 
 def check_str(value: str, what: str, max_bytes: int, *, empty: bool = False) -> None:
