@@ -222,8 +222,11 @@ class TwoProcessCase:
                 v_peer = _view(peer.regions, picks[1:], point.rows, f"lat{i}")
                 h_peer = peer.describe(v_peer)
                 handle = peer.start("fetch", v_peer, local.describe(v_local))
+                watch = Watch()  # an owner waits for its wake callback: polling here took the GIL every 0.2 ms
                 t0 = time.monotonic_ns()
-                attempt = local.publish(v_local, h_peer)
+                attempt = local.publish(v_local, h_peer, wake=watch)
+                watch.bind(attempt)
+                watch.wait_outcome()
                 mine = wait_settled(attempt, "local attempt")
                 theirs, quiesced = peer.result(handle, _RESULT_TIMEOUT_S)
                 if mine is None or theirs is None or not (mine.all_delivered and theirs.all_delivered) or not quiesced:

@@ -74,3 +74,20 @@ def test_ipc_breakdown_script_runs_emulated():  # type: ignore[no-untyped-def]
     steps = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
     for step in ("check_submission<", "match_rows<", "native<", "event_done", "peer:decode_completion<", "peer_visible"):
         assert step in steps, (step, done.stdout)
+
+
+def test_ipc_in_flight_script_runs_emulated(tmp_path):  # type: ignore[no-untyped-def]
+    """bench/ipc_in_flight.py end to end over host_cuda: requests in flight, rows verified, JSON written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "ipc_in_flight.py"
+    out = tmp_path / "in_flight.json"
+    done = subprocess.run([sys.executable, str(script), "--emulated", "--row-sizes", "4096", "--request-mib", "1",
+                           "--depths", "1,3", "--reps", "2", "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [f["depth"] for f in result["figures"]] == [1, 3]
+    assert all(f["verified"] and f["gbps_best"] > 0 for f in result["figures"])
