@@ -50,6 +50,25 @@ def test_latency_samples_are_decode_side_stamps_with_rows_checked(case):  # type
     assert 0 < m.metrics["min_s"] <= m.metrics["p50_s"] <= m.metrics["p99_s"]
 
 
+def test_latency_rows_are_compared_in_blocks_of_fresh_slots(case, monkeypatch):  # type: ignore[no-untyped-def]
+    """Blocks of two samples (the last one short): each block's rows are compared, then cleared."""
+    import kvxfer.bench.two_process as two_process
+
+    monkeypatch.setattr(two_process, "_LATENCY_VERIFY_BYTES", 2 * 8 * 4096)
+    reads: list[int] = []
+    original = ChildPeer.read
+
+    def counting_read(self, region, slots):  # type: ignore[no-untyped-def]
+        reads.append(len(slots))
+        return original(self, region, slots)
+
+    monkeypatch.setattr(ChildPeer, "read", counting_read)
+    sweep = LatencySweep(rows=(8,), row_bytes=4096, memory=("device",), samples=4, warmup=1)
+    m = case.latency(Point("push", "device", "scattered", 4096, 8, 1), sweep)
+    assert m.metrics["samples"] == 4
+    assert reads == [16, 16, 8]  # 5 samples of 8 rows in blocks of 2, every row compared
+
+
 def test_latency_is_refused_where_nobody_stamps_the_decode_outcome(case):  # type: ignore[no-untyped-def]
     from kvxfer.bench.cases import Skip
 
