@@ -25,7 +25,6 @@ import numpy as np
 
 import kvxfer.backends.ipc as ipc
 import kvxfer.backends.ipc_pair as pair
-from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
 
 STAMPS: list[tuple[str, int]] = []
 _ORIGINAL_SERVE = pair._serve
@@ -97,59 +96,51 @@ def serve_instrumented(conn: Any, spec: Any) -> None:
     _ORIGINAL_SERVE(conn, spec)
 
 
-def _view(region: Any, slots: np.ndarray, rows: int, request: str) -> View:
-    group = LayerGroupRows("g", CacheKind.PAGED, region, slots, np.arange(rows, dtype=np.int64))
-    return View(request, TokenRange(0, rows * 16), (group,), b"x")
-
-
 def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False) -> None:
     slots = rows + rows // 4
-    cuda = pair.cuda_calls(emulated)
+    samples: list[dict[str, int]] = []
     pair._serve = serve_instrumented  # the spawned child runs this module's function
     try:
-        peer = pair.ChildPeer(pair.PeerSpec(TransferMode.PUSH, geometry=(("decode", row, slots),), emulated=emulated))
+        with pair.push_pair(row, slots, emulated) as (peer, memory, local):
+            _sample(peer, memory, local, slots, rows, reps, warmup, samples)
     finally:
         pair._serve = _ORIGINAL_SERVE
-    memory = local = None
-    samples: list[dict[str, int]] = []
-    try:
-        memory = pair.DeviceRows((("prefill", row, slots),), cuda=cuda)
-        local = ipc.IpcBackend("prefill", TransferMode.PUSH, cuda=cuda)
-        local.register(memory.regions)
-        rng = np.random.default_rng(1)
-        for i in range(reps + warmup):
-            lv = _view(memory.regions[0], rng.permutation(slots)[:rows].astype(np.int64), rows, f"r{i}")
-            pv = _view(peer.regions[0], rng.permutation(slots)[:rows].astype(np.int64), rows, f"r{i}")
-            hint = peer.describe(pv)
-            handle = peer.start("fetch", pv, local.describe(lv))
-            peer._call("stamps")
-            STAMPS.clear()
-            woke: list[int] = []
-            _stamp("t0")
-            attempt = local.publish(lv, hint, lambda w=woke: w.append(time.monotonic_ns()))
-            _stamp("publish_ret")
-            if not attempt.wait(30):
-                raise RuntimeError("the publisher did not conclude")
-            outcome, _quiet = peer.result(handle, 30)
-            if outcome is None or not outcome.all_delivered:
-                raise RuntimeError(f"not delivered: {outcome!r}")
-            seen: dict[str, int] = {}
-            for label, t in STAMPS:
-                seen.setdefault(label, t)
-            seen["local_wake"] = woke[0]
-            for label, t in peer._call("stamps"):
-                seen.setdefault("peer:" + label, t)
-            if peer.last_visible_ns is None:
-                raise RuntimeError("the decode process did not stamp its outcome")
-            seen["peer_visible"] = peer.last_visible_ns
-            if i >= warmup:
-                samples.append(seen)
-    finally:
-        if local is not None:
-            local.shutdown()
-        peer.close()
-        if memory is not None:
-            memory.close()
+    _report(samples, row, rows, emulated)
+
+
+def _sample(peer: Any, memory: Any, local: Any, slots: int, rows: int, reps: int, warmup: int,
+            samples: list[dict[str, int]]) -> None:
+    rng = np.random.default_rng(1)
+    for i in range(reps + warmup):
+        lv = pair.one_group_view(memory.regions[0], rng.permutation(slots)[:rows].astype(np.int64), f"r{i}")
+        pv = pair.one_group_view(peer.regions[0], rng.permutation(slots)[:rows].astype(np.int64), f"r{i}")
+        hint = peer.describe(pv)
+        handle = peer.start("fetch", pv, local.describe(lv))
+        peer._call("stamps")
+        STAMPS.clear()
+        woke: list[int] = []
+        _stamp("t0")
+        attempt = local.publish(lv, hint, lambda w=woke: w.append(time.monotonic_ns()))
+        _stamp("publish_ret")
+        if not attempt.wait(30):
+            raise RuntimeError("the publisher did not conclude")
+        outcome, _quiet = peer.result(handle, 30)
+        if outcome is None or not outcome.all_delivered:
+            raise RuntimeError(f"not delivered: {outcome!r}")
+        seen: dict[str, int] = {}
+        for label, t in STAMPS:
+            seen.setdefault(label, t)
+        seen["local_wake"] = woke[0]
+        for label, t in peer._call("stamps"):
+            seen.setdefault("peer:" + label, t)
+        if peer.last_visible_ns is None:
+            raise RuntimeError("the decode process did not stamp its outcome")
+        seen["peer_visible"] = peer.last_visible_ns
+        if i >= warmup:
+            samples.append(seen)
+
+
+def _report(samples: list[dict[str, int]], row: int, rows: int, emulated: bool) -> None:
     if not samples:
         raise SystemExit("no samples: --reps must be at least 1")
     order = sorted(samples[0], key=lambda k: samples[0][k])

@@ -26,14 +26,7 @@ from typing import Any
 
 import numpy as np
 
-import kvxfer.backends.ipc as ipc
 import kvxfer.backends.ipc_pair as pair
-from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
-
-
-def _view(region: Any, slots: np.ndarray, request: str) -> View:
-    group = LayerGroupRows("g", CacheKind.PAGED, region, slots, np.arange(slots.size, dtype=np.int64))
-    return View(request, TokenRange(0, slots.size * 16), (group,), b"x")
 
 
 def device_copy_gbps(nbytes: int, reps: int, emulated: bool) -> float:
@@ -65,20 +58,15 @@ def _timed(fn: Any) -> float:
 
 def run_point(row: int, rows: int, depth: int, reps: int, emulated: bool) -> dict[str, Any]:
     slots = depth * rows + depth * rows // 4
-    cuda = pair.cuda_calls(emulated)
-    peer = pair.ChildPeer(pair.PeerSpec(TransferMode.PUSH, geometry=(("decode", row, slots),), emulated=emulated))
-    memory = local = None
-    try:
-        memory = pair.DeviceRows((("prefill", row, slots),), cuda=cuda)
-        local = ipc.IpcBackend("prefill", TransferMode.PUSH, cuda=cuda)
-        local.register(memory.regions)
+    with pair.push_pair(row, slots, emulated) as (peer, memory, local):
         rng = np.random.default_rng(row + depth)
         mine = rng.permutation(slots)[: depth * rows].astype(np.int64).reshape(depth, rows)
         theirs = rng.permutation(slots)[: depth * rows].astype(np.int64).reshape(depth, rows)
         memory.write("prefill", mine[0], rng.integers(0, 256, rows * row, dtype=np.uint8).tobytes())
         times = []
         for rep in range(reps + 1):
-            views = [(_view(memory.regions[0], mine[k], f"r{rep}.{k}"), _view(peer.regions[0], theirs[k], f"r{rep}.{k}"))
+            views = [(pair.one_group_view(memory.regions[0], mine[k], f"r{rep}.{k}"),
+                      pair.one_group_view(peer.regions[0], theirs[k], f"r{rep}.{k}"))
                      for k in range(depth)]
             hints = [peer.describe(pv) for _, pv in views]
             handles = [peer.start("fetch", pv, local.describe(lv)) for lv, pv in views]
@@ -105,12 +93,6 @@ def run_point(row: int, rows: int, depth: int, reps: int, emulated: bool) -> dic
                 times.append(seen[0] - t0)
         if peer.read("decode", theirs[0]) != memory.read("prefill", mine[0]):
             raise RuntimeError("the decode rows differ from the prefill rows")
-    finally:
-        if local is not None:
-            local.shutdown()
-        peer.close()
-        if memory is not None:
-            memory.close()
     payload = depth * rows * row
     return {"row_bytes": row, "rows_per_request": rows, "depth": depth, "payload_bytes": payload,
             "gbps_best": payload / min(times) / 1e9, "gbps_median": payload / statistics.median(times) / 1e9,

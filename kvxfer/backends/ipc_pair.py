@@ -9,8 +9,10 @@ written through the native gather/scatter kernels and a staging buffer.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -19,7 +21,17 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer import native
-from kvxfer.contract import Hint, MemoryKind, Outcome, SlotRegion, TransferMode, View
+from kvxfer.contract import (
+    CacheKind,
+    Hint,
+    LayerGroupRows,
+    MemoryKind,
+    Outcome,
+    SlotRegion,
+    TokenRange,
+    TransferMode,
+    View,
+)
 from kvxfer.testing.conformance import Pair, PeerEnd
 from kvxfer.testing.memory import RowMemory
 
@@ -268,3 +280,31 @@ def ipc_pair(mode: TransferMode, *, device: int = 0, deadline_s: float = 10.0, e
         memory.close()
 
     return Pair(local, memory, memory.regions, peer, mode, inject_local, close)
+
+
+@contextlib.contextmanager
+def push_pair(row_bytes: int, slots: int, emulated: bool = False) -> Iterator[tuple[ChildPeer, DeviceRows, Any]]:
+    """For the bench scripts: a decode ChildPeer and, here, a publishing IpcBackend over its own
+    DeviceRows, each ``slots`` rows of ``row_bytes``; all three closed on the way out."""
+    from kvxfer.backends.ipc import IpcBackend
+
+    cuda = cuda_calls(emulated)
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, geometry=(("decode", row_bytes, slots),), emulated=emulated))
+    memory = local = None
+    try:
+        memory = DeviceRows((("prefill", row_bytes, slots),), cuda=cuda)
+        local = IpcBackend("prefill", TransferMode.PUSH, cuda=cuda)
+        local.register(memory.regions)
+        yield peer, memory, local
+    finally:
+        if local is not None:
+            local.shutdown()
+        peer.close()
+        if memory is not None:
+            memory.close()
+
+
+def one_group_view(region: SlotRegion, slots: npt.NDArray[np.int64], request: str) -> View:
+    """A view of ``slots`` in ``region`` as one layer group, ordinals 0..n-1."""
+    group = LayerGroupRows("g", CacheKind.PAGED, region, slots, np.arange(slots.size, dtype=np.int64))
+    return View(request, TokenRange(0, slots.size * 16), (group,), b"x")
