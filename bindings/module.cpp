@@ -170,6 +170,18 @@ NB_MODULE(_native, m) {
     check(kvxfer::cuda::event_query(ev, &done));
     return done;
   }, "event"_a, "True once the work before the event completed; raises CopyError if it failed.");
+  m.def("event_spin", [](std::uint64_t ev, std::int64_t timeout_us) {
+    bool done = false;
+    std::string err;
+    {
+      nb::gil_scoped_release release;
+      err = kvxfer::cuda::event_spin(ev, timeout_us, &done);
+    }
+    check(err);
+    return done;
+  }, "event"_a, "timeout_us"_a,
+        "Query the event in a loop (the GIL released) for up to timeout_us: True once it completed, False if "
+        "still pending; raises CopyError if the work failed.");
   m.def("event_synchronize", [](std::uint64_t ev) {
     std::string err;
     {

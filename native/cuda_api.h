@@ -29,6 +29,10 @@ std::string event_create(int device, std::uint64_t* event);
 std::string event_record(std::uint64_t event, std::uint64_t stream);
 std::string event_query(std::uint64_t event, bool* done);  // done=false while pending
 std::string event_synchronize(std::uint64_t event);
+// Queries `event` in a loop for up to `timeout_us` microseconds (the caller's thread, no
+// driver wake-up): done=true once it completed. For small copies, whose kernels end within
+// microseconds of their launch.
+std::string event_spin(std::uint64_t event, std::int64_t timeout_us, bool* done);
 std::string event_destroy(std::uint64_t event);
 
 // Once the work queued on `stream` so far has completed, a driver thread writes one byte to

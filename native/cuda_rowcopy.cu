@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <thread>
 #include <cstdint>
@@ -509,6 +510,14 @@ std::string event_query(std::uint64_t ev, bool* done) {
     return {};
   }
   return fail("cudaEventQuery", e);
+}
+
+std::string event_spin(std::uint64_t ev, std::int64_t timeout_us, bool* done) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  for (;;) {
+    std::string err = event_query(ev, done);
+    if (!err.empty() || *done || std::chrono::steady_clock::now() >= end) return err;
+  }
 }
 
 std::string event_synchronize(std::uint64_t ev) {

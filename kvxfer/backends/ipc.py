@@ -27,7 +27,6 @@ runs the same control path over shared host memory, which is how CI tests it wit
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import os
 import secrets
@@ -64,6 +63,7 @@ from kvxfer.contract import (
     TransferMode,
     View,
     WakeFn,
+    constant_mask,
 )
 from kvxfer.wire import WireError, decode_completion, encode_completion
 from kvxfer.wire.auth import resolve_key
@@ -75,6 +75,11 @@ EXTRA_NODE = "ipc.node"
 
 
 HEAD_SPIN_S = 200e-6  # how long the progress thread spins on the oldest copy's event per pass
+# publish()/fetch() of at most OWNER_SPIN_BYTES waits up to OWNER_SPIN_US for its own copy (a
+# few microseconds of kernel after the launch) and sends the record itself: any hand-off to
+# the progress thread costs a thread wake-up, tens of microseconds on a busy host.
+OWNER_SPIN_BYTES = 8 << 20
+OWNER_SPIN_US = 30
 
 
 def _set_rows(mask: np.ndarray, rows: np.ndarray, n: int) -> None:
@@ -85,20 +90,10 @@ def _set_rows(mask: np.ndarray, rows: np.ndarray, n: int) -> None:
         mask[rows[:n]] = True
 
 
-@functools.lru_cache(maxsize=64)
-def _constant_mask(n: int, value: bool) -> np.ndarray:
-    """A shared read-only mask of n rows, all ``value``: most groups move whole, and these
-    are allocated once per size instead of per submission. A view of a read-only array, so
-    that nobody can make it writeable again."""
-    base = np.full(n, value, dtype=np.bool_)
-    base.flags.writeable = False
-    return base[:]
-
-
 def _mask_of(size: int, rows: np.ndarray, n: int) -> np.ndarray:
     """Read-only mask of ``size`` rows with ``rows[:n]`` True."""
     if n == rows.size == size:
-        return _constant_mask(size, True)
+        return constant_mask(size, True)
     mask = np.zeros(size, dtype=np.bool_)
     _set_rows(mask, rows, n)
     mask.flags.writeable = False
@@ -131,6 +126,7 @@ class _Active:
     cancelled_by_peer: bool = False
     launched: bool = False
     event: int = 0
+    nbytes: int = 0  # queued for copying
     mappings: list[Mapping] = field(default_factory=list)
     local_masks: list[np.ndarray] = field(default_factory=list)
     peer_masks: list[np.ndarray] = field(default_factory=list)
@@ -331,8 +327,8 @@ class IpcBackend(Backend):
             if job.launched and job.failure is None:
                 # Both made while the kernels run; used if the event completes cleanly.
                 job.frame = self._encode(self._delivered_record(job))
-                job.delivered = Delivered(tuple(job.local_masks))
                 self._send_if_copied(job)
+                job.delivered = Delivered(tuple(job.local_masks))
             # Woken only now: woken earlier, the progress thread takes the GIL while we encode,
             # often finds the copy done, and encodes the record a second time.
             self._channel.wake()
@@ -346,15 +342,18 @@ class IpcBackend(Backend):
         return attempt
 
     def _send_if_copied(self, job: _Active) -> None:
-        """A small copy has often ended by now: then the record goes to the peer from here,
-        saving it the progress thread's wake-up. Never waits: try_send() gives up instead."""
+        """A small copy has often ended by now, or ends within microseconds: then the record
+        goes to the peer from here, saving it the progress thread's wake-up. Waits at most
+        OWNER_SPIN_US for the copy, and never for the socket: try_send() gives up instead."""
         if job.frame is None or not job.event:
             return
         with job.send_lock:
             if job.sent:
                 return
             try:
-                if not self._native.event_query(job.event):
+                done = self._native.event_query(job.event) or (
+                    job.nbytes <= OWNER_SPIN_BYTES and self._native.event_spin(job.event, OWNER_SPIN_US))
+                if not done:
                     return
             except self._native.CopyError:
                 return  # the progress thread reports it
@@ -399,9 +398,9 @@ class IpcBackend(Backend):
             # a sleep's granularity (or a driver callback's wake-up, measured slower on an
             # H200 host) would dominate a small transfer's latency.
             frames, gone = self._channel.wait(0.0 if busy else 0.02)
-            gone += self._channel.flush()  # the rest of a record the owner thread began
-            for frame in frames:
+            for frame in frames:  # first: a peer's record is what a waiting owner needs soonest
                 self._on_frame(frame)
+            gone += self._channel.flush()  # the rest of a record the owner thread began
             for peer in gone:
                 self._on_peer_gone(peer)
             with self._jobs_lock:
@@ -602,6 +601,7 @@ class IpcBackend(Backend):
                 job.launched = True
                 break
             budget -= n
+            job.nbytes += n * row
             job.launched = True
             copied.append((gi, match, n))
         if not job.launched:
@@ -640,8 +640,8 @@ class IpcBackend(Backend):
                 local[gi] = _mask_of(len(match.local), match.local_rows, n)
                 pi = peer_index[match.peer.layer_group]
                 peer[pi] = _mask_of(len(job.hint.groups[pi]), match.peer_rows, n)
-        job.local_masks = [m if m is not None else _constant_mask(len(g), False) for m, g in zip(local, job.view.groups)]
-        job.peer_masks = [m if m is not None else _constant_mask(len(g), False) for m, g in zip(peer, job.hint.groups)]
+        job.local_masks = [m if m is not None else constant_mask(len(g), False) for m, g in zip(local, job.view.groups)]
+        job.peer_masks = [m if m is not None else constant_mask(len(g), False) for m, g in zip(peer, job.hint.groups)]
 
     def _poll_in_flight(self) -> None:
         # One stream: events complete in queue order, so stop at the first pending one.

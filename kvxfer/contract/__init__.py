@@ -4,7 +4,7 @@ This package depends on numpy and the standard library only. It imports no backe
 lender and no torch, so that anything can build on it.
 """
 
-from kvxfer.contract.arrays import BoolArray, IndexArray
+from kvxfer.contract.arrays import BoolArray, IndexArray, constant_mask
 from kvxfer.contract.backend import Attempt, Backend, Capabilities, WakeFn
 from kvxfer.contract.errors import InvalidSubmission, KvxferError, SubmissionRejected
 from kvxfer.contract.hint import Hint, HintGroup, TransferMode
@@ -14,7 +14,7 @@ from kvxfer.contract.record import CompletionRecord, RecordStatus
 from kvxfer.contract.rows import CacheKind, LayerGroupRows, TokenRange, View
 
 __all__ = [
-    "Attempt", "Backend", "CompletionRecord", "RecordStatus", "BoolArray", "CacheKind", "Cancelled", "Capabilities", "Delivered",
+    "Attempt", "Backend", "CompletionRecord", "RecordStatus", "BoolArray", "constant_mask", "CacheKind", "Cancelled", "Capabilities", "Delivered",
     "Failed", "Hint", "HintGroup", "IndexArray", "InvalidSubmission", "KvxferError",
     "LayerGroupRows", "MemoryKind", "Outcome", "SlotRegion", "SubmissionRejected",
     "TokenRange", "TransferMode", "View", "WakeFn", "check_masks", "freeze_mask",

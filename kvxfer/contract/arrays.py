@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,28 @@ def frozen_int64(values: Any, what: str) -> IndexArray:
     out = np.array(array, dtype=np.int64, copy=True)
     out.flags.writeable = False
     return out
+
+
+SHARED_MASK_ROWS = 1 << 18  # constant masks up to this size are made once and shared
+
+
+def constant_mask(n: int, value: bool) -> BoolArray:
+    """A read-only mask of ``n`` rows, all ``value``. Up to SHARED_MASK_ROWS rows it is one
+    shared array per (n, value): most groups move whole, and the wire codec then recognises
+    the mask by identity instead of packing its bits."""
+    if n <= SHARED_MASK_ROWS:
+        return _shared_mask(n, bool(value))
+    mask = np.full(n, bool(value), dtype=np.bool_)
+    mask.flags.writeable = False
+    return mask
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_mask(n: int, value: bool) -> BoolArray:
+    # A view of a read-only base: nobody can make the shared array writeable again.
+    base = np.full(n, value, dtype=np.bool_)
+    base.flags.writeable = False
+    return base[:]
 
 
 _SMALL = 128  # below this a Python set beats numpy's per-call overhead (a small request's rows)

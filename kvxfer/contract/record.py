@@ -42,9 +42,11 @@ class CompletionRecord:
         self, transfer_id: str, sender: str, request: str, status: RecordStatus,
         masks: Sequence[Any], reason: str = "",
     ) -> None:
-        for name, value in (("transfer_id", transfer_id), ("sender", sender), ("request", request)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"CompletionRecord.{name} must be a non-empty str, got {value!r}")
+        if not (type(transfer_id) is str and transfer_id and type(sender) is str and sender
+                and type(request) is str and request):  # one test for the usual record, then say which
+            for name, value in (("transfer_id", transfer_id), ("sender", sender), ("request", request)):
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"CompletionRecord.{name} must be a non-empty str, got {value!r}")
         if not isinstance(status, RecordStatus):
             raise TypeError(f"CompletionRecord.status must be a RecordStatus, got {status!r}")
         object.__setattr__(self, "transfer_id", transfer_id)

@@ -303,6 +303,14 @@ def event_query(event: int) -> bool:
         return queue.done >= item
 
 
+def event_spin(event: int, timeout_us: int) -> bool:
+    end = time.perf_counter() + timeout_us / 1e6
+    while not event_query(event):
+        if time.perf_counter() >= end:
+            return False
+    return True
+
+
 def event_synchronize(event: int) -> None:
     while not event_query(event):
         time.sleep(0.0002)

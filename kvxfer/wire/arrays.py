@@ -9,9 +9,12 @@ each mask has exactly one encoding.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from kvxfer.contract import BoolArray, IndexArray
+from kvxfer.contract import BoolArray, IndexArray, constant_mask
+from kvxfer.contract.arrays import SHARED_MASK_ROWS
 from kvxfer.wire.errors import WireError
 
 _LE_INT64 = np.dtype("<i8")
@@ -32,6 +35,9 @@ def int64_from_bytes(data: bytes, what: str, max_rows: int) -> IndexArray:
 
 
 def mask_to_bytes(mask: BoolArray) -> bytes:
+    n = getattr(mask, "size", SHARED_MASK_ROWS + 1)
+    if n <= SHARED_MASK_ROWS and mask is constant_mask(n, True):
+        return _all_true_bits(n)  # a whole group's mask, recognised without reading it
     return np.packbits(np.asarray(mask, dtype=np.bool_), bitorder="little").tobytes()
 
 
@@ -40,6 +46,8 @@ def mask_from_bytes(rows: int, data: bytes, what: str, max_rows: int) -> BoolArr
         raise WireError(f"{what}: {rows} rows, the limit is {max_rows}")
     if len(data) != (rows + 7) // 8:
         raise WireError(f"{what}: {len(data)} bytes of bits for {rows} rows, expected {(rows + 7) // 8}")
+    if rows <= SHARED_MASK_ROWS and data == _all_true_bits(rows):
+        return constant_mask(rows, True)  # every row (the usual record): a memcmp, a shared mask
     packed = np.frombuffer(data, dtype=np.uint8)
     if rows % 8 and int(packed[-1]) >> (rows % 8):
         raise WireError(f"{what}: bits set beyond row {rows}")
@@ -48,3 +56,8 @@ def mask_from_bytes(rows: int, data: bytes, what: str, max_rows: int) -> BoolArr
     mask = np.unpackbits(packed, count=rows, bitorder="little").view(np.bool_)
     mask.flags.writeable = False
     return mask
+
+
+@functools.lru_cache(maxsize=64)
+def _all_true_bits(rows: int) -> bytes:
+    return np.packbits(np.ones(rows, dtype=np.bool_), bitorder="little").tobytes()

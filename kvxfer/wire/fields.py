@@ -29,6 +29,10 @@ class Fields:
     def __init__(self, value: Any, where: str, required: frozenset[str], optional: frozenset[str] = frozenset()):
         if type(value) is not dict:
             raise WireError(f"{where}: expected a map, got {describe(value)}")
+        self._value: dict[str, Any] = value
+        self.where = where
+        if value.keys() == required:  # the usual message: one set comparison, nothing to report
+            return
         keys = set(value)
         missing = required - keys
         if missing:
@@ -37,14 +41,14 @@ class Fields:
         if unknown:
             shown = sorted(repr(k)[:40] for k in unknown)[:5]  # bounded: keys come from the peer
             raise WireError(f"{where}: unknown field(s) {', '.join(shown)}")
-        self._value: dict[str, Any] = value
-        self.where = where
 
     def has(self, name: str) -> bool:
         return name in self._value
 
     def text(self, name: str, max_bytes: int, *, empty: bool = False) -> str:
         value = self._value[name]
+        if type(value) is str and (value or empty) and 4 * len(value) <= max_bytes:
+            return value  # certainly within the limit (UTF-8 takes at most 4 bytes a character)
         if type(value) is not str:
             raise WireError(f"{self.where}: field {name} must be str, got {describe(value)}")
         check_str(value, f"{self.where}: field {name}", max_bytes, empty=empty)
@@ -90,6 +94,8 @@ def _members(cls: type[E]) -> dict[Any, E]:
 
 def check_str(value: str, what: str, max_bytes: int, *, empty: bool = False) -> None:
     """Refuse an empty (unless allowed) or oversized string; the size counts UTF-8 bytes."""
+    if value and 4 * len(value) <= max_bytes:
+        return  # certainly within the limit: UTF-8 takes at most 4 bytes a character
     if not value and not empty:
         raise WireError(f"{what} must not be empty")
     # len(str) <= len(utf8) <= 4 * len(str): skip the encode when the answer is certain.

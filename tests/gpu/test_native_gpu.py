@@ -128,6 +128,27 @@ def test_stream_signal_fd_writes_after_the_work() -> None:
         os.close(w)
 
 
+def test_event_spin_waits_for_the_work_up_to_its_bound() -> None:
+    import time
+
+    from kvxfer import _native
+
+    stream = torch.cuda.Stream()
+    event = _native.event_create(0)
+    try:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning kernel: still pending below
+        _native.event_record(event, stream.cuda_stream)
+        start = time.perf_counter()
+        assert _native.event_spin(event, 50) is False
+        assert time.perf_counter() - start < 0.05  # gave up after its bound, not at the work's end
+        assert _native.event_spin(event, 10_000_000) is True  # up to 10 s: returns once the work ended
+        assert _native.event_query(event)
+    finally:
+        stream.synchronize()
+        _native.event_destroy(event)
+
+
 # Past 8,192 rows the indices upload in chunks: a first one of 8,192 rows, then up to 7 more.
 @pytest.mark.parametrize("n", [8193, 16385, 20000, 70001, 262147])
 @pytest.mark.parametrize("ends", ["both", "gather", "scatter"])

@@ -179,3 +179,26 @@ def test_try_send_never_waits_and_flush_finishes_a_partial_frame() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_emulated_event_spin_waits_up_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The owner's bounded wait for a small copy (IpcBackend._send_if_copied), as host_cuda emulates it.
+    from kvxfer.testing import host_cuda
+
+    monkeypatch.setenv("KVXFER_HOST_CUDA_DELAY_S", "0.2")
+    stream = host_cuda.stream_create(0)
+    event = host_cuda.event_create(0)
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    try:
+        host_cuda.cuda_copy_rows(src.ctypes.data, 16, None, dst.ctypes.data, 16, None, 4, 16, stream, 0, -1, -1)
+        host_cuda.event_record(event, stream)
+        start = time.perf_counter()
+        assert host_cuda.event_spin(event, 1000) is False
+        assert time.perf_counter() - start < 0.15
+        assert host_cuda.event_spin(event, 5_000_000) is True
+        assert dst.tolist() == src.tolist()
+    finally:
+        host_cuda.stream_synchronize(stream)
+        host_cuda.event_destroy(event)
+        host_cuda.stream_destroy(stream)

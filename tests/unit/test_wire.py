@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
 
-from kvxfer.contract import CacheKind, CompletionRecord, Hint, HintGroup, MemoryKind, RecordStatus, TransferMode
+from kvxfer.contract import (
+    CacheKind,
+    CompletionRecord,
+    Hint,
+    HintGroup,
+    MemoryKind,
+    RecordStatus,
+    TransferMode,
+    constant_mask,
+)
 from kvxfer.wire import (
     DEFAULT_LIMITS,
     WIRE_VERSION,
@@ -147,6 +157,43 @@ def test_completion_round_trip_keeps_masks_exact() -> None:
 def test_masks_travel_as_packed_bits_least_significant_first() -> None:
     record = CompletionRecord("t", "s", "r", RecordStatus.DELIVERED, [np.array([1, 0, 0, 0, 0, 0, 0, 0, 0, 1], bool)])
     assert body_of(encode_completion(record))["masks"] == [{"rows": 10, "bits": b"\x01\x02"}]
+
+
+def test_whole_masks_are_shared_read_only_and_travel_as_the_same_bits() -> None:
+    for rows in (1, 8, 13, 32, 4096, 1 << 18):
+        shared = constant_mask(rows, True)
+        assert shared is constant_mask(rows, True)
+        assert not shared.flags.writeable
+        with pytest.raises(ValueError):
+            shared.flags.writeable = True  # a view of a read-only base: it stays read-only
+        plain = np.ones(rows, dtype=np.bool_)
+        # Recognised by identity when encoded, by its bits when decoded: the same bytes either way.
+        assert encode_completion(CompletionRecord("t", "s", "r", RecordStatus.DELIVERED, [shared])) == \
+            encode_completion(CompletionRecord("t", "s", "r", RecordStatus.DELIVERED, [plain]))
+        back = decode_completion(encode_completion(CompletionRecord("t", "s", "r", RecordStatus.DELIVERED, [plain])))
+        assert back.masks[0] is shared
+    # One row short of whole decodes to its own mask, exactly.
+    partial = np.ones(13, dtype=np.bool_)
+    partial[12] = False
+    back = decode_completion(encode_completion(CompletionRecord("t", "s", "r", RecordStatus.DELIVERED, [partial])))
+    np.testing.assert_array_equal(back.masks[0], partial)
+    assert back.masks[0] is not constant_mask(13, True)
+    big = constant_mask((1 << 18) + 1, True)
+    assert big.all() and not big.flags.writeable and big is not constant_mask((1 << 18) + 1, True)
+
+
+def test_records_encoded_from_many_threads_are_exact() -> None:
+    # pack() keeps one msgpack Packer per thread: concurrent encoders must not mix their bytes.
+    records = [CompletionRecord(f"t{i}", "s", f"r{i}", RecordStatus.DELIVERED, [np.arange(i + 1) % 3 == 0])
+               for i in range(64)]
+    want = [encode_completion(r) for r in records]
+
+    def encode_all(_: int) -> list[bytes]:
+        return [encode_completion(r) for r in records for _ in range(20)][::20]
+
+    with ThreadPoolExecutor(8) as pool:
+        for got in pool.map(encode_all, range(16)):
+            assert got == want
 
 
 def test_blob_round_trip_and_kind_check() -> None:
