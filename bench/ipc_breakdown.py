@@ -69,7 +69,7 @@ def instrument() -> None:
     for name in ("check_submission", "match_rows", "encode_completion", "decode_completion"):
         setattr(ipc, name, _timed(getattr(ipc, name), name))
     backend = ipc.IpcBackend
-    for name in ("_launch", "_complete", "_finish", "_on_record", "_peer_exports"):
+    for name in ("_launch", "_complete", "_finish", "_on_frame", "_on_record", "_peer_exports"):
         setattr(backend, name, _timed(getattr(backend, name), name))
     init = backend.__init__
 

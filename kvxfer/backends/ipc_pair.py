@@ -167,6 +167,8 @@ def _handle(cmd: str, args: list[Any], backend: Any, memory: DeviceRows, attempt
         # and took the GIL from the progress thread, inflating the decode-side latency it measures.
         attempt.wait(timeout)
         return attempt.poll(), attempt.quiesced(), visible.get(handle)
+    if cmd == "ping":
+        return None
     if cmd == "cancel":
         attempts[args[0]].cancel()
         return None
@@ -222,6 +224,12 @@ class ChildPeer(PeerEnd):
 
     def cancel(self, handle: int) -> None:
         self._call("cancel", handle)
+
+    def ping(self) -> None:
+        """A round trip to the child's command loop: by then its backend's progress thread has
+        almost surely handled what the last command started (latency harnesses use this to
+        publish into an idle decode end, as serving does: its fetch is registered long before)."""
+        self._call("ping")
 
     def write(self, region: str, slots: Index, data: bytes) -> None:
         self._call("write", region, np.asarray(slots, dtype=np.int64), data)

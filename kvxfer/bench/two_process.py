@@ -237,6 +237,9 @@ class TwoProcessCase:
                     v_peer = _view(peer.regions, [fresh[k]], point.rows, f"lat{i}")
                     h_peer = peer.describe(v_peer)
                     handle = peer.start("fetch", v_peer, local.describe(v_local))
+                    # In serving the decode end's fetch is registered long before prefill ends;
+                    # publishing while the child still handles the registration times that too.
+                    peer.ping()
                     watch = Watch()  # an owner waits for its wake callback: polling here took the GIL every 0.2 ms
                     t0 = time.monotonic_ns()
                     attempt = local.publish(v_local, h_peer, wake=watch)

@@ -91,7 +91,7 @@ def test_ipc_breakdown_script_runs_emulated():  # type: ignore[no-untyped-def]
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     steps = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
-    for step in ("check_submission<", "match_rows<", "native<", "event_done", "peer:decode_completion<", "peer_visible"):
+    for step in ("check_submission<", "match_rows<", "native<", "event_done", "peer:_on_frame<", "peer_visible"):
         assert step in steps, (step, done.stdout)
 
 

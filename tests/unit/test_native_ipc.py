@@ -202,3 +202,57 @@ def test_emulated_event_spin_waits_up_to_its_bound(monkeypatch: pytest.MonkeyPat
         host_cuda.stream_synchronize(stream)
         host_cuda.event_destroy(event)
         host_cuda.stream_destroy(stream)
+
+
+@pytest.mark.parametrize("key", [b"", b"k" * 32], ids=["unsigned", "signed"])
+def test_the_usual_record_is_recognised_by_its_bytes_and_any_other_is_decoded(key: bytes) -> None:
+    # A passive end precomputes the exact frame of "DELIVERED, every row" from its peer: that
+    # frame concludes by lookup; a partial record, a forged sender or a wrong key take the decode path.
+    from kvxfer.backends.ipc import IpcBackend
+    from kvxfer.backends.ipc_pair import DeviceRows
+    from kvxfer.contract import Delivered, TransferMode
+    from kvxfer.testing import host_cuda
+    from kvxfer.testing.ipc_scenarios import views
+
+    d_mem = DeviceRows((("D", 64, 32),), cuda=host_cuda)
+    p_mem = DeviceRows((("P", 64, 32),), cuda=host_cuda)
+    decode = IpcBackend("decode", TransferMode.PUSH, cuda=host_cuda, key=key)
+    prefill = IpcBackend("prefill", TransferMode.PUSH, cuda=host_cuda, key=key)  # it only describes and sends
+    try:
+        decode.register(d_mem.regions)
+        prefill.register(p_mem.regions)
+        attempts, ids = [], []
+        for i in range(3):
+            dv, pv, _, _ = views(d_mem.regions[0], p_mem.regions[0], 10, i, f"r{i}")
+            ids.append(decode.describe(dv).transfer_id)
+            attempts.append(decode.fetch(dv, prefill.describe(pv)))
+        assert len(decode._expected) == 3
+        prebuilt = {w.own_id: w.delivered for w in decode._expected.values()}
+
+        def send(tid: str, mask: np.ndarray, sender: str, signing: bytes) -> None:
+            frame = encode_completion(CompletionRecord(tid, sender, tid and f"r{ids.index(tid)}",
+                                                       RecordStatus.DELIVERED, [mask], ""), signing)
+            assert prefill._channel.send(decode._channel.endpoint, frame)
+
+        whole, partial = np.ones(10, dtype=np.bool_), np.ones(10, dtype=np.bool_)
+        partial[3] = False
+        send(ids[0], whole, prefill.name, key)                                   # the usual record
+        send(ids[1], partial, prefill.name, key)                                 # decoded: rows exact
+        send(ids[2], whole, "someone-else", key)                                 # ignored: not its peer
+        send(ids[2], whole, prefill.name, b"w" * 32 if key == b"" else b"")     # dropped: wrong signing
+        assert attempts[0].wait(5) and attempts[1].wait(5)
+        first, second = attempts[0].poll(), attempts[1].poll()
+        assert isinstance(first, Delivered) and first.all_delivered
+        assert first is prebuilt[ids[0]] and second is not prebuilt[ids[1]]  # looked up / decoded
+        assert isinstance(second, Delivered) and second.masks[0].tolist() == partial.tolist()
+        time.sleep(0.2)
+        assert attempts[2].poll() is None and not attempts[2].quiesced()
+        assert list(decode._expected.values())[0].own_id == ids[2]  # ended waits leave the map
+        send(ids[2], whole, prefill.name, key)
+        assert attempts[2].wait(5) and isinstance(attempts[2].poll(), Delivered)
+        assert decode._expected == {}
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+        d_mem.close()
+        p_mem.close()
