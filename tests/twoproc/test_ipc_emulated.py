@@ -128,3 +128,17 @@ def test_emulated_handles_never_name_a_later_allocation() -> None:
         assert host_cuda.ipc_export(0, again)[0] != handle
     finally:
         host_cuda.device_free(0, again)
+
+
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_signed_pair_moves_rows_with_exact_masks(mode: TransferMode, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With KVXFER_HINT_KEY set on both ends (the child inherits it), "every row delivered"
+    # travels as a key-derived token and everything else as signed records.
+    monkeypatch.setenv("KVXFER_HINT_KEY", "ab" * 32)
+    large_rows_byte_exact(mode, cuda=host_cuda, row_bytes=256, slots=400, rows=300)
+    wanted = {"check_round_trip_exact", "check_missing_counterpart_false", "check_partial_failure_exact",
+              "check_cancel_before_peer_starts"}
+    assert len([c for c in CHECKS if c.__name__ in wanted]) == len(wanted)
+    for check in CHECKS:
+        if check.__name__ in wanted:
+            check(functools.partial(ipc_pair, emulated=True), mode)

@@ -205,10 +205,11 @@ def test_emulated_event_spin_waits_up_to_its_bound(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("key", [b"", b"k" * 32], ids=["unsigned", "signed"])
-def test_the_usual_record_is_recognised_by_its_bytes_and_any_other_is_decoded(key: bytes) -> None:
-    # A passive end precomputes the exact frame of "DELIVERED, every row" from its peer: that
-    # frame concludes by lookup; a partial record, a forged sender or a wrong key take the decode path.
-    from kvxfer.backends.ipc import IpcBackend
+def test_every_row_delivered_travels_as_a_token_and_anything_else_as_a_record(key: bytes) -> None:
+    # "DELIVERED, every row" is 20 bytes (DONE_PREFIX + a token the passive end can look up);
+    # partial records are decoded as before; a token without its wait waits for it; a token
+    # nobody was given concludes nothing. Signed: the token comes from the key and the sender.
+    from kvxfer.backends.ipc import DONE_PREFIX, EXTRA_DONE, IpcBackend
     from kvxfer.backends.ipc_pair import DeviceRows
     from kvxfer.contract import Delivered, TransferMode
     from kvxfer.testing import host_cuda
@@ -221,36 +222,46 @@ def test_the_usual_record_is_recognised_by_its_bytes_and_any_other_is_decoded(ke
     try:
         decode.register(d_mem.regions)
         prefill.register(p_mem.regions)
-        attempts, ids = [], []
-        for i in range(3):
+        hints, attempts, dvs, pvs = [], [], [], []
+        for i in range(4):
             dv, pv, _, _ = views(d_mem.regions[0], p_mem.regions[0], 10, i, f"r{i}")
-            ids.append(decode.describe(dv).transfer_id)
-            attempts.append(decode.fetch(dv, prefill.describe(pv)))
-        assert len(decode._expected) == 3
-        prebuilt = {w.own_id: w.delivered for w in decode._expected.values()}
+            hints.append(decode.describe(dv))
+            dvs.append(dv)
+            pvs.append(prefill.describe(pv))
+        assert all((h.extra(EXTRA_DONE) is None) == bool(key) for h in hints)  # signed hints carry no token
 
-        def send(tid: str, mask: np.ndarray, sender: str, signing: bytes) -> None:
-            frame = encode_completion(CompletionRecord(tid, sender, tid and f"r{ids.index(tid)}",
-                                                       RecordStatus.DELIVERED, [mask], ""), signing)
+        def token(i: int, sender: str) -> bytes:
+            if key:
+                return prefill._done_token(hints[i].transfer_id, sender, f"r{i}")
+            return hints[i].extra(EXTRA_DONE) or b""
+
+        def send(frame: bytes) -> None:
             assert prefill._channel.send(decode._channel.endpoint, frame)
 
-        whole, partial = np.ones(10, dtype=np.bool_), np.ones(10, dtype=np.bool_)
+        send(DONE_PREFIX + token(3, prefill.name))  # before its fetch: kept for it
+        deadline = time.monotonic() + 5
+        while not decode._early and time.monotonic() < deadline:
+            time.sleep(0.01)
+        attempts = [decode.fetch(dvs[i], pvs[i]) for i in range(4)]
+        prebuilt = {w.own_id: w.delivered for w in decode._by_token.values()}
+        partial = np.ones(10, dtype=np.bool_)
         partial[3] = False
-        send(ids[0], whole, prefill.name, key)                                   # the usual record
-        send(ids[1], partial, prefill.name, key)                                 # decoded: rows exact
-        send(ids[2], whole, "someone-else", key)                                 # ignored: not its peer
-        send(ids[2], whole, prefill.name, b"w" * 32 if key == b"" else b"")     # dropped: wrong signing
-        assert attempts[0].wait(5) and attempts[1].wait(5)
-        first, second = attempts[0].poll(), attempts[1].poll()
-        assert isinstance(first, Delivered) and first.all_delivered
-        assert first is prebuilt[ids[0]] and second is not prebuilt[ids[1]]  # looked up / decoded
+        send(DONE_PREFIX + token(0, prefill.name))
+        send(encode_completion(CompletionRecord(hints[1].transfer_id, prefill.name, "r1", RecordStatus.DELIVERED,
+                                                [partial], ""), key))
+        send(DONE_PREFIX + (token(2, "someone-else") if key else bytes(16)))  # not its token
+        for i in (0, 1, 3):
+            assert attempts[i].wait(5), i
+        first, second, fourth = attempts[0].poll(), attempts[1].poll(), attempts[3].poll()
+        assert isinstance(first, Delivered) and first is prebuilt[hints[0].transfer_id]
         assert isinstance(second, Delivered) and second.masks[0].tolist() == partial.tolist()
+        assert isinstance(fourth, Delivered) and fourth.all_delivered
         time.sleep(0.2)
         assert attempts[2].poll() is None and not attempts[2].quiesced()
-        assert list(decode._expected.values())[0].own_id == ids[2]  # ended waits leave the map
-        send(ids[2], whole, prefill.name, key)
+        assert [w.own_id for w in decode._by_token.values()] == [hints[2].transfer_id]  # ended waits leave
+        send(DONE_PREFIX + token(2, prefill.name))
         assert attempts[2].wait(5) and isinstance(attempts[2].poll(), Delivered)
-        assert decode._expected == {}
+        assert decode._by_token == {}
     finally:
         decode.shutdown()
         prefill.shutdown()
