@@ -6,15 +6,18 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "fill_helpers.h"
 #include "rowcopy.h"
+#include "spin_poll.h"
 #ifdef KVXFER_WITH_CUDA
 #include "cuda_api.h"
 #endif
@@ -126,6 +129,19 @@ NB_MODULE(_native, m) {
         kvxfer::FillHelpers::instance().stop();
       },
       "Join the index-fill helper threads (after a copy using them ends); the next large copy starts them again.");
+
+  m.def("spin_poll", [](const std::vector<int>& fds, std::int64_t timeout_us) {
+        bool ready = false;
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = kvxfer::spin_poll(fds, timeout_us, &ready);
+        }
+        check(err);
+        return ready;
+      }, "fds"_a, "timeout_us"_a,
+      "Poll fds for input in a loop, without sleeping and with the GIL released, for up to timeout_us: True as "
+      "soon as one has input (or an error or hang-up), False when the time ran out.");
 
   m.def("host_copy_rows", &host_copy_rows, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(), "dst_base"_a,
         "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "threads"_a = 0, "src_limit"_a = -1,

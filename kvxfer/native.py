@@ -15,6 +15,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import os
+import select
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -68,6 +71,23 @@ _NATIVE, _LOAD_REASON = _load()
 if _NATIVE is not None and hasattr(_NATIVE, "stop_fill_helpers"):
     # Large CUDA copies fill their index staging with persistent native helper threads.
     atexit.register(_NATIVE.stop_fill_helpers)
+
+
+def spin_poll(fds: list[int], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for input on ``fds`` without sleeping (a busy core instead of
+    a thread wake-up): True once one has input. Native with the GIL released; else a
+    Python loop of zero-timeout polls that yields the GIL between them."""
+    if _NATIVE is not None and hasattr(_NATIVE, "spin_poll"):
+        return bool(_NATIVE.spin_poll(fds, max(0, int(timeout_s * 1e6))))
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    end = time.perf_counter() + timeout_s
+    while not poller.poll(0):
+        if time.perf_counter() >= end:
+            return False
+        os.sched_yield()
+    return True
 
 
 @functools.lru_cache(maxsize=1)

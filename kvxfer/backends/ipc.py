@@ -85,6 +85,7 @@ _TOKEN_BYTES = 16
 _EARLY_KEPT = 4096  # tokens that arrived before their fetch/publish, kept for it
 
 
+IDLE_WAIT_S = 0.02  # the progress thread's longest sleep (or spin, with busy_poll) between passes
 HEAD_SPIN_S = 200e-6  # how long the progress thread spins on the oldest copy's event per pass
 # publish()/fetch() of at most OWNER_SPIN_BYTES waits up to OWNER_SPIN_US for its own copy (a
 # few microseconds of kernel after the launch) and sends the record itself: any hand-off to
@@ -179,6 +180,7 @@ class IpcBackend(Backend):
         deadline_s: float = 30.0,
         fail_after_rows: int | None = None,
         dead_peer_grace_s: float = 0.5,
+        busy_poll: bool = False,
         cuda: ModuleType | None = None,
     ) -> None:
         # ``cuda``: the CUDA calls to make, kvxfer._native by default; kvxfer.testing.host_cuda
@@ -200,6 +202,10 @@ class IpcBackend(Backend):
         self.fail_after_rows = fail_after_rows
         # A dead peer's last kernels may still run while its process is torn down.
         self.dead_peer_grace_s = dead_peer_grace_s
+        # While transfers are pending, the progress thread polls its sockets without sleeping
+        # (one busy core, the GIL left free): a record is seen without a thread wake-up, which
+        # costs tens of microseconds on a virtual machine. For latency-critical decode ends.
+        self.busy_poll = busy_poll
         self._key = resolve_key(key) or b""  # b"": unsigned, whatever the environment says later
         self._node = node_identity()
         self._regions = RegionTable(frozenset({MemoryKind.DEVICE}))
@@ -441,10 +447,13 @@ class IpcBackend(Backend):
             if self._in_flight:
                 self._watch_head()
             busy = bool(self._in_flight)
+            spun = not busy and self.busy_poll and bool(self._passive)
+            if spun:
+                self._channel.spin(IDLE_WAIT_S)  # returns as soon as a socket has input
             # While copies are in flight, look without sleeping: their events are polled, and
             # a sleep's granularity (or a driver callback's wake-up, measured slower on an
             # H200 host) would dominate a small transfer's latency.
-            frames, gone = self._channel.wait(0.0 if busy else 0.02)
+            frames, gone = self._channel.wait(0.0 if busy or spun else IDLE_WAIT_S)
             for frame in frames:  # first: a peer's record is what a waiting owner needs soonest
                 self._on_frame(frame)
             gone += self._channel.flush()  # the rest of a record the owner thread began

@@ -26,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvxfer import native
+
 log = logging.getLogger(__name__)
 
 _FRAME = struct.Struct(">I")
@@ -60,8 +62,10 @@ class Channel:
         self._outbound: dict[bytes, _Conn] = {}
         self._write_lock = threading.RLock()  # writes to (and closing of) outbound connections
         self._poll = select.poll()
-        self._poll.register(self._listener.fileno(), select.POLLIN)
-        self._poll.register(self._wake_r, select.POLLIN)
+        self._fds: set[int] = set()  # what _poll watches: spin() polls the same
+        self._fds_lock = threading.Lock()  # connect() may run on another thread than spin()
+        self._watch(self._listener.fileno())
+        self._watch(self._wake_r)
         self._closed = False
 
     # --- any thread -------------------------------------------------------------------
@@ -97,6 +101,13 @@ class Channel:
                 if conn is not None and not self._alive(conn):
                     gone.append(conn.peer)
         return frames, gone
+
+    def spin(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for something that wait() would handle, polling without
+        sleeping (and without the GIL, where kvxfer._native is built): True once there is."""
+        with self._fds_lock:
+            fds = list(self._fds)
+        return native.spin_poll(fds, timeout_s)
 
     def try_send(self, peer: bytes, frame: bytes) -> bool:
         """Send one frame now, from any thread, without waiting: False (nothing sent) when
@@ -181,7 +192,7 @@ class Channel:
         conn = _Conn(sock, peer)
         self._outbound[peer] = conn
         # Peers never write on this connection; readable means end of file: the peer is gone.
-        self._poll.register(sock.fileno(), select.POLLIN)
+        self._watch(sock.fileno())
         return conn
 
     def reachable(self, peer: bytes) -> bool:
@@ -202,6 +213,16 @@ class Channel:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # --- internals --------------------------------------------------------------------
+    def _watch(self, fd: int) -> None:
+        self._poll.register(fd, select.POLLIN)
+        with self._fds_lock:
+            self._fds.add(fd)
+
+    def _unwatch(self, fd: int) -> None:
+        with self._fds_lock:
+            self._fds.discard(fd)
+        self._poll.unregister(fd)
+
     def _alive(self, conn: _Conn) -> bool:
         try:
             data = conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -219,7 +240,7 @@ class Channel:
             if self._outbound.get(conn.peer) is conn:
                 del self._outbound[conn.peer]
             try:
-                self._poll.unregister(conn.sock.fileno())
+                self._unwatch(conn.sock.fileno())
             except (KeyError, ValueError):
                 pass
             conn.sock.close()
@@ -232,7 +253,7 @@ class Channel:
                 return
             sock.setblocking(False)
             self._inbound[sock.fileno()] = _Conn(sock, b"")
-            self._poll.register(sock.fileno(), select.POLLIN)
+            self._watch(sock.fileno())
 
     def _receive(self, conn: _Conn, frames: list[bytes]) -> None:
         eof = False
@@ -266,7 +287,7 @@ class Channel:
         if fd >= 0:
             self._inbound.pop(fd, None)
             try:
-                self._poll.unregister(fd)
+                self._unwatch(fd)
             except (KeyError, ValueError):
                 pass
         conn.sock.close()

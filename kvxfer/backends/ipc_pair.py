@@ -104,6 +104,7 @@ class PeerSpec:
     deadline_s: float = 10.0
     key: bytes | None = None
     emulated: bool = False  # kvxfer.testing.host_cuda instead of CUDA (CI without a GPU)
+    busy_poll: bool = False  # IpcBackend(busy_poll=...) in the child
 
 
 def cuda_calls(emulated: bool) -> Any:
@@ -120,7 +121,8 @@ def _serve(conn: Connection, spec: PeerSpec) -> None:
 
     cuda = cuda_calls(spec.emulated)
     memory = DeviceRows(spec.geometry, spec.device, cuda)
-    backend = IpcBackend("child", spec.mode, device=spec.device, deadline_s=spec.deadline_s, key=spec.key, cuda=cuda)
+    backend = IpcBackend("child", spec.mode, device=spec.device, deadline_s=spec.deadline_s, key=spec.key,
+                         busy_poll=spec.busy_poll, cuda=cuda)
     backend.register(memory.regions)
     attempts: dict[int, Any] = {}
     visible: dict[int, int] = {}
@@ -264,19 +266,20 @@ class ChildPeer(PeerEnd):
         self._conn.close()
 
 
-def ipc_pair(mode: TransferMode, *, device: int = 0, deadline_s: float = 10.0, emulated: bool = False) -> Pair:
+def ipc_pair(mode: TransferMode, *, device: int = 0, deadline_s: float = 10.0, emulated: bool = False,
+             busy_poll: bool = False) -> Pair:
     """A local IpcBackend over device memory here, and its peer in a child process
     (``emulated``: both over kvxfer.testing.host_cuda, for CI without a GPU)."""
     from kvxfer.backends.ipc import IpcBackend
 
     cuda = cuda_calls(emulated)
-    peer = ChildPeer(PeerSpec(mode, device=device, deadline_s=deadline_s, emulated=emulated))
+    peer = ChildPeer(PeerSpec(mode, device=device, deadline_s=deadline_s, emulated=emulated, busy_poll=busy_poll))
     try:
         memory = DeviceRows(LOCAL_GEOMETRY, device, cuda)
     except BaseException:
         peer.close()
         raise
-    local = IpcBackend("local", mode, device=device, deadline_s=deadline_s, cuda=cuda)
+    local = IpcBackend("local", mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll, cuda=cuda)
     local.register(memory.regions)
 
     def inject_local(rows: int | None) -> None:

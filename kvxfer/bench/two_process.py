@@ -73,16 +73,16 @@ def _nixl_kind(packed: str) -> Kind:
                 {"processes": 2, "transport": "NIXL over UCX", "packed": packed})
 
 
-def _ipc_kind() -> Kind:
+def _ipc_kind(busy_poll: bool = False) -> Kind:
     def local(mode: TransferMode) -> Backend:
         from kvxfer.backends.ipc import IpcBackend
 
-        return IpcBackend("bench", mode)
+        return IpcBackend("bench", mode, busy_poll=busy_poll)
 
     def peer(mode: TransferMode, geometry: Geometry, memory: str) -> Any:
         from kvxfer.backends.ipc_pair import ChildPeer, PeerSpec
 
-        return ChildPeer(PeerSpec(mode, geometry=geometry))
+        return ChildPeer(PeerSpec(mode, geometry=geometry, busy_poll=busy_poll))
 
     def rows(geometry: Geometry, memory: str) -> Any:
         from kvxfer.backends.ipc_pair import DeviceRows
@@ -90,7 +90,8 @@ def _ipc_kind() -> Kind:
         return DeviceRows(geometry)
 
     return Kind(("device",), local, peer, None, rows,
-                {"processes": 2, "transport": "CUDA IPC mapping + native row kernel"}, stamps_outcome=True)
+                {"processes": 2, "transport": "CUDA IPC mapping + native row kernel", "busy_poll": busy_poll},
+                stamps_outcome=True)
 
 
 def _view(regions: tuple[SlotRegion, ...] | list[SlotRegion], slots: list[np.ndarray], rows: int,
@@ -290,4 +291,7 @@ SPECS = [
     CaseSpec("ipc", "kvxfer CUDA IPC backend, peer in a second process", Role.BACKEND,
              frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
              frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind())),
+    CaseSpec("ipc_busy_poll", "kvxfer CUDA IPC backend, busy_poll=True on both ends (a core each polls their sockets)",
+             Role.BACKEND, frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
+             frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind(busy_poll=True))),
 ]

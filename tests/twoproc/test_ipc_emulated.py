@@ -142,3 +142,15 @@ def test_signed_pair_moves_rows_with_exact_masks(mode: TransferMode, monkeypatch
     for check in CHECKS:
         if check.__name__ in wanted:
             check(functools.partial(ipc_pair, emulated=True), mode)
+
+
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_busy_poll_pair_keeps_the_contract(mode: TransferMode, monkeypatch: pytest.MonkeyPatch) -> None:
+    # busy_poll changes how the progress threads wait, nothing else: rows, masks, cancels and
+    # shutdown as without it (copies in flight, so that both waiting paths run).
+    monkeypatch.setenv(DELAY, "0.003")
+    wanted = {"check_round_trip_exact", "check_partial_failure_exact", "check_cancel", "check_shutdown"}
+    assert len([c for c in CHECKS if c.__name__ in wanted]) == len(wanted)
+    for check in CHECKS:
+        if check.__name__ in wanted:
+            check(functools.partial(ipc_pair, emulated=True, busy_poll=True), mode)

@@ -267,3 +267,50 @@ def test_every_row_delivered_travels_as_a_token_and_anything_else_as_a_record(ke
         prefill.shutdown()
         d_mem.close()
         p_mem.close()
+
+
+def test_channel_spin_sees_input_without_sleeping_and_leaves_the_gil_free() -> None:
+    a, b = Channel("spin-a"), Channel("spin-b")
+    counted = [0]
+    stop = threading.Event()
+
+    def count() -> None:  # progresses during spin() only if spin() released the GIL
+        while not stop.is_set():
+            counted[0] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        before, start = counted[0], time.perf_counter()
+        assert a.spin(0.05) is False  # nothing came: it gave up after its time
+        assert time.perf_counter() - start >= 0.05
+        assert counted[0] - before > 1000
+        assert b.send(a.endpoint, b"hello")
+        frames: list[bytes] = []
+        deadline = time.monotonic() + 5
+        while not frames and time.monotonic() < deadline:
+            assert a.spin(5.0) is True  # the connection, then the frame, end the spin at once
+            frames += a.wait(0.0)[0]
+        assert frames == [b"hello"]
+    finally:
+        stop.set()
+        counter.join()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["native", "python-fallback"])
+def test_spin_poll_returns_on_input_or_after_its_time(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not compiled:
+        monkeypatch.setattr(native, "_NATIVE", None)
+    elif native._NATIVE is None:
+        pytest.skip("kvxfer._native is not built")
+    r, w = os.pipe()
+    try:
+        start = time.perf_counter()
+        assert native.spin_poll([r], 0.02) is False and time.perf_counter() - start >= 0.02
+        os.write(w, b"x")
+        assert native.spin_poll([r], 5.0) is True
+    finally:
+        os.close(r)
+        os.close(w)
