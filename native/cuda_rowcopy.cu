@@ -5,7 +5,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <sys/socket.h>
 #include <unistd.h>
+#include <cerrno>
 
 #include <algorithm>
 #include <atomic>
@@ -518,6 +520,19 @@ std::string event_spin(std::uint64_t ev, std::int64_t timeout_us, bool* done) {
     std::string err = event_query(ev, done);
     if (!err.empty() || *done || std::chrono::steady_clock::now() >= end) return err;
   }
+}
+
+std::string event_record_send(std::uint64_t ev, std::uint64_t stream, std::int64_t spin_us, int fd,
+                              const char* frame, std::size_t len, bool* done, std::int64_t* sent) {
+  *done = false;
+  *sent = 0;
+  std::string err = event_record(ev, stream);
+  if (err.empty()) err = event_spin(ev, spin_us, done);
+  if (!err.empty() || !*done || fd < 0) return err;
+  ssize_t n = ::send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n >= 0) *sent = n;
+  else if (errno != EAGAIN && errno != EWOULDBLOCK) *sent = -errno;
+  return {};
 }
 
 std::string event_synchronize(std::uint64_t ev) {

@@ -33,6 +33,7 @@ runs the same control path over shared host memory, which is how CI tests it wit
 from __future__ import annotations
 
 import collections
+import functools
 import hmac
 import logging
 import os
@@ -350,9 +351,10 @@ class IpcBackend(Backend):
                 self._launch(job)
                 self._in_flight.append(job)
             if job.launched and job.failure is None:
-                # Made while the kernels run; sent if the event completes cleanly.
-                job.frame = self._delivered_frame(job)
-                self._send_if_copied(job)
+                if not job.sent:  # (usually sent by _launch, in the call that recorded the event)
+                    # Made while the kernels run; sent if the event completes cleanly.
+                    job.frame = job.frame or self._delivered_frame(job)
+                    self._send_if_copied(job)
                 job.delivered = Delivered(tuple(job.local_masks))
             # Woken only now: woken earlier, the progress thread takes the GIL while we encode,
             # often finds the copy done, and encodes the record a second time.
@@ -387,12 +389,31 @@ class IpcBackend(Backend):
         """What tells the passive end that every row of its hint is in place: 20 bytes when it
         gave us a token (or we share a key), else the full record; None if it cannot be encoded."""
         if all(m is constant_mask(len(m), True) or bool(m.all()) for m in job.peer_masks):
-            if self._key:
-                return DONE_PREFIX + self._done_token(job.hint.transfer_id, self.name, job.view.request)
-            token = job.hint.extra(EXTRA_DONE)
-            if token is not None and len(token) == _TOKEN_BYTES:
-                return DONE_PREFIX + token
+            frame = self._token_frame(job)
+            if frame is not None:
+                return frame
         return self._encode(self._delivered_record(job))
+
+    def _token_frame(self, job: _Active) -> bytes | None:
+        if self._key:
+            return DONE_PREFIX + self._done_token(job.hint.transfer_id, self.name, job.view.request)
+        token = job.hint.extra(EXTRA_DONE)
+        return DONE_PREFIX + token if token is not None and len(token) == _TOKEN_BYTES else None
+
+    def _whole_token_frame(self, job: _Active, copied: list[tuple[int, GroupMatch, int]]) -> bytes | None:
+        """The token frame if the kernels just queued, once they end, put every row of the
+        peer's hint in place (known before any mask is built); else None."""
+        if job.failure is not None or job.nbytes > OWNER_SPIN_BYTES:
+            return None
+        moved = {m.peer.layer_group: n for _, m, n in copied if m.peer is not None}
+        if any(moved.get(g.layer_group, 0) != len(g) for g in job.hint.groups):
+            return None
+        return self._token_frame(job)
+
+    def _record_send(self, job: _Active, fd: int, data: bytes) -> int:
+        """Record the job's event, spin for it, and write ``data`` to ``fd``: one native call."""
+        done, sent = self._native.event_record_send(job.event, self._stream, OWNER_SPIN_US, fd, data)
+        return int(sent) if done else 0
 
     def _send_if_copied(self, job: _Active) -> None:
         """A small copy has often ended by now, or ends within microseconds: then the record
@@ -684,7 +705,14 @@ class IpcBackend(Backend):
             return
         try:
             job.event = self._events.pop() if self._events else self._native.event_create(self.device)
-            self._native.event_record(job.event, self._stream)
+            frame = self._whole_token_frame(job, copied)
+            if frame is None:
+                self._native.event_record(job.event, self._stream)
+            else:
+                # A small copy that moves every row: the event is recorded, waited for and the
+                # peer told in one native call, before any Python bookkeeping (the masks below).
+                job.frame = frame
+                job.sent = self._channel.send_with(job.hint.endpoint, frame, functools.partial(self._record_send, job))
         except self._native.CopyError as exc:
             # Without an event we cannot tell when the kernels end: wait for the whole stream.
             if job.event:

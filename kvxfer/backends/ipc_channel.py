@@ -24,6 +24,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvxfer import native
@@ -123,6 +124,30 @@ class Channel:
             try:
                 sent = conn.sock.send(data)
             except OSError:  # would block, or the peer is gone: send() finds out which
+                return False
+            if sent < len(data):
+                conn.pending = data[sent:]
+                self.wake()  # the progress thread's flush() finishes it
+            return True
+        finally:
+            self._write_lock.release()
+
+    def send_with(self, peer: bytes, frame: bytes, write: Callable[[int, bytes], int]) -> bool:
+        """Send one frame through ``write(fd, data)``: code that writes the socket itself
+        (native, in the same call as a CUDA one). It is called exactly once: with fd -1 when
+        writing now would wait (another thread is writing, ``peer`` is not connected yet, a
+        frame is pending), and returns the bytes it wrote (0: none; negative: it failed).
+        True when the frame went, or went in part and flush() finishes it; False when nothing
+        was written, and the caller sends it another way."""
+        data = _FRAME.pack(len(frame)) + frame
+        if not self._write_lock.acquire(blocking=False):
+            write(-1, data)
+            return False
+        try:
+            conn = self._outbound.get(peer)
+            fd = -1 if conn is None or conn.pending else conn.sock.fileno()
+            sent = write(fd, data)
+            if conn is None or fd < 0 or sent <= 0:
                 return False
             if sent < len(data):
                 conn.pending = data[sent:]

@@ -23,6 +23,7 @@ import collections
 import ctypes
 import itertools
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -309,6 +310,22 @@ def event_spin(event: int, timeout_us: int) -> bool:
         if time.perf_counter() >= end:
             return False
     return True
+
+
+def event_record_send(event: int, stream: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
+    event_record(event, stream)
+    done = event_spin(event, spin_us)
+    if not done or fd < 0:
+        return done, 0
+    sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves the caller's socket open
+    try:
+        return True, sock.send(frame, socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True, 0
+    except OSError as exc:
+        return True, -(exc.errno or 1)
+    finally:
+        sock.close()
 
 
 def event_synchronize(event: int) -> None:

@@ -149,6 +149,35 @@ def test_event_spin_waits_for_the_work_up_to_its_bound() -> None:
         _native.event_destroy(event)
 
 
+def test_event_record_send_writes_only_after_the_work() -> None:
+    import socket
+
+    from kvxfer import _native
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    stream = torch.cuda.Stream()
+    event = _native.event_create(0)
+    try:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # still running when the spin gives up
+        assert _native.event_record_send(event, stream.cuda_stream, 50, a.fileno(), b"frame") == (False, 0)
+        with pytest.raises(BlockingIOError):
+            b.recv(16)  # nothing was written
+        stream.synchronize()
+        assert _native.event_record_send(event, stream.cuda_stream, 1_000_000, a.fileno(), b"frame") == (True, 5)
+        assert b.recv(16) == b"frame"
+        assert _native.event_record_send(event, stream.cuda_stream, 1_000_000, -1, b"frame") == (True, 0)
+        b.close()
+        done, sent = _native.event_record_send(event, stream.cuda_stream, 1_000_000, a.fileno(), b"frame")
+        assert done and sent < 0  # the peer closed: -errno, no exception, no SIGPIPE
+    finally:
+        stream.synchronize()
+        _native.event_destroy(event)
+        a.close()
+
+
 # Past 8,192 rows the indices upload in chunks: a first one of 8,192 rows, then up to 7 more.
 @pytest.mark.parametrize("n", [8193, 16385, 20000, 70001, 262147])
 @pytest.mark.parametrize("ends", ["both", "gather", "scatter"])

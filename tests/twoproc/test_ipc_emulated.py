@@ -154,3 +154,36 @@ def test_busy_poll_pair_keeps_the_contract(mode: TransferMode, monkeypatch: pyte
     for check in CHECKS:
         if check.__name__ in wanted:
             check(functools.partial(ipc_pair, emulated=True, busy_poll=True), mode)
+
+
+def test_small_whole_copy_tells_the_peer_in_the_call_that_records_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once connected to the peer, a small publish that moves every row records its event,
+    # waits for it and writes the 20-byte token frame in one call (event_record_send).
+    calls: list[tuple[int, int]] = []
+    real = host_cuda.event_record_send
+
+    def counted(event: int, stream: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
+        done, sent = real(event, stream, spin_us, fd, frame)
+        calls.append((fd, sent))
+        return done, sent
+
+    monkeypatch.setattr(host_cuda, "event_record_send", counted)
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        for i in range(3):
+            lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, i, f"r{i}")
+            memory.write("L0", ls, bytes([i]) * 256 * 8)
+            hint = peer.describe(pv)
+            handle = peer.start("fetch", pv, local.describe(lv))
+            attempt = local.publish(lv, hint)
+            assert attempt.wait(10) and isinstance(attempt.poll(), Delivered)
+            theirs, quiet = peer.result(handle, 10)
+            assert isinstance(theirs, Delivered) and theirs.all_delivered and quiet
+            assert peer.read("P0", ps) == bytes([i]) * 256 * 8
+        assert len(calls) == 3 and calls[0] == (-1, 0)  # the first: not connected yet, sent after
+        assert all(fd >= 0 and sent == 24 for fd, sent in calls[1:])  # 4-byte length + 20-byte frame
+    finally:
+        close_all(local, [peer], memory)

@@ -314,3 +314,38 @@ def test_spin_poll_returns_on_input_or_after_its_time(compiled: bool, monkeypatc
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_send_with_lends_the_socket_only_when_a_frame_can_go_now() -> None:
+    a, b = Channel("a"), Channel("b")
+    calls: list[int] = []
+
+    def write_all(fd: int, data: bytes) -> int:
+        calls.append(fd)
+        return os.write(fd, data) if fd >= 0 else 0
+
+    try:
+        assert not a.send_with(b.endpoint, b"early", write_all) and calls == [-1]  # not connected yet
+        assert a.send(b.endpoint, b"first")
+        assert a.send_with(b.endpoint, b"native", write_all) and calls[-1] >= 0
+        with a._write_lock:  # another thread is writing: no socket lent, nothing written
+            result: list[bool] = []
+            t = threading.Thread(target=lambda: result.append(a.send_with(b.endpoint, b"no", write_all)))
+            t.start()
+            t.join()
+            assert result == [False] and calls[-1] == -1
+        # A write that took 3 bytes: the rest is pending, and flush() finishes the same frame.
+        assert a.send_with(b.endpoint, b"partial", lambda fd, data: os.write(fd, data[:3]))
+        assert not a.try_send(b.endpoint, b"x")  # behind the pending tail, never interleaved
+        assert not a.send_with(b.endpoint, b"x", write_all) and calls[-1] == -1
+        got: list[bytes] = []
+        for _ in range(200):
+            a.flush()
+            got += b.wait(0.01)[0]
+            if len(got) == 3:
+                break
+        assert got == [b"first", b"native", b"partial"]
+        assert not a.send_with(b.endpoint, b"lost", lambda fd, data: -32)  # the write failed: caller sends
+    finally:
+        a.close()
+        b.close()
