@@ -186,32 +186,20 @@ NB_MODULE(_native, m) {
     check(kvxfer::cuda::event_query(ev, &done));
     return done;
   }, "event"_a, "True once the work before the event completed; raises CopyError if it failed.");
-  m.def("event_spin", [](std::uint64_t ev, std::int64_t timeout_us) {
-    bool done = false;
-    std::string err;
-    {
-      nb::gil_scoped_release release;
-      err = kvxfer::cuda::event_spin(ev, timeout_us, &done);
-    }
-    check(err);
-    return done;
-  }, "event"_a, "timeout_us"_a,
-        "Query the event in a loop (the GIL released) for up to timeout_us: True once it completed, False if "
-        "still pending; raises CopyError if the work failed.");
-  m.def("event_record_send", [](std::uint64_t ev, std::uint64_t s, std::int64_t spin_us, int fd, nb::bytes frame) {
+  m.def("event_spin_send", [](std::uint64_t ev, std::int64_t spin_us, int fd, nb::bytes frame) {
     bool done = false;
     std::int64_t sent = 0;
     std::string err;
     {
       nb::gil_scoped_release release;
-      err = kvxfer::cuda::event_record_send(ev, s, spin_us, fd, frame.c_str(), frame.size(), &done, &sent);
+      err = kvxfer::cuda::event_spin_send(ev, spin_us, fd, frame.c_str(), frame.size(), &done, &sent);
     }
     check(err);
     return std::make_tuple(done, sent);
-  }, "event"_a, "stream"_a, "spin_us"_a, "fd"_a, "frame"_a,
-        "Record the event on the stream, spin up to spin_us for it, then write frame to the non-blocking socket fd "
+  }, "event"_a, "spin_us"_a, "fd"_a, "frame"_a,
+        "Spin up to spin_us for the event (the GIL released), then write frame to the non-blocking socket fd "
         "(-1: none). Returns (done, sent): sent is the bytes written, 0 if not done or the socket was full, "
-        "-errno if the write failed. Raises CopyError on a CUDA failure.");
+        "-errno if the write failed. Raises CopyError if the work failed.");
   m.def("event_synchronize", [](std::uint64_t ev) {
     std::string err;
     {

@@ -35,13 +35,13 @@ std::string event_synchronize(std::uint64_t event);
 // microseconds of their launch.
 std::string event_spin(std::uint64_t event, std::int64_t timeout_us, bool* done);
 
-// A small copy's last steps in one call: record `event` on `stream`, spin up to `spin_us` for
-// it, and once it completed write `frame` (`len` bytes) to the non-blocking socket `fd`
-// (fd < 0: no socket). *done: the event completed within the spin; *sent: bytes written (0
-// when not done, no socket, or the socket was full; -errno when the write failed). A CUDA
-// failure is the returned message; a socket failure is only reported through *sent.
-std::string event_record_send(std::uint64_t event, std::uint64_t stream, std::int64_t spin_us, int fd,
-                              const char* frame, std::size_t len, bool* done, std::int64_t* sent);
+// A small copy's last step in one call: spin up to `spin_us` for `event`, and once it
+// completed write `frame` (`len` bytes) to the non-blocking socket `fd` (fd < 0: no socket).
+// *done: the event completed within the spin; *sent: bytes written (0 when not done, no
+// socket, or the socket was full; -errno when the write failed). A CUDA failure is the
+// returned message; a socket failure is only reported through *sent.
+std::string event_spin_send(std::uint64_t event, std::int64_t spin_us, int fd, const char* frame, std::size_t len,
+                            bool* done, std::int64_t* sent);
 std::string event_destroy(std::uint64_t event);
 
 // Once the work queued on `stream` so far has completed, a driver thread writes one byte to

@@ -522,12 +522,10 @@ std::string event_spin(std::uint64_t ev, std::int64_t timeout_us, bool* done) {
   }
 }
 
-std::string event_record_send(std::uint64_t ev, std::uint64_t stream, std::int64_t spin_us, int fd,
-                              const char* frame, std::size_t len, bool* done, std::int64_t* sent) {
-  *done = false;
+std::string event_spin_send(std::uint64_t ev, std::int64_t spin_us, int fd, const char* frame, std::size_t len,
+                            bool* done, std::int64_t* sent) {
   *sent = 0;
-  std::string err = event_record(ev, stream);
-  if (err.empty()) err = event_spin(ev, spin_us, done);
+  std::string err = event_spin(ev, spin_us, done);
   if (!err.empty() || !*done || fd < 0) return err;
   ssize_t n = ::send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (n >= 0) *sent = n;

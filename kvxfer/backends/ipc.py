@@ -351,10 +351,9 @@ class IpcBackend(Backend):
                 self._launch(job)
                 self._in_flight.append(job)
             if job.launched and job.failure is None:
-                if not job.sent:  # (usually sent by _launch, in the call that recorded the event)
-                    # Made while the kernels run; sent if the event completes cleanly.
-                    job.frame = job.frame or self._delivered_frame(job)
-                    self._send_if_copied(job)
+                # Made while the kernels run; sent once the event completes cleanly.
+                job.frame = self._delivered_frame(job)
+                self._send_if_copied(job)
                 job.delivered = Delivered(tuple(job.local_masks))
             # Woken only now: woken earlier, the progress thread takes the GIL while we encode,
             # often finds the copy done, and encodes the record a second time.
@@ -400,38 +399,26 @@ class IpcBackend(Backend):
         token = job.hint.extra(EXTRA_DONE)
         return DONE_PREFIX + token if token is not None and len(token) == _TOKEN_BYTES else None
 
-    def _whole_token_frame(self, job: _Active, copied: list[tuple[int, GroupMatch, int]]) -> bytes | None:
-        """The token frame if the kernels just queued, once they end, put every row of the
-        peer's hint in place (known before any mask is built); else None."""
-        if job.failure is not None or job.nbytes > OWNER_SPIN_BYTES:
-            return None
-        moved = {m.peer.layer_group: n for _, m, n in copied if m.peer is not None}
-        if any(moved.get(g.layer_group, 0) != len(g) for g in job.hint.groups):
-            return None
-        return self._token_frame(job)
-
-    def _record_send(self, job: _Active, fd: int, data: bytes) -> int:
-        """Record the job's event, spin for it, and write ``data`` to ``fd``: one native call."""
-        done, sent = self._native.event_record_send(job.event, self._stream, OWNER_SPIN_US, fd, data)
+    def _spin_send(self, job: _Active, spin_us: int, fd: int, data: bytes) -> int:
+        done, sent = self._native.event_spin_send(job.event, spin_us, fd, data)
         return int(sent) if done else 0
 
     def _send_if_copied(self, job: _Active) -> None:
         """A small copy has often ended by now, or ends within microseconds: then the record
         goes to the peer from here, saving it the progress thread's wake-up. Waits at most
-        OWNER_SPIN_US for the copy, and never for the socket: try_send() gives up instead."""
+        OWNER_SPIN_US for the copy, and never for the socket (send_with() gives up instead)."""
         if job.frame is None or not job.event:
             return
         with job.send_lock:
             if job.sent:
                 return
+            spin_us = OWNER_SPIN_US if job.nbytes <= OWNER_SPIN_BYTES else 0
             try:
-                done = self._native.event_query(job.event) or (
-                    job.nbytes <= OWNER_SPIN_BYTES and self._native.event_spin(job.event, OWNER_SPIN_US))
-                if not done:
-                    return
+                # The wait and the socket write are one native call (no Python between them).
+                job.sent = self._channel.send_with(job.hint.endpoint, job.frame,
+                                                   functools.partial(self._spin_send, job, spin_us))
             except self._native.CopyError:
                 return  # the progress thread reports it
-            job.sent = self._channel.try_send(job.hint.endpoint, job.frame)
 
     def _peer_exports(self, hint: Hint, matches: list[GroupMatch]) -> dict[str, Export]:
         exports: dict[str, Export] = {}
@@ -705,14 +692,7 @@ class IpcBackend(Backend):
             return
         try:
             job.event = self._events.pop() if self._events else self._native.event_create(self.device)
-            frame = self._whole_token_frame(job, copied)
-            if frame is None:
-                self._native.event_record(job.event, self._stream)
-            else:
-                # A small copy that moves every row: the event is recorded, waited for and the
-                # peer told in one native call, before any Python bookkeeping (the masks below).
-                job.frame = frame
-                job.sent = self._channel.send_with(job.hint.endpoint, frame, functools.partial(self._record_send, job))
+            self._native.event_record(job.event, self._stream)
         except self._native.CopyError as exc:
             # Without an event we cannot tell when the kernels end: wait for the whole stream.
             if job.event:

@@ -304,7 +304,7 @@ def event_query(event: int) -> bool:
         return queue.done >= item
 
 
-def event_spin(event: int, timeout_us: int) -> bool:
+def _spin(event: int, timeout_us: int) -> bool:
     end = time.perf_counter() + timeout_us / 1e6
     while not event_query(event):
         if time.perf_counter() >= end:
@@ -312,9 +312,8 @@ def event_spin(event: int, timeout_us: int) -> bool:
     return True
 
 
-def event_record_send(event: int, stream: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
-    event_record(event, stream)
-    done = event_spin(event, spin_us)
+def event_spin_send(event: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
+    done = _spin(event, spin_us)
     if not done or fd < 0:
         return done, 0
     sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves the caller's socket open

@@ -128,29 +128,9 @@ def test_stream_signal_fd_writes_after_the_work() -> None:
         os.close(w)
 
 
-def test_event_spin_waits_for_the_work_up_to_its_bound() -> None:
-    import time
-
-    from kvxfer import _native
-
-    stream = torch.cuda.Stream()
-    event = _native.event_create(0)
-    try:
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning kernel: still pending below
-        _native.event_record(event, stream.cuda_stream)
-        start = time.perf_counter()
-        assert _native.event_spin(event, 50) is False
-        assert time.perf_counter() - start < 0.05  # gave up after its bound, not at the work's end
-        assert _native.event_spin(event, 10_000_000) is True  # up to 10 s: returns once the work ended
-        assert _native.event_query(event)
-    finally:
-        stream.synchronize()
-        _native.event_destroy(event)
-
-
-def test_event_record_send_writes_only_after_the_work() -> None:
+def test_event_spin_send_writes_only_after_the_work() -> None:
     import socket
+    import time
 
     from kvxfer import _native
 
@@ -162,15 +142,17 @@ def test_event_record_send_writes_only_after_the_work() -> None:
     try:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(200_000_000)  # still running when the spin gives up
-        assert _native.event_record_send(event, stream.cuda_stream, 50, a.fileno(), b"frame") == (False, 0)
+        _native.event_record(event, stream.cuda_stream)
+        start = time.perf_counter()
+        assert _native.event_spin_send(event, 50, a.fileno(), b"frame") == (False, 0)
+        assert time.perf_counter() - start < 0.05  # gave up after its bound, not at the work's end
         with pytest.raises(BlockingIOError):
             b.recv(16)  # nothing was written
-        stream.synchronize()
-        assert _native.event_record_send(event, stream.cuda_stream, 1_000_000, a.fileno(), b"frame") == (True, 5)
+        assert _native.event_spin_send(event, 10_000_000, a.fileno(), b"frame") == (True, 5)  # once it ended
         assert b.recv(16) == b"frame"
-        assert _native.event_record_send(event, stream.cuda_stream, 1_000_000, -1, b"frame") == (True, 0)
+        assert _native.event_spin_send(event, 0, -1, b"frame") == (True, 0)
         b.close()
-        done, sent = _native.event_record_send(event, stream.cuda_stream, 1_000_000, a.fileno(), b"frame")
+        done, sent = _native.event_spin_send(event, 0, a.fileno(), b"frame")
         assert done and sent < 0  # the peer closed: -errno, no exception, no SIGPIPE
     finally:
         stream.synchronize()

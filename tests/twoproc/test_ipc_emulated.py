@@ -156,18 +156,18 @@ def test_busy_poll_pair_keeps_the_contract(mode: TransferMode, monkeypatch: pyte
             check(functools.partial(ipc_pair, emulated=True, busy_poll=True), mode)
 
 
-def test_small_whole_copy_tells_the_peer_in_the_call_that_records_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Once connected to the peer, a small publish that moves every row records its event,
-    # waits for it and writes the 20-byte token frame in one call (event_record_send).
+def test_small_copy_tells_the_peer_in_the_call_that_waits_for_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once connected to the peer, a small publish that moves every row waits for its event and
+    # writes the 20-byte token frame in one call (event_spin_send), from the owner's thread.
     calls: list[tuple[int, int]] = []
-    real = host_cuda.event_record_send
+    real = host_cuda.event_spin_send
 
-    def counted(event: int, stream: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
-        done, sent = real(event, stream, spin_us, fd, frame)
+    def counted(event: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
+        done, sent = real(event, spin_us, fd, frame)
         calls.append((fd, sent))
         return done, sent
 
-    monkeypatch.setattr(host_cuda, "event_record_send", counted)
+    monkeypatch.setattr(host_cuda, "event_spin_send", counted)
     peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
     memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
     local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)

@@ -181,8 +181,11 @@ def test_try_send_never_waits_and_flush_finishes_a_partial_frame() -> None:
         b.close()
 
 
-def test_emulated_event_spin_waits_up_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The owner's bounded wait for a small copy (IpcBackend._send_if_copied), as host_cuda emulates it.
+def test_emulated_event_spin_send_waits_up_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The owner's bounded wait for a small copy and its write to the peer (IpcBackend._send_if_copied),
+    # as host_cuda emulates kvxfer._native.event_spin_send.
+    import socket
+
     from kvxfer.testing import host_cuda
 
     monkeypatch.setenv("KVXFER_HOST_CUDA_DELAY_S", "0.2")
@@ -190,18 +193,24 @@ def test_emulated_event_spin_waits_up_to_its_bound(monkeypatch: pytest.MonkeyPat
     event = host_cuda.event_create(0)
     src = np.arange(64, dtype=np.uint8)
     dst = np.zeros(64, dtype=np.uint8)
+    a, b = socket.socketpair()
+    b.setblocking(False)
     try:
         host_cuda.cuda_copy_rows(src.ctypes.data, 16, None, dst.ctypes.data, 16, None, 4, 16, stream, 0, -1, -1)
         host_cuda.event_record(event, stream)
         start = time.perf_counter()
-        assert host_cuda.event_spin(event, 1000) is False
+        assert host_cuda.event_spin_send(event, 1000, a.fileno(), b"frame") == (False, 0)
         assert time.perf_counter() - start < 0.15
-        assert host_cuda.event_spin(event, 5_000_000) is True
-        assert dst.tolist() == src.tolist()
+        with pytest.raises(BlockingIOError):
+            b.recv(16)
+        assert host_cuda.event_spin_send(event, 5_000_000, a.fileno(), b"frame") == (True, 5)
+        assert b.recv(16) == b"frame" and dst.tolist() == src.tolist()
     finally:
         host_cuda.stream_synchronize(stream)
         host_cuda.event_destroy(event)
         host_cuda.stream_destroy(stream)
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("key", [b"", b"k" * 32], ids=["unsigned", "signed"])
