@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from typing import Any
@@ -30,26 +29,12 @@ from typing import Any
 MiB = 1 << 20
 
 
-def _timed(torch: Any, fn: Any, reps: int) -> list[float]:
-    """Seconds per call between two events on the current stream (fn joins its streams back)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1e3)
-    return out
-
-
 def run(row_bytes: int, total: int, chunk_bytes: int, reps: int) -> dict[str, Any]:
     import torch
 
     from kvxfer import native
+    from kvxfer.bench.config import Repetition
+    from kvxfer.bench.timing import cuda_timed, time_runs
 
     cuda = native.cuda_module()
     rows = total // row_bytes
@@ -118,15 +103,15 @@ def run(row_bytes: int, total: int, chunk_bytes: int, reps: int) -> dict[str, An
     out: dict[str, Any] = {"row_bytes": row_bytes, "total_bytes": rows * row_bytes, "chunk_bytes": per_chunk * row_bytes}
     for name, fn in (("d2d", d2d), ("direct", direct), ("serial", serial), ("pipelined", pipelined)):
         dst.zero_()
-        secs = _timed(torch, fn, reps)
+        timing = time_runs(cuda_timed(fn), Repetition(warmup=3, reps=reps, budget_s=30.0))
         if name != "d2d":
             torch.cuda.synchronize()
             got = dst.view(slots, row_bytes)[dst_ix.long()]
             want = src.view(slots, row_bytes)[src_ix.long()]
             if not torch.equal(got, want):
                 raise RuntimeError(f"{name}: the destination rows differ from the source rows")
-        out[name] = {"best_gbps": rows * row_bytes / min(secs) / 1e9,
-                     "median_gbps": rows * row_bytes / statistics.median(secs) / 1e9}
+        out[name] = {"best_gbps": rows * row_bytes / timing.best / 1e9,
+                     "median_gbps": rows * row_bytes / timing.median / 1e9}
     ref = out["d2d"]["best_gbps"]
     for name in ("direct", "serial", "pipelined"):
         out[name]["of_d2d"] = out[name]["best_gbps"] / ref
