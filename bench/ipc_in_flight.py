@@ -1,7 +1,7 @@
 """IpcBackend throughput with several requests in flight, beside the device copy of the same run.
 
     python bench/ipc_in_flight.py [--row-sizes 4096,16384,65536] [--request-mib 256] [--depths 1,2,4]
-                                  [--reps 10] [--json OUT.json] [--emulated]
+                                  [--requests N] [--reps 10] [--json OUT.json] [--emulated]
 
 ``kvxfer bench``'s ``ipc`` figure times one request at a time: publish call to the
 publisher's outcome, so each request pays the host's fixed cost (checks, launch, the
@@ -9,8 +9,12 @@ completion record, the outcome) while the GPU waits. A serving engine moves seve
 at once; here ``depth`` requests (disjoint scattered rows of one prefill pool, each to its own
 fetch in the decode process) are published back to back, and the figure is their payload
 over the time from the first publish call to the last publisher outcome (a wake callback per
-request). Depth 1 is the one-request figure. Rows of one sample per point are compared byte for
-byte. ``--emulated`` runs over kvxfer.testing.host_cuda (no GPU): the code path, not figures.
+request). Depth 1 is the one-request figure. With ``--requests N`` (more than the depth), N
+requests go out in all, a new one published as soon as one of the ``depth`` in flight
+concludes: the steady state of a loaded server, where the first request's start and the last
+one's end are spread over N requests instead of ``depth``. Each request lands in decode rows
+of its own; the first and last requests' rows are compared byte for byte. ``--emulated`` runs
+over kvxfer.testing.host_cuda (no GPU): the code path, not figures.
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ def device_copy_gbps(nbytes: int, reps: int, emulated: bool) -> float:
         return nbytes / best / 1e9
     import torch
 
-    a = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps + 2):
         start.record()
-        b.copy_(a)
+        dst.copy_(src)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
@@ -56,45 +60,46 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def run_point(row: int, rows: int, depth: int, reps: int, emulated: bool) -> dict[str, Any]:
-    slots = depth * rows + depth * rows // 4
+def run_point(row: int, rows: int, depth: int, reps: int, emulated: bool, requests: int = 0) -> dict[str, Any]:
+    """``requests`` in all (at least ``depth``), ``depth`` of them in flight at a time."""
+    total = max(depth, requests)
+    slots = total * rows + total * rows // 4
     with pair.push_pair(row, slots, emulated) as (peer, memory, local):
         rng = np.random.default_rng(row + depth)
-        mine = rng.permutation(slots)[: depth * rows].astype(np.int64).reshape(depth, rows)
-        theirs = rng.permutation(slots)[: depth * rows].astype(np.int64).reshape(depth, rows)
-        memory.write("prefill", mine[0], rng.integers(0, 256, rows * row, dtype=np.uint8).tobytes())
+        mine = rng.permutation(slots)[: total * rows].astype(np.int64).reshape(total, rows)
+        theirs = rng.permutation(slots)[: total * rows].astype(np.int64).reshape(total, rows)
+        for k in (0, total - 1):
+            memory.write("prefill", mine[k], rng.integers(0, 256, rows * row, dtype=np.uint8).tobytes())
         times = []
         for rep in range(reps + 1):
             views = [(pair.one_group_view(memory.regions[0], mine[k], f"r{rep}.{k}"),
                       pair.one_group_view(peer.regions[0], theirs[k], f"r{rep}.{k}"))
-                     for k in range(depth)]
+                     for k in range(total)]
             hints = [peer.describe(pv) for _, pv in views]
             handles = [peer.start("fetch", pv, local.describe(lv)) for lv, pv in views]
-            left, seen, all_seen, lock = [depth], [0.0], threading.Event(), threading.Lock()
-
-            def wake(left: list[int] = left, seen: list[float] = seen, all_seen: threading.Event = all_seen,
-                     lock: threading.Lock = lock) -> None:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        seen[0] = time.perf_counter()
-                        all_seen.set()
-
+            ended = threading.Semaphore(0)  # released once per request, by the backend's progress thread
             t0 = time.perf_counter()
-            attempts = [local.publish(lv, hint, _once(wake)) for (lv, _), hint in zip(views, hints)]
-            if not all_seen.wait(60):
-                raise RuntimeError("the publisher did not conclude")
+            attempts = []
+            for k, ((lv, _), hint) in enumerate(zip(views, hints)):
+                if k >= depth and not ended.acquire(timeout=60):  # one in flight ended: publish the next
+                    raise RuntimeError("the publisher did not conclude")
+                attempts.append(local.publish(lv, hint, _once(ended.release)))
+            for _ in range(min(depth, total)):
+                if not ended.acquire(timeout=60):
+                    raise RuntimeError("the publisher did not conclude")
+            elapsed = time.perf_counter() - t0
             for attempt, handle in zip(attempts, handles):
                 out = attempt.poll()
                 theirs_out, _quiet = peer.result(handle, 30)
                 if out is None or not out.all_delivered or theirs_out is None or not theirs_out.all_delivered:
                     raise RuntimeError(f"not delivered: {out!r} / {theirs_out!r}")
             if rep > 0:
-                times.append(seen[0] - t0)
-        if peer.read("decode", theirs[0]) != memory.read("prefill", mine[0]):
-            raise RuntimeError("the decode rows differ from the prefill rows")
-    payload = depth * rows * row
-    return {"row_bytes": row, "rows_per_request": rows, "depth": depth, "payload_bytes": payload,
+                times.append(elapsed)
+        for k in (0, total - 1):
+            if peer.read("decode", theirs[k]) != memory.read("prefill", mine[k]):
+                raise RuntimeError(f"request {k}: the decode rows differ from the prefill rows")
+    payload = total * rows * row
+    return {"row_bytes": row, "rows_per_request": rows, "depth": depth, "requests": total, "payload_bytes": payload,
             "gbps_best": payload / min(times) / 1e9, "gbps_median": payload / statistics.median(times) / 1e9,
             "reps": len(times), "verified": True}
 
@@ -124,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-sizes", default="4096,16384,65536")
     ap.add_argument("--request-mib", type=float, default=256)
     ap.add_argument("--depths", default="1,2,4")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests in all, a new one published as each ends (default: the depth, one batch)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
@@ -134,15 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     figures = []
     for row in (int(x) for x in args.row_sizes.split(",")):
         for depth in (int(x) for x in args.depths.split(",")):
-            fig = run_point(row, request // row, depth, args.reps, args.emulated)
+            fig = run_point(row, request // row, depth, args.reps, args.emulated, args.requests)
             fig["vs_reference"] = fig["gbps_best"] / reference
             figures.append(fig)
-            print(f"{row // 1024:>3} KiB rows x {request // row:>6} per request, {depth} in flight: "
+            print(f"{row // 1024:>3} KiB rows x {request // row:>6} per request, {fig['requests']} requests, "
+                  f"{depth} in flight: "
                   f"{fig['gbps_best']:8.1f} GB/s best, {fig['gbps_median']:8.1f} median, "
                   f"{100 * fig['vs_reference']:5.1f}% of the reference")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"what": "IpcBackend, depth requests in flight, first publish call to last publisher outcome",
+            json.dump({"what": "IpcBackend, `requests` requests with up to `depth` in flight, first publish call to "
+                               "last publisher outcome",
                        "command": " ".join(sys.argv), "machine": _machine(args.emulated), "python": platform.python_version(),
                        "emulated": args.emulated, "reference_gbps": reference,
                        "reference": "host memcpy" if args.emulated else "torch D2D copy, one request's bytes",

@@ -110,3 +110,21 @@ def test_ipc_in_flight_script_runs_emulated(tmp_path):  # type: ignore[no-untype
     result = json.loads(out.read_text())
     assert [f["depth"] for f in result["figures"]] == [1, 3]
     assert all(f["verified"] and f["gbps_best"] > 0 for f in result["figures"])
+
+
+def test_ipc_in_flight_sustained_requests_emulated(tmp_path):  # type: ignore[no-untyped-def]
+    """--requests N: N requests in all, depth in flight at a time, the first and last verified."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "ipc_in_flight.py"
+    out = tmp_path / "sustained.json"
+    done = subprocess.run([sys.executable, str(script), "--emulated", "--row-sizes", "4096", "--request-mib", "1",
+                           "--depths", "1,2", "--requests", "5", "--reps", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(out.read_text())["figures"]
+    assert [(f["depth"], f["requests"]) for f in figures] == [(1, 5), (2, 5)]
+    assert all(f["verified"] and f["payload_bytes"] == 5 * 2**20 for f in figures)
