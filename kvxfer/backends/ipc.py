@@ -87,7 +87,7 @@ _EARLY_KEPT = 4096  # tokens that arrived before their fetch/publish, kept for i
 
 
 IDLE_WAIT_S = 0.02  # the progress thread's longest sleep (or spin, with busy_poll) between passes
-HEAD_SPIN_S = 200e-6  # how long the progress thread spins on the oldest copy's event per pass
+HEAD_SPIN_US = 200  # how long the progress thread spins on the oldest copy's event per pass
 # publish()/fetch() of at most OWNER_SPIN_BYTES waits up to OWNER_SPIN_US for its own copy (a
 # few microseconds of kernel after the launch) and sends the record itself: any hand-off to
 # the progress thread costs a thread wake-up, tens of microseconds on a busy host.
@@ -480,17 +480,16 @@ class IpcBackend(Backend):
                 os.sched_yield()
 
     def _watch_head(self) -> None:
-        """Query the oldest copy's event in a tight loop for up to HEAD_SPIN_S: a full pass of
-        the loop (socket poll, waits, deadlines) costs tens of microseconds of Python on a
-        busy host, which would add as much to every small transfer."""
+        """Wait up to HEAD_SPIN_US for the oldest copy's event, spinning natively with the GIL
+        released: a full pass of the loop (socket poll, waits, deadlines) costs tens of
+        microseconds of Python on a busy host, which would add as much to every small
+        transfer, and a Python spin would take the GIL from an owner thread that is
+        submitting the next request meanwhile."""
         job = self._in_flight[0]
         if not job.event:
             return
-        end = time.perf_counter() + HEAD_SPIN_S
-        query = self._native.event_query
         try:
-            while not query(job.event) and time.perf_counter() < end and not self._stop.is_set():
-                os.sched_yield()
+            self._native.event_spin_send(job.event, HEAD_SPIN_US, -1, b"")
         except self._native.CopyError:
             pass  # _poll_in_flight queries again and reports it
 

@@ -309,6 +309,7 @@ def _spin(event: int, timeout_us: int) -> bool:
     while not event_query(event):
         if time.perf_counter() >= end:
             return False
+        os.sched_yield()  # lets the stream's worker thread (which needs the GIL) run the copy
     return True
 
 
