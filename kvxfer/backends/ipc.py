@@ -144,7 +144,7 @@ class _Active:
     local_masks: list[np.ndarray] = field(default_factory=list)
     peer_masks: list[np.ndarray] = field(default_factory=list)
     failure: str | None = None
-    frame: bytes | None = None  # the DELIVERED record, encoded while the kernel runs
+    frame: bytes | None = None  # DELIVERED (a token frame, or the record), made while the kernel runs
     delivered: Delivered | None = None  # and our outcome if it ends so
     # Who sends the record: the owner thread (a copy already ended when publish() was
     # about to return) or the progress thread; whoever sets ``sent`` first, under the lock.

@@ -3,13 +3,15 @@
 Each backend listens on a socket in a private temp dir; its path is the ``endpoint`` of
 its hints. A backend sends to a peer over one outgoing connection per peer endpoint and
 receives on the connections peers opened to it. Frames are a 4-byte big-endian length and
-then the bytes of ``kvxfer.wire.encode_completion``. A connection that reaches end of file
-or fails to send means the peer's backend has gone: its process exited or it shut down.
+then the bytes of ``kvxfer.wire.encode_completion`` (or IpcBackend's 20-byte token frame).
+A connection that reaches end of file or fails to send means the peer's backend has gone:
+its process exited or it shut down.
 
-Everything here runs on the owning backend's progress thread, except ``wake()`` and
-``try_send()`` (any thread) and ``close()`` (after that thread has stopped). Writes to a
-peer's connection hold one lock, so that frames never interleave; ``try_send()`` never
-waits for it, and a frame it could write only in part is finished by ``flush()``.
+Everything here runs on the owning backend's progress thread, except ``wake()``,
+``try_send()`` and ``send_with()`` (any thread) and ``close()`` (after that thread has
+stopped). Writes to a peer's connection hold one lock, so that frames never interleave;
+``try_send()`` and ``send_with()`` never wait for it, and a frame written only in part is
+finished by ``flush()``.
 """
 
 from __future__ import annotations
@@ -114,23 +116,7 @@ class Channel:
         """Send one frame now, from any thread, without waiting: False (nothing sent) when
         that would wait (another thread is writing, ``peer`` is not connected yet, its socket
         is full) or fails; the caller then leaves the frame to ``send()``."""
-        if not self._write_lock.acquire(blocking=False):
-            return False
-        try:
-            conn = self._outbound.get(peer)
-            if conn is None or conn.pending:
-                return False
-            data = _FRAME.pack(len(frame)) + frame
-            try:
-                sent = conn.sock.send(data)
-            except OSError:  # would block, or the peer is gone: send() finds out which
-                return False
-            if sent < len(data):
-                conn.pending = data[sent:]
-                self.wake()  # the progress thread's flush() finishes it
-            return True
-        finally:
-            self._write_lock.release()
+        return self.send_with(peer, frame, _write_now)
 
     def send_with(self, peer: bytes, frame: bytes, write: Callable[[int, bytes], int]) -> bool:
         """Send one frame through ``write(fd, data)``: code that writes the socket itself
@@ -316,3 +302,16 @@ class Channel:
             except (KeyError, ValueError):
                 pass
         conn.sock.close()
+
+
+def _write_now(fd: int, data: bytes) -> int:
+    """send_with()'s writer from Python: what the non-blocking socket takes now (0 when it
+    takes nothing, or there is no socket; -1 when the write fails: send() finds out why)."""
+    if fd < 0:
+        return 0
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError:
+        return -1

@@ -23,7 +23,6 @@ import collections
 import ctypes
 import itertools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -317,15 +316,12 @@ def event_spin_send(event: int, spin_us: int, fd: int, frame: bytes) -> tuple[bo
     done = _spin(event, spin_us)
     if not done or fd < 0:
         return done, 0
-    sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves the caller's socket open
     try:
-        return True, sock.send(frame, socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+        return True, os.write(fd, frame)  # the socket is non-blocking; Python ignores SIGPIPE
     except BlockingIOError:
         return True, 0
     except OSError as exc:
         return True, -(exc.errno or 1)
-    finally:
-        sock.close()
 
 
 def event_synchronize(event: int) -> None:
