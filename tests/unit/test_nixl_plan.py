@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxfer.backends.matching import match_rows
-from kvxfer.backends.nixl_plan import plan_chunks
+from kvxfer.backends.nixl_plan import count_descriptors, plan_chunks
 from kvxfer.backends.transfers import hint_groups
 from kvxfer.contract import CacheKind, Hint, LayerGroupRows, MemoryKind, SlotRegion, TokenRange, TransferMode, View
 
@@ -64,3 +66,32 @@ def test_row_limit_takes_exactly_the_first_rows_across_groups() -> None:
     chunks = plan_chunks(match_rows(local, hint), hint, chunk_bytes=2 * 1024, row_limit=7)
     assert [(c.group, c.rows) for c in chunks] == [(0, 2), (0, 2), (0, 1), (1, 2)]
     assert plan_chunks(match_rows(local, hint), hint, chunk_bytes=1 << 20, row_limit=0) == []
+
+
+
+def _slots(rng: np.random.Generator, n: int) -> list[int]:
+    """n distinct slots of 64, ascending: dense picks make long runs, sparse ones many breaks."""
+    return np.sort(rng.choice(64, size=n, replace=False)).tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 60), per_chunk=st.integers(1, 9),
+       limit=st.none() | st.integers(0, 70), coalesce=st.booleans())
+def test_counting_descriptors_agrees_with_planning_them(seed: int, rows: int, per_chunk: int, limit: int | None,
+                                                         coalesce: bool) -> None:
+    """The packed path decides on counts alone; they must be the plan's, runs and chunk edges included."""
+    rng = np.random.default_rng(seed)
+    kept = [o for o in range(rows) if o % 5 != 3]  # rows the peer lacks leave gaps in the match
+    local = View("r", TokenRange(0, 1024), (
+        LayerGroupRows("g0", CacheKind.PAGED, A, _slots(rng, rows), list(range(rows))),
+        LayerGroupRows("g1", CacheKind.PAGED, B, _slots(rng, rows // 2), list(range(rows // 2))),
+    ), b"L")
+    peer = View("r", TokenRange(0, 1024), (
+        LayerGroupRows("g0", CacheKind.PAGED, PB, _slots(rng, len(kept)), kept),
+        LayerGroupRows("g1", CacheKind.PAGED, A, _slots(rng, rows // 2), list(range(rows // 2))),
+    ), b"L")
+    matches = match_rows(local, _hint(peer))
+    chunk_bytes = per_chunk * 1024
+    chunks = plan_chunks(matches, _hint(peer), chunk_bytes=chunk_bytes, row_limit=limit, coalesce_runs=coalesce)
+    assert count_descriptors(matches, chunk_bytes=chunk_bytes, row_limit=limit, coalesce_runs=coalesce) == (
+        sum(len(c.local_descs) for c in chunks), len(chunks))
