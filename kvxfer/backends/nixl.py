@@ -24,7 +24,9 @@ Packed path (``nixl_packed``): a push of many small rows (``packed="auto"``: at 
 memory and 2,048 for host memory, see ``MIN_DESCRIPTORS``; ``"always"``; ``"never"``)
 gathers chunks into a registered bounce arena and WRITEs each as one descriptor into the
 peer's arena, whose progress thread scatters it into the rows; arena slots are reused on
-credits the receiver returns once it scattered. The arena (``arena_bytes`` in slots of
+credits the receiver returns once it scattered, and a fetch() large enough to go packed
+grants a few slots ahead, before the publisher asks (``nixl_packed.PREGRANT_SLOTS``), so
+that a push published later starts without the request's round trip. The arena (``arena_bytes`` in slots of
 ``packed_chunk_bytes``; HOST for host pools, DEVICE for CUDA pools, the kind of the first
 regions registered; defaults in ``ARENA_DEFAULTS``) is registered once and advertised in
 ``Hint.extras``. ``stats()`` and
@@ -71,17 +73,20 @@ from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_c
 from kvxfer.backends.nixl_packed import (
     ARENA_EXTRA,
     NOTE_PREFIX,
+    PREGRANT_SLOTS,
     Arena,
     ArenaInfo,
     Inbound,
+    Landing,
     PackedJob,
     decode_note,
     ints,
     plan_packed,
+    request_slots,
     rows_from_runs,
     step_packed,
 )
-from kvxfer.backends.nixl_plan import plan_chunks
+from kvxfer.backends.nixl_plan import count_descriptors, plan_chunks
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
 from kvxfer.contract import (
@@ -142,6 +147,7 @@ class NixlStats:
     chunks_scattered: int = 0
     bytes_scattered: int = 0
     credits_granted: int = 0
+    credits_ahead: int = 0          # of those, granted at fetch() before the sender asked
 
 
 def _bounded_put(table: OrderedDict[Any, Any], key: Hashable, value: Any) -> None:
@@ -233,9 +239,11 @@ class NixlBackend(Backend):
         self._early: list[CompletionRecord] = []  # stashed records whose wait now exists
         self._next_heartbeat = 0.0
         # The packed path: our arena (made at the first register()), requests for arena slots
-        # that came before their fetch(), the waits landing in the arena, counters, paths.
+        # that came before their fetch(), slots a fetcher granted before our publish(), the
+        # waits landing in the arena, counters, paths.
         self._arena: Arena | None = None
         self._early_requests: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self._early_credits: OrderedDict[tuple[str, str], list[int]] = OrderedDict()  # granted before publish()
         self._inbound: dict[str, PassiveWait] = {}
         self._counts: dict[str, int] = dict.fromkeys(NixlStats.__dataclass_fields__, 0)
         self._paths: weakref.WeakKeyDictionary[TrackedAttempt, Path] = weakref.WeakKeyDictionary()
@@ -367,25 +375,37 @@ class NixlBackend(Backend):
                 total = sum(int(m.local_rows.size) for m in matches if m.peer is not None)
                 limit = self.fail_after_rows
                 injected = f"injected fault after {limit} rows" if limit is not None and limit < total else None
-                chunks = plan_chunks(matches, hint, chunk_bytes=self.chunk_bytes,
-                                     row_limit=limit if injected else None, coalesce_runs=self.coalesce)
-                remote = None if fetching else self._packed_target(matches, hint, chunks)
+                row_limit = limit if injected else None
+                remote = None if fetching else self._packed_target(matches, hint, row_limit)
+                ahead = self._early_credits.pop((hint.agent, hint.transfer_id), [])  # unused if unpacked
                 job: ActiveJob
                 if remote is not None and self._arena is not None:
                     packed = plan_packed(matches, hint, chunk_bytes=min(self._arena.slot_bytes, remote.slot_bytes),
-                                         row_limit=limit if injected else None)
+                                         row_limit=row_limit)
                     job = PackedJob(attempt, view, hint, "WRITE", packed, deadline, injected=injected, ready=ready,
                                     remote=remote)
+                    job.on_credit(ahead, [], [])
+                    # Ask for arena slots now rather than on the progress thread's next step:
+                    # the request's round trip is on this push's critical path.
+                    if request_slots(job, self._agent):
+                        self._dead.add(hint.agent)  # as _peer_lost, whose lock we hold
                     self._counts["packed_submissions"] += 1
                     self._paths[attempt] = "packed"
                 else:
+                    chunks = plan_chunks(matches, hint, chunk_bytes=self.chunk_bytes, row_limit=row_limit,
+                                         coalesce_runs=self.coalesce)
                     job = ActiveJob(attempt, view, hint, "READ" if fetching else "WRITE", chunks, deadline,
                                     injected=injected, ready=ready)
                     self._counts["unpacked_submissions"] += 1
                     self._paths[attempt] = "unpacked"
                 self._active.append(job)
             else:
-                self._passive[own_id] = PassiveWait(attempt, view, hint, own_id, deadline)
+                wait = PassiveWait(attempt, view, hint, own_id, deadline)
+                ahead = self._slots_ahead(view, hint) if fetching else 0
+                if ahead:
+                    wait.inbound = Inbound(hint.agent, ahead, view.row_masks(), -1, requested=False)
+                    self._inbound[own_id] = wait
+                self._passive[own_id] = wait
                 early = self._stashed.pop(own_id, None)
                 if early is not None:
                     # Handled by the progress thread, as every record: concluding here would
@@ -395,13 +415,27 @@ class NixlBackend(Backend):
         self._kick.set()
         return attempt
 
+    def _slots_ahead(self, view: View, hint: Hint) -> int:
+        """Landing slots to grant a fetch() before its sender asks: only when the sender has
+        an arena and the view is large enough that its push would go packed under ``auto``."""
+        arena = self._arena
+        if arena is None or self.packed == "never" or hint.extra(ARENA_EXTRA) is None:
+            return 0
+        if view.rows < (self.packed_min_descriptors or MIN_DESCRIPTORS[arena.memory_kind]):
+            return 0
+        if any((g.region.memory_kind, g.region.device_id) != (arena.memory_kind, arena.device_id)
+               for g in view.groups):
+            return 0
+        nbytes = sum(len(g) * g.region.slot_bytes for g in view.groups)
+        return min(PREGRANT_SLOTS, -(-nbytes // arena.slot_bytes))
+
     def _on_cancel(self, attempt: TrackedAttempt) -> None:
         self._kick.set()
 
-    def _packed_target(self, matches: list[Any], hint: Hint, chunks: list[Any]) -> ArenaInfo | None:
+    def _packed_target(self, matches: list[Any], hint: Hint, row_limit: int | None) -> ArenaInfo | None:
         """The peer's arena when this push goes packed, else None (see the module docstring)."""
         arena = self._arena
-        if self.packed == "never" or arena is None or not chunks:
+        if self.packed == "never" or arena is None:
             return None
         try:
             remote = ArenaInfo.of(hint)
@@ -409,10 +443,13 @@ class NixlBackend(Backend):
             raise InvalidSubmission(str(exc)) from None
         if remote is None:
             return None
+        descriptors, chunks = count_descriptors(matches, chunk_bytes=self.chunk_bytes, row_limit=row_limit,
+                                                coalesce_runs=self.coalesce)
+        if chunks == 0:
+            return None
         if self.packed == "auto":
-            descriptors = sum(len(c.local_descs) for c in chunks)
             floor = self.packed_min_descriptors or MIN_DESCRIPTORS[arena.memory_kind]
-            if descriptors < floor * len(chunks):
+            if descriptors < floor * chunks:
                 return None  # few, large descriptors: NIXL moves them as fast without a copy
         fit = min(arena.slot_bytes, remote.slot_bytes)
         for m in matches:
@@ -439,9 +476,11 @@ class NixlBackend(Backend):
             self._kick.clear()
 
     def _step(self) -> bool:
+        chunks: list[tuple[str, dict[str, Any]]] = []
         for sender, messages in self._agent.notifications().items():
             for message in messages:
-                self._on_message(sender, message)
+                self._on_message(sender, message, chunks)
+        self._land_chunks(chunks)
         with self._lock:
             active = list(self._active)
             replies, self._replies = self._replies, []
@@ -468,7 +507,8 @@ class NixlBackend(Backend):
         with self._lock:
             return busy or bool(self._passive)
 
-    def _on_message(self, sender: str, message: bytes) -> None:
+    def _on_message(self, sender: str, message: bytes, chunks: list[tuple[str, dict[str, Any]]]) -> None:
+        """Act on one notification; packed chunks are only collected, to land together."""
         if message == HEARTBEAT:
             return
         if message.startswith(NOTE_PREFIX):
@@ -480,7 +520,7 @@ class NixlBackend(Backend):
                 elif note["k"] == "credit":
                     self._on_credit(sender, note)
                 else:
-                    self._on_chunk(sender, note)
+                    chunks.append((sender, note))
             except ValueError as exc:
                 log.warning("nixl backend %s: dropped a packed note from %r: %s", self.name, sender, exc)
             return
@@ -518,9 +558,10 @@ class NixlBackend(Backend):
                 return
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
-        with self._lock:  # a record without packed chunks before it: the rows came unpacked
-            self._paths.setdefault(wait.attempt, "packed" if wait.inbound is not None else "unpacked")
-        if wait.attempt.poll() is None and wait.inbound is not None:
+        packed = wait.inbound is not None and wait.inbound.requested  # else the rows came unpacked
+        with self._lock:
+            self._paths.setdefault(wait.attempt, "packed" if packed else "unpacked")
+        if wait.attempt.poll() is None and packed:
             # Packed: the rows in place are those this end scattered, whatever the record says.
             scattered = wait.masks()
             if record.status is RecordStatus.DELIVERED:
@@ -567,48 +608,121 @@ class NixlBackend(Backend):
                 if not self._own.is_retired(transfer_id):
                     _bounded_put(self._early_requests, transfer_id, (sender, chunks, rows))
                 return
-        if wait.hint.agent != sender or wait.inbound is not None or self._arena is None:
+        inbound = wait.inbound
+        if wait.hint.agent != sender or (inbound is not None and inbound.requested) or self._arena is None:
             log.warning("nixl backend %s: ignored a packed request from %r for transfer %s", self.name, sender,
                         transfer_id)
             return
         if not 0 < chunks <= max(1, wait.view.rows) or not -1 <= rows <= wait.view.rows:
             raise ValueError(f"a packed request for {chunks} chunks of {rows} rows, the transfer has "
                              f"{wait.view.rows} rows")
-        wait.inbound = Inbound(sender, chunks, wait.view.row_masks(), rows)
+        if inbound is None:
+            wait.inbound = Inbound(sender, chunks, wait.view.row_masks(), rows)
+        else:
+            inbound.on_request(chunks, rows)  # slots were granted at fetch(); chunks may have landed
         with self._lock:
             self._inbound[transfer_id] = wait
             self._paths[wait.attempt] = "packed"
             self._counts["packed_received"] += 1
+        self._finish_if_complete(wait)
 
     def _grant_credits(self) -> None:
-        """Free arena slots to the transfers that want them, in turn; then send what is owed."""
+        """Free arena slots to the transfers that want them, in turn (those whose sender asked
+        first); then send what is owed."""
         arena = self._arena
         with self._lock:
             waits = list(self._inbound.items())
         if arena is None or not waits:
             return
-        wanting = [w.inbound for _, w in waits if w.inbound and w.inbound.wanted > 0 and w.attempt.poll() is None
-                   and not w.attempt.cancel_requested]  # a cancelled wait concludes this step: no new writes
+        live = [w.inbound for _, w in waits if w.inbound and w.inbound.wanted > 0 and w.attempt.poll() is None
+                and not w.attempt.cancel_requested]  # a cancelled wait concludes this step: no new writes
+        ahead = [i for i in live if not i.requested and self._agent.knows(i.sender)]
+        wanting = [i for i in live if i.requested] + ahead
+        # Slots held for senders that have not asked are at most half of the landing slots.
+        room = arena.landing_slots // 2 - sum(len(w.inbound.granted) for _, w in waits
+                                              if w.inbound is not None and not w.inbound.requested)
         granted = 0
         while arena.free_in and wanting:
             for inbound in list(wanting):
                 if not arena.free_in:
                     break
+                if not inbound.requested:
+                    if room <= 0:
+                        wanting.remove(inbound)
+                        continue
+                    room -= 1
                 slot = arena.free_in.popleft()
                 inbound.granted.add(slot)
                 inbound.grant.append(slot)
                 inbound.wanted -= 1
+                inbound.issued += 1
                 granted += 1
                 if inbound.wanted == 0:
                     wanting.remove(inbound)
         if granted:
             self._count(credits_granted=granted)
         for transfer_id, wait in waits:
-            if wait.inbound is not None and wait.inbound.owes_note:
-                self._notify(wait.hint.agent, wait.inbound.note(transfer_id))
+            inbound = wait.inbound
+            if inbound is None or not inbound.owes_note:
+                continue
+            grant, asked = list(inbound.grant), inbound.requested
+            if self._notify(wait.hint.agent, inbound.note(transfer_id)):
+                if not asked:
+                    self._count(credits_ahead=len(grant))
+            elif not asked:
+                # Unasked slots the sender never heard of: take them back (it asks if it needs them).
+                inbound.granted.difference_update(grant)
+                arena.free_in.extend(grant)
+                inbound.issued -= len(grant)
+                inbound.wanted += len(grant)
 
-    def _on_chunk(self, sender: str, note: dict[str, Any]) -> None:
-        """A packed chunk is in our arena: scatter it into the wait's rows, then acknowledge."""
+    def _finish_if_complete(self, wait: PassiveWait) -> None:
+        """Every row the sender will send is in place: conclude now rather than one
+        notification later. The sender still needs the last acknowledgement."""
+        inbound = wait.inbound
+        if inbound is None or not inbound.complete or wait.attempt.poll() is not None:
+            return
+        self._notify(inbound.sender, inbound.note(wait.own_id))
+        wait.attempt.conclude(Delivered(tuple(wait.masks())))
+        self._end_passive(wait)
+
+    def _land_chunks(self, notes: list[tuple[str, dict[str, Any]]]) -> None:
+        """Packed chunks are in our arena: scatter them into their waits' rows (all queued
+        before one wait for the device), then acknowledge."""
+        arena = self._arena
+        landings = []
+        for sender, note in notes:
+            try:
+                landing = self._landing(sender, note)
+            except ValueError as exc:
+                log.warning("nixl backend %s: dropped a packed note from %r: %s", self.name, sender, exc)
+                continue
+            if landing is not None:
+                landings.append(landing)
+        if not landings:
+            return
+        assert arena is not None
+        try:
+            arena.scatter([(x.slot, x.region, x.slots) for x in landings])
+            failure = None
+        except RowCopyError as exc:
+            failure = str(exc)
+        for x in landings:
+            arena.free_in.append(x.slot)
+            wait, inbound = x.wait, x.wait.inbound
+            if failure is not None:
+                inbound.no.append(x.chunk)
+                wait.attempt.conclude(Failed(f"packed chunk {x.chunk} from {inbound.sender!r}: {failure}",
+                                             wait.masks()))
+                continue
+            inbound.scattered[x.group][x.rows] = True
+            inbound.ok.append(x.chunk)
+            self._count(chunks_scattered=1, bytes_scattered=int(x.rows.size) * x.region.slot_bytes)
+            self._finish_if_complete(wait)
+
+    def _landing(self, sender: str, note: dict[str, Any]) -> Landing | None:
+        """Where a chunk's rows go; None when it is dropped unscattered (its slot freed, the
+        sender told ``no``). ValueError for a chunk that is not ours to land."""
         transfer_id = note["t"]
         chunk, slot, group = ints([note.get("c"), note.get("s"), note.get("g")], "c/s/g")
         with self._lock:
@@ -621,10 +735,11 @@ class NixlBackend(Backend):
             inbound.no.append(chunk)
             raise ValueError(f"chunk {chunk} of transfer {transfer_id} is in slot {slot}, not granted to it")
         inbound.granted.discard(slot)
+        if wait.attempt.poll() is not None:
+            inbound.no.append(chunk)  # concluded (cancelled, timed out): its rows stay as reported
+            arena.free_in.append(slot)
+            return None
         try:
-            if wait.attempt.poll() is not None:
-                inbound.no.append(chunk)  # concluded (cancelled, timed out): its rows stay as reported
-                return
             if not 0 <= group < len(wait.view.groups):
                 raise ValueError(f"group {group} of a view with {len(wait.view.groups)} groups")
             rows_group = wait.view.groups[group]
@@ -634,28 +749,21 @@ class NixlBackend(Backend):
                 raise ValueError(f"{rows.size} rows of {region.slot_bytes} bytes exceed an arena slot")
             if (region.memory_kind, region.device_id) != (arena.memory_kind, arena.device_id):
                 raise ValueError(f"region {region.name!r} is not in the arena's memory")
-            arena.scatter(slot, region, rows_group.slots[rows])
-        except (ValueError, RowCopyError) as exc:
+        except ValueError as exc:
+            arena.free_in.append(slot)
             inbound.no.append(chunk)
             wait.attempt.conclude(Failed(f"packed chunk {chunk} from {sender!r}: {exc}", wait.masks()))
-            return
-        finally:
-            arena.free_in.append(slot)
-        inbound.scattered[group][rows] = True
-        inbound.ok.append(chunk)
-        self._count(chunks_scattered=1, bytes_scattered=int(rows.size) * region.slot_bytes)
-        if inbound.complete:
-            # Every row the sender will send is in place: conclude now rather than one
-            # notification later. The sender still needs the last acknowledgement.
-            self._notify(sender, inbound.note(transfer_id))
-            wait.attempt.conclude(Delivered(tuple(wait.masks())))
-            self._end_passive(wait)
+            return None
+        return Landing(wait, chunk, slot, group, rows, region, rows_group.slots[rows])
 
     def _on_credit(self, sender: str, note: dict[str, Any]) -> None:
         grant, ok, no = ints(note.get("grant"), "grant"), ints(note.get("ok"), "ok"), ints(note.get("no"), "no")
         with self._lock:
             jobs = [j for j in self._active if isinstance(j, PackedJob) and j.hint.agent == sender
                     and j.hint.transfer_id == note["t"]]
+            if not jobs and grant and not ok and not no:
+                # Granted by a fetch() ahead of our publish(): kept (bounded) for its push.
+                _bounded_put(self._early_credits, (sender, note["t"]), grant)
         for job in jobs:
             job.on_credit(grant, ok, no)
 

@@ -118,6 +118,10 @@ class NixlAgent:
         Raises ValueError for metadata NIXL cannot parse or naming another agent, PeerGone
         when the peer cannot be reached.
         """
+        if metadata and self._peers.get(name) == metadata:
+            # Loaded already (every submission after the first): not worth waiting for the lock,
+            # which the progress thread holds through each NIXL call it makes.
+            return True
         with self._lock:
             known = self._peers.get(name)
             if metadata:

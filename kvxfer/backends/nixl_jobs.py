@@ -91,7 +91,7 @@ class PassiveWait:
     deadline: float
     told_peer: bool = False  # the peer was asked to stop (CANCEL_REQUEST sent)
     stop_reason: str = ""
-    inbound: Inbound | None = None  # set when the peer sends packed chunks (kvxfer.backends.nixl_packed)
+    inbound: Inbound | None = None  # packed landing: set by the peer's request, or by fetch() granting ahead
 
     def masks(self) -> list[BoolArray]:
         """Rows known to be in place at this end: those scattered from packed chunks, else none."""

@@ -18,6 +18,14 @@ Protocol (push only; notes are NIXL notifications, ``NOTE_PREFIX`` + msgpack):
   delivers it once the bytes are in the receiver's arena): chunk ``c`` is in slot ``s``,
   rows of hint group ``g`` given as runs (int64 starts ``rs``, lengths ``rl``).
 
+A fetch() whose publisher has an arena too, and whose view is large enough to go packed,
+grants up to ``PREGRANT_SLOTS`` slots at once, unasked (a ``credit`` note before any ``req``;
+at most half the landing slots are held so by waits whose sender has not asked yet): a push
+published later finds them waiting and starts writing without the request's round trip. The
+sender keeps such credits (bounded) until its push is submitted; if the push goes unpacked
+they are dropped there and freed here by its completion record, as are slots of a wait that
+ends unasked.
+
 The receiver concludes Delivered by itself once it scattered all ``r`` rows (the sender's
 record, one notification later, then finds the wait retired); its memory is quiet then, as
 the sender writes nothing but the receiver's arena. A slot returns to the receiver's free
@@ -59,6 +67,7 @@ NOTE_PREFIX = b"KXP1"  # never the start of a wire record (a msgpack map)
 _ARENA = struct.Struct("<QQQBI")  # address, bytes, slot bytes, kind (0 host, 1 device), device id
 _KINDS = (MemoryKind.HOST, MemoryKind.DEVICE)
 MAX_CHUNKS = 1 << 24  # a request for more chunks than this is malformed
+PREGRANT_SLOTS = 4  # landing slots one fetch() may grant before its sender asks
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,10 @@ class Arena:
         self.free_in: deque[int] = deque(range(half, slots))
 
     @property
+    def landing_slots(self) -> int:
+        return self.nbytes // self.slot_bytes - self.nbytes // self.slot_bytes // 2
+
+    @property
     def info(self) -> ArenaInfo:
         return ArenaInfo(self.address, self.nbytes, self.slot_bytes, self.memory_kind, self.device_id)
 
@@ -142,17 +155,27 @@ class Arena:
         if self._stream is not None:
             self._stream.synchronize()  # the bytes must be in place before a WRITE or an ack
 
-    def gather(self, region: SlotRegion, slots: IndexArray, slot: int) -> None:
-        native.gather_rows(src_base=region.address, src_stride=region.slot_bytes, src_slots=slots,
-                           dst_base=self.slot_address(slot), row_bytes=region.slot_bytes, src_limit=region.slots,
-                           **self._copy_options())
-        self._settle()
+    def gather(self, parts: list[tuple[SlotRegion, IndexArray, int]]) -> None:
+        """Each (region, its slots, arena slot): rows into the arena slot. All are queued
+        before one wait (a wait per chunk cost tens of µs each on the GPU machine); returns
+        once every byte is in place, or raises RowCopyError after waiting for what was queued."""
+        try:
+            for region, slots, slot in parts:
+                native.gather_rows(src_base=region.address, src_stride=region.slot_bytes, src_slots=slots,
+                                   dst_base=self.slot_address(slot), row_bytes=region.slot_bytes,
+                                   src_limit=region.slots, **self._copy_options())
+        finally:
+            self._settle()
 
-    def scatter(self, slot: int, region: SlotRegion, slots: IndexArray) -> None:
-        native.scatter_rows(src_base=self.slot_address(slot), dst_base=region.address, dst_stride=region.slot_bytes,
-                            dst_slots=slots, row_bytes=region.slot_bytes, dst_limit=region.slots,
-                            **self._copy_options())
-        self._settle()
+    def scatter(self, parts: list[tuple[int, SlotRegion, IndexArray]]) -> None:
+        """Each (arena slot, region, its slots): the slot's rows into the region; as ``gather``."""
+        try:
+            for slot, region, slots in parts:
+                native.scatter_rows(src_base=self.slot_address(slot), dst_base=region.address,
+                                    dst_stride=region.slot_bytes, dst_slots=slots, row_bytes=region.slot_bytes,
+                                    dst_limit=region.slots, **self._copy_options())
+        finally:
+            self._settle()
 
 
 # --- notes --------------------------------------------------------------------------------
@@ -284,6 +307,24 @@ class PackedJob(ActiveJob):
                     self.failure = self.failure or f"peer {self.hint.agent!r} did not scatter chunk {c}"
 
 
+def request_slots(job: PackedJob, agent: NixlAgent) -> bool:
+    """Send the job's ``req`` note once its peer is loaded; True when the peer is gone."""
+    stopping = job.failure is not None or job.attempt.cancel_requested
+    if job.requested or not job.ready or stopping:
+        return False
+    peer = job.hint.agent
+    try:
+        rows = -1 if job.injected else sum(c.rows for c in job.chunks)
+        agent.notify(peer, encode_note("req", t=job.hint.transfer_id, n=len(job.chunks), r=rows))
+        job.requested = True
+    except PeerUnknown:
+        pass  # etcd metadata not there yet: asked again on the next step
+    except PeerGone:
+        job.failure, job.abandoned = f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)", True
+        return True
+    return False
+
+
 def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: float, deadline_s: float) -> bool:
     """Check the job's WRITEs, then post more while credits and local gather slots allow (they
     bound what is in flight: each WRITE is one large descriptor, so no further window).
@@ -321,31 +362,27 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
     job.stuck = [h for h in job.stuck if not agent.release(h)]
     if lost:
         job.abandoned = True
-    stopping = job.failure is not None or job.attempt.cancel_requested
-    if not job.requested and job.ready and not stopping:
-        try:
-            rows = -1 if job.injected else sum(c.rows for c in job.chunks)
-            agent.notify(peer, encode_note("req", t=job.hint.transfer_id, n=len(job.chunks), r=rows))
-            job.requested = True
-        except PeerUnknown:
-            pass  # etcd metadata not there yet: asked again on the next step
-        except PeerGone:
-            job.failure, job.abandoned = f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)", True
-            return True
+    if request_slots(job, agent):
+        return True
+    batch: list[tuple[int, PackedChunk, int, int]] = []  # chunk index, chunk, local slot, remote slot
     while (job.failure is None and not job.attempt.cancel_requested and job.requested and job.credits
            and arena.free_out and job.next_chunk < len(job.chunks)
            and now >= job.not_before):
-        index = job.next_chunk
-        chunk = job.chunks[index]
+        chunk = job.chunks[job.next_chunk]
         assert isinstance(chunk, PackedChunk)
+        batch.append((job.next_chunk, chunk, arena.free_out.popleft(), job.credits.popleft()))
         job.next_chunk += 1
-        slot, remote_slot = arena.free_out.popleft(), job.credits.popleft()
-        try:
-            arena.gather(chunk.region, chunk.local_slots, slot)
-        except native.RowCopyError as exc:
-            arena.free_out.append(slot)
-            job.failure = f"gathering packed chunk {index}: {exc}"
+        if pause_s:
+            job.not_before = now + pause_s
             break
+    if batch:
+        try:
+            arena.gather([(chunk.region, chunk.local_slots, slot) for _, chunk, slot, _ in batch])
+        except native.RowCopyError as exc:
+            arena.free_out.extend(slot for _, _, slot, _ in batch)
+            job.failure = f"gathering packed chunks {batch[0][0]}-{batch[-1][0]}: {exc}"
+            batch = []
+    for at, (index, chunk, slot, remote_slot) in enumerate(batch):
         starts, lengths = runs_of(chunk.peer_rows)
         note = encode_note("chunk", t=job.hint.transfer_id, c=index, s=remote_slot, g=chunk.peer_group,
                            rs=starts, rl=lengths)
@@ -355,12 +392,12 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
         try:
             post = agent.post("WRITE", local, arena.memory_kind, remote, job.remote.memory_kind, peer, notif=note)
         except PeerGone:
-            arena.free_out.append(slot)
+            arena.free_out.extend(s for _, _, s, _ in batch[at:])
             lost, job.abandoned = True, True
             job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
             break
         except XferError as exc:
-            arena.free_out.append(slot)
+            arena.free_out.extend(s for _, _, s, _ in batch[at:])
             job.failure = str(exc)
             break
         if post.state == "DONE":
@@ -372,9 +409,6 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
         else:
             job.inflight[index] = post.handle
             job.out_slots[index] = slot
-        if pause_s:
-            job.not_before = now + pause_s
-            break
     return lost
 
 
@@ -387,6 +421,8 @@ class Inbound:
     wanted: int                                      # chunks the sender still needs slots for
     scattered: list[BoolArray]                       # per view group: rows in place
     expected: int                                    # rows the sender will send; -1: unknown
+    requested: bool = True                           # False: slots granted at fetch(), no ``req`` yet
+    issued: int = 0                                  # slots granted in all
     granted: set[int] = field(default_factory=set)  # slots the sender may be writing
     grant: list[int] = field(default_factory=list)  # to send: new slots
     ok: list[int] = field(default_factory=list)     # to send: chunks scattered
@@ -396,6 +432,11 @@ class Inbound:
     def complete(self) -> bool:
         return self.expected >= 0 and sum(int(m.sum()) for m in self.scattered) == self.expected
 
+    def on_request(self, chunks: int, rows: int) -> None:
+        """The sender's ``req`` after slots were granted at fetch(): what it still needs."""
+        self.requested, self.expected = True, rows
+        self.wanted = max(0, chunks - self.issued)
+
     @property
     def owes_note(self) -> bool:
         return bool(self.grant or self.ok or self.no)
@@ -404,3 +445,16 @@ class Inbound:
         message = encode_note("credit", t=transfer_id, grant=self.grant, ok=self.ok, no=self.no)
         self.grant, self.ok, self.no = [], [], []
         return message
+
+
+@dataclass(frozen=True, eq=False)
+class Landing:
+    """A chunk in our arena, checked, with where its rows go."""
+
+    wait: Any            # the backend's passive wait (its ``inbound`` is set)
+    chunk: int
+    slot: int            # the arena slot it is in
+    group: int           # the view group its rows belong to
+    rows: IndexArray     # rows of that group, in the chunk's order
+    region: SlotRegion
+    slots: IndexArray    # the region slots of those rows

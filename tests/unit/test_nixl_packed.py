@@ -52,13 +52,15 @@ def _backend(made: list[NixlBackend], name: str, row: int = ROW, **options: obje
     return backend, memory
 
 
-def _view(memory: HostRows, request: str, rows: int, seed: int, skip: int = 0, contiguous: bool = False) -> View:
+def _view(memory: HostRows, request: str, rows: int, seed: int, skip: int = 0, contiguous: bool = False,
+          part: int = 0) -> View:
     """``rows`` ordinals per group in scattered slots (or one contiguous run); the first ``skip``
-    ordinals left out (a prefix this end already holds)."""
+    ordinals left out (a prefix this end already holds). Views of one seed and different
+    ``part`` use disjoint slots."""
     rng = np.random.default_rng(seed)
     groups = []
     for i, region in enumerate(memory.regions):
-        slots = np.arange(7, 7 + rows) if contiguous else rng.permutation(region.slots)[:rows]
+        slots = np.arange(7, 7 + rows) if contiguous else rng.permutation(region.slots)[part * rows:(part + 1) * rows]
         groups.append(LayerGroupRows(f"g{i}", CacheKind.PAGED, region, slots[skip:].astype(np.int64),
                                      np.arange(skip, rows, dtype=np.int64)))
     return View(request, TokenRange(0, rows * 16), tuple(groups), b"L")
@@ -235,6 +237,88 @@ def test_auto_picks_packed_for_scattered_rows_and_unpacked_for_runs(made: list[N
         assert (after.packed_submissions - before.packed_submissions, after.unpacked_submissions
                 - before.unpacked_submissions) == ((1, 0) if path == "packed" else (0, 1))
         assert fet.path_of(waiting) == path  # type: ignore[arg-type]
+
+
+def _settle(condition: object, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def _landing_slots_free(backend: NixlBackend) -> bool:
+    arena = backend._arena
+    return arena is not None and len(arena.free_in) == arena.landing_slots
+
+
+def test_fetch_grants_slots_ahead_and_the_push_starts_on_them(made: list[NixlBackend]) -> None:
+    # 8 landing slots of 64 KiB; a 100-row scattered fetch registered first gets 4 of them at
+    # once, before the publisher asks. The push uses them, every row lands, and every slot is
+    # free again afterwards: no slot granted twice, none stranded.
+    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
+    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    pview, fview = _view(pmem, "ahead", 100, 70), _view(fmem, "ahead", 100, 71)
+    payload = _fill(pmem, pview, 72)
+    _sentinel(fmem, fview)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits), "no slots granted ahead"
+    sending = pub.publish(pview, fhint)
+    assert sending.wait(10.0) and waiting.wait(10.0)
+    mine, theirs = sending.poll(), waiting.poll()
+    assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered, (mine, theirs)
+    for pg, fg in zip(pview.groups, fview.groups):
+        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
+    assert pub.path_of(sending) == "packed" and fet.path_of(waiting) == "packed"  # type: ignore[arg-type]
+    sent, landed = pub.stats(), fet.stats()
+    assert landed.credits_ahead == 4 and landed.credits_granted == sent.chunks_sent == landed.chunks_scattered
+    assert not pub._early_credits and _settle(lambda: _landing_slots_free(fet))
+
+
+def test_slots_granted_ahead_come_back_when_the_push_goes_unpacked(made: list[NixlBackend]) -> None:
+    # The publisher has an arena, so the fetcher grants ahead; its rows are contiguous, so it
+    # goes unpacked: the fetcher concludes on the record and takes its slots back.
+    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
+    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    pview = _view(pmem, "back", 100, 73, contiguous=True)
+    fview = _view(fmem, "back", 100, 74, contiguous=True)
+    payload = _fill(pmem, pview, 75)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits)
+    sending = pub.publish(pview, fhint)
+    assert sending.wait(10.0) and waiting.wait(10.0)
+    assert isinstance(waiting.poll(), Delivered) and waiting.poll().all_delivered  # type: ignore[union-attr]
+    for pg, fg in zip(pview.groups, fview.groups):
+        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
+    assert pub.path_of(sending) == "unpacked" and fet.path_of(waiting) == "unpacked"  # type: ignore[arg-type]
+    assert fet.stats().packed_received == 0 and not pub._early_credits
+    assert _settle(lambda: _landing_slots_free(fet))
+
+
+def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[NixlBackend]) -> None:
+    # Three fetches wait for one publisher: the first takes 4 of the 8 landing slots ahead, the
+    # others none. All three pushes then land byte for byte on credits asked for as usual.
+    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
+    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    pairs, waits, hints = [], [], []
+    for i in range(3):
+        pview, fview = _view(pmem, f"half{i}", 60, 80, part=i), _view(fmem, f"half{i}", 60, 90, part=i)
+        pairs.append((pview, fview, _fill(pmem, pview, 100 + i)))
+        hints.append(fet.describe(fview))
+        waits.append(fet.fetch(fview, pub.describe(pview)))
+    assert _settle(lambda: fet.stats().credits_ahead == 4)
+    time.sleep(0.05)
+    assert fet.stats().credits_ahead == 4, "more than half the landing slots were granted ahead"
+    sends = [pub.publish(pview, hint) for (pview, _, _), hint in zip(pairs, hints)]
+    for sending, waiting, (pview, fview, payload) in zip(sends, waits, pairs):
+        assert sending.wait(10.0) and waiting.wait(10.0)
+        assert isinstance(waiting.poll(), Delivered) and isinstance(sending.poll(), Delivered)
+        for pg, fg in zip(pview.groups, fview.groups):
+            assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
+    assert _settle(lambda: _landing_slots_free(fet))
 
 
 def test_never_and_peer_without_arena_stay_unpacked(made: list[NixlBackend]) -> None:
