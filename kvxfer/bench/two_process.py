@@ -7,9 +7,10 @@ runs from the call that moves bytes to the active end's outcome being visible he
 through its wake callback: a backend concludes only once its bytes are in place at the
 destination (NIXL: request DONE; IPC: the kernel's event), so this is the transfer. The
 child's own outcome is then collected untimed (it crosses a socket and a poll) and must
-be Delivered for every row. Rows are compared byte for byte after the timed runs. A push's
-fetch is registered ``FETCH_AHEAD_S`` before the timed publish, as a decode end registers
-its fetch at admission, long before prefill ends.
+be Delivered for every row. Rows are compared byte for byte after the timed runs. The
+timed publish follows the peer's fetch() back to back: an idle gap between them (as in
+serving, where decode registers at admission) made ``IpcBackend``'s publish slower on the
+H200 (bench/results/README.md, the cold-publish A/B), so these figures are the warm case.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from kvxfer.contract import Backend, CacheKind, LayerGroupRows, SlotRegion, Toke
 
 _LATENCY_VERIFY_BYTES = 512 << 20  # decode rows a latency sweep fills before comparing them
 _RESULT_TIMEOUT_S = 60.0
-FETCH_AHEAD_S = 0.01  # a push's fetch registered this long before the timed publish()
 Geometry = tuple[tuple[str, int, int], ...]  # (region name, row bytes, slots) per group
 
 
@@ -162,13 +162,6 @@ class TwoProcessCase:
                 h_local = local.describe(v_local)
                 h_peer = peer.describe(v_peer)
                 handle = peer.start(op_peer, v_peer, h_local)
-                if push:
-                    # In serving the decode end registers its fetch when it admits the request,
-                    # long before prefill publishes: what it does then (a NIXL fetcher grants
-                    # packed landing slots ahead) is not on the publish path.
-                    if hasattr(peer, "ping"):
-                        peer.ping()
-                    time.sleep(FETCH_AHEAD_S)
                 watch = Watch()
                 t0 = time.perf_counter()
                 attempt = (local.publish(v_local, h_peer, wake=watch) if push
