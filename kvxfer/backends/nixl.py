@@ -242,7 +242,7 @@ class NixlBackend(Backend):
         # that came before their fetch(), slots a fetcher granted before our publish(), the
         # waits landing in the arena, counters, paths.
         self._arena: Arena | None = None
-        self._early_requests: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self._early_requests: OrderedDict[str, tuple[str, int, int, int]] = OrderedDict()
         self._early_credits: OrderedDict[tuple[str, str], list[int]] = OrderedDict()  # granted before publish()
         self._inbound: dict[str, PassiveWait] = {}
         self._counts: dict[str, int] = dict.fromkeys(NixlStats.__dataclass_fields__, 0)
@@ -488,9 +488,9 @@ class NixlBackend(Backend):
             ready = [(t, *self._early_requests.pop(t)) for t in list(self._early_requests) if t in self._passive]
         for record in early:
             self._on_record(record)
-        for transfer_id, sender, chunks, rows in ready:
+        for transfer_id, sender, chunks, rows, held in ready:
             try:
-                self._on_pack_request(sender, transfer_id, chunks, rows)
+                self._on_pack_request(sender, transfer_id, chunks, rows, held)
             except ValueError as exc:
                 log.warning("nixl backend %s: dropped a packed request from %r: %s", self.name, sender, exc)
         self._grant_credits()
@@ -515,8 +515,8 @@ class NixlBackend(Backend):
             try:
                 note = decode_note(message)
                 if note["k"] == "req":
-                    chunks, rows = ints([note.get("n"), note.get("r", -1)], "n/r")
-                    self._on_pack_request(sender, note["t"], chunks, rows)
+                    chunks, rows, held = ints([note.get("n"), note.get("r", -1), note.get("h", 0)], "n/r/h")
+                    self._on_pack_request(sender, note["t"], chunks, rows, held)
                 elif note["k"] == "credit":
                     self._on_credit(sender, note)
                 else:
@@ -601,25 +601,25 @@ class NixlBackend(Backend):
         wait.attempt.mark_quiesced()
 
     # --- the packed path: landing chunks ------------------------------------------------
-    def _on_pack_request(self, sender: str, transfer_id: str, chunks: int, rows: int) -> None:
+    def _on_pack_request(self, sender: str, transfer_id: str, chunks: int, rows: int, held: int) -> None:
         with self._lock:
             wait = self._passive.get(transfer_id)
             if wait is None:
                 if not self._own.is_retired(transfer_id):
-                    _bounded_put(self._early_requests, transfer_id, (sender, chunks, rows))
+                    _bounded_put(self._early_requests, transfer_id, (sender, chunks, rows, held))
                 return
         inbound = wait.inbound
         if wait.hint.agent != sender or (inbound is not None and inbound.requested) or self._arena is None:
             log.warning("nixl backend %s: ignored a packed request from %r for transfer %s", self.name, sender,
                         transfer_id)
             return
-        if not 0 < chunks <= max(1, wait.view.rows) or not -1 <= rows <= wait.view.rows:
-            raise ValueError(f"a packed request for {chunks} chunks of {rows} rows, the transfer has "
-                             f"{wait.view.rows} rows")
+        if not 0 < chunks <= max(1, wait.view.rows) or not -1 <= rows <= wait.view.rows or held < 0:
+            raise ValueError(f"a packed request for {chunks} chunks of {rows} rows ({held} slots held), the "
+                             f"transfer has {wait.view.rows} rows")
         if inbound is None:
             wait.inbound = Inbound(sender, chunks, wait.view.row_masks(), rows)
         else:
-            inbound.on_request(chunks, rows)  # slots were granted at fetch(); chunks may have landed
+            inbound.on_request(chunks, rows, held)  # slots were granted at fetch(); chunks may have landed
         with self._lock:
             self._inbound[transfer_id] = wait
             self._paths[wait.attempt] = "packed"
@@ -655,7 +655,6 @@ class NixlBackend(Backend):
                 inbound.granted.add(slot)
                 inbound.grant.append(slot)
                 inbound.wanted -= 1
-                inbound.issued += 1
                 granted += 1
                 if inbound.wanted == 0:
                     wanting.remove(inbound)
@@ -673,7 +672,6 @@ class NixlBackend(Backend):
                 # Unasked slots the sender never heard of: take them back (it asks if it needs them).
                 inbound.granted.difference_update(grant)
                 arena.free_in.extend(grant)
-                inbound.issued -= len(grant)
                 inbound.wanted += len(grant)
 
     def _finish_if_complete(self, wait: PassiveWait) -> None:

@@ -9,8 +9,9 @@ On host memory packing adds two memcpys to NIXL's one and pays only for small ro
 
 Protocol (push only; notes are NIXL notifications, ``NOTE_PREFIX`` + msgpack):
 
-- sender -> receiver ``req`` {t, n, r}: transfer ``t`` (the receiver's id) has ``n`` chunks
-  carrying ``r`` rows, all it will send (-1: the sender will fail after them, an injected fault);
+- sender -> receiver ``req`` {t, n, r, h}: transfer ``t`` (the receiver's id) has ``n`` chunks
+  carrying ``r`` rows, all it will send (-1: the sender will fail after them, an injected fault),
+  and the sender holds ``h`` slots granted ahead (below);
 - receiver -> sender ``credit`` {t, grant, ok, no}: arena slots the sender may write now
   (each granted to one transfer at a time), chunks scattered (``ok``) and chunks dropped
   unscattered (``no``: the receiver had already concluded, or the scatter failed);
@@ -315,7 +316,8 @@ def request_slots(job: PackedJob, agent: NixlAgent) -> bool:
     peer = job.hint.agent
     try:
         rows = -1 if job.injected else sum(c.rows for c in job.chunks)
-        agent.notify(peer, encode_note("req", t=job.hint.transfer_id, n=len(job.chunks), r=rows))
+        agent.notify(peer, encode_note("req", t=job.hint.transfer_id, n=len(job.chunks), r=rows,
+                                       h=len(job.credits)))
         job.requested = True
     except PeerUnknown:
         pass  # etcd metadata not there yet: asked again on the next step
@@ -422,7 +424,6 @@ class Inbound:
     scattered: list[BoolArray]                       # per view group: rows in place
     expected: int                                    # rows the sender will send; -1: unknown
     requested: bool = True                           # False: slots granted at fetch(), no ``req`` yet
-    issued: int = 0                                  # slots granted in all
     granted: set[int] = field(default_factory=set)  # slots the sender may be writing
     grant: list[int] = field(default_factory=list)  # to send: new slots
     ok: list[int] = field(default_factory=list)     # to send: chunks scattered
@@ -432,10 +433,12 @@ class Inbound:
     def complete(self) -> bool:
         return self.expected >= 0 and sum(int(m.sum()) for m in self.scattered) == self.expected
 
-    def on_request(self, chunks: int, rows: int) -> None:
-        """The sender's ``req`` after slots were granted at fetch(): what it still needs."""
+    def on_request(self, chunks: int, rows: int, held: int) -> None:
+        """The sender's ``req`` after slots were granted at fetch(): it holds ``held`` of them
+        (a grant still on its way is not counted: granting too much is safe, as unused slots
+        come back when the transfer ends, where granting too little would leave it waiting)."""
         self.requested, self.expected = True, rows
-        self.wanted = max(0, chunks - self.issued)
+        self.wanted = max(0, chunks - held)
 
     @property
     def owes_note(self) -> bool:

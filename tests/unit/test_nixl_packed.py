@@ -298,6 +298,25 @@ def test_slots_granted_ahead_come_back_when_the_push_goes_unpacked(made: list[Ni
     assert _settle(lambda: _landing_slots_free(fet))
 
 
+def test_slots_granted_ahead_but_lost_by_the_sender_are_granted_again(made: list[NixlBackend]) -> None:
+    # The sender's table of early grants is bounded; one it dropped must not leave its push
+    # waiting for slots the receiver thinks it has: the request says how many it holds.
+    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
+    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    pview, fview = _view(pmem, "lost", 100, 76), _view(fmem, "lost", 100, 77)
+    payload = _fill(pmem, pview, 78)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits)
+    pub._early_credits.clear()  # as if evicted
+    sending = pub.publish(pview, fhint)
+    assert sending.wait(10.0) and waiting.wait(10.0)
+    assert isinstance(sending.poll(), Delivered) and isinstance(waiting.poll(), Delivered)
+    for pg, fg in zip(pview.groups, fview.groups):
+        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
+    assert _settle(lambda: _landing_slots_free(fet))
+
+
 def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[NixlBackend]) -> None:
     # Three fetches wait for one publisher: the first takes 4 of the 8 landing slots ahead, the
     # others none. All three pushes then land byte for byte on credits asked for as usual.
