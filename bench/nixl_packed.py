@@ -69,17 +69,19 @@ def raw_one_descriptor(nbytes: int, reps: int, memory: str) -> dict[str, float]:
 
 
 def backend_push(path: str, rows: int, row_bytes: int, reps: int, memory_kind: str,
-                 options: dict[str, Any], fetch_ahead_s: float = 0.02) -> dict[str, Any]:
-    """NixlBackend publisher here, NixlBackend fetcher in a child; ``path``: packed always|never."""
+                 options: dict[str, Any], fetch_ahead_s: float = 0.02,
+                 peer_factory: str = "kvxfer.testing.nixl_pairs:child_backend",
+                 peer_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """NixlBackend publisher here, NixlBackend fetcher in a child (made by ``peer_factory``);
+    ``path``: packed always|never."""
     slots = rows * 2
     opts = {"packed": path, "deadline_s": 300.0, **options}
     memory = rows_of(memory_kind, (("S", row_bytes, slots),))
     touch_pages(memory)
     local = NixlBackend(mode=TransferMode.PUSH, **opts)
     local.register(memory.regions)
-    peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
-                          {"mode": "push", "buffers": [["P", row_bytes, slots]], "touch": True,
-                           "memory_kind": memory_kind, **opts})
+    peer = SubprocessPeer(peer_factory, {"mode": "push", "buffers": [["P", row_bytes, slots]], "touch": True,
+                                         "memory_kind": memory_kind, **opts}, env=peer_env)
     rng = np.random.default_rng(1)
     ordinals = np.arange(rows, dtype=np.int64)
     times = []

@@ -128,3 +128,24 @@ def test_ipc_in_flight_sustained_requests_emulated(tmp_path):  # type: ignore[no
     figures = json.loads(out.read_text())["figures"]
     assert [(f["depth"], f["requests"]) for f in figures] == [(1, 5), (2, 5)]
     assert all(f["verified"] and f["payload_bytes"] == 5 * 2**20 for f in figures)
+
+
+def test_nixl_packed_timeline_script_stamps_both_ends(tmp_path):  # type: ignore[no-untyped-def]
+    """bench/nixl_packed_timeline.py over host memory: both processes' steps of one packed push,
+    in order from the request to each end's outcome, the fetcher's indented."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "nixl_packed_timeline.py"
+    done = subprocess.run([sys.executable, str(script), "--memory", "host", "--rows", "256", "--row-bytes", "16384",
+                           "--chunk-mib", "1", "--arena-mib", "8", "--reps", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()[1:]
+    publisher = [line.split(None, 1)[1] for line in lines if line[11:13].strip()]
+    fetcher = [line.split(None, 1)[1] for line in lines if not line[11:13].strip()]
+    assert publisher[0] == "publish>" and "sent req" in publisher and "outcome Delivered" in publisher
+    assert {"gather>", "post>", "WRITE DONE"} <= set(publisher), publisher
+    assert "received req" in fetcher and "scatter>" in fetcher and "outcome Delivered" in fetcher, fetcher
+    assert any(f.startswith("sent credit") for f in fetcher) and any(f.startswith("received chunk") for f in fetcher)
