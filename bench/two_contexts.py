@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     chunk = args.chunk_mib * MiB
-    result: dict[str, Any] = {"machine": {"host": platform.node(), "python": sys.version.split()[0]},
+    import torch
+
+    result: dict[str, Any] = {"machine": {"host": platform.node(), "python": sys.version.split()[0],
+                                          "gpu": torch.cuda.get_device_name()},
                               "row_bytes": args.row_bytes, "chunk_bytes": chunk}
     result["alone"] = _summary(_time_scatters(args.row_bytes, chunk, args.reps), chunk)
     ctx = mp.get_context("spawn")
