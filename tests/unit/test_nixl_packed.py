@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,68 +255,75 @@ def _landing_slots_free(backend: NixlBackend) -> bool:
     return arena is not None and len(arena.free_in) == arena.landing_slots
 
 
-def test_fetch_grants_slots_ahead_and_the_push_starts_on_them(made: list[NixlBackend]) -> None:
-    # 8 landing slots of 64 KiB; a 100-row scattered fetch registered first gets 4 of them at
-    # once, before the publisher asks. The push uses them, every row lands, and every slot is
-    # free again afterwards: no slot granted twice, none stranded.
+@dataclass
+class AheadPush:
+    """A push whose fetch() was registered first, and had its slots granted ahead."""
+
+    pub: NixlBackend
+    fet: NixlBackend
+    pmem: HostRows  # held here: the backends only registered its memory
+    fmem: HostRows
+    pview: View
+    fview: View
+    payload: dict[str, bytes]
+    fhint: Any = None
+    sending: Any = None
+    waiting: Any = None
+
+    def publish(self) -> tuple[Any, Any]:
+        self.sending = self.pub.publish(self.pview, self.fhint)
+        assert self.sending.wait(10.0) and self.waiting.wait(10.0), "the push did not conclude and quiesce"
+        for pg, fg in zip(self.pview.groups, self.fview.groups):
+            assert self.fmem.read(fg.region.name, fg.slots) == self.payload[pg.layer_group]
+        return self.sending.poll(), self.waiting.poll()
+
+
+def _fetch_ahead(made: list[NixlBackend], request: str, seed: int, contiguous: bool = False) -> AheadPush:
+    """8 landing slots of 64 KiB, 100 rows a group: the fetch is granted 4 slots ahead."""
     pub, pmem = _backend(made, "P", packed_min_descriptors=8)
     fet, fmem = _backend(made, "F", packed_min_descriptors=8)
-    pview, fview = _view(pmem, "ahead", 100, 70), _view(fmem, "ahead", 100, 71)
-    payload = _fill(pmem, pview, 72)
+    pview = _view(pmem, request, 100, seed, contiguous=contiguous)
+    fview = _view(fmem, request, 100, seed + 1, contiguous=contiguous)
+    push = AheadPush(pub, fet, pmem, fmem, pview, fview, _fill(pmem, pview, seed + 2))
     _sentinel(fmem, fview)
-    fhint = fet.describe(fview)
-    waiting = fet.fetch(fview, pub.describe(pview))
+    push.fhint = fet.describe(fview)
+    push.waiting = fet.fetch(fview, pub.describe(pview))
     assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits), "no slots granted ahead"
-    sending = pub.publish(pview, fhint)
-    assert sending.wait(10.0) and waiting.wait(10.0)
-    mine, theirs = sending.poll(), waiting.poll()
+    return push
+
+
+def test_fetch_grants_slots_ahead_and_the_push_starts_on_them(made: list[NixlBackend]) -> None:
+    # A 100-row scattered fetch registered first gets 4 of the 8 landing slots at once, before
+    # the publisher asks. The push uses them, every row lands, and every slot is free again
+    # afterwards: no slot granted twice, none stranded.
+    push = _fetch_ahead(made, "ahead", 70)
+    mine, theirs = push.publish()
     assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered, (mine, theirs)
-    for pg, fg in zip(pview.groups, fview.groups):
-        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
-    assert pub.path_of(sending) == "packed" and fet.path_of(waiting) == "packed"  # type: ignore[arg-type]
-    sent, landed = pub.stats(), fet.stats()
+    assert push.pub.path_of(push.sending) == "packed" and push.fet.path_of(push.waiting) == "packed"
+    sent, landed = push.pub.stats(), push.fet.stats()
     assert landed.credits_ahead == 4 and landed.credits_granted == sent.chunks_sent == landed.chunks_scattered
-    assert not pub._early_credits and _settle(lambda: _landing_slots_free(fet))
+    assert not push.pub._early_credits and _settle(lambda: _landing_slots_free(push.fet))
 
 
 def test_slots_granted_ahead_come_back_when_the_push_goes_unpacked(made: list[NixlBackend]) -> None:
     # The publisher has an arena, so the fetcher grants ahead; its rows are contiguous, so it
     # goes unpacked: the fetcher concludes on the record and takes its slots back.
-    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
-    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
-    pview = _view(pmem, "back", 100, 73, contiguous=True)
-    fview = _view(fmem, "back", 100, 74, contiguous=True)
-    payload = _fill(pmem, pview, 75)
-    fhint = fet.describe(fview)
-    waiting = fet.fetch(fview, pub.describe(pview))
-    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits)
-    sending = pub.publish(pview, fhint)
-    assert sending.wait(10.0) and waiting.wait(10.0)
-    assert isinstance(waiting.poll(), Delivered) and waiting.poll().all_delivered  # type: ignore[union-attr]
-    for pg, fg in zip(pview.groups, fview.groups):
-        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
-    assert pub.path_of(sending) == "unpacked" and fet.path_of(waiting) == "unpacked"  # type: ignore[arg-type]
-    assert fet.stats().packed_received == 0 and not pub._early_credits
-    assert _settle(lambda: _landing_slots_free(fet))
+    push = _fetch_ahead(made, "back", 73, contiguous=True)
+    _, theirs = push.publish()
+    assert isinstance(theirs, Delivered) and theirs.all_delivered, theirs
+    assert push.pub.path_of(push.sending) == "unpacked" and push.fet.path_of(push.waiting) == "unpacked"
+    assert push.fet.stats().packed_received == 0 and not push.pub._early_credits
+    assert _settle(lambda: _landing_slots_free(push.fet))
 
 
 def test_slots_granted_ahead_but_lost_by_the_sender_are_granted_again(made: list[NixlBackend]) -> None:
     # The sender's table of early grants is bounded; one it dropped must not leave its push
     # waiting for slots the receiver thinks it has: the request says how many it holds.
-    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
-    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
-    pview, fview = _view(pmem, "lost", 100, 76), _view(fmem, "lost", 100, 77)
-    payload = _fill(pmem, pview, 78)
-    fhint = fet.describe(fview)
-    waiting = fet.fetch(fview, pub.describe(pview))
-    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits)
-    pub._early_credits.clear()  # as if evicted
-    sending = pub.publish(pview, fhint)
-    assert sending.wait(10.0) and waiting.wait(10.0)
-    assert isinstance(sending.poll(), Delivered) and isinstance(waiting.poll(), Delivered)
-    for pg, fg in zip(pview.groups, fview.groups):
-        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
-    assert _settle(lambda: _landing_slots_free(fet))
+    push = _fetch_ahead(made, "lost", 76)
+    push.pub._early_credits.clear()  # as if evicted
+    mine, theirs = push.publish()
+    assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered, (mine, theirs)
+    assert _settle(lambda: _landing_slots_free(push.fet))
 
 
 def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[NixlBackend]) -> None:
