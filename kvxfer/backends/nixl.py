@@ -26,12 +26,11 @@ gathers chunks into a registered bounce arena and WRITEs each as one descriptor 
 peer's arena, whose progress thread scatters it into the rows; arena slots are reused on
 credits the receiver returns once it scattered, and a fetch() large enough to go packed
 grants a few slots ahead, before the publisher asks (``nixl_packed.PREGRANT_SLOTS``), so
-that a push published later starts without the request's round trip. The arena (``arena_bytes`` in slots of
-``packed_chunk_bytes``; HOST for host pools, DEVICE for CUDA pools, the kind of the first
-regions registered; defaults in ``ARENA_DEFAULTS``) is registered once and advertised in
-``Hint.extras``. ``stats()`` and
-``path_of(attempt)`` say which path carried each submission. Pull stays unpacked (see
-``nixl_packed``).
+that a push published later starts without the request's round trip. The arena
+(``arena_bytes`` in slots of ``packed_chunk_bytes``; HOST for host pools, DEVICE for CUDA
+pools, the kind of the first regions registered; defaults in ``ARENA_DEFAULTS``) is
+registered once and advertised in ``Hint.extras``. ``stats()`` and ``path_of(attempt)``
+say which path carried each submission. Pull stays unpacked (see ``nixl_packed``).
 
 UCX is progressed by this thread, which pauses ``poll_s`` between steps while transfers are
 pending (a packed push waits on notification round trips, so a smaller pause helps it where
@@ -476,11 +475,11 @@ class NixlBackend(Backend):
             self._kick.clear()
 
     def _step(self) -> bool:
-        chunks: list[tuple[str, dict[str, Any]]] = []
+        to_land: list[tuple[str, dict[str, Any]]] = []
         for sender, messages in self._agent.notifications().items():
             for message in messages:
-                self._on_message(sender, message, chunks)
-        self._land_chunks(chunks)
+                self._on_message(sender, message, to_land)
+        self._land_chunks(to_land)
         with self._lock:
             active = list(self._active)
             replies, self._replies = self._replies, []
@@ -507,8 +506,8 @@ class NixlBackend(Backend):
         with self._lock:
             return busy or bool(self._passive)
 
-    def _on_message(self, sender: str, message: bytes, chunks: list[tuple[str, dict[str, Any]]]) -> None:
-        """Act on one notification; packed chunks are only collected, to land together."""
+    def _on_message(self, sender: str, message: bytes, to_land: list[tuple[str, dict[str, Any]]]) -> None:
+        """Act on one notification; packed chunks are only collected (``to_land``), to land together."""
         if message == HEARTBEAT:
             return
         if message.startswith(NOTE_PREFIX):
@@ -520,7 +519,7 @@ class NixlBackend(Backend):
                 elif note["k"] == "credit":
                     self._on_credit(sender, note)
                 else:
-                    chunks.append((sender, note))
+                    to_land.append((sender, note))
             except ValueError as exc:
                 log.warning("nixl backend %s: dropped a packed note from %r: %s", self.name, sender, exc)
             return
