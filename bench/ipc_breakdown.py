@@ -1,7 +1,7 @@
 """Where an IpcBackend push spends its time, step by step (a diagnostic for the GPU machine).
 
     python bench/ipc_breakdown.py [--cases 262144x4096,16384x65536,32x65536] [--reps 5] [--small-reps 200]
-                                  [--emulated]
+                                  [--emulated] [--busy-poll]
 
 The publisher is an IpcBackend here; the fetcher an IpcBackend in a child process
 (``ipc_pair.ChildPeer``). Both processes wrap the backend's steps (checks, row matching,
@@ -9,6 +9,7 @@ launch, the native call, record encoding and decoding, finishing) with CLOCK_MON
 stamps, which the two processes share. Each line is the median over the repetitions of a
 step's stamp, in microseconds since the publish() call. The wrappers cost time themselves
 (tens of microseconds per request on a slow host): read differences, not the total.
+``--busy-poll`` makes the decode end busy-poll, with its doorbell (``ipc_bells``).
 ``--emulated`` runs both ends over kvxfer.testing.host_cuda (no GPU): the control path's
 Python costs on any machine; its copies are host memcpy, so those steps say nothing of a GPU.
 """
@@ -58,6 +59,12 @@ class _TimedNative:
         _stamp("native<")
         return out
 
+    def stream_write_word(self, *args: Any) -> Any:
+        _stamp("bell>")
+        out = self._module.stream_write_word(*args)
+        _stamp("bell<")
+        return out
+
     def event_query(self, event: int) -> bool:
         done = bool(self._module.event_query(event))
         if done:
@@ -69,7 +76,8 @@ def instrument() -> None:
     for name in ("check_submission", "match_rows", "encode_completion", "decode_completion"):
         setattr(ipc, name, _timed(getattr(ipc, name), name))
     backend = ipc.IpcBackend
-    for name in ("_launch", "_complete", "_finish", "_on_frame", "_on_record", "_peer_exports"):
+    for name in ("_launch", "_complete", "_finish", "_on_frame", "_on_record", "_peer_exports", "_check_bells",
+                 "_on_token"):
         setattr(backend, name, _timed(getattr(backend, name), name))
     init = backend.__init__
 
@@ -96,12 +104,12 @@ def serve_instrumented(conn: Any, spec: Any) -> None:
     _ORIGINAL_SERVE(conn, spec)
 
 
-def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False) -> None:
+def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False, busy_poll: bool = False) -> None:
     slots = rows + rows // 4
     samples: list[dict[str, int]] = []
     pair._serve = serve_instrumented  # the spawned child runs this module's function
     try:
-        with pair.push_pair(row, slots, emulated) as (peer, memory, local):
+        with pair.push_pair(row, slots, emulated, busy_poll) as (peer, memory, local):
             _sample(peer, memory, local, slots, rows, reps, warmup, samples)
     finally:
         pair._serve = _ORIGINAL_SERVE
@@ -156,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="repetitions of cases of more than 1,000 rows")
     ap.add_argument("--small-reps", type=int, default=200, help="repetitions of smaller cases")
     ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
+    ap.add_argument("--busy-poll", action="store_true", help="the decode end busy-polls (and offers its doorbell)")
     args = ap.parse_args(argv)
     instrument()
     for case in args.cases.split(","):
         rows, row = (int(x) for x in case.split("x"))
-        run(row, rows, args.reps if rows > 1000 else args.small_reps, emulated=args.emulated)
+        run(row, rows, args.reps if rows > 1000 else args.small_reps, emulated=args.emulated,
+            busy_poll=args.busy_poll)
     return 0
 
 

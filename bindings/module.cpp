@@ -130,18 +130,24 @@ NB_MODULE(_native, m) {
       },
       "Join the index-fill helper threads (after a copy using them ends); the next large copy starts them again.");
 
-  m.def("spin_poll", [](const std::vector<int>& fds, std::int64_t timeout_us) {
+  m.def("spin_poll", [](const std::vector<int>& fds, std::int64_t timeout_us, std::uint64_t words,
+                        std::optional<Index> slots) {
         bool ready = false;
         std::string err;
+        const std::int64_t* at = slots ? slots->data() : nullptr;
+        const std::size_t n = slots ? slots->shape(0) : 0;
+        if (n && words == 0) throw nb::value_error("spin_poll: slots given without a words address");
         {
           nb::gil_scoped_release release;
-          err = kvxfer::spin_poll(fds, timeout_us, &ready);
+          err = kvxfer::spin_poll(fds, timeout_us, reinterpret_cast<const volatile std::uint64_t*>(words), at, n,
+                                  &ready);
         }
         check(err);
         return ready;
-      }, "fds"_a, "timeout_us"_a,
+      }, "fds"_a, "timeout_us"_a, "words"_a = 0, "slots"_a.noconvert().none() = nb::none(),
       "Poll fds for input in a loop, without sleeping and with the GIL released, for up to timeout_us: True as "
-      "soon as one has input (or an error or hang-up), False when the time ran out.");
+      "soon as one has input (or an error or hang-up), or one of the 8-byte words at words + 8 * slots[i] is "
+      "non-zero; False when the time ran out.");
 
   m.def("host_copy_rows", &host_copy_rows, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(), "dst_base"_a,
         "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "threads"_a = 0, "src_limit"_a = -1,
@@ -224,6 +230,18 @@ NB_MODULE(_native, m) {
   }, "device"_a, "handle"_a, "Map a peer's allocation; returns its base in this process.");
   m.def("ipc_close", [](int device, std::uint64_t base) { check(kvxfer::cuda::ipc_close(device, base)); },
         "device"_a, "base"_a);
+  m.def("host_register", [](int device, std::uint64_t ptr, std::uint64_t bytes) {
+    std::uint64_t d = 0;
+    check(kvxfer::cuda::host_register(device, ptr, bytes, &d));
+    return d;
+  }, "device"_a, "ptr"_a, "bytes"_a,
+        "Page-lock and map host memory for the device (cudaHostRegister, mapped); returns its device address.");
+  m.def("host_unregister", [](int device, std::uint64_t ptr) { check(kvxfer::cuda::host_unregister(device, ptr)); },
+        "device"_a, "ptr"_a);
+  m.def("stream_write_word", [](int device, std::uint64_t s, std::uint64_t ptr, std::uint64_t value) {
+    check(kvxfer::cuda::stream_write_word(device, s, ptr, value));
+  }, "device"_a, "stream"_a, "ptr"_a, "value"_a,
+        "Queue on stream an 8-byte store of value at ptr (device-visible), after the work queued before it.");
   m.def("device_alloc", [](int device, std::uint64_t bytes) {
     std::uint64_t p = 0;
     check(kvxfer::cuda::device_alloc(device, bytes, &p));

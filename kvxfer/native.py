@@ -73,17 +73,30 @@ if _NATIVE is not None and hasattr(_NATIVE, "stop_fill_helpers"):
     atexit.register(_NATIVE.stop_fill_helpers)
 
 
-def spin_poll(fds: list[int], timeout_s: float) -> bool:
+def spin_poll(fds: list[int], timeout_s: float, words: np.ndarray | None = None,
+              slots: np.ndarray | None = None) -> bool:
     """Wait up to ``timeout_s`` for input on ``fds`` without sleeping (a busy core instead of
-    a thread wake-up): True once one has input. Native with the GIL released; else a
-    Python loop of zero-timeout polls that yields the GIL between them."""
+    a thread wake-up): True once one has input, or once a word ``words[slots[i]]`` is
+    non-zero (``words``: uint64, e.g. shared memory a GPU writes). Native with the GIL
+    released; else a Python loop of zero-timeout polls that yields the GIL between them."""
+    watched = slots is not None and slots.size > 0
+    if watched:
+        assert words is not None and words.dtype == np.uint64 and slots is not None and slots.dtype == np.int64
+        if int(slots.min()) < 0 or int(slots.max()) >= words.size:
+            raise ValueError(f"spin_poll: slots must lie in [0, {words.size})")
     if _NATIVE is not None and hasattr(_NATIVE, "spin_poll"):
-        return bool(_NATIVE.spin_poll(fds, max(0, int(timeout_s * 1e6))))
+        if not watched:
+            return bool(_NATIVE.spin_poll(fds, max(0, int(timeout_s * 1e6))))
+        assert words is not None
+        return bool(_NATIVE.spin_poll(fds, max(0, int(timeout_s * 1e6)), words.ctypes.data,
+                                      np.ascontiguousarray(slots)))
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
     end = time.perf_counter() + timeout_s
     while not poller.poll(0):
+        if watched and words is not None and words[slots].any():
+            return True
         if time.perf_counter() >= end:
             return False
         os.sched_yield()

@@ -55,6 +55,14 @@ std::string ipc_export(int device, std::uint64_t ptr, std::string* handle, std::
 std::string ipc_open(int device, const std::string& handle, std::uint64_t* base);
 std::string ipc_close(int device, std::uint64_t base);
 
+// Page-locks host memory (a shared-memory file another process polls) and maps it for the
+// device: *device_ptr is its address in kernels. Unregister before unmapping it.
+std::string host_register(int device, std::uint64_t ptr, std::uint64_t bytes, std::uint64_t* device_ptr);
+std::string host_unregister(int device, std::uint64_t ptr);
+// Queues, on `stream`, one 8-byte store of `value` at `device_ptr` (device-visible memory,
+// e.g. from host_register): it happens once the work queued before it has completed.
+std::string stream_write_word(int device, std::uint64_t stream, std::uint64_t device_ptr, std::uint64_t value);
+
 // Plain device memory, for tests and tools that run without a framework.
 std::string device_alloc(int device, std::uint64_t bytes, std::uint64_t* ptr);
 std::string device_free(int device, std::uint64_t ptr);

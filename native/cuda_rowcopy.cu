@@ -558,6 +558,52 @@ std::string stream_signal_fd(std::uint64_t s, int fd) {
   return e == cudaSuccess ? std::string() : fail("cudaLaunchHostFunc", e);
 }
 
+namespace {
+// One thread stores `value` once every kernel queued before it on the stream has ended: a
+// host page that a peer polls then says "your rows are in place" without a CPU in between.
+// The fence orders nothing of the earlier kernels (their writes completed at the kernel
+// boundary); it makes this store visible to the host before the kernel counts as done.
+__global__ void write_word_kernel(unsigned long long* word, unsigned long long value) {
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned long long*>(word) = value;
+  __threadfence_system();
+}
+}  // namespace
+
+std::string host_register(int device, std::uint64_t ptr, std::uint64_t bytes, std::uint64_t* device_ptr) {
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  void* p = reinterpret_cast<void*>(ptr);
+  cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess) return fail("cudaHostRegister", e);
+  void* d = nullptr;
+  e = cudaHostGetDevicePointer(&d, p, 0);
+  if (e != cudaSuccess) {
+    std::string err = fail("cudaHostGetDevicePointer", e);
+    (void)cudaHostUnregister(p);
+    return err;
+  }
+  *device_ptr = reinterpret_cast<std::uint64_t>(d);
+  return {};
+}
+
+std::string host_unregister(int device, std::uint64_t ptr) {
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  cudaError_t e = cudaHostUnregister(reinterpret_cast<void*>(ptr));
+  return e == cudaSuccess ? std::string() : fail("cudaHostUnregister", e);
+}
+
+std::string stream_write_word(int device, std::uint64_t s, std::uint64_t device_ptr, std::uint64_t value) {
+  if (device_ptr % 8 != 0) return "stream_write_word: the word's address is not 8-byte aligned";
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  write_word_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(s)>>>(
+      reinterpret_cast<unsigned long long*>(device_ptr), static_cast<unsigned long long>(value));
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? std::string() : fail("launching the word write", e);
+}
+
 std::string ipc_export(int device, std::uint64_t ptr, std::string* handle, std::uint64_t* base, std::uint64_t* size) {
   DeviceScope scope(device);
   if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());

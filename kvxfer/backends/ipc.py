@@ -25,6 +25,11 @@ until the active end confirms. Here:
   passive end's hint (``EXTRA_DONE``); signed, both ends derive it from the key, so that it
   is no easier to forge than a signed record.
 
+- A passive end that busy-polls also names a doorbell word in its hint (``ipc_bells``):
+  the active end queues a store of the transfer's token into it after its kernels, so the
+  GPU tells the spinning passive end that every row is in place, before any CPU on the
+  active end has looked. The token frame still follows; whichever comes first concludes.
+
 It needs kvxfer._native built with CUDA and a visible GPU; without them construction raises
 IpcUnavailable naming why, and the module still imports. ``cuda=kvxfer.testing.host_cuda``
 runs the same control path over shared host memory, which is how CI tests it without a GPU.
@@ -49,6 +54,15 @@ import numpy as np
 
 from kvxfer import native
 from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
+from kvxfer.backends.ipc_bells import (
+    EXTRA_BELL,
+    BellOpener,
+    BellRing,
+    bell_export,
+    bell_slot,
+    bell_value,
+    parse_bell,
+)
 from kvxfer.backends.ipc_channel import Channel
 from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
 from kvxfer.backends.matching import GroupMatch, check_submission, match_rows
@@ -136,6 +150,7 @@ class _Active:
     matches: list[GroupMatch]
     exports: dict[str, Export]  # peer region name -> its allocation
     writes_peer: bool
+    bell: tuple[str, int] | None = None  # the passive end's doorbell: (ring path, slot)
     cancelled_by_peer: bool = False
     launched: bool = False
     event: int = 0
@@ -166,6 +181,7 @@ class _Passive:
     gone_at: float | None = None
     token: bytes = b""  # the usual answer's token (see _done_token) and its outcome, made at submission
     delivered: Delivered | None = None
+    bell: int = 0  # the doorbell value that stands for the token (0: no doorbell)
 
 
 class IpcBackend(Backend):
@@ -182,6 +198,7 @@ class IpcBackend(Backend):
         fail_after_rows: int | None = None,
         dead_peer_grace_s: float = 0.5,
         busy_poll: bool = False,
+        doorbell: bool = True,
         cuda: ModuleType | None = None,
     ) -> None:
         # ``cuda``: the CUDA calls to make, kvxfer._native by default; kvxfer.testing.host_cuda
@@ -207,6 +224,9 @@ class IpcBackend(Backend):
         # (one busy core, the GIL left free): a record is seen without a thread wake-up, which
         # costs tens of microseconds on a virtual machine. For latency-critical decode ends.
         self.busy_poll = busy_poll
+        # A busy-polling passive end also offers a doorbell word (ipc_bells); False: sockets only.
+        self.doorbell = doorbell and busy_poll
+        self.bells_rung = 0  # waits concluded by their doorbell (the socket record came later)
         self._key = resolve_key(key) or b""  # b"": unsigned, whatever the environment says later
         self._node = node_identity()
         self._regions = RegionTable(frozenset({MemoryKind.DEVICE}))
@@ -231,6 +251,13 @@ class IpcBackend(Backend):
         self._channel = Channel(f"{name}-{os.getpid()}-{secrets.token_hex(3)}")
         self.name = self._channel.path  # the agent name is the socket path: records can be answered
         self._mappings = Mappings(self._native, device)
+        self._bell_opener = BellOpener(cuda, device)
+        self._peer_bell_cache: dict[bytes, tuple[str, int]] = {}  # EXTRA_BELL -> (path, slot)
+        self._bad_bells: set[str] = set()  # peers' rings that could not be opened: sockets only
+        self._ring: BellRing | None = None  # ours, made at the first describe() (doorbell only)
+        self._by_bell: dict[int, _Passive] = {}
+        self._bell_slots: np.ndarray | None = None  # the slots _by_bell's waits watch (None: stale)
+        self._answered: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # rung tokens
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-ipc-{name}", daemon=True)
         self._thread.start()
 
@@ -273,6 +300,9 @@ class IpcBackend(Backend):
         transfer_id = self._own.mint(view)
         if not self._key:
             extras += ((EXTRA_DONE, self._done_token(transfer_id, "", view.request)),)
+        ring = self._bell_ring()
+        if ring is not None:
+            extras += ((EXTRA_BELL, ring.extra(bell_slot(transfer_id))),)
         return Hint(
             backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
             transfer_id=transfer_id, layout=view.layout, groups=hint_groups(view),
@@ -316,6 +346,8 @@ class IpcBackend(Backend):
         for ev in self._events:
             self._native.event_destroy(ev)
         self._events.clear()
+        if self._ring is not None:
+            self._ring.close()  # a peer's store into it after this lands in its own mapping only
         if stream_ok:
             self._native.stream_destroy(self._stream)
         self._channel.close()
@@ -340,7 +372,7 @@ class IpcBackend(Backend):
         if active:
             matches = match_rows(view, hint)
             exports = self._peer_exports(hint, matches)
-            job = _Active(attempt, view, hint, matches, exports, writes_peer=not fetching)
+            job = _Active(attempt, view, hint, matches, exports, writes_peer=not fetching, bell=self._peer_bell(hint))
             with self._launch_lock:
                 with self._jobs_lock:
                     self._refuse_if_closed()
@@ -362,10 +394,15 @@ class IpcBackend(Backend):
             wait = _Passive(attempt, view, hint, own_id, deadline=time.monotonic() + self.deadline_s)
             wait.token = self._done_token(own_id, hint.agent if self._key else "", view.request)
             wait.delivered = Delivered(tuple(constant_mask(len(g), True) for g in view.groups))
+            if self._ring is not None:  # our describe() named a doorbell word for it
+                wait.bell = bell_value(wait.token)
             with self._jobs_lock:
                 self._refuse_if_closed()
                 self._passive[own_id] = wait  # a record that came early is in _stashed: see _run
                 self._by_token[wait.token] = wait
+                if wait.bell:
+                    self._by_bell[wait.bell] = wait
+                    self._bell_slots = None
                 early = wait.token in self._early
                 if early:
                     del self._early[wait.token]
@@ -384,6 +421,57 @@ class IpcBackend(Backend):
         text = "\0".join(("kvxfer-ipc-done", transfer_id, sender, request)).encode("utf-8", "surrogatepass")
         return hmac.new(secret, text, "sha256").digest()[:_TOKEN_BYTES]
 
+    def _bell_ring(self) -> BellRing | None:
+        """Our doorbell ring, made on first use; None without doorbells (or if no ring can be
+        made here: then sockets only, said once)."""
+        if self._ring is None and self.doorbell:
+            try:
+                self._ring = BellRing()
+            except OSError as exc:
+                log.warning("IPC backend %s: no doorbell ring (%s); completions come over sockets only",
+                            self.name, exc)
+                self.doorbell = False
+        return self._ring
+
+    def _peer_bell(self, hint: Hint) -> tuple[str, int] | None:
+        data = hint.extra(EXTRA_BELL)
+        if data is None:
+            return None
+        bell = self._peer_bell_cache.get(data)  # a peer's hints repeat its ring (and slots)
+        if bell is None:
+            try:
+                bell = parse_bell(data)
+            except ValueError as exc:
+                raise InvalidSubmission(str(exc)) from exc
+            if len(self._peer_bell_cache) >= 4096:
+                self._peer_bell_cache.clear()
+            self._peer_bell_cache[data] = bell
+        return bell
+
+    def _ring_bell(self, job: _Active, rows: int) -> None:
+        """Queue the store into the passive end's doorbell word, after the job's kernels, if
+        every row of its hint is being copied (the doorbell means DELIVERED, all rows). A ring
+        that cannot be opened or written costs only the doorbell: the record still goes."""
+        if job.bell is None or job.failure is not None or rows != sum(len(g) for g in job.hint.groups):
+            return
+        token = self._frame_token(job)
+        path, slot = job.bell
+        if token is None or path in self._bad_bells:
+            return
+        try:
+            with self._map_lock:
+                ring = self._mappings.acquire(job.hint.endpoint, bell_export(path), self._bell_opener)
+        except (self._native.CopyError, OSError, RuntimeError) as exc:
+            log.info("IPC backend %s: peer %r's doorbell ring is unusable (%s); sockets only", self.name,
+                     job.hint.agent, exc)
+            self._bad_bells.add(path)
+            return
+        job.mappings.append(ring)
+        try:
+            self._native.stream_write_word(self.device, self._stream, ring.base + 8 * slot, bell_value(token))
+        except self._native.CopyError as exc:
+            log.info("IPC backend %s: doorbell store failed (%s); the record still goes", self.name, exc)
+
     def _delivered_frame(self, job: _Active) -> bytes | None:
         """What tells the passive end that every row of its hint is in place: 20 bytes when it
         gave us a token (or we share a key), else the full record; None if it cannot be encoded."""
@@ -394,10 +482,14 @@ class IpcBackend(Backend):
         return self._encode(self._delivered_record(job))
 
     def _token_frame(self, job: _Active) -> bytes | None:
+        token = self._frame_token(job)
+        return None if token is None else DONE_PREFIX + token
+
+    def _frame_token(self, job: _Active) -> bytes | None:
         if self._key:
-            return DONE_PREFIX + self._done_token(job.hint.transfer_id, self.name, job.view.request)
+            return self._done_token(job.hint.transfer_id, self.name, job.view.request)
         token = job.hint.extra(EXTRA_DONE)
-        return DONE_PREFIX + token if token is not None and len(token) == _TOKEN_BYTES else None
+        return token if token is not None and len(token) == _TOKEN_BYTES else None
 
     def _spin_send(self, job: _Active, spin_us: int, fd: int, data: bytes) -> int:
         done, sent = self._native.event_spin_send(job.event, spin_us, fd, data)
@@ -457,7 +549,10 @@ class IpcBackend(Backend):
             busy = bool(self._in_flight)
             spun = not busy and self.busy_poll and bool(self._passive)
             if spun:
-                self._channel.spin(IDLE_WAIT_S)  # returns as soon as a socket has input
+                # Returns as soon as a socket has input or a watched doorbell word is set.
+                self._channel.spin(IDLE_WAIT_S, *self._bell_watch())
+            if self._by_bell:
+                self._check_bells()
             # While copies are in flight, look without sleeping: their events are polled, and
             # a sleep's granularity (or a driver callback's wake-up, measured slower on an
             # H200 host) would dominate a small transfer's latency.
@@ -492,6 +587,36 @@ class IpcBackend(Backend):
             self._native.event_spin_send(job.event, HEAD_SPIN_US, -1, b"")
         except self._native.CopyError:
             pass  # _poll_in_flight queries again and reports it
+
+    def _bell_watch(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(ring words, slots of the waits holding a doorbell) for the spin."""
+        if self._ring is None or not self._by_bell:
+            return None, None
+        slots = self._bell_slots
+        if slots is None:
+            with self._jobs_lock:  # with the invalidation in _submit/_end_passive: none is lost
+                slots = np.unique(np.fromiter((bell_slot(w.own_id) for w in self._by_bell.values()), np.int64))
+                self._bell_slots = slots
+        return self._ring.words, slots
+
+    def _check_bells(self) -> None:
+        """Conclude the waits whose doorbell rang. A word holding no wait's value (a store of
+        an earlier transfer of that slot, or anything else) is cleared and ignored: the
+        socket record still ends its wait."""
+        words, slots = self._bell_watch()
+        if words is None or slots is None:
+            return
+        assert self._ring is not None
+        for _slot, value in self._ring.take(slots):
+            with self._jobs_lock:
+                wait = self._by_bell.get(value)
+                if wait is None:
+                    continue
+                self._answered[wait.token] = None  # its record will follow: dropped then
+                while len(self._answered) > _EARLY_KEPT:
+                    self._answered.popitem(last=False)
+            self.bells_rung += 1
+            self._on_token(wait.token)
 
     def _on_frame(self, frame: bytes) -> None:
         if len(frame) == len(DONE_PREFIX) + _TOKEN_BYTES and frame.startswith(DONE_PREFIX):
@@ -542,6 +667,9 @@ class IpcBackend(Backend):
         with self._jobs_lock:
             wait = self._by_token.get(token)
             if wait is None:
+                if token in self._answered:
+                    del self._answered[token]  # its doorbell concluded it already
+                    return
                 self._early[token] = None
                 while len(self._early) > _EARLY_KEPT:
                     self._early.popitem(last=False)
@@ -598,6 +726,8 @@ class IpcBackend(Backend):
         with self._jobs_lock:
             self._passive.pop(wait.own_id, None)
             self._by_token.pop(wait.token, None)
+            if wait.bell and self._by_bell.pop(wait.bell, None) is not None:
+                self._bell_slots = None
         self._own.retire(wait.own_id)
         wait.attempt.mark_quiesced()
 
@@ -689,6 +819,7 @@ class IpcBackend(Backend):
         if not job.launched:
             self._set_masks(job, copied)
             return
+        self._ring_bell(job, sum(n for _, _, n in copied))
         try:
             job.event = self._events.pop() if self._events else self._native.event_create(self.device)
             self._native.event_record(job.event, self._stream)

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvxfer import native
 
 log = logging.getLogger(__name__)
@@ -105,12 +107,13 @@ class Channel:
                     gone.append(conn.peer)
         return frames, gone
 
-    def spin(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for something that wait() would handle, polling without
-        sleeping (and without the GIL, where kvxfer._native is built): True once there is."""
+    def spin(self, timeout_s: float, words: np.ndarray | None = None, slots: np.ndarray | None = None) -> bool:
+        """Wait up to ``timeout_s`` for something that wait() would handle, or for a non-zero
+        ``words[slots]`` (doorbells, ``ipc_bells``), polling without sleeping (and without the
+        GIL, where kvxfer._native is built): True once there is."""
         with self._fds_lock:
             fds = list(self._fds)
-        return native.spin_poll(fds, timeout_s)
+        return native.spin_poll(fds, timeout_s, words, slots)
 
     def try_send(self, peer: bytes, frame: bytes) -> bool:
         """Send one frame now, from any thread, without waiting: False (nothing sent) when

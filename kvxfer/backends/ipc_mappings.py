@@ -5,7 +5,8 @@ and opening costs far more than a copy). A mapping counts the submissions that u
 is closed only when none does: when its peer is gone, or at shutdown. A dead peer's
 mapping is marked so that no new copy is launched into it, and is closed once the copies
 already queued on it have completed (the backend releases them after their event).
-All of this runs on the backend's progress thread.
+All of this runs on the backend's progress thread. The same bookkeeping serves the peer's
+doorbell ring (``ipc_bells``), opened by a different ``Opener``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import struct
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +42,33 @@ class Export:
         return Export(handle, base, size)
 
 
+class Opener(Protocol):
+    """How one kind of peer memory is mapped into this process, and unmapped."""
+
+    def open(self, export: Export) -> int: ...  # its base here; raises the native CopyError
+    def close(self, base: int) -> None: ...
+
+
+class IpcOpener:
+    """A peer's device allocation, through its CUDA IPC handle."""
+
+    def __init__(self, native: ModuleType, device: int) -> None:
+        self._native = native
+        self._device = device
+
+    def open(self, export: Export) -> int:
+        return int(self._native.ipc_open(self._device, export.handle))
+
+    def close(self, base: int) -> None:
+        self._native.ipc_close(self._device, base)
+
+
 @dataclass(eq=False)
 class Mapping:
     export: Export
     peer: bytes
     base: int  # the allocation's base in this process
+    opener: Opener
     users: int = 0
     dead: bool = False
     closed: bool = False
@@ -62,18 +86,19 @@ class Mappings:
 
     def __init__(self, native: ModuleType, device: int) -> None:
         self._native = native
-        self._device = device
+        self._ipc = IpcOpener(native, device)
         self._by_handle: dict[bytes, Mapping] = {}
 
-    def acquire(self, peer: bytes, export: Export) -> Mapping:
-        """The mapping of ``export`` (opened now if needed), with one more user. Raises the
-        native CopyError when CUDA refuses to open it."""
+    def acquire(self, peer: bytes, export: Export, opener: Opener | None = None) -> Mapping:
+        """The mapping of ``export`` (opened now if needed, by ``opener``: a CUDA IPC handle
+        by default), with one more user. Raises the native CopyError when it cannot be opened."""
         mapping = self._by_handle.get(export.handle)
         if mapping is not None and mapping.dead:
             raise RuntimeError(f"peer {peer!r} is gone; its mapping closes once the copies in flight end")
         if mapping is None:
-            base = self._native.ipc_open(self._device, export.handle)
-            mapping = Mapping(export, peer, base)
+            opener = opener or self._ipc
+            base = opener.open(export)
+            mapping = Mapping(export, peer, base, opener)
             self._by_handle[export.handle] = mapping
         mapping.users += 1
         return mapping
@@ -114,6 +139,6 @@ class Mappings:
         if self._by_handle.get(mapping.export.handle) is mapping:
             del self._by_handle[mapping.export.handle]
         try:
-            self._native.ipc_close(self._device, mapping.base)
-        except self._native.CopyError as exc:
+            mapping.opener.close(mapping.base)
+        except (self._native.CopyError, OSError) as exc:
             log.warning("closing the IPC mapping of peer %r failed: %s", mapping.peer, exc)

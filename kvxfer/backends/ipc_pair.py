@@ -105,6 +105,7 @@ class PeerSpec:
     key: bytes | None = None
     emulated: bool = False  # kvxfer.testing.host_cuda instead of CUDA (CI without a GPU)
     busy_poll: bool = False  # IpcBackend(busy_poll=...) in the child
+    doorbell: bool = True  # IpcBackend(doorbell=...) in the child (effective with busy_poll)
 
 
 def cuda_calls(emulated: bool) -> Any:
@@ -122,7 +123,7 @@ def _serve(conn: Connection, spec: PeerSpec) -> None:
     cuda = cuda_calls(spec.emulated)
     memory = DeviceRows(spec.geometry, spec.device, cuda)
     backend = IpcBackend("child", spec.mode, device=spec.device, deadline_s=spec.deadline_s, key=spec.key,
-                         busy_poll=spec.busy_poll, cuda=cuda)
+                         busy_poll=spec.busy_poll, doorbell=spec.doorbell, cuda=cuda)
     backend.register(memory.regions)
     attempts: dict[int, Any] = {}
     visible: dict[int, int] = {}
@@ -182,6 +183,8 @@ def _handle(cmd: str, args: list[Any], backend: Any, memory: DeviceRows, attempt
     if cmd == "inject":
         backend.fail_after_rows = args[0]
         return True
+    if cmd == "bells":
+        return backend.bells_rung
     if cmd == "shutdown":
         return len(backend.shutdown())
     raise ValueError(f"unknown command {cmd!r}")
@@ -239,6 +242,10 @@ class ChildPeer(PeerEnd):
     def read(self, region: str, slots: Index) -> bytes:
         return self._call("read", region, np.asarray(slots, dtype=np.int64))  # type: ignore[no-any-return]
 
+    def bells_rung(self) -> int:
+        """How many of the child's waits its doorbell concluded (IpcBackend.bells_rung)."""
+        return int(self._call("bells"))
+
     def inject_fault(self, rows: int | None) -> bool:
         return bool(self._call("inject", rows))
 
@@ -294,13 +301,16 @@ def ipc_pair(mode: TransferMode, *, device: int = 0, deadline_s: float = 10.0, e
 
 
 @contextlib.contextmanager
-def push_pair(row_bytes: int, slots: int, emulated: bool = False) -> Iterator[tuple[ChildPeer, DeviceRows, Any]]:
-    """For the bench scripts: a decode ChildPeer and, here, a publishing IpcBackend over its own
-    DeviceRows, each ``slots`` rows of ``row_bytes``; all three closed on the way out."""
+def push_pair(row_bytes: int, slots: int, emulated: bool = False,
+              busy_poll: bool = False) -> Iterator[tuple[ChildPeer, DeviceRows, Any]]:
+    """For the bench scripts: a decode ChildPeer (busy-polling, with its doorbell, if asked)
+    and, here, a publishing IpcBackend over its own DeviceRows, each ``slots`` rows of
+    ``row_bytes``; all three closed on the way out."""
     from kvxfer.backends.ipc import IpcBackend
 
     cuda = cuda_calls(emulated)
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, geometry=(("decode", row_bytes, slots),), emulated=emulated))
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, geometry=(("decode", row_bytes, slots),), emulated=emulated,
+                              busy_poll=busy_poll))
     memory = local = None
     try:
         memory = DeviceRows((("prefill", row_bytes, slots),), cuda=cuda)

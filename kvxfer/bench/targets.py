@@ -16,8 +16,8 @@ from kvxfer.bench.results import BenchResult, Figure
 K, M = 1 << 10, 1 << 20
 # On a GPU only two-process figures count: in one process NIXL takes a slow lane (0.36 GB/s).
 # ipc_kernel is the IPC copy alone (issue 5's "IPC kernel"); ipc is the backend end to end.
-GPU_BACKENDS = ("ipc_kernel", "ipc", "ipc_busy_poll", "nixl_2p", "nixl_2p_packed")
-BACKENDS = ("loopback", "nixl", "nixl_packed", "ipc", "ipc_busy_poll")
+GPU_BACKENDS = ("ipc_kernel", "ipc", "ipc_busy_poll", "ipc_busy_poll_sockets", "nixl_2p", "nixl_2p_packed")
+BACKENDS = ("loopback", "nixl", "nixl_packed", "ipc", "ipc_busy_poll", "ipc_busy_poll_sockets")
 
 
 @dataclass(frozen=True)

@@ -76,16 +76,16 @@ def _nixl_kind(packed: str) -> Kind:
                 {"processes": 2, "transport": "NIXL over UCX", "packed": packed})
 
 
-def _ipc_kind(busy_poll: bool = False) -> Kind:
+def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:
     def local(mode: TransferMode) -> Backend:
         from kvxfer.backends.ipc import IpcBackend
 
-        return IpcBackend("bench", mode, busy_poll=busy_poll)
+        return IpcBackend("bench", mode, busy_poll=busy_poll, doorbell=doorbell)
 
     def peer(mode: TransferMode, geometry: Geometry, memory: str) -> Any:
         from kvxfer.backends.ipc_pair import ChildPeer, PeerSpec
 
-        return ChildPeer(PeerSpec(mode, geometry=geometry, busy_poll=busy_poll))
+        return ChildPeer(PeerSpec(mode, geometry=geometry, busy_poll=busy_poll, doorbell=doorbell))
 
     def rows(geometry: Geometry, memory: str) -> Any:
         from kvxfer.backends.ipc_pair import DeviceRows
@@ -93,7 +93,8 @@ def _ipc_kind(busy_poll: bool = False) -> Kind:
         return DeviceRows(geometry)
 
     return Kind(("device",), local, peer, None, rows,
-                {"processes": 2, "transport": "CUDA IPC mapping + native row kernel", "busy_poll": busy_poll},
+                {"processes": 2, "transport": "CUDA IPC mapping + native row kernel", "busy_poll": busy_poll,
+                 "doorbell": busy_poll and doorbell},
                 stamps_outcome=True)
 
 
@@ -294,7 +295,13 @@ SPECS = [
     CaseSpec("ipc", "kvxfer CUDA IPC backend, peer in a second process", Role.BACKEND,
              frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
              frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind())),
-    CaseSpec("ipc_busy_poll", "kvxfer CUDA IPC backend, busy_poll=True on both ends (a core each polls their sockets)",
+    CaseSpec("ipc_busy_poll", "kvxfer CUDA IPC backend, busy_poll=True on both ends (a core each polls their sockets "
+             "and the waiter's doorbell word)",
              Role.BACKEND, frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
              frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind(busy_poll=True))),
+    CaseSpec("ipc_busy_poll_sockets", "kvxfer CUDA IPC backend, busy_poll=True, doorbell=False (records over "
+             "sockets only: ipc_busy_poll's reference)",
+             Role.BACKEND, frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
+             frozenset({"throughput", "latency"}),
+             lambda config: TwoProcessCase(config, _ipc_kind(busy_poll=True, doorbell=False))),
 ]

@@ -146,6 +146,34 @@ def copy_bytes(device: int, dst: int, src: int, nbytes: int) -> None:
     ctypes.memmove(dst, src, nbytes)
 
 
+_REGISTERED: set[int] = set()  # host_register()ed addresses (device address = host address here)
+
+
+def host_register(device: int, ptr: int, nbytes: int) -> int:
+    with _MEM.lock:
+        if ptr in _REGISTERED:
+            raise CopyError("cudaHostRegister: cudaErrorHostMemoryAlreadyRegistered")
+        _REGISTERED.add(ptr)
+    return ptr
+
+
+def host_unregister(device: int, ptr: int) -> None:
+    with _MEM.lock:
+        if ptr not in _REGISTERED:
+            raise CopyError("cudaHostUnregister: cudaErrorHostMemoryNotRegistered")
+        _REGISTERED.discard(ptr)
+
+
+def stream_write_word(device: int, stream: int, ptr: int, value: int) -> None:
+    if ptr % 8:
+        raise CopyError("stream_write_word: the word's address is not 8-byte aligned")
+
+    def write() -> None:
+        ctypes.c_uint64.from_address(ptr).value = value
+
+    _enqueue(stream, write)
+
+
 def cuda_copy_rows(src_base: int, src_stride: int, src_index: Any, dst_base: int, dst_stride: int, dst_index: Any,
                    n_rows: int, row_bytes: int, stream: int, device: int = -1, src_limit: int = -1,
                    dst_limit: int = -1) -> None:

@@ -12,6 +12,7 @@ from types import ModuleType
 import numpy as np
 
 from kvxfer.backends.ipc import IpcBackend
+from kvxfer.backends.ipc_bells import EXTRA_BELL
 from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, SlotRegion, TokenRange, TransferMode, View
 
@@ -112,3 +113,38 @@ def dead_peers_fail_by_name(*, cuda: ModuleType | None) -> None:
         assert isinstance(wait.poll(), Failed) and wait.quiesced(), wait.poll()
     finally:
         close_all(local, [peer] + ([peer2] if peer2 is not None else []), memory)
+
+
+def doorbells_conclude_waits(mode: TransferMode, *, cuda: ModuleType | None, doorbell: bool = True,
+                             transfers: int = 3) -> None:
+    """The child waits (push: it fetches; pull: it publishes) with busy_poll; every transfer
+    moves all of its rows, so the doorbell rings before the record arrives: the child's waits
+    are each concluded by it (none without doorbells), with bytes and masks exact."""
+    peer = ChildPeer(PeerSpec(mode, emulated=cuda is not None, busy_poll=True, doorbell=doorbell))
+    memory = DeviceRows((("L0", 256, 64),), cuda=cuda)
+    local = IpcBackend("local", mode, cuda=cuda)
+    try:
+        local.register(memory.regions)
+        for i in range(transfers):
+            lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, i, f"r{i}")
+            payload = bytes([i + 1]) * 256 * 8
+            if mode is TransferMode.PUSH:
+                memory.write("L0", ls, payload)
+                peer_hint = peer.describe(pv)
+                handle = peer.start("fetch", pv, local.describe(lv))
+                attempt = local.publish(lv, peer_hint)
+            else:
+                peer.write("P0", ps, payload)
+                peer_hint = peer.describe(pv)
+                handle = peer.start("publish", pv, local.describe(lv))
+                attempt = local.fetch(lv, peer_hint)
+            assert (peer_hint.extra(EXTRA_BELL) is not None) == doorbell, "the hint's doorbell"
+            assert attempt.wait(10) and isinstance(attempt.poll(), Delivered), f"local outcome {attempt.poll()!r}"
+            theirs, quiet = peer.result(handle, 10)
+            assert isinstance(theirs, Delivered) and theirs.all_delivered and quiet, f"peer outcome {theirs!r}"
+            moved = peer.read("P0", ps) if mode is TransferMode.PUSH else memory.read("L0", ls)
+            assert moved == payload, f"transfer {i}: rows differ"
+        rung = peer.bells_rung()
+        assert rung == (transfers if doorbell else 0), f"{rung} of {transfers} waits ended by their doorbell"
+    finally:
+        close_all(local, [peer], memory)

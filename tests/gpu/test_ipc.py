@@ -5,6 +5,7 @@ Run on the GPU machine: ``python -m pytest -q -m gpu tests/gpu/test_ipc.py``.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -20,7 +21,11 @@ pytestmark = [
 ]
 
 from kvxfer.backends.ipc_pair import ipc_pair  # noqa: E402
-from kvxfer.testing.ipc_scenarios import dead_peers_fail_by_name, large_rows_byte_exact  # noqa: E402
+from kvxfer.testing.ipc_scenarios import (  # noqa: E402
+    dead_peers_fail_by_name,
+    doorbells_conclude_waits,
+    large_rows_byte_exact,
+)
 
 
 @pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
@@ -36,6 +41,19 @@ def test_large_scattered_push_and_pull_byte_exact(mode: TransferMode) -> None:
 
 def test_dead_peer_mapping_dropped_and_waits_fail() -> None:
     dead_peers_fail_by_name(cuda=None)
+
+
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_doorbell_stored_by_the_gpu_ends_the_busy_polling_wait(mode: TransferMode) -> None:
+    # The real thing: the peer's /dev/shm ring page-locked here, the word stored by a kernel
+    # queued after the row copy, seen by the child's spin before the record arrives.
+    doorbells_conclude_waits(mode, cuda=None)
+
+
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_busy_poll_pair_with_doorbells_keeps_the_contract(mode: TransferMode) -> None:
+    for check in CHECKS:
+        check(functools.partial(ipc_pair, busy_poll=True), mode)
 
 
 def test_shutdown_leaves_nothing_running() -> None:

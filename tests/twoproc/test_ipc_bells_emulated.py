@@ -1,0 +1,134 @@
+"""Doorbells (kvxfer.backends.ipc_bells) between two processes over kvxfer.testing.host_cuda:
+the store that tells a busy-polling waiter its rows are in place, and everything around it
+that must not change what the waiter concludes."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.ipc import IpcBackend
+from kvxfer.backends.ipc_bells import BELL_BYTES, EXTRA_BELL, parse_bell
+from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
+from kvxfer.contract import Delivered, Hint, InvalidSubmission, TransferMode
+from kvxfer.testing import host_cuda
+from kvxfer.testing.ipc_scenarios import close_all, doorbells_conclude_waits, views
+
+DELAY = "KVXFER_HOST_CUDA_DELAY_S"
+
+
+@pytest.fixture(autouse=True)
+def no_ipc_child_left() -> Iterator[None]:
+    yield
+    left = [p for p in mp.active_children() if p.name == "kvxfer-ipc-peer"]
+    assert not left, f"IPC peer processes left running: {left}"
+
+
+@pytest.mark.parametrize("delay", ["0", "0.003"], ids=["at-once", "in-flight"])
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_doorbell_ends_the_busy_polling_wait(mode: TransferMode, delay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DELAY, delay)
+    doorbells_conclude_waits(mode, cuda=host_cuda)
+
+
+def test_without_doorbells_the_hint_names_none_and_records_end_the_wait() -> None:
+    doorbells_conclude_waits(TransferMode.PUSH, cuda=host_cuda, doorbell=False)
+
+
+def _with_bell(hint: Hint, data: bytes) -> Hint:
+    extras = tuple((k, v) for k, v in hint.extras if k != EXTRA_BELL) + ((EXTRA_BELL, data),)
+    return dataclasses.replace(hint, extras=extras)
+
+
+def test_a_malformed_doorbell_is_refused_by_name_and_nothing_moves() -> None:
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, 1)
+        memory.write("L0", ls, b"\x07" * 256 * 8)
+        hint = peer.describe(pv)
+        local.describe(lv)
+        for bad, named in ((b"\x01", "too short"), ((5000).to_bytes(4, "little") + b"/dev/shm/x", "word 5000"),
+                           ((1).to_bytes(4, "little") + b"/home/user/.bashrc", "not a kvxfer doorbell ring")):
+            with pytest.raises(InvalidSubmission, match=named):
+                local.publish(lv, _with_bell(hint, bad))
+        assert peer.read("P0", ps) == bytes(256 * 8), "a refused publish wrote the peer's rows"
+    finally:
+        close_all(local, [peer], memory)
+
+
+def test_an_unusable_ring_costs_only_the_doorbell() -> None:
+    # A well-formed name of a ring that does not exist (its maker died, say): the rows move
+    # and the record ends the peer's wait as without doorbells.
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        for i in range(2):
+            lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, i, f"r{i}")
+            memory.write("L0", ls, bytes([i + 3]) * 256 * 8)
+            hint = _with_bell(peer.describe(pv), (9).to_bytes(4, "little") + b"/dev/shm/kvxfer-bell-1-000000000000")
+            handle = peer.start("fetch", pv, local.describe(lv))
+            attempt = local.publish(lv, hint)
+            assert attempt.wait(10) and isinstance(attempt.poll(), Delivered)
+            theirs, quiet = peer.result(handle, 10)
+            assert isinstance(theirs, Delivered) and theirs.all_delivered and quiet
+            assert peer.read("P0", ps) == bytes([i + 3]) * 256 * 8
+        assert peer.bells_rung() == 0
+    finally:
+        close_all(local, [peer], memory)
+
+
+def test_a_foreign_value_in_the_word_is_cleared_and_does_not_end_the_wait() -> None:
+    # This process waits (it fetches, busy-polling); the child publishes. A value that is not
+    # the transfer's token, stored in its word before the copy, must neither conclude the
+    # wait nor stop the real doorbell from doing so afterwards.
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, busy_poll=True, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, 2)
+        peer.write("P0", ps, b"\x05" * 256 * 8)
+        own_hint = local.describe(lv)
+        path, slot = parse_bell(own_hint.extra(EXTRA_BELL) or b"")
+        ring = np.memmap(path, dtype=np.uint64, mode="r+", shape=(BELL_BYTES // 8,))
+        attempt = local.fetch(lv, peer.describe(pv))
+        ring[slot] = 12345
+        deadline = time.monotonic() + 5
+        while ring[slot] != 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ring[slot] == 0, "the progress thread did not clear a foreign value"
+        assert attempt.poll() is None, f"a foreign value concluded the wait: {attempt.poll()!r}"
+        handle = peer.start("publish", pv, own_hint)
+        assert attempt.wait(10) and isinstance(attempt.poll(), Delivered) and attempt.poll().all_delivered
+        theirs, quiet = peer.result(handle, 10)
+        assert isinstance(theirs, Delivered) and quiet
+        assert memory.read("L0", ls) == b"\x05" * 256 * 8
+        assert local.bells_rung == 1
+        del ring
+    finally:
+        close_all(local, [peer], memory)
+
+
+def test_shutdown_removes_the_ring() -> None:
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, busy_poll=True, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        lv, _, _, _ = views(memory.regions[0], memory.regions[0], 4, 0)
+        path, _slot = parse_bell(local.describe(lv).extra(EXTRA_BELL) or b"")
+        assert path.startswith("/dev/shm/kvxfer-bell-") and os.path.exists(path)
+    finally:
+        assert local.shutdown() == frozenset()
+        memory.close()
+    assert not os.path.exists(path)
