@@ -90,6 +90,21 @@ void cuda_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::option
   check(err);
 }
 
+std::tuple<std::string, std::string> cuda_copy_rows_then(
+    std::uint64_t src_base, std::int64_t src_stride, std::optional<Index> src_index, std::uint64_t dst_base,
+    std::int64_t dst_stride, std::optional<Index> dst_index, std::int64_t n_rows, std::int64_t row_bytes,
+    std::uint64_t stream, int device, std::uint64_t bell_ptr, std::uint64_t bell_value, std::uint64_t event) {
+  auto p = make_plan(src_base, src_stride, index_of(src_index, n_rows, "source"), dst_base, dst_stride,
+                     index_of(dst_index, n_rows, "destination"), n_rows, row_bytes);
+  std::string err, bell_err, event_err;
+  {
+    nb::gil_scoped_release release;
+    err = kvxfer::cuda::copy_rows_then(p, device, stream, bell_ptr, bell_value, event, &bell_err, &event_err);
+  }
+  check(err);
+  return {bell_err, event_err};
+}
+
 void cuda_copy_rows_device(std::uint64_t src_base, std::int64_t src_stride, std::uint64_t src_index_ptr,
                            std::uint64_t dst_base, std::int64_t dst_stride, std::uint64_t dst_index_ptr,
                            std::int64_t n_rows, std::int64_t row_bytes, std::uint64_t stream, int device) {
@@ -161,6 +176,12 @@ NB_MODULE(_native, m) {
         "src_limit"_a = -1, "dst_limit"_a = -1,
         "Queue one row-copy kernel on `stream` (an integer cudaStream_t; 0 = legacy default). Host int64 indices. "
         "Returns once queued; the copy is complete when an event recorded after it completes.");
+  m.def("cuda_copy_rows_then", &cuda_copy_rows_then, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(),
+        "dst_base"_a, "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "stream"_a,
+        "device"_a, "bell_ptr"_a, "bell_value"_a, "event"_a,
+        "cuda_copy_rows (indices not bounds-checked), then on the same stream the 8-byte store of bell_value at "
+        "bell_ptr (0: none) and the record of event (0: none), in one call. Raises CopyError if the copy was not "
+        "queued; else returns (store error, event error), empty strings when they were queued.");
   m.def("cuda_copy_rows_device", &cuda_copy_rows_device, "src_base"_a, "src_stride"_a, "src_index_ptr"_a,
         "dst_base"_a, "dst_stride"_a, "dst_index_ptr"_a, "n_rows"_a, "row_bytes"_a, "stream"_a, "device"_a = -1,
         "As cuda_copy_rows, with int64 index arrays already in device memory (0 = contiguous). Not bounds-checked.");

@@ -63,6 +63,14 @@ std::string host_unregister(int device, std::uint64_t ptr);
 // e.g. from host_register): it happens once the work queued before it has completed.
 std::string stream_write_word(int device, std::uint64_t stream, std::uint64_t device_ptr, std::uint64_t value);
 
+// A small transfer's whole launch in one call: copy_rows (host indices), then, if asked, the
+// doorbell store (bell_ptr != 0) and the completion event (event != 0) behind it on the same
+// stream. The returned message is the copy's failure (then nothing was queued); a failure of
+// the store or of the event, after the copy was queued, goes to *bell_err / *event_err.
+std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t stream, std::uint64_t bell_ptr,
+                           std::uint64_t bell_value, std::uint64_t event, std::string* bell_err,
+                           std::string* event_err);
+
 // Plain device memory, for tests and tools that run without a framework.
 std::string device_alloc(int device, std::uint64_t bytes, std::uint64_t* ptr);
 std::string device_free(int device, std::uint64_t ptr);

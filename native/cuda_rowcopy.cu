@@ -604,6 +604,16 @@ std::string stream_write_word(int device, std::uint64_t s, std::uint64_t device_
   return e == cudaSuccess ? std::string() : fail("launching the word write", e);
 }
 
+std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t stream, std::uint64_t bell_ptr,
+                           std::uint64_t bell_value, std::uint64_t event, std::string* bell_err,
+                           std::string* event_err) {
+  std::string err = copy_rows(plan, false, device, stream);
+  if (!err.empty()) return err;
+  if (bell_ptr != 0) *bell_err = stream_write_word(device, stream, bell_ptr, bell_value);
+  if (event != 0) *event_err = event_record(event, stream);
+  return {};
+}
+
 std::string ipc_export(int device, std::uint64_t ptr, std::string* handle, std::uint64_t* base, std::uint64_t* size) {
   DeviceScope scope(device);
   if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());

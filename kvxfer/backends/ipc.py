@@ -448,16 +448,17 @@ class IpcBackend(Backend):
             self._peer_bell_cache[data] = bell
         return bell
 
-    def _ring_bell(self, job: _Active, rows: int) -> None:
-        """Queue the store into the passive end's doorbell word, after the job's kernels, if
-        every row of its hint is being copied (the doorbell means DELIVERED, all rows). A ring
-        that cannot be opened or written costs only the doorbell: the record still goes."""
+    def _bell_target(self, job: _Active, rows: int) -> tuple[int, int]:
+        """(address, value) of the store into the passive end's doorbell word, queued after the
+        job's kernels; (0, 0) for none. Only when every row of its hint is being copied (the
+        doorbell means DELIVERED, all rows). A ring that cannot be opened costs only the
+        doorbell: the record still goes."""
         if job.bell is None or job.failure is not None or rows != sum(len(g) for g in job.hint.groups):
-            return
+            return 0, 0
         token = self._frame_token(job)
         path, slot = job.bell
         if token is None or path in self._bad_bells:
-            return
+            return 0, 0
         try:
             with self._map_lock:
                 ring = self._mappings.acquire(job.hint.endpoint, bell_export(path), self._bell_opener)
@@ -465,12 +466,9 @@ class IpcBackend(Backend):
             log.info("IPC backend %s: peer %r's doorbell ring is unusable (%s); sockets only", self.name,
                      job.hint.agent, exc)
             self._bad_bells.add(path)
-            return
+            return 0, 0
         job.mappings.append(ring)
-        try:
-            self._native.stream_write_word(self.device, self._stream, ring.base + 8 * slot, bell_value(token))
-        except self._native.CopyError as exc:
-            log.info("IPC backend %s: doorbell store failed (%s); the record still goes", self.name, exc)
+        return ring.base + 8 * slot, bell_value(token)
 
     def _delivered_frame(self, job: _Active) -> bytes | None:
         """What tells the passive end that every row of its hint is in place: 20 bytes when it
@@ -600,23 +598,26 @@ class IpcBackend(Backend):
         return self._ring.words, slots
 
     def _check_bells(self) -> None:
-        """Conclude the waits whose doorbell rang. A word holding no wait's value (a store of
-        an earlier transfer of that slot, or anything else) is cleared and ignored: the
-        socket record still ends its wait."""
-        words, slots = self._bell_watch()
-        if words is None or slots is None:
+        """Conclude the waits whose doorbell rang (first: the bookkeeping after). A word holding
+        no wait's value (a store of an earlier transfer of that slot, or anything else) is
+        cleared and ignored: the socket record still ends its wait."""
+        ring, slots = self._ring, self._bell_slots
+        if ring is None:
             return
-        assert self._ring is not None
-        for _slot, value in self._ring.take(slots):
+        if slots is None:
+            slots = self._bell_watch()[1]
+            if slots is None:
+                return
+        for _slot, value in ring.take(slots):
+            wait = self._by_bell.get(value)
+            if wait is None:
+                continue
+            self._on_token(wait.token)
+            self.bells_rung += 1
             with self._jobs_lock:
-                wait = self._by_bell.get(value)
-                if wait is None:
-                    continue
                 self._answered[wait.token] = None  # its record will follow: dropped then
                 while len(self._answered) > _EARLY_KEPT:
                     self._answered.popitem(last=False)
-            self.bells_rung += 1
-            self._on_token(wait.token)
 
     def _on_frame(self, frame: bytes) -> None:
         if len(frame) == len(DONE_PREFIX) + _TOKEN_BYTES and frame.startswith(DONE_PREFIX):
@@ -766,12 +767,72 @@ class IpcBackend(Backend):
     # --- copies -------------------------------------------------------------------------
     def _launch(self, job: _Active) -> None:
         """Queue the job's kernels and its event (caller's thread, under _launch_lock). Every
-        outcome is left to the progress thread, which finishes jobs in launch order."""
+        outcome is left to the progress thread, which finishes jobs in launch order. The last
+        kernel, the doorbell store and the event go in one native call (cuda_copy_rows_then):
+        on a small transfer each call through the binding costs microseconds on a cold core."""
         copied: list[tuple[int, GroupMatch, int]] = []  # (group, match, rows) whose kernel is queued
-        if job.hint.endpoint in self._gone:
-            job.failure = f"peer {job.hint.agent!r} is gone"
+        plan = self._plan_launches(job)
+        if not plan:
             self._set_masks(job, copied)
             return
+        event, event_error = self._take_event()
+        bell_ptr, bell_value = self._bell_target(job, sum(n for _, _, n, _, _ in plan))
+        recorded = False
+        for k, (gi, match, n, src, dst) in enumerate(plan):
+            row = match.local.region.slot_bytes
+            try:
+                # Slot bounds were checked already: ours by check_view, the peer's by HintGroup
+                # (and its region against the exported allocation), so the kernel is told -1.
+                if k == len(plan) - 1 and event:
+                    bell_error, error = self._native.cuda_copy_rows_then(
+                        src[0], row, src[1], dst[0], row, dst[1], n, row, self._stream, self.device,
+                        bell_ptr, bell_value, event)
+                    if bell_error:
+                        log.info("IPC backend %s: doorbell store failed (%s); the record still goes", self.name,
+                                 bell_error)
+                    recorded, event_error = not error, error or None
+                else:
+                    self._native.cuda_copy_rows(src[0], row, src[1], dst[0], row, dst[1], n, row, self._stream,
+                                                self.device, -1, -1)
+            except (self._native.CopyError, MemoryError, RuntimeError) as exc:
+                # A large copy goes in chunks: some may be queued already. The job waits for
+                # an event like any other before anything is reported (their rows stay False).
+                job.failure = f"row copy launch failed: {exc}"
+                job.launched = True
+                break
+            job.nbytes += n * row
+            job.launched = True
+            copied.append((gi, match, n))
+        if event and not recorded and event_error is None:
+            try:
+                self._native.event_record(event, self._stream)
+                recorded = True
+            except self._native.CopyError as exc:
+                event_error = str(exc)
+        if recorded:
+            job.event = event
+        else:
+            # Without an event we cannot tell when the kernels end: wait for the whole stream.
+            if event:
+                try:
+                    self._native.event_destroy(event)
+                except self._native.CopyError:
+                    pass
+            job.failure = f"cannot record a completion event: {event_error}"
+            try:
+                self._native.stream_synchronize(self._stream)
+            except self._native.CopyError as sync_exc:
+                job.failure = f"the copy stream failed: {sync_exc}"
+                copied = []
+        self._set_masks(job, copied)
+
+    def _plan_launches(self, job: _Active) -> list[tuple[int, GroupMatch, int, tuple, tuple]]:
+        """(group, match, rows, src, dst) of each kernel to queue, with the peer's mappings
+        acquired (held by the job); job.failure says why fewer rows than asked will move."""
+        plan: list[tuple[int, GroupMatch, int, tuple, tuple]] = []
+        if job.hint.endpoint in self._gone:
+            job.failure = f"peer {job.hint.agent!r} is gone"
+            return plan
         total = sum(m.local_rows.size for m in job.matches if m.peer is not None)
         budget = total if self.fail_after_rows is None else min(total, self.fail_after_rows)
         if budget < total:
@@ -788,56 +849,26 @@ class IpcBackend(Backend):
                 job.failure = f"cannot map the peer's region {peer.region!r}: {exc}"
                 break
             job.mappings.append(mapping)
-            row = match.local.region.slot_bytes
-            peer_base = mapping.translate(peer.address, row * peer.region_slots)
+            peer_base = mapping.translate(peer.address, match.local.region.slot_bytes * peer.region_slots)
             if peer_base is None:
                 job.failure = f"peer region {peer.region!r} lies outside its mapped allocation"
                 break
             local = match.local.region
             local_slots, peer_slots = match.local_slots[:n], match.peer_slots[:n]
             if job.writes_peer:
-                src = (local.address, local_slots, local.slots)
-                dst = (peer_base, peer_slots, peer.region_slots)
+                src, dst = (local.address, local_slots), (peer_base, peer_slots)
             else:
-                src = (peer_base, peer_slots, peer.region_slots)
-                dst = (local.address, local_slots, local.slots)
-            try:
-                # Slot bounds were checked already: ours by check_view, the peer's by HintGroup
-                # (and its region against the exported allocation), so the kernel is told -1.
-                self._native.cuda_copy_rows(src[0], row, src[1], dst[0], row, dst[1], n, row, self._stream,
-                                            self.device, -1, -1)
-            except (self._native.CopyError, MemoryError, RuntimeError) as exc:
-                # A large copy goes in chunks: some may be queued already. The job waits for
-                # an event like any other before anything is reported (their rows stay False).
-                job.failure = f"row copy launch failed: {exc}"
-                job.launched = True
-                break
+                src, dst = (peer_base, peer_slots), (local.address, local_slots)
+            plan.append((gi, match, n, src, dst))
             budget -= n
-            job.nbytes += n * row
-            job.launched = True
-            copied.append((gi, match, n))
-        if not job.launched:
-            self._set_masks(job, copied)
-            return
-        self._ring_bell(job, sum(n for _, _, n in copied))
+        return plan
+
+    def _take_event(self) -> tuple[int, str | None]:
+        """A completion event (recycled, or new) and None; or 0 and why none could be made."""
         try:
-            job.event = self._events.pop() if self._events else self._native.event_create(self.device)
-            self._native.event_record(job.event, self._stream)
+            return (self._events.pop() if self._events else self._native.event_create(self.device)), None
         except self._native.CopyError as exc:
-            # Without an event we cannot tell when the kernels end: wait for the whole stream.
-            if job.event:
-                try:
-                    self._native.event_destroy(job.event)
-                except self._native.CopyError:
-                    pass
-            job.event = 0
-            job.failure = f"cannot record a completion event: {exc}"
-            try:
-                self._native.stream_synchronize(self._stream)
-            except self._native.CopyError as sync_exc:
-                job.failure = f"the copy stream failed: {sync_exc}"
-                copied = []
-        self._set_masks(job, copied)
+            return 0, str(exc)
 
     @staticmethod
     def _set_masks(job: _Active, copied: list[tuple[int, GroupMatch, int]]) -> None:

@@ -191,6 +191,21 @@ def cuda_copy_rows(src_base: int, src_stride: int, src_index: Any, dst_base: int
     _enqueue(stream, copy)
 
 
+def cuda_copy_rows_then(src_base: int, src_stride: int, src_index: Any, dst_base: int, dst_stride: int,
+                        dst_index: Any, n_rows: int, row_bytes: int, stream: int, device: int, bell_ptr: int,
+                        bell_value: int, event: int) -> tuple[str, str]:
+    cuda_copy_rows(src_base, src_stride, src_index, dst_base, dst_stride, dst_index, n_rows, row_bytes, stream, device)
+    errors = ["", ""]
+    for i, (wanted, call) in enumerate(((bell_ptr, lambda: stream_write_word(device, stream, bell_ptr, bell_value)),
+                                         (event, lambda: event_record(event, stream)))):
+        if wanted:
+            try:
+                call()
+            except CopyError as exc:
+                errors[i] = str(exc)
+    return errors[0], errors[1]
+
+
 def _index(index: Any) -> Any:
     return None if index is None else np.array(index, dtype=np.int64, copy=True)
 

@@ -16,7 +16,7 @@ import pytest
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_bells import BELL_BYTES, EXTRA_BELL, parse_bell
 from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
-from kvxfer.contract import Delivered, Hint, InvalidSubmission, TransferMode
+from kvxfer.contract import Delivered, Failed, Hint, InvalidSubmission, TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.ipc_scenarios import close_all, doorbells_conclude_waits, views
 
@@ -132,3 +132,54 @@ def test_shutdown_removes_the_ring() -> None:
         assert local.shutdown() == frozenset()
         memory.close()
     assert not os.path.exists(path)
+
+
+def _one_push(local: IpcBackend, peer: ChildPeer, memory: DeviceRows, seed: int, fill: bytes) -> tuple:
+    lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, seed, f"r{seed}")
+    memory.write("L0", ls, fill * 256 * 8)
+    hint = peer.describe(pv)
+    handle = peer.start("fetch", pv, local.describe(lv))
+    attempt = local.publish(lv, hint)
+    assert attempt.wait(10)
+    theirs, quiet = peer.result(handle, 10)
+    return attempt.poll(), theirs, quiet, peer.read("P0", ps)
+
+
+def test_an_event_that_cannot_be_recorded_fails_the_push_by_name_after_the_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The event goes in the same native call as the last kernel and the doorbell store. If it
+    # cannot be recorded, the stream is drained and the copied rows are reported as such.
+    def refuse(*args: object) -> None:
+        raise host_cuda.CopyError("cudaEventRecord: cudaErrorInvalidResourceHandle")
+
+    monkeypatch.setattr(host_cuda, "event_record", refuse)  # this process only: the publisher
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        mine, theirs, quiet, landed = _one_push(local, peer, memory, 4, b"\x09")
+        assert isinstance(mine, Failed) and "cannot record a completion event" in mine.reason, mine
+        assert all(m.all() for m in mine.masks), "the stream was drained: every queued row is in place"
+        assert theirs is not None and all(m.all() for m in theirs.masks) and quiet
+        assert landed == b"\x09" * 256 * 8
+    finally:
+        close_all(local, [peer], memory)
+
+
+def test_a_last_kernel_that_cannot_be_queued_rings_no_doorbell(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> tuple[str, str]:
+        raise host_cuda.CopyError("launching the row copy kernel: cudaErrorLaunchOutOfResources")
+
+    monkeypatch.setattr(host_cuda, "cuda_copy_rows_then", refuse)
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        mine, theirs, quiet, landed = _one_push(local, peer, memory, 5, b"\x0a")
+        assert isinstance(mine, Failed) and "row copy launch failed" in mine.reason, mine
+        assert isinstance(theirs, Failed) and not any(m.any() for m in theirs.masks) and quiet, theirs
+        assert landed == bytes(256 * 8) and peer.bells_rung() == 0
+    finally:
+        close_all(local, [peer], memory)
