@@ -612,8 +612,8 @@ class IpcBackend(Backend):
             wait = self._by_bell.get(value)
             if wait is None:
                 continue
+            self.bells_rung += 1  # before the outcome: whoever sees it concluded sees it counted
             self._on_token(wait.token)
-            self.bells_rung += 1
             with self._jobs_lock:
                 self._answered[wait.token] = None  # its record will follow: dropped then
                 while len(self._answered) > _EARLY_KEPT:
