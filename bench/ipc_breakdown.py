@@ -1,7 +1,7 @@
 """Where an IpcBackend push spends its time, step by step (a diagnostic for the GPU machine).
 
     python bench/ipc_breakdown.py [--cases 262144x4096,16384x65536,32x65536] [--reps 5] [--small-reps 200]
-                                  [--emulated] [--busy-poll] [--hot-us N]
+                                  [--emulated] [--busy-poll]
 
 The publisher is an IpcBackend here; the fetcher an IpcBackend in a child process
 (``ipc_pair.ChildPeer``). Both processes wrap the backend's steps (checks, row matching,
@@ -9,8 +9,6 @@ launch, the native call, record encoding and decoding, finishing) with CLOCK_MON
 stamps, which the two processes share. Each line is the median over the repetitions of a
 step's stamp, in microseconds since the publish() call. The wrappers cost time themselves
 (tens of microseconds per request on a slow host): read differences, not the total.
-``--hot-us N`` keeps the publishing thread busy for N microseconds before each publish (an
-owner thread that was running, as a serving loop's is, rather than woken from a wait).
 ``--busy-poll`` makes the decode end busy-poll, with its doorbell (``ipc_bells``).
 ``--emulated`` runs both ends over kvxfer.testing.host_cuda (no GPU): the control path's
 Python costs on any machine; its copies are host memcpy, so those steps say nothing of a GPU.
@@ -61,10 +59,10 @@ class _TimedNative:
         _stamp("native<")
         return out
 
-    def stream_write_word(self, *args: Any) -> Any:
-        _stamp("bell>")
-        out = self._module.stream_write_word(*args)
-        _stamp("bell<")
+    def cuda_copy_rows_then(self, *args: Any) -> Any:  # the last kernel, the doorbell store and the event
+        _stamp("native_then>")
+        out = self._module.cuda_copy_rows_then(*args)
+        _stamp("native_then<")
         return out
 
     def event_query(self, event: int) -> bool:
@@ -106,21 +104,20 @@ def serve_instrumented(conn: Any, spec: Any) -> None:
     _ORIGINAL_SERVE(conn, spec)
 
 
-def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False, busy_poll: bool = False,
-        hot_us: int = 0) -> None:
+def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False, busy_poll: bool = False) -> None:
     slots = rows + rows // 4
     samples: list[dict[str, int]] = []
     pair._serve = serve_instrumented  # the spawned child runs this module's function
     try:
         with pair.push_pair(row, slots, emulated, busy_poll) as (peer, memory, local):
-            _sample(peer, memory, local, slots, rows, reps, warmup, samples, hot_us)
+            _sample(peer, memory, local, slots, rows, reps, warmup, samples)
     finally:
         pair._serve = _ORIGINAL_SERVE
     _report(samples, row, rows, emulated)
 
 
 def _sample(peer: Any, memory: Any, local: Any, slots: int, rows: int, reps: int, warmup: int,
-            samples: list[dict[str, int]], hot_us: int = 0) -> None:
+            samples: list[dict[str, int]]) -> None:
     rng = np.random.default_rng(1)
     for i in range(reps + warmup):
         lv = pair.one_group_view(memory.regions[0], rng.permutation(slots)[:rows].astype(np.int64), f"r{i}")
@@ -130,9 +127,6 @@ def _sample(peer: Any, memory: Any, local: Any, slots: int, rows: int, reps: int
         peer._call("stamps")
         STAMPS.clear()
         woke: list[int] = []
-        busy_until = time.perf_counter() + hot_us / 1e6
-        while time.perf_counter() < busy_until:
-            pass
         _stamp("t0")
         attempt = local.publish(lv, hint, lambda w=woke: w.append(time.monotonic_ns()))
         _stamp("publish_ret")
@@ -171,13 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-reps", type=int, default=200, help="repetitions of smaller cases")
     ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
     ap.add_argument("--busy-poll", action="store_true", help="the decode end busy-polls (and offers its doorbell)")
-    ap.add_argument("--hot-us", type=int, default=0, help="keep the publishing thread busy this long before each publish")
     args = ap.parse_args(argv)
     instrument()
     for case in args.cases.split(","):
         rows, row = (int(x) for x in case.split("x"))
         run(row, rows, args.reps if rows > 1000 else args.small_reps, emulated=args.emulated,
-            busy_poll=args.busy_poll, hot_us=args.hot_us)
+            busy_poll=args.busy_poll)
     return 0
 
 

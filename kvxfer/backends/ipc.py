@@ -55,6 +55,7 @@ import numpy as np
 from kvxfer import native
 from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
 from kvxfer.backends.ipc_bells import (
+    BELL_WORDS,
     EXTRA_BELL,
     BellOpener,
     BellRing,
@@ -252,7 +253,7 @@ class IpcBackend(Backend):
         self.name = self._channel.path  # the agent name is the socket path: records can be answered
         self._mappings = Mappings(self._native, device)
         self._bell_opener = BellOpener(cuda, device)
-        self._peer_bell_cache: dict[bytes, tuple[str, int]] = {}  # EXTRA_BELL -> (path, slot)
+        self._peer_bell_paths: dict[bytes, str] = {}  # EXTRA_BELL past its slot -> the ring's path, checked
         self._bad_bells: set[str] = set()  # peers' rings that could not be opened: sockets only
         self._ring: BellRing | None = None  # ours, made at the first describe() (doorbell only)
         self._by_bell: dict[int, _Passive] = {}
@@ -437,16 +438,19 @@ class IpcBackend(Backend):
         data = hint.extra(EXTRA_BELL)
         if data is None:
             return None
-        bell = self._peer_bell_cache.get(data)  # a peer's hints repeat its ring (and slots)
-        if bell is None:
-            try:
-                bell = parse_bell(data)
-            except ValueError as exc:
-                raise InvalidSubmission(str(exc)) from exc
-            if len(self._peer_bell_cache) >= 4096:
-                self._peer_bell_cache.clear()
-            self._peer_bell_cache[data] = bell
-        return bell
+        path = self._peer_bell_paths.get(data[4:])  # a peer's hints repeat its ring's path
+        if path is not None:
+            slot = int.from_bytes(data[:4], "little")
+            if slot < BELL_WORDS:
+                return path, slot
+        try:
+            path, slot = parse_bell(data)
+        except ValueError as exc:
+            raise InvalidSubmission(str(exc)) from exc
+        if len(self._peer_bell_paths) >= 1024:
+            self._peer_bell_paths.clear()
+        self._peer_bell_paths[data[4:]] = path
+        return path, slot
 
     def _bell_target(self, job: _Active, rows: int) -> tuple[int, int]:
         """(address, value) of the store into the passive end's doorbell word, queued after the

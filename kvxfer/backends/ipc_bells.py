@@ -53,7 +53,7 @@ BELL_BYTES = 8 * BELL_WORDS
 BELL_DIR = "/dev/shm"
 _PREFIX = "kvxfer-bell-"
 _NAME = re.compile(r"kvxfer-bell-(\d+)-[0-9a-f]{12}")
-_SLOT = struct.Struct("<I")  # then the ring's path, utf-8
+_SLOT = struct.Struct("<I")  # then the ring's path, utf-8 (IpcBackend._peer_bell reads the slot so too)
 _HANDLE_TAG = b"bell:"  # an Export's handle is the path: never equal to a 64-byte CUDA IPC handle
 
 

@@ -53,8 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("latency and host overhead")
     m.add_argument("--latency-rows", help="rows per small request, e.g. 1,32")
     m.add_argument("--latency-samples", type=int, help="timed samples per latency figure")
-    m.add_argument("--latency-owner-busy-us", type=int,
-                   help="the publishing thread runs this long before each timed call (default 0: it was waiting)")
     m.add_argument("--no-latency", action="store_true")
     m.add_argument("--overhead-rows", help="rows per submission, e.g. 1k,10k,100k")
     m.add_argument("--no-overhead", action="store_true")
@@ -103,12 +101,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cfg = dataclasses.replace(cfg, throughput=())
     if args.no_latency:
         cfg = dataclasses.replace(cfg, latency=None)
-    elif args.latency_rows or args.latency_samples or args.latency_owner_busy_us is not None:
+    elif args.latency_rows or args.latency_samples:
         lat = cfg.latency or LatencySweep()
         cfg = dataclasses.replace(cfg, latency=dataclasses.replace(
             lat, rows=parse_ints(args.latency_rows, "--latency-rows") if args.latency_rows else lat.rows,
-            samples=args.latency_samples or lat.samples,
-            owner_busy_us=lat.owner_busy_us if args.latency_owner_busy_us is None else args.latency_owner_busy_us))
+            samples=args.latency_samples or lat.samples))
     if args.no_overhead:
         cfg = dataclasses.replace(cfg, overhead=None)
     elif args.overhead_rows:

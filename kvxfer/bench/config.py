@@ -149,10 +149,6 @@ class LatencySweep:
     slots: str = "scattered"
     samples: int = 300
     warmup: int = 30
-    # The publishing thread runs (spins) this long before each timed call, as a serving loop's
-    # thread that just drove its forward pass does; 0: it comes straight from a blocking wait,
-    # on a core that may have gone idle (two-process cases; see TwoProcessCase.latency).
-    owner_busy_us: int = 0
 
     def __post_init__(self) -> None:
         _choices(self.directions, DIRECTIONS, "latency directions")
@@ -160,8 +156,6 @@ class LatencySweep:
         _choices((self.slots,), SLOT_PATTERNS, "latency slots")
         if self.samples < 2 or self.warmup < 0:
             raise ConfigError("latency samples must be >= 2 and warmup >= 0")
-        if not 0 <= self.owner_busy_us <= 100_000:
-            raise ConfigError(f"latency owner_busy_us must be in [0, 100000], got {self.owner_busy_us}")
 
     def points(self) -> list[Point]:
         return [Point(d, m, self.slots, self.row_bytes, r, 1)

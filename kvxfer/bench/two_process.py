@@ -98,14 +98,6 @@ def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:
                 stamps_outcome=True)
 
 
-def _run_for(us: int) -> None:
-    """Keep this thread running for ``us`` microseconds (a serving loop's thread arrives at
-    publish() running; one woken from a wait may find its core in a sleep state)."""
-    end = time.perf_counter_ns() + us * 1000
-    while time.perf_counter_ns() < end:
-        pass
-
-
 def _view(regions: tuple[SlotRegion, ...] | list[SlotRegion], slots: list[np.ndarray], rows: int,
           request: str = "bench") -> View:
     groups = tuple(LayerGroupRows(f"g{i}", CacheKind.PAGED, r, slots[i], np.arange(rows, dtype=np.int64))
@@ -254,7 +246,6 @@ class TwoProcessCase:
                     # publishing while the child still handles the registration times that too.
                     peer.ping()
                     watch = Watch()  # an owner waits for its wake callback: polling here took the GIL every 0.2 ms
-                    _run_for(sweep.owner_busy_us)
                     t0 = time.monotonic_ns()
                     attempt = local.publish(v_local, h_peer, wake=watch)
                     watch.bind(attempt)
@@ -281,7 +272,7 @@ class TwoProcessCase:
         if left:
             raise RuntimeError(f"{left} attempts were not quiesced at shutdown")
         return latency_measurement(Timing(tuple(samples)), {
-            **self.kind.facts, "verified": True, "owner_busy_us": sweep.owner_busy_us,
+            **self.kind.facts, "verified": True,
             "measured": "publish call to decode outcome visible (decode end in a second process)"})
 
     def overhead(self, point: Point, sweep: OverheadSweep) -> Measurement:

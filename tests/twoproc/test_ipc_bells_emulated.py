@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc_bells import BELL_BYTES, EXTRA_BELL, parse_bell
+from kvxfer.backends.ipc_bells import BELL_BYTES, BELL_WORDS, EXTRA_BELL, parse_bell
 from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import Delivered, Failed, Hint, InvalidSubmission, TransferMode
 from kvxfer.testing import host_cuda
@@ -56,7 +56,10 @@ def test_a_malformed_doorbell_is_refused_by_name_and_nothing_moves() -> None:
         memory.write("L0", ls, b"\x07" * 256 * 8)
         hint = peer.describe(pv)
         local.describe(lv)
+        ring_path = (hint.extra(EXTRA_BELL) or b"")[4:]
+        assert local._peer_bell(hint) is not None  # the ring's path is now known: only the slot is read
         for bad, named in ((b"\x01", "too short"), ((5000).to_bytes(4, "little") + b"/dev/shm/x", "word 5000"),
+                           ((BELL_WORDS).to_bytes(4, "little") + ring_path, f"word {BELL_WORDS}"),
                            ((1).to_bytes(4, "little") + b"/home/user/.bashrc", "not a kvxfer doorbell ring")):
             with pytest.raises(InvalidSubmission, match=named):
                 local.publish(lv, _with_bell(hint, bad))

@@ -69,15 +69,6 @@ def test_sweep_refuses_bad_dimensions(kwargs: dict, what: str) -> None:
 def test_latency_sweep_validates_samples() -> None:
     with pytest.raises(ConfigError, match="samples"):
         LatencySweep(samples=1)
-    with pytest.raises(ConfigError, match="owner_busy_us"):
-        LatencySweep(owner_busy_us=-1)
-
-
-def test_cli_sets_how_long_the_publishing_thread_runs_before_each_timed_call() -> None:
-    args = cli.build_parser().parse_args(["--preset", "gpu", "--latency-owner-busy-us", "200"])
-    cfg = cli.config_from_args(args)
-    assert cfg.latency is not None and cfg.latency.owner_busy_us == 200
-    assert cfg.latency.rows == preset("gpu").latency.rows  # the rest of the sweep is the preset's
 
 
 @pytest.mark.parametrize("name", PRESETS, ids=[f"preset_{p}" for p in PRESETS])
