@@ -79,7 +79,8 @@ def test_latency_is_refused_where_nobody_stamps_the_decode_outcome(case):  # typ
         case.latency(Point("push", "host", "scattered", 4096, 8, 1), sweep)
 
 
-def test_ipc_breakdown_script_runs_emulated():  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("busy_poll", [False, True], ids=["sockets", "doorbell"])
+def test_ipc_breakdown_script_runs_emulated(busy_poll):  # type: ignore[no-untyped-def]
     """bench/ipc_breakdown.py stamps the backend's steps by name: renaming one of them must
     fail here, on CPU, not on the GPU machine."""
     import subprocess
@@ -87,11 +88,14 @@ def test_ipc_breakdown_script_runs_emulated():  # type: ignore[no-untyped-def]
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "bench" / "ipc_breakdown.py"
-    done = subprocess.run([sys.executable, str(script), "--emulated", "--cases", "32x4096", "--small-reps", "3"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(script), "--emulated", "--cases", "32x4096", "--small-reps", "3"]
+                          + (["--busy-poll"] if busy_poll else []), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     steps = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ")}
-    for step in ("check_submission<", "match_rows<", "native<", "event_done", "peer:_on_frame<", "peer_visible"):
+    # One group: its kernel, the doorbell store and the event go in one native call.
+    wanted = ["check_submission<", "match_rows<", "native_then<", "event_done", "peer_visible"]
+    wanted.append("peer:_check_bells<" if busy_poll else "peer:_on_frame<")
+    for step in wanted:
         assert step in steps, (step, done.stdout)
 
 
