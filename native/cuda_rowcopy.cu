@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <mutex>
 #include <vector>
+#include <unordered_map>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -90,6 +91,29 @@ struct Geometry {
   std::int64_t chunks_per_row;
 };
 
+// A doorbell rung by the copy kernel itself: the last block to finish stores `value` at `bell`
+// (page-locked host memory a waiting peer polls). `counter` is a word of device memory owned
+// by the stream (zero between kernels): each block counts itself done there, after a system
+// fence over its own stores, and the last one resets it and stores the value. bell == null:
+// no doorbell. Used for small copies, whose one launch is then the whole submission.
+struct Signal {
+  unsigned long long* bell;
+  unsigned long long value;
+  unsigned int* counter;
+};
+
+__device__ __forceinline__ void ring_if_last(const Signal& sig) {
+  if (sig.bell == nullptr) return;
+  __threadfence_system();  // this thread's row stores, before the block counts as done
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(sig.counter, 1u) == gridDim.x - 1) {
+    *sig.counter = 0;  // for the stream's next kernel, which starts after this one ends
+    __threadfence_system();
+    *reinterpret_cast<volatile unsigned long long*>(sig.bell) = sig.value;
+  }
+}
+
 __device__ __forceinline__ std::int64_t src_slot(const Indices& ix, std::int64_t r) {
   return ix.src ? __ldg(ix.src + r) : r;
 }
@@ -108,7 +132,7 @@ __device__ __forceinline__ std::int64_t dst_slot(const InlineIndices& ix, std::i
 // each) still keep U loads per thread in flight. The bytes of a row past its last whole
 // vector (the tail) are copied bytewise by the block holding the row's last chunk.
 template <int W, int U, typename Ix>
-__global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix) {
+__global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix, Signal sig) {
   using V = typename Vec<W>::T;
   const std::int64_t items = g.n_rows * g.chunks_per_row;
   for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * U; first < items;
@@ -143,6 +167,7 @@ __global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix) {
       for (std::int64_t b = g.body_bytes + threadIdx.x; b < g.row_bytes; b += kThreads) d[b] = s[b];
     }
   }
+  ring_if_last(sig);
 }
 
 int unroll_setting() {
@@ -155,22 +180,58 @@ int unroll_setting() {
 }
 
 template <int U, typename Ix>
-cudaError_t launch_u(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, std::int64_t items) {
+cudaError_t launch_u(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, std::int64_t items,
+                     const Signal& sig) {
   const std::int64_t grid = std::min<std::int64_t>((items + U - 1) / U, kMaxGrid);
   const dim3 blocks(static_cast<unsigned>(grid)), threads(kThreads);
   switch (width) {
-    case 16: rowcopy_kernel<16, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
-    case 8: rowcopy_kernel<8, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
-    case 4: rowcopy_kernel<4, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
-    default: rowcopy_kernel<1, U, Ix><<<blocks, threads, 0, stream>>>(g, ix); break;
+    case 16: rowcopy_kernel<16, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
+    case 8: rowcopy_kernel<8, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
+    case 4: rowcopy_kernel<4, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
+    default: rowcopy_kernel<1, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
   }
   return cudaGetLastError();
 }
 
 template <typename Ix>
-cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stream) {
+cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, const Signal& sig = Signal{}) {
   const std::int64_t items = g.n_rows * g.chunks_per_row;
-  return unroll_setting() == 8 ? launch_u<8>(width, g, ix, stream, items) : launch_u<4>(width, g, ix, stream, items);
+  return unroll_setting() == 8 ? launch_u<8>(width, g, ix, stream, items, sig)
+                               : launch_u<4>(width, g, ix, stream, items, sig);
+}
+
+// The per-stream block counter of Signal, made on first use and freed with the stream.
+std::mutex g_counters_mu;
+std::unordered_map<std::uint64_t, unsigned int*> g_counters;
+
+std::string stream_counter(int device, std::uint64_t stream, unsigned int** out) {
+  std::lock_guard<std::mutex> lock(g_counters_mu);
+  auto it = g_counters.find(stream);
+  if (it != g_counters.end()) {
+    *out = it->second;
+    return {};
+  }
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  unsigned int* counter = nullptr;
+  cudaError_t e = cudaMalloc(&counter, sizeof(unsigned int));
+  if (e != cudaSuccess) return fail("allocating a doorbell block counter", e);
+  e = cudaMemset(counter, 0, sizeof(unsigned int));
+  if (e != cudaSuccess) {
+    (void)cudaFree(counter);
+    return fail("clearing a doorbell block counter", e);
+  }
+  g_counters.emplace(stream, counter);
+  *out = counter;
+  return {};
+}
+
+void drop_stream_counter(std::uint64_t stream) {
+  std::lock_guard<std::mutex> lock(g_counters_mu);
+  auto it = g_counters.find(stream);
+  if (it == g_counters.end()) return;
+  (void)cudaFree(it->second);
+  g_counters.erase(it);
 }
 
 // Index staging: a pinned host buffer and a device buffer of the same size. A pageable
@@ -379,7 +440,22 @@ std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int 
 
 }  // namespace
 
+namespace {
+std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int device, std::uint64_t stream_handle,
+                             const Signal* sig, bool* rang);
+}  // namespace
+
 std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std::uint64_t stream_handle) {
+  bool rang = false;
+  return copy_rows_signal(p, indices_on_device, device, stream_handle, nullptr, &rang);
+}
+
+namespace {
+// copy_rows; with `sig`, a small copy (indices in the launch parameters) rings the doorbell
+// from its own kernel and *rang is set; other copies leave it to the caller.
+std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int device, std::uint64_t stream_handle,
+                             const Signal* sig, bool* rang) {
+  *rang = false;
   std::string err = check_plan(p);
   if (!err.empty() || p.n_rows == 0 || p.row_bytes == 0) return err;
   DeviceScope scope(device);
@@ -414,7 +490,8 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
     ix.has_dst = p.dst.index != nullptr;
     if (ix.has_src) std::memcpy(ix.src, p.src.index, sizeof(std::int64_t) * p.n_rows);
     if (ix.has_dst) std::memcpy(ix.dst, p.dst.index, sizeof(std::int64_t) * p.n_rows);
-    cudaError_t e = launch(width, g, ix, stream);
+    cudaError_t e = launch(width, g, ix, stream, sig != nullptr ? *sig : Signal{});
+    *rang = e == cudaSuccess && sig != nullptr;
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
   // Pinned host and device staging (see Staging): fill, upload, launch, then an event marks
@@ -455,6 +532,8 @@ std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std
   return err;
 }
 
+}  // namespace
+
 std::string versions(int* runtime, int* driver) {
   *runtime = 0;
   *driver = 0;
@@ -481,6 +560,7 @@ std::string stream_create(int device, std::uint64_t* out) {
 }
 
 std::string stream_destroy(std::uint64_t s) {
+  drop_stream_counter(s);  // the caller has drained the stream: no kernel reads it any more
   cudaError_t e = cudaStreamDestroy(reinterpret_cast<cudaStream_t>(s));
   return e == cudaSuccess ? std::string() : fail("cudaStreamDestroy", e);
 }
@@ -607,9 +687,17 @@ std::string stream_write_word(int device, std::uint64_t s, std::uint64_t device_
 std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t stream, std::uint64_t bell_ptr,
                            std::uint64_t bell_value, std::uint64_t event, std::string* bell_err,
                            std::string* event_err) {
-  std::string err = copy_rows(plan, false, device, stream);
+  Signal sig{reinterpret_cast<unsigned long long*>(bell_ptr), bell_value, nullptr};
+  bool rang = false;
+  if (bell_ptr != 0 && bell_ptr % 8 == 0 && plan.n_rows <= kInlineRows) {
+    std::string counter_err = stream_counter(device, stream, &sig.counter);
+    if (!counter_err.empty()) sig.bell = nullptr;  // the separate store below, then
+  } else {
+    sig.bell = nullptr;
+  }
+  std::string err = copy_rows_signal(plan, false, device, stream, sig.bell != nullptr ? &sig : nullptr, &rang);
   if (!err.empty()) return err;
-  if (bell_ptr != 0) *bell_err = stream_write_word(device, stream, bell_ptr, bell_value);
+  if (bell_ptr != 0 && !rang) *bell_err = stream_write_word(device, stream, bell_ptr, bell_value);
   if (event != 0) *event_err = event_record(event, stream);
   return {};
 }

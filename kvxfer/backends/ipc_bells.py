@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -139,6 +140,7 @@ def parse_bell(data: bytes) -> tuple[str, int]:
     return path, slot
 
 
+@functools.lru_cache(maxsize=256)  # one per peer ring: asked for at every transfer to it
 def bell_export(path: str) -> Export:
     """The ring as an Export, so that ``ipc_mappings`` opens it once per peer and closes it
     after quiescence like a device allocation."""

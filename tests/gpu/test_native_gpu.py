@@ -243,3 +243,44 @@ def test_concurrent_large_copies_share_no_helpers() -> None:
         t.join(60)
     assert not errors, errors
     assert got == want
+
+
+@pytest.mark.parametrize("n", [1, 8, 64, 65, 3000])  # the copy kernel rings up to 64 rows; a store after it beyond
+def test_copy_rows_then_rings_the_doorbell_after_every_row_and_again_next_time(n: int) -> None:
+    # The doorbell word must hold the value only once every row is in place, and a second
+    # copy on the same stream must ring again (the kernel's block counter is reset).
+    cuda = native.cuda_module()
+    row_bytes, slots = 4096, 4000
+    src = dev_space(slots, row_bytes, 0, seed=n)
+    word = np.zeros(1, dtype=np.uint64)
+    word_dev = cuda.host_register(0, word.ctypes.data, 8)
+    stream = cuda.stream_create(0)
+    event = cuda.event_create(0)
+    rng = np.random.default_rng(n)
+    try:
+        for round_ in range(2):
+            dst = torch.zeros(slots * row_bytes, dtype=torch.uint8, device="cuda")
+            s_ix = rng.permutation(slots)[:n].astype(np.int64)
+            d_ix = rng.permutation(slots)[:n].astype(np.int64)
+            word[0] = 0
+            bell_err, event_err = cuda.cuda_copy_rows_then(
+                src.data_ptr(), row_bytes, s_ix, dst.data_ptr(), row_bytes, d_ix, n, row_bytes, stream, 0,
+                word_dev, 1000 + round_, event)
+            assert bell_err == "" and event_err == ""
+            view = word.view(np.uint64)
+            deadline = 5_000_000
+            while view[0] == 0 and deadline:  # the CPU sees the store without any CUDA call
+                deadline -= 1
+            assert int(view[0]) == 1000 + round_, f"round {round_}: doorbell word {int(view[0])}"
+            # Read before waiting on anything of that stream (torch copies on its own stream, which
+            # our non-blocking one does not order): the rows must be in place once the word is.
+            seen = dst.cpu().numpy().tobytes()
+            cuda.event_synchronize(event)
+            want = oracle(src.cpu().numpy(), np.zeros(slots * row_bytes, np.uint8), 0, row_bytes, s_ix, 0,
+                          row_bytes, d_ix, row_bytes)
+            assert seen == want, f"round {round_}: rows missing when the doorbell rang"
+    finally:
+        cuda.stream_synchronize(stream)
+        cuda.event_destroy(event)
+        cuda.stream_destroy(stream)
+        cuda.host_unregister(0, word.ctypes.data)
