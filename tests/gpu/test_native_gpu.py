@@ -260,6 +260,7 @@ def test_copy_rows_then_rings_the_doorbell_after_every_row_and_again_next_time(n
     try:
         for round_ in range(2):
             dst = torch.zeros(slots * row_bytes, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()  # torch's stream is not ordered with ours
             s_ix = rng.permutation(slots)[:n].astype(np.int64)
             d_ix = rng.permutation(slots)[:n].astype(np.int64)
             word[0] = 0
