@@ -469,6 +469,8 @@ class IpcBackend(Backend):
         except (self._native.CopyError, OSError, RuntimeError) as exc:
             log.info("IPC backend %s: peer %r's doorbell ring is unusable (%s); sockets only", self.name,
                      job.hint.agent, exc)
+            if len(self._bad_bells) >= 1024:
+                self._bad_bells.clear()
             self._bad_bells.add(path)
             return 0, 0
         job.mappings.append(ring)
@@ -773,7 +775,8 @@ class IpcBackend(Backend):
         """Queue the job's kernels and its event (caller's thread, under _launch_lock). Every
         outcome is left to the progress thread, which finishes jobs in launch order. The last
         kernel, the doorbell store and the event go in one native call (cuda_copy_rows_then):
-        on a small transfer each call through the binding costs microseconds on a cold core."""
+        on a small transfer each call through the binding, and the Python between two calls,
+        costs microseconds."""
         copied: list[tuple[int, GroupMatch, int]] = []  # (group, match, rows) whose kernel is queued
         plan = self._plan_launches(job)
         if not plan:

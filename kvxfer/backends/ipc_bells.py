@@ -3,10 +3,11 @@ that busy-polls.
 
 An IpcBackend with ``busy_poll=True`` already spins on its sockets, but a socket still needs
 the active end's CPU between the copy and the peer: it must see the copy's event complete,
-then send the record, before the passive end can conclude. With a doorbell the active end
-queues, after its row kernels and on the same stream, one 8-byte store into the passive
-end's ring (``BellRing``), so the GPU itself says "every row is in place" the moment the
-copy ends, and the passive end's spin sees it without a system call. The record still
+then send the record, before the passive end can conclude. With a doorbell the GPU stores
+one 8-byte word into the passive end's ring (``BellRing``) once every row is in place: a
+small copy's kernel does it from its last block to finish, a larger copy's stream runs a
+one-thread kernel after its row kernels (``cuda_copy_rows_then``). The passive end's spin
+reads the word without a system call. The record still
 follows over the socket, as before: it is what carries partial masks, failures and cancels,
 and it covers a ring word that was missed (below).
 

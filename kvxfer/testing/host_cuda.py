@@ -34,6 +34,7 @@ from kvxfer import native
 from kvxfer.contract import MemoryKind
 
 HAS_CUDA = True
+DELAY_ENV = "KVXFER_HOST_CUDA_DELAY_S"  # seconds: deferred mode (see above); a spawned peer inherits it
 HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 
 _PROT_RW = 0x1 | 0x2
@@ -213,7 +214,7 @@ def _index(index: Any) -> Any:
 # --- streams and events -------------------------------------------------------------------
 def _delay_s() -> float:
     try:
-        return max(0.0, float(os.environ.get("KVXFER_HOST_CUDA_DELAY_S", "0") or 0))
+        return max(0.0, float(os.environ.get(DELAY_ENV, "0") or 0))
     except ValueError:
         return 0.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections.abc import Iterator
 
 import pytest
@@ -15,3 +16,5 @@ def no_child_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
     if "keeps_child" in request.fixturenames:
         return  # a module-scoped child is checked when its fixture ends
     assert live_children() == [], "a test left a peer child process running"
+    left = [p for p in mp.active_children() if p.name == "kvxfer-ipc-peer"]  # ipc_pair.ChildPeer's
+    assert not left, f"IPC peer processes left running: {left}"

@@ -4,8 +4,8 @@ that must not change what the waiter concludes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
@@ -20,14 +20,8 @@ from kvxfer.contract import Delivered, Failed, Hint, InvalidSubmission, Transfer
 from kvxfer.testing import host_cuda
 from kvxfer.testing.ipc_scenarios import close_all, doorbells_conclude_waits, views
 
-DELAY = "KVXFER_HOST_CUDA_DELAY_S"
+DELAY = host_cuda.DELAY_ENV  # deferred mode: copies land this long after queueing
 
-
-@pytest.fixture(autouse=True)
-def no_ipc_child_left() -> Iterator[None]:
-    yield
-    left = [p for p in mp.active_children() if p.name == "kvxfer-ipc-peer"]
-    assert not left, f"IPC peer processes left running: {left}"
 
 
 @pytest.mark.parametrize("delay", ["0", "0.003"], ids=["at-once", "in-flight"])
@@ -41,17 +35,42 @@ def test_without_doorbells_the_hint_names_none_and_records_end_the_wait() -> Non
     doorbells_conclude_waits(TransferMode.PUSH, cuda=host_cuda, doorbell=False)
 
 
+@contextlib.contextmanager
+def _pair(*, local_busy_poll: bool = False, child_busy_poll: bool = True) -> Iterator[tuple[IpcBackend, ChildPeer,
+                                                                                            DeviceRows]]:
+    """An IpcBackend here over 64 rows of 256 B, its peer in a child; everything closed after,
+    and no attempt left unquiesced."""
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=child_busy_poll))
+    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
+    local = IpcBackend("local", TransferMode.PUSH, busy_poll=local_busy_poll, cuda=host_cuda)
+    try:
+        local.register(memory.regions)
+        yield local, peer, memory
+    finally:
+        close_all(local, [peer], memory)
+
+
 def _with_bell(hint: Hint, data: bytes) -> Hint:
     extras = tuple((k, v) for k, v in hint.extras if k != EXTRA_BELL) + ((EXTRA_BELL, data),)
     return dataclasses.replace(hint, extras=extras)
 
 
+def _push(local: IpcBackend, peer: ChildPeer, memory: DeviceRows, seed: int, fill: bytes,
+          bell: bytes | None = None) -> tuple:
+    """One push of 8 rows into the child's fetch (its hint's doorbell replaced by ``bell``):
+    (our outcome, the child's, the child's quiescence, the bytes in the child's rows)."""
+    lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, seed, f"r{seed}")
+    memory.write("L0", ls, fill * 256 * 8)
+    hint = peer.describe(pv)
+    handle = peer.start("fetch", pv, local.describe(lv))
+    attempt = local.publish(lv, hint if bell is None else _with_bell(hint, bell))
+    assert attempt.wait(10)
+    theirs, quiet = peer.result(handle, 10)
+    return attempt.poll(), theirs, quiet, peer.read("P0", ps)
+
+
 def test_a_malformed_doorbell_is_refused_by_name_and_nothing_moves() -> None:
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
-    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
-    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
-    try:
-        local.register(memory.regions)
+    with _pair() as (local, peer, memory):
         lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, 1)
         memory.write("L0", ls, b"\x07" * 256 * 8)
         hint = peer.describe(pv)
@@ -64,42 +83,25 @@ def test_a_malformed_doorbell_is_refused_by_name_and_nothing_moves() -> None:
             with pytest.raises(InvalidSubmission, match=named):
                 local.publish(lv, _with_bell(hint, bad))
         assert peer.read("P0", ps) == bytes(256 * 8), "a refused publish wrote the peer's rows"
-    finally:
-        close_all(local, [peer], memory)
 
 
 def test_an_unusable_ring_costs_only_the_doorbell() -> None:
     # A well-formed name of a ring that does not exist (its maker died, say): the rows move
     # and the record ends the peer's wait as without doorbells.
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
-    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
-    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
-    try:
-        local.register(memory.regions)
+    missing = (9).to_bytes(4, "little") + b"/dev/shm/kvxfer-bell-1-000000000000"
+    with _pair() as (local, peer, memory):
         for i in range(2):
-            lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, i, f"r{i}")
-            memory.write("L0", ls, bytes([i + 3]) * 256 * 8)
-            hint = _with_bell(peer.describe(pv), (9).to_bytes(4, "little") + b"/dev/shm/kvxfer-bell-1-000000000000")
-            handle = peer.start("fetch", pv, local.describe(lv))
-            attempt = local.publish(lv, hint)
-            assert attempt.wait(10) and isinstance(attempt.poll(), Delivered)
-            theirs, quiet = peer.result(handle, 10)
-            assert isinstance(theirs, Delivered) and theirs.all_delivered and quiet
-            assert peer.read("P0", ps) == bytes([i + 3]) * 256 * 8
+            mine, theirs, quiet, landed = _push(local, peer, memory, i, bytes([i + 3]), bell=missing)
+            assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered and quiet
+            assert landed == bytes([i + 3]) * 256 * 8
         assert peer.bells_rung() == 0
-    finally:
-        close_all(local, [peer], memory)
 
 
 def test_a_foreign_value_in_the_word_is_cleared_and_does_not_end_the_wait() -> None:
     # This process waits (it fetches, busy-polling); the child publishes. A value that is not
     # the transfer's token, stored in its word before the copy, must neither conclude the
     # wait nor stop the real doorbell from doing so afterwards.
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
-    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
-    local = IpcBackend("local", TransferMode.PUSH, busy_poll=True, cuda=host_cuda)
-    try:
-        local.register(memory.regions)
+    with _pair(local_busy_poll=True, child_busy_poll=False) as (local, peer, memory):
         lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, 2)
         peer.write("P0", ps, b"\x05" * 256 * 8)
         own_hint = local.describe(lv)
@@ -119,8 +121,6 @@ def test_a_foreign_value_in_the_word_is_cleared_and_does_not_end_the_wait() -> N
         assert memory.read("L0", ls) == b"\x05" * 256 * 8
         assert local.bells_rung == 1
         del ring
-    finally:
-        close_all(local, [peer], memory)
 
 
 def test_shutdown_removes_the_ring() -> None:
@@ -137,17 +137,6 @@ def test_shutdown_removes_the_ring() -> None:
     assert not os.path.exists(path)
 
 
-def _one_push(local: IpcBackend, peer: ChildPeer, memory: DeviceRows, seed: int, fill: bytes) -> tuple:
-    lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, seed, f"r{seed}")
-    memory.write("L0", ls, fill * 256 * 8)
-    hint = peer.describe(pv)
-    handle = peer.start("fetch", pv, local.describe(lv))
-    attempt = local.publish(lv, hint)
-    assert attempt.wait(10)
-    theirs, quiet = peer.result(handle, 10)
-    return attempt.poll(), theirs, quiet, peer.read("P0", ps)
-
-
 def test_an_event_that_cannot_be_recorded_fails_the_push_by_name_after_the_copy(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The event goes in the same native call as the last kernel and the doorbell store. If it
@@ -156,18 +145,12 @@ def test_an_event_that_cannot_be_recorded_fails_the_push_by_name_after_the_copy(
         raise host_cuda.CopyError("cudaEventRecord: cudaErrorInvalidResourceHandle")
 
     monkeypatch.setattr(host_cuda, "event_record", refuse)  # this process only: the publisher
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
-    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
-    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
-    try:
-        local.register(memory.regions)
-        mine, theirs, quiet, landed = _one_push(local, peer, memory, 4, b"\x09")
+    with _pair() as (local, peer, memory):
+        mine, theirs, quiet, landed = _push(local, peer, memory, 4, b"\x09")
         assert isinstance(mine, Failed) and "cannot record a completion event" in mine.reason, mine
         assert all(m.all() for m in mine.masks), "the stream was drained: every queued row is in place"
         assert theirs is not None and all(m.all() for m in theirs.masks) and quiet
         assert landed == b"\x09" * 256 * 8
-    finally:
-        close_all(local, [peer], memory)
 
 
 def test_a_last_kernel_that_cannot_be_queued_rings_no_doorbell(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,14 +158,8 @@ def test_a_last_kernel_that_cannot_be_queued_rings_no_doorbell(monkeypatch: pyte
         raise host_cuda.CopyError("launching the row copy kernel: cudaErrorLaunchOutOfResources")
 
     monkeypatch.setattr(host_cuda, "cuda_copy_rows_then", refuse)
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True, busy_poll=True))
-    memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
-    local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
-    try:
-        local.register(memory.regions)
-        mine, theirs, quiet, landed = _one_push(local, peer, memory, 5, b"\x0a")
+    with _pair() as (local, peer, memory):
+        mine, theirs, quiet, landed = _push(local, peer, memory, 5, b"\x0a")
         assert isinstance(mine, Failed) and "row copy launch failed" in mine.reason, mine
         assert isinstance(theirs, Failed) and not any(m.any() for m in theirs.masks) and quiet, theirs
         assert landed == bytes(256 * 8) and peer.bells_rung() == 0
-    finally:
-        close_all(local, [peer], memory)

@@ -12,7 +12,6 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer import native
 from kvxfer.backends.ipc_bells import (
     BELL_BYTES,
     BELL_WORDS,
@@ -126,25 +125,3 @@ def test_a_new_ring_removes_rings_no_process_holds(tmp_path: pathlib.Path) -> No
         assert os.path.exists(live.path) and unrelated.exists()
     finally:
         live.close()
-
-
-@pytest.mark.parametrize("compiled", [True, False], ids=["native", "python-fallback"])
-def test_spin_poll_returns_when_a_watched_word_is_set(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not compiled:
-        monkeypatch.setattr(native, "_NATIVE", None)
-    elif native._NATIVE is None:
-        pytest.skip("kvxfer._native is not built")
-    r, w = os.pipe()
-    try:
-        words = np.zeros(8, dtype=np.uint64)
-        slots = np.array([2, 6], dtype=np.int64)
-        assert native.spin_poll([r], 0.01, words, slots) is False
-        words[4] = 1  # not watched
-        assert native.spin_poll([r], 0.01, words, slots) is False
-        words[6] = 3
-        assert native.spin_poll([r], 5.0, words, slots) is True
-        with pytest.raises(ValueError, match="slots must lie in"):
-            native.spin_poll([r], 0.01, words, np.array([8], dtype=np.int64))
-    finally:
-        os.close(r)
-        os.close(w)

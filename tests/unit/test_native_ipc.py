@@ -308,18 +308,40 @@ def test_channel_spin_sees_input_without_sleeping_and_leaves_the_gil_free() -> N
         b.close()
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["native", "python-fallback"])
-def test_spin_poll_returns_on_input_or_after_its_time(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not compiled:
+@pytest.fixture(params=[True, False], ids=["native", "python-fallback"])
+def spin_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """native.spin_poll through kvxfer._native, then through its Python fallback."""
+    if not request.param:
         monkeypatch.setattr(native, "_NATIVE", None)
     elif native._NATIVE is None:
         pytest.skip("kvxfer._native is not built")
+
+
+def test_spin_poll_returns_on_input_or_after_its_time(spin_impl: None) -> None:
     r, w = os.pipe()
     try:
         start = time.perf_counter()
         assert native.spin_poll([r], 0.02) is False and time.perf_counter() - start >= 0.02
         os.write(w, b"x")
         assert native.spin_poll([r], 5.0) is True
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_spin_poll_returns_when_a_watched_word_is_set(spin_impl: None) -> None:
+    # Doorbell words (kvxfer.backends.ipc_bells): watched ones end the spin, others do not.
+    r, w = os.pipe()
+    try:
+        words = np.zeros(8, dtype=np.uint64)
+        slots = np.array([2, 6], dtype=np.int64)
+        assert native.spin_poll([r], 0.01, words, slots) is False
+        words[4] = 1  # not watched
+        assert native.spin_poll([r], 0.01, words, slots) is False
+        words[6] = 3
+        assert native.spin_poll([r], 5.0, words, slots) is True
+        with pytest.raises(ValueError, match="slots must lie in"):
+            native.spin_poll([r], 0.01, words, np.array([8], dtype=np.int64))
     finally:
         os.close(r)
         os.close(w)
