@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-on-tcp", default="push", choices=[x.value for x in PullOnTcp],
                    help="nixl pull: the lanes are probed first; when the pull lane is TCP, route to push "
                         "(if push is faster), keep pull with a warning, or fail")
+    p.add_argument("--busy-poll", action="store_true",
+                   help="ipc: both workers spin while transfers wait; the decode worker offers a doorbell word "
+                        "that the copy kernel sets (one busy core each)")
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -226,6 +229,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
     if args.min_len > args.max_len:
         parser.error(f"--min-len {args.min_len} is over --max-len {args.max_len}")
+    if args.busy_poll and args.backend != "ipc":
+        parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     for flag in ("timeout", "startup_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -260,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
     worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
                    str(args.blocks), "--transfer-timeout", str(args.timeout), *model_args_list(args)]
-    config = {"backend": args.backend, "mode": args.mode, "mode_requested": requested_mode,
+    if args.busy_poll:
+        worker_args.append("--busy-poll")
+    config = {"backend": args.backend, "busy_poll": args.busy_poll, "mode": args.mode, "mode_requested": requested_mode,
               "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                    "pull": list(lanes.pull)},
               "lender": args.lender, "requests": args.requests,

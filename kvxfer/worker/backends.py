@@ -18,9 +18,13 @@ BACKENDS = ("nixl", "ipc", "loopback")
 
 def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
                  fabric: LoopbackFabric | None = None, device: int = 0, chunk_bytes: int | None = None,
-                 chunk_pause_s: float = 0.0) -> Backend:
+                 chunk_pause_s: float = 0.0, busy_poll: bool = False) -> Backend:
     """``chunk_bytes``/``chunk_pause_s`` tune NIXL's submission chunks (a chunk is the unit
-    that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way."""
+    that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way.
+    ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
+    doorbell (``kvxfer.backends.ipc_bells``), for the lowest small-transfer latency."""
+    if busy_poll and kind != "ipc":
+        raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
     if kind == "nixl":
         from kvxfer.backends.nixl import NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
 
@@ -30,7 +34,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 
-        return IpcBackend(name, mode, device=device, deadline_s=deadline_s)
+        return IpcBackend(name, mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll)
     if kind == "loopback":
         if fabric is None:
             raise ValueError("the loopback backend connects backends of one process only: pass a LoopbackFabric "

@@ -76,12 +76,15 @@ class WorkerConfig:
     chunk_bytes: int | None = None  # nixl: bytes per submission chunk (None: the backend's default)
     chunk_pause_s: float = 0.0      # nixl: pause between chunk posts (fault-injection tests)
     device: str = "cpu"             # where the pool lives (the model must be on the same device)
+    busy_poll: bool = False         # ipc: spin while transfers wait, and offer a doorbell (make_backend)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.lender not in ("inplace", "staging"):
             raise ValueError(f"lender must be 'inplace' or 'staging', got {self.lender!r}")
+        if self.busy_poll and self.backend != "ipc":
+            raise ValueError(f"busy_poll applies to the ipc backend only, not {self.backend!r}")
 
 
 def reason_label(outcome: Outcome | None, reason: str = "") -> str:
@@ -169,7 +172,8 @@ class Worker:
         backend_name = f"kvxfer-{self.name}" if cfg.backend != "nixl" else ""
         self.backend = make_backend(cfg.backend, cfg.mode, name=backend_name or _nixl_name(self.name),
                                     deadline_s=cfg.transfer_timeout_s, fabric=self._fabric,
-                                    chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s)
+                                    chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s,
+                                    busy_poll=cfg.busy_poll)
         self.backend.register(self.lender.regions)
 
     async def close(self) -> dict[str, int]:

@@ -82,7 +82,7 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
                           mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause,
-                          device=str(model.device))
+                          device=str(model.device), busy_poll=args.busy_poll)
     worker = Worker(config, model=model)
     await worker.start()
     server = HttpServer(make_handler(worker), args.host, args.port)
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nixl: bytes per submission chunk, the unit a partial delivery reports (0: default)")
     p.add_argument("--nixl-chunk-pause", type=float, default=0.0,
                    help="nixl: seconds between chunk posts (fault-injection tests kill a peer mid-transfer)")
+    p.add_argument("--busy-poll", action="store_true",
+                   help="ipc: a core spins while transfers wait, and a waiting end offers a doorbell word that the "
+                        "copy kernel sets (lowest small-transfer latency, one busy core)")
     p.add_argument("--no-prefix-cache", action="store_true", help="decode: do not share cached prompt blocks")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 avoids oversubscription)")
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
@@ -136,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.busy_poll and args.backend != "ipc":
+        parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
