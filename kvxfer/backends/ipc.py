@@ -561,6 +561,11 @@ class IpcBackend(Backend):
             # a sleep's granularity (or a driver callback's wake-up, measured slower on an
             # H200 host) would dominate a small transfer's latency.
             frames, gone = self._channel.wait(0.0 if busy or spun else IDLE_WAIT_S)
+            if frames and self._by_bell:
+                # A wait registered while we slept in wait() may have its doorbell and its
+                # record both here now: the doorbell is stored before the record is sent, so
+                # looking again first means it, not the record, ends the wait.
+                self._check_bells()
             for frame in frames:  # first: a peer's record is what a waiting owner needs soonest
                 self._on_frame(frame)
             gone += self._channel.flush()  # the rest of a record the owner thread began

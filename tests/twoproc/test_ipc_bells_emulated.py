@@ -163,3 +163,26 @@ def test_a_last_kernel_that_cannot_be_queued_rings_no_doorbell(monkeypatch: pyte
         assert isinstance(mine, Failed) and "row copy launch failed" in mine.reason, mine
         assert isinstance(theirs, Failed) and not any(m.any() for m in theirs.masks) and quiet, theirs
         assert landed == bytes(256 * 8) and peer.bells_rung() == 0
+
+
+def test_without_a_place_for_the_ring_the_waiter_uses_sockets_only(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    import functools
+
+    import kvxfer.backends.ipc as ipc_module
+    from kvxfer.backends.ipc_bells import BellRing
+
+    monkeypatch.setattr(ipc_module, "BellRing", functools.partial(BellRing, "/nonexistent/kvxfer-shm"))
+    with _pair(local_busy_poll=True, child_busy_poll=False) as (local, peer, memory):
+        lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, 3)
+        peer.write("P0", ps, b"\x06" * 256 * 8)
+        with caplog.at_level("WARNING", logger="kvxfer.backends.ipc"):
+            own_hint = local.describe(lv)
+        assert own_hint.extra(EXTRA_BELL) is None and not local.doorbell
+        assert any("no doorbell ring" in r.getMessage() for r in caplog.records)
+        attempt = local.fetch(lv, peer.describe(pv))
+        handle = peer.start("publish", pv, own_hint)
+        assert attempt.wait(10) and isinstance(attempt.poll(), Delivered) and attempt.poll().all_delivered
+        theirs, quiet = peer.result(handle, 10)
+        assert isinstance(theirs, Delivered) and quiet and local.bells_rung == 0
+        assert memory.read("L0", ls) == b"\x06" * 256 * 8
