@@ -141,7 +141,7 @@ def node_identity() -> bytes:
         return socket.gethostname().encode()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Active:
     """This end moves the bytes (push publisher, pull fetcher)."""
 
@@ -168,7 +168,7 @@ class _Active:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Passive:
     """The peer moves the bytes; this end waits for its completion record."""
 
@@ -866,7 +866,9 @@ class IpcBackend(Backend):
                 job.failure = f"peer region {peer.region!r} lies outside its mapped allocation"
                 break
             local = match.local.region
-            local_slots, peer_slots = match.local_slots[:n], match.peer_slots[:n]
+            local_slots, peer_slots = match.local_slots, match.peer_slots
+            if n < local_slots.size:  # a fault injected part way
+                local_slots, peer_slots = local_slots[:n], peer_slots[:n]
             if job.writes_peer:
                 src, dst = (local.address, local_slots), (peer_base, peer_slots)
             else:

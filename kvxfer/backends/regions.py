@@ -53,7 +53,8 @@ class RegionTable:
             raise InvalidSubmission(f"expected a View, got {type(view).__name__}")
         for group in view.groups:
             registered = self._regions.get(group.region.name)
-            if registered is None or registered != group.region:
+            # Usually the very object registered (a lender makes its regions once): no field compare.
+            if registered is None or (registered is not group.region and registered != group.region):
                 raise InvalidSubmission(
                     f"group {group.layer_group!r} rows lie in region {group.region.name!r}, which is not registered"
                 )

@@ -59,6 +59,9 @@ class TestRegionTable:
         table.check_view(view([1, 2], [0, 1]), for_fetch=True)
         with pytest.raises(InvalidSubmission, match="not registered"):
             table.check_view(view([1], [0], reg("x", 5000)), for_fetch=False)
+        with pytest.raises(InvalidSubmission, match="not registered"):  # the registered name, another span
+            table.check_view(view([1], [0], reg("a", 5000)), for_fetch=False)
+        table.check_view(view([1], [0], reg("a", 0)), for_fetch=False)  # an equal region, not the same object
         with pytest.raises(InvalidSubmission, match="outside"):
             table.check_view(view([10], [0]), for_fetch=False)
         with pytest.raises(InvalidSubmission, match="repeats an ordinal"):
