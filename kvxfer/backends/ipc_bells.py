@@ -30,7 +30,6 @@ and it covers a ring word that was missed (below).
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import functools
 import logging
@@ -46,6 +45,7 @@ from types import ModuleType
 import numpy as np
 
 from kvxfer.backends.ipc_mappings import Export
+from kvxfer.backends.shm_map import map_shared, unmap
 
 log = logging.getLogger(__name__)
 
@@ -148,14 +148,6 @@ def bell_export(path: str) -> Export:
     return Export(_HANDLE_TAG + path.encode(), 0, BELL_BYTES)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
 class BellOpener:
     """Maps a peer's ring and page-locks it for the device (``ipc_mappings.Opener``)."""
 
@@ -174,15 +166,13 @@ class BellOpener:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != BELL_BYTES:
                 raise OSError(f"doorbell ring {path!r} is not a {BELL_BYTES}-byte file of this user")
-            host = _libc.mmap(None, BELL_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-            if host is None or host == _MAP_FAILED:
-                raise OSError(ctypes.get_errno(), f"mmap of {path!r}: {os.strerror(ctypes.get_errno())}")
+            host = map_shared(fd, BELL_BYTES)
         finally:
             os.close(fd)
         try:
             device = int(self._native.host_register(self._device, host, BELL_BYTES))
         except BaseException:
-            _libc.munmap(host, BELL_BYTES)
+            unmap(host, BELL_BYTES)
             raise
         self._host[device] = host
         return device
@@ -192,7 +182,7 @@ class BellOpener:
         try:
             self._native.host_unregister(self._device, host)
         finally:
-            _libc.munmap(host, BELL_BYTES)
+            unmap(host, BELL_BYTES)
 
 
 def _sweep(directory: str) -> None:

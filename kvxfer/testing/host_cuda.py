@@ -31,19 +31,13 @@ from typing import Any
 import numpy as np
 
 from kvxfer import native
+from kvxfer.backends.shm_map import map_shared, unmap
 from kvxfer.contract import MemoryKind
 
 HAS_CUDA = True
 DELAY_ENV = "KVXFER_HOST_CUDA_DELAY_S"  # seconds: deferred mode (see above); a spawned peer inherits it
 HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 
-_PROT_RW = 0x1 | 0x2
-_MAP_SHARED = 0x01
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 class CopyError(RuntimeError):
@@ -64,10 +58,10 @@ _MEM = _Memory()
 
 
 def _map(fd: int, size: int) -> int:
-    addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        raise CopyError(f"mmap failed: {os.strerror(ctypes.get_errno())}")
-    return int(addr)
+    try:
+        return map_shared(fd, size)
+    except OSError as exc:
+        raise CopyError(f"mmap failed: {exc.strerror}") from exc
 
 
 def device_count() -> int:
@@ -98,7 +92,7 @@ def device_free(device: int, ptr: int) -> None:
     if entry is None:
         raise CopyError("cudaFree: not an allocation of this process")
     size, fd = entry
-    _libc.munmap(ptr, size)
+    unmap(ptr, size)
     os.close(fd)
 
 
@@ -140,7 +134,7 @@ def ipc_close(device: int, base: int) -> None:
         size = _MEM.opened.pop(base, None)
     if size is None:
         raise CopyError("cudaIpcCloseMemHandle: not an open mapping")
-    _libc.munmap(base, size)
+    unmap(base, size)
 
 
 def copy_bytes(device: int, dst: int, src: int, nbytes: int) -> None:
