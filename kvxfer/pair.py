@@ -29,7 +29,7 @@ from kvxfer.engine import colocated_generate, synthetic_prompts
 from kvxfer.router.http import HttpError, request_text, stream_json
 from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
-from kvxfer.worker.serve import add_model_args, model_args_list, model_from_args
+from kvxfer.worker.serve import add_model_args, check_visible, model_args_list, model_from_args, parse_device
 
 
 @dataclass
@@ -163,9 +163,12 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     mode = c["mode"]
     if c.get("mode_requested", mode) != mode:
         mode = f"{mode}, routed from {c['mode_requested']}: its lane is TCP"
+    # The model line names the oracle's device; the workers' follow when either differs from it.
+    placed = "" if c["prefill_device"] == c["decode_device"] == c["device"] else \
+        f" (oracle), prefill on {c['prefill_device']}, decode on {c['decode_device']}"
     lines = [
         f"kvxfer pair: {c['backend']} ({mode}, {c['lender']} lender), {c['prefill_workers']} prefill + "
-        f"{c['decode_workers']} decode workers, model {c['model']}",
+        f"{c['decode_workers']} decode workers, model {c['model']}{placed}",
         f"  requests     {report['requests']} sent, {report['completed']} completed, "
         f"{report['matched']} token-identical to colocated generation, {report['mismatched']} differ, "
         f"{report['failed']} failed",
@@ -217,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="", metavar="PATH", help="write the report as JSON")
     p.add_argument("--log-dir", default="", help="worker and router logs (default: a temporary directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--prefill-device", default="",
+                   help="the prefill workers' device (auto, cpu, cuda[:N]); empty: --device")
+    p.add_argument("--decode-device", default="",
+                   help="the decode workers' device, e.g. cuda:1 with --prefill-device cuda:0; empty: --device")
     add_model_args(p)
     return p
 
@@ -236,10 +243,40 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 
 
+def role_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, str]:
+    """The prefill and decode workers' devices, resolved; a usage error naming the flags when a
+    CUDA index is not visible, or when the workers and the oracle (on ``--device``) mix cpu and
+    cuda: a transport moves rows between like memory, and the oracle's tokens are only a fair
+    check on the same kind of device as the workers'."""
+    given = [("the oracle", "--device", args.device),
+             ("prefill", "--prefill-device" if args.prefill_device else "--device", args.prefill_device or args.device),
+             ("decode", "--decode-device" if args.decode_device else "--device", args.decode_device or args.device)]
+    devices: list[torch.device] = []
+    problems: list[str] = []
+    for _, flag, name in given:
+        try:
+            devices.append(parse_device(name, flag))
+        except ValueError as exc:
+            parser.error(str(exc))
+    for (_, flag, _), device in zip(given, devices):
+        try:
+            check_visible(device, flag)
+        except ValueError as exc:
+            if str(exc) not in problems:  # a defaulted role repeats --device's problem
+                problems.append(str(exc))
+    if len({d.type for d in devices}) > 1:
+        placed = ", ".join(f"{who} on {device} ({flag})" for (who, flag, _), device in zip(given, devices))
+        problems.append(f"{placed} mix cpu and cuda: put both workers and the oracle on cpu, or all on cuda")
+    if problems:
+        parser.error("; ".join(problems))
+    return str(devices[1]), str(devices[2])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    prefill_device, decode_device = role_devices(parser, args)
     torch.set_num_threads(1)
     model = model_from_args(args)
     longest = min(args.max_len, model.config.max_positions - args.max_new_tokens)
@@ -249,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = synthetic_prompts(args.requests, args.min_len, longest, model.config.vocab_size, args.prompt_seed)
     requested_mode, lanes = args.mode, None
     if args.backend == "nixl" and args.mode == "pull":
-        memory = "device" if model.device.type == "cuda" else "host"
+        # The workers' memory kind (role_devices keeps it one kind). The probe's two processes
+        # share a GPU, so a cross-GPU pair's lanes are judged from a same-GPU pair's.
+        memory = "device" if torch.device(prefill_device).type == "cuda" else "host"
         try:
             lanes = probe_lanes(memory, args.startup_timeout)
             args.mode, warning = choose_mode(args.mode, lanes, PullOnTcp(args.pull_on_tcp))
@@ -264,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvxfer pair: {warning}", file=sys.stderr, flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
     worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
-                   str(args.blocks), "--transfer-timeout", str(args.timeout), *model_args_list(args)]
+                   str(args.blocks), "--transfer-timeout", str(args.timeout)]
     if args.busy_poll:
         worker_args.append("--busy-poll")
+    role_args = {role: [*worker_args, *model_args_list(args, device)]
+                 for role, device in (("prefill", prefill_device), ("decode", decode_device))}
     config = {"backend": args.backend, "busy_poll": args.busy_poll, "mode": args.mode, "mode_requested": requested_mode,
               "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                    "pull": list(lanes.pull)},
@@ -276,15 +317,16 @@ def main(argv: list[str] | None = None) -> int:
               "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
               "model": f"{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
                        f"{model.config.kv_heads}kv/{model.config.dtype} on {model.device}",
-              "device": str(model.device), "model_config": model.config.to_json(),
+              "device": str(model.device), "prefill_device": prefill_device, "decode_device": decode_device,
+              "model_config": model.config.to_json(),
               "log_dir": str(log_dir)}
     group = ProcessGroup(log_dir)
     try:
         with group:
             workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
-                                                   *worker_args]) for i in range(args.prefill_workers)]
+                                                   *role_args["prefill"]]) for i in range(args.prefill_workers)]
             workers += [group.start(f"decode{i}", ["serve", "--role", "decode", "--name", f"decode{i}",
-                                                  *worker_args]) for i in range(args.decode_workers)]
+                                                  *role_args["decode"]]) for i in range(args.decode_workers)]
             # The oracle runs while the workers start (they import torch and NIXL).
             expected = [colocated_generate(model, prompt, args.max_new_tokens) for prompt in prompts]
             group.wait_ready(workers, args.startup_timeout)
@@ -294,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                 router_argv += [f"--{w.info['role']}", w.url]
             router = group.start("router", router_argv)
             group.wait_ready([router], args.startup_timeout)
-            config["processes"] = [{"name": ch.name, "pid": ch.pid, "port": ch.port} for ch in group.children]
+            # A worker's device is the one it announced: where its pool really is.
+            config["processes"] = [{"name": ch.name, "pid": ch.pid, "port": ch.port}
+                                   | ({"device": ch.info["device"]} if "device" in ch.info else {})
+                                   for ch in group.children]
             (log_dir / "processes.json").write_text(json.dumps(config["processes"]) + "\n")
             if not args.quiet:
                 print(f"kvxfer pair: {len(workers)} workers and a router up (logs in {log_dir}); "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -134,12 +135,19 @@ class Worker:
                  fabric: LoopbackFabric | None = None) -> None:
         self.config = config
         self.role = config.role
-        self.model = model if model is not None else LlamaModel(config.model, device=config.device)
-        if self.model.device.type != torch.device(config.device).type:
+        # Bare "cuda" means the caller's current device, pinned here: the engine thread that
+        # makes the pool has a current device of its own.
+        device = _pinned(torch.device(config.device))
+        self.model = model if model is not None else LlamaModel(config.model, device=device)
+        if _pinned(self.model.device) != device:
             raise ValueError(f"worker {config.name!r}: model on {self.model.device}, pool on {config.device}")
+        self.device = str(device)  # where the pool lives (announced by ``kvxfer serve``)
         self.name = config.name or f"{config.role}"
         self._fabric = fabric
-        self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.name}-engine")
+        # CUDA's current device is per host thread, and this one builds the backend (NIXL/UCX
+        # may take the current context) and runs the model: it must be the pool's GPU.
+        on_gpu = functools.partial(torch.cuda.set_device, device) if device.type == "cuda" else None
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.name}-engine", initializer=on_gpu)
         self.pool: PagedKVPool | None = None
         self.lender: Lender | None = None
         self.backend: Backend | None = None
@@ -162,7 +170,7 @@ class Worker:
 
     def _build(self) -> None:
         cfg = self.config
-        self.pool = cfg.model.make_pool(cfg.num_blocks, device=cfg.device, name=f"{self.name}-kv")
+        self.pool = cfg.model.make_pool(cfg.num_blocks, device=self.device, name=f"{self.name}-kv")
         if cfg.lender == "staging":
             row = cfg.model.group_spec().row_bytes
             self.lender = StagingLender(self.pool, fetch_tokens=cfg.model.max_positions, max_fetches=8,
@@ -173,7 +181,7 @@ class Worker:
         self.backend = make_backend(cfg.backend, cfg.mode, name=backend_name or _nixl_name(self.name),
                                     deadline_s=cfg.transfer_timeout_s, fabric=self._fabric,
                                     chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s,
-                                    busy_poll=cfg.busy_poll)
+                                    busy_poll=cfg.busy_poll, device=_cuda_index(self.pool))
         self.backend.register(self.lender.regions)
 
     async def close(self) -> dict[str, int]:
@@ -637,6 +645,20 @@ class Worker:
                 if not reserved.busy and now - reserved.since > self.config.hold_s:
                     self._reserved.pop(rid, None)
                     await self._run(self._drop_reservation, rid, reserved, False)
+
+
+def _pinned(device: torch.device) -> torch.device:
+    """A CUDA device with its index (bare "cuda" means the current device), or cpu (one memory)."""
+    if device.type != "cuda":
+        return torch.device(device.type)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _cuda_index(pool: PagedKVPool) -> int:
+    """The GPU the pool's rows are on, from its storage: an IPC backend serves one device and
+    refuses regions on another. A host pool answers 0, which no CUDA backend accepts anyway."""
+    rows = pool.storage(pool.groups[0].name)
+    return int(rows.device.index) if rows.is_cuda else 0
 
 
 def _nixl_name(role: str) -> str:

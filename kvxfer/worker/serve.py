@@ -1,7 +1,7 @@
 """``kvxfer serve --role prefill|decode``: one worker process with its HTTP control API.
 
 It binds 127.0.0.1 on an ephemeral port (or ``--port``) and, once ready, prints one JSON
-line on stdout: ``{"event": "ready", "port": N, "url": ..., "role": ..., "pid": ...}`` (and
+line on stdout: ``{"event": "ready", "port": N, "url": ..., "role": ..., "pid": ..., "device": ...}`` (and
 writes it to ``--port-file`` if given), so a parent learns the port without races. Logs go
 to stderr. It stops on SIGTERM/SIGINT and, with ``--parent-watch``, when its stdin closes
 (the parent died), so no worker outlives the job that started it.
@@ -48,12 +48,47 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                    help="where the weights and the KV pool live: auto (cuda when present, else cpu), cpu, cuda[:N]")
 
 
-def resolve_device(name: str) -> str:
+def parse_device(name: str, flag: str = "--device") -> torch.device:
+    """``name`` as a device (``auto``: cuda when present, else cpu); ValueError naming ``flag``
+    when it is not cpu or cuda[:N]. Whether a CUDA index exists is ``check_visible``'s job."""
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: no CUDA device is visible")
-    return name
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{flag} {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    # Pools describe any non-CUDA tensor as host memory: another kind would be moved as if it were.
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{flag} {name}: KV pools live on cpu or cuda[:N], not {device.type}")
+    return device
+
+
+def check_visible(device: torch.device, flag: str = "--device") -> None:
+    """ValueError naming ``flag``, the index and the visible count when this process cannot use ``device``."""
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count()
+    index = device.index if device.index is not None else 0
+    if index < count:
+        return
+    seen = f"this process sees {count} CUDA device{'s' if count != 1 else ''}"
+    if count:
+        seen += f" (cuda:0 to cuda:{count - 1})"
+    masked = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if masked is not None:
+        seen += f", CUDA_VISIBLE_DEVICES={masked!r} renumbers them"
+    missing = f"CUDA device {index} is not visible" if device.index is not None else "no CUDA device is visible"
+    raise ValueError(f"{flag} {device}: {missing}; {seen}")
+
+
+def resolve_device(name: str, flag: str = "--device") -> str:
+    """The device a command line names, resolved and checked; SystemExit naming the flag."""
+    try:
+        device = parse_device(name, flag)
+        check_visible(device, flag)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    return str(device)
 
 
 def model_from_args(args: argparse.Namespace) -> LlamaModel:
@@ -67,12 +102,13 @@ def model_from_args(args: argparse.Namespace) -> LlamaModel:
         seed=args.seed), device=device)
 
 
-def model_args_list(args: argparse.Namespace) -> list[str]:
-    """The model flags as a command line (a parent hands its model to the workers it starts)."""
+def model_args_list(args: argparse.Namespace, device: str = "") -> list[str]:
+    """The model flags as a command line (a parent hands its model to the workers it starts);
+    ``device`` puts the worker elsewhere than the parent's ``--device``."""
     out = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
            "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim), "--intermediate",
            str(args.intermediate), "--vocab", str(args.vocab), "--block-tokens", str(args.block_tokens),
-           "--dtype", args.dtype, "--seed", str(args.seed), "--device", resolve_device(args.device)]
+           "--dtype", args.dtype, "--seed", str(args.seed), "--device", device or resolve_device(args.device)]
     return out + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
 
 
@@ -95,7 +131,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
         if args.parent_watch:
             watch_stdin(loop, stop)
         announce({"event": "ready", "role": args.role, "port": port, "url": f"http://{args.host}:{port}",
-                  "pid": os.getpid(), "backend": args.backend, "name": worker.name}, args.port_file, ready_fd)
+                  "pid": os.getpid(), "backend": args.backend, "name": worker.name,
+                  "device": worker.device}, args.port_file, ready_fd)
         await stop.wait()
     finally:
         await server.close()
@@ -143,9 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.busy_poll and args.backend != "ipc":
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
+    try:
+        device = parse_device(args.device)
+        check_visible(device)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
+    if device.type == "cuda" and device.index is not None:
+        # Before any CUDA work: code that takes the current device (UCX/NIXL, streams and
+        # contexts made without one) must land on this worker's GPU, not on cuda:0. The
+        # engine thread sets its own (Worker).
+        torch.cuda.set_device(device)
     return asyncio.run(serve_worker(args, reserve_stdout()))
 
 

@@ -1,8 +1,12 @@
-"""`kvxfer pair` refuses a workload that cannot run, before it starts any process."""
+"""`kvxfer pair`'s arguments: it refuses a workload that cannot run before it starts any process, and it
+puts each role on its own device."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
+import torch
 
 from kvxfer import pair
 
@@ -47,3 +51,55 @@ def test_worker_config_and_backend_factory_refuse_busy_poll_outside_ipc() -> Non
         WorkerConfig(role="decode", backend="nixl", busy_poll=True)
     with pytest.raises(ValueError, match="busy_poll applies to the ipc backend only, not 'loopback'"):
         make_backend("loopback", TransferMode.PUSH, name="x", deadline_s=1.0, busy_poll=True)
+
+
+def _pair_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        pair.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    return err
+
+
+def test_a_role_device_that_is_not_visible_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    missing = torch.cuda.device_count()  # cuda:0 on a machine without CUDA
+    err = _pair_error(["--device", "cpu", "--prefill-device", f"cuda:{missing}"], capsys)
+    assert f"--prefill-device cuda:{missing}: CUDA device {missing} is not visible" in err
+    assert f"this process sees {missing} CUDA device" in err
+
+
+def test_workers_mixing_cpu_and_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _pair_error(["--prefill-device", "cpu", "--decode-device", "cuda:1"], capsys)
+    assert "prefill on cpu (--prefill-device)" in err and "decode on cuda:1 (--decode-device)" in err
+    assert "mix cpu and cuda" in err
+
+
+def test_an_oracle_on_another_kind_of_device_than_the_workers_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _pair_error(["--device", "cpu", "--prefill-device", "cuda:0", "--decode-device", "cuda:0"], capsys)
+    assert "the oracle on cpu (--device)" in err and "mix cpu and cuda" in err
+
+
+def test_a_role_device_that_is_no_device_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _pair_error(["--decode-device", "gpu1"], capsys)
+    assert "--decode-device gpu1: not a device; use auto, cpu, cuda or cuda:N" in err
+
+
+def test_each_role_gets_one_device_flag_its_own() -> None:
+    from kvxfer.worker.serve import model_args_list
+
+    args = pair.build_parser().parse_args(["--device", "cpu"])
+    argv = model_args_list(args, "cuda:1")  # the worker command line; not started here
+    assert argv.count("--device") == 1 and argv[argv.index("--device") + 1] == "cuda:1"
+    assert model_args_list(args)[model_args_list(args).index("--device") + 1] == "cpu"
+
+
+def test_report_names_the_role_devices_when_they_differ_from_the_oracle() -> None:
+    config = {"backend": "ipc", "mode": "push", "lender": "inplace", "prefill_workers": 1, "decode_workers": 1,
+              "model": "1L/32H/2h/1kv/float32 on cuda", "concurrency": 1, "device": "cuda",
+              "prefill_device": "cuda:0", "decode_device": "cuda:1"}
+    out = io.StringIO()
+    pair.print_report(pair.summarize([], 1.0, config), out)
+    assert "model 1L/32H/2h/1kv/float32 on cuda (oracle), prefill on cuda:0, decode on cuda:1" in out.getvalue()
+    same = io.StringIO()
+    pair.print_report(pair.summarize([], 1.0, config | {"prefill_device": "cuda", "decode_device": "cuda"}), same)
+    assert same.getvalue().splitlines()[0].endswith("model 1L/32H/2h/1kv/float32 on cuda")
