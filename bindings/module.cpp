@@ -195,6 +195,11 @@ NB_MODULE(_native, m) {
     check(kvxfer::cuda::device_count(&n));
     return n;
   });
+  m.def("peer_access", [](int device, int peer) {
+    bool enabled = false;
+    check(kvxfer::cuda::peer_access(device, peer, &enabled));
+    return enabled;
+  }, "device"_a, "peer"_a, "Enable kernels on device to reach peer's memory; False where the hardware cannot.");
   m.def("stream_create", [](int device) { return out_handle(kvxfer::cuda::stream_create, device); }, "device"_a);
   m.def("stream_destroy", [](std::uint64_t s) { check(kvxfer::cuda::stream_destroy(s)); }, "stream"_a);
   m.def("stream_synchronize", [](std::uint64_t s) {

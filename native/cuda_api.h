@@ -21,6 +21,9 @@ std::string copy_rows(const CopyPlan& plan, bool indices_on_device, int device, 
 
 std::string versions(int* runtime, int* driver);
 std::string device_count(int* count);
+// Enable peer access from `device` to `peer` (idempotent); *enabled=false where the
+// hardware cannot (the caller decides whether that is an error).
+std::string peer_access(int device, int peer, bool* enabled);
 
 std::string stream_create(int device, std::uint64_t* stream);
 std::string stream_destroy(std::uint64_t stream);

@@ -549,6 +549,25 @@ std::string device_count(int* count) {
   return e == cudaSuccess ? std::string() : fail("cudaGetDeviceCount", e);
 }
 
+// Lets kernels on `device` read and write `peer`'s memory in this process (a CUDA IPC
+// mapping enables it lazily by itself; plain allocations of another device need this).
+std::string peer_access(int device, int peer, bool* enabled) {
+  *enabled = false;
+  int can = 0;
+  cudaError_t e = cudaDeviceCanAccessPeer(&can, device, peer);
+  if (e != cudaSuccess) return fail("cudaDeviceCanAccessPeer", e);
+  if (!can) return std::string();
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();
+    e = cudaSuccess;
+  }
+  *enabled = e == cudaSuccess;
+  return e == cudaSuccess ? std::string() : fail("cudaDeviceEnablePeerAccess", e);
+}
+
 std::string stream_create(int device, std::uint64_t* out) {
   DeviceScope scope(device);
   if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());

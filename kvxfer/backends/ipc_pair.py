@@ -273,14 +273,16 @@ class ChildPeer(PeerEnd):
         self._conn.close()
 
 
-def ipc_pair(mode: TransferMode, *, device: int = 0, deadline_s: float = 10.0, emulated: bool = False,
-             busy_poll: bool = False) -> Pair:
-    """A local IpcBackend over device memory here, and its peer in a child process
-    (``emulated``: both over kvxfer.testing.host_cuda, for CI without a GPU)."""
+def ipc_pair(mode: TransferMode, *, device: int = 0, peer_device: int | None = None, deadline_s: float = 10.0,
+             emulated: bool = False, busy_poll: bool = False) -> Pair:
+    """A local IpcBackend over device memory on ``device`` here, and its peer in a child
+    process on ``peer_device`` (default: the same device; another GPU moves rows over peer
+    access). ``emulated``: both over kvxfer.testing.host_cuda, for CI without a GPU."""
     from kvxfer.backends.ipc import IpcBackend
 
     cuda = cuda_calls(emulated)
-    peer = ChildPeer(PeerSpec(mode, device=device, deadline_s=deadline_s, emulated=emulated, busy_poll=busy_poll))
+    peer = ChildPeer(PeerSpec(mode, device=device if peer_device is None else peer_device, deadline_s=deadline_s,
+                              emulated=emulated, busy_poll=busy_poll))
     try:
         memory = DeviceRows(LOCAL_GEOMETRY, device, cuda)
     except BaseException:

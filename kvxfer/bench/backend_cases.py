@@ -95,8 +95,10 @@ def nixl_packed_ends(mode: TransferMode, memory: str) -> Ends:
 class _Memory:
     """Both ends' regions for one point: one region per layer group per end."""
 
-    def __init__(self, point: Point, pool_factor: int, rng: np.random.Generator) -> None:
+    def __init__(self, point: Point, pool_factor: int, rng: np.random.Generator,
+                 devices: tuple[int, int] = (0, 0)) -> None:
         self.point = point
+        self.devices = dict(zip(("prefill", "decode"), devices))
         self.slots_per_group = pool_slots(point, pool_factor)
         self.device = point.memory == "device"
         self.kind = MemoryKind.DEVICE if self.device else MemoryKind.HOST
@@ -107,7 +109,7 @@ class _Memory:
                     import torch
 
                     self.arrays[end].append(torch.zeros((self.slots_per_group, point.row_bytes),
-                                                        dtype=torch.uint8, device="cuda"))
+                                                        dtype=torch.uint8, device=f"cuda:{self.devices[end]}"))
                 else:
                     self.arrays[end].append(np.zeros((self.slots_per_group, point.row_bytes), dtype=np.uint8))
         self.slots = {end: [choose_slots(point, pool_factor, rng) for _ in range(point.groups)]
@@ -117,8 +119,9 @@ class _Memory:
         return int(array.data_ptr()) if self.device else int(array.ctypes.data)
 
     def regions(self, end: str) -> list[SlotRegion]:
-        return [SlotRegion(f"{end}-g{i}", self._address(a), self.point.row_bytes, self.slots_per_group, self.kind)
-                for i, a in enumerate(self.arrays[end])]
+        device = self.devices[end] if self.device else 0
+        return [SlotRegion(f"{end}-g{i}", self._address(a), self.point.row_bytes, self.slots_per_group, self.kind,
+                           device) for i, a in enumerate(self.arrays[end])]
 
     def view(self, end: str, regions: list[SlotRegion], request: str) -> View:
         rows = self.point.rows
@@ -131,10 +134,10 @@ class _Memory:
         if self.device:
             import torch
 
-            gen = torch.Generator(device="cuda").manual_seed(seed)
+            gen = torch.Generator(device=f"cuda:{self.devices[source]}").manual_seed(seed)
             for a in self.arrays[source]:
                 a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8, device=a.device, generator=gen))
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.devices[source])
             return
         rng = np.random.default_rng(seed)
         for a in self.arrays[source]:
@@ -149,7 +152,7 @@ class _Memory:
                 s_arr, d_arr = self.arrays[source][g], self.arrays[dest][g]
                 src = s_arr[torch.as_tensor(src_rows, device=s_arr.device)]
                 dst = d_arr[torch.as_tensor(dst_rows, device=d_arr.device)]
-                if not bool(torch.equal(src, dst)):
+                if not bool(torch.equal(src, dst.to(src.device))):
                     return False
             elif not np.array_equal(self.arrays[source][g][src_rows], self.arrays[dest][g][dst_rows]):
                 return False
@@ -213,7 +216,7 @@ class BackendCase:
 
     def _setup(self, point: Point) -> tuple[Ends, _Memory, View, View]:
         mode = TransferMode.PUSH if point.direction == "push" else TransferMode.PULL
-        memory = _Memory(point, self.config.pool_factor, self._rng)
+        memory = _Memory(point, self.config.pool_factor, self._rng, self.config.devices)
         ends = self.make_ends(mode, point.memory)
         try:
             rp, rd = memory.regions("prefill"), memory.regions("decode")

@@ -117,6 +117,22 @@ def requirement_missing(req: Requirement) -> str | None:
     raise AssertionError(req)
 
 
+def devices_missing(config: BenchConfig) -> str | None:
+    """None when device memory can be placed as ``config.devices`` asks, else why not."""
+    cuda = requirement_missing(Requirement.CUDA)
+    if cuda:
+        return cuda
+    import torch
+
+    count = torch.cuda.device_count()
+    absent = sorted({d for d in config.devices if d >= count})
+    if absent:
+        p, d = config.devices
+        return (f"--devices {p},{d}: cuda:{absent[0]} is not visible "
+                f"({count} CUDA device{'' if count == 1 else 's'}: cuda:0..cuda:{count - 1})")
+    return None
+
+
 def unmet(spec: CaseSpec) -> str | None:
     reasons = [r for r in (requirement_missing(req) for req in sorted(spec.needs, key=lambda r: r.name)) if r]
     return "; ".join(reasons) if reasons else None

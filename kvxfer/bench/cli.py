@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvxfer.bench import plots, report, results, runner
-from kvxfer.bench.cases import registry, unmet
+from kvxfer.bench.cases import Requirement, devices_missing, registry, requirement_missing, unmet
 from kvxfer.bench.compare import compare, regressions, render
 from kvxfer.bench.config import (
     PRESETS,
@@ -25,6 +25,7 @@ from kvxfer.bench.config import (
     OverheadSweep,
     Repetition,
     ThroughputSweep,
+    parse_devices,
     parse_ints,
     parse_list,
     parse_size,
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory", help="host,device")
     s.add_argument("--slots", help="contiguous,scattered")
     s.add_argument("--no-throughput", action="store_true", help="skip the throughput sweeps")
+    p.add_argument("--devices", metavar="P,D",
+                   help="CUDA devices of the prefill and decode ends for device memory, e.g. 0,1 (default: "
+                        "the preset's; 0,0 except gpu2); two devices make local_copy the peer copy between them")
     m = p.add_argument_group("latency and host overhead")
     m.add_argument("--latency-rows", help="rows per small request, e.g. 1,32")
     m.add_argument("--latency-samples", type=int, help="timed samples per latency figure")
@@ -116,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cfg = dataclasses.replace(cfg, repetition=Repetition(
             warmup=r.warmup if args.warmup is None else args.warmup, reps=r.reps if args.reps is None else args.reps,
             budget_s=r.budget_s if args.budget is None else args.budget))
+    if args.devices is not None:
+        cfg = dataclasses.replace(cfg, devices=parse_devices(args.devices))
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, layers=args.layers)
     if args.max_descriptors is not None:
@@ -150,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _list_cases()
         cfg = config_from_args(args)
         items = runner.plan(cfg)
+        placed = devices_missing(cfg)
+        if placed and requirement_missing(Requirement.CUDA) is None and any(i.point.memory == "device" for i in items):
+            raise ConfigError(placed)  # a GPU is here, but not the ones asked for: a usage error
     except (ConfigError, results.ResultError, ValueError) as err:
         print(f"kvxfer bench: {err}", file=sys.stderr)
         return 2

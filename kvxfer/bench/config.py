@@ -73,6 +73,15 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def parse_devices(text: str) -> tuple[int, int]:
+    """``P,D``: the prefill and decode ends' CUDA device indices (``0,1``; ``0`` alone is ``0,0``)."""
+    items = parse_list(text, "--devices")
+    if len(items) > 2 or not all(t.isdigit() for t in items):
+        raise ConfigError(f"--devices: {text!r} must be one or two CUDA device indices, e.g. 0,1")
+    first = int(items[0])
+    return first, int(items[-1]) if len(items) == 2 else first
+
+
 def _choices(values: Iterable[str], allowed: Sequence[str], what: str) -> tuple[str, ...]:
     out = tuple(values)
     for v in out:
@@ -205,12 +214,34 @@ class BenchConfig:
     pool_factor: int = 2      # scattered rows are drawn from a pool this many times larger
     max_descriptors: int = 1 << 18  # raw NIXL baselines posting more are skipped, with the count
     seed: int = 0
+    # CUDA devices of the prefill end (where rows come from) and the decode end (where they
+    # land), for device memory. Different devices: every figure crosses between two GPUs, and
+    # local_copy, the reference, is the peer copy between them.
+    devices: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if not self.cases:
             raise ConfigError("no cases selected")
         if self.layers < 1 or self.pool_factor < 1 or self.max_descriptors < 1:
             raise ConfigError("layers, pool factor and max descriptors must be >= 1")
+        if len(self.devices) != 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.devices):
+            raise ConfigError(f"devices: {self.devices!r} must be two CUDA device indices (prefill, decode), e.g. 0,1")
+
+    @property
+    def prefill_device(self) -> int:
+        return self.devices[0]
+
+    @property
+    def decode_device(self) -> int:
+        return self.devices[1]
+
+    @property
+    def two_devices(self) -> bool:
+        return self.devices[0] != self.devices[1]
+
+    def active_devices(self, direction: str) -> tuple[int, int]:
+        """(the active end's device, the passive end's): push moves from prefill, pull from decode."""
+        return self.devices if direction == "push" else (self.devices[1], self.devices[0])
 
     def throughput_points(self) -> list[Point]:
         seen: dict[Point, None] = {}
@@ -238,8 +269,14 @@ GPU_CASES = ("local_copy", "ipc_kernel", "ipc", "ipc_busy_poll", "local_rows", "
              "nixl_2p", "peer_practice", "loopback")
 
 
+# Two GPUs (issue 8): the peer copy, the IPC backend over peer access and NIXL's shapes.
+GPU2_CASES = ("local_copy", "ipc_kernel", "ipc", "local_rows", "nixl_one_desc", "nixl_per_row", "nixl_2p_packed",
+              "nixl_2p")
+
+
 def preset(name: str) -> BenchConfig:
-    """Named figure sets. ``cpu``: a few minutes on a 2-core host; ``gpu``: issue 5's set; ``tiny``: tests."""
+    """Named figure sets. ``cpu``: a few minutes on a 2-core host; ``gpu``: issue 5's set on one
+    GPU; ``gpu2``: issue 8's, prefill on GPU 0 and decode on GPU 1; ``tiny``: tests."""
     if name == "tiny":
         return BenchConfig(
             name="tiny", cases=("local_copy", "loopback"),
@@ -284,7 +321,20 @@ def preset(name: str) -> BenchConfig:
             overhead=OverheadSweep(rows=(1000, 10000, 100000), slots=("contiguous", "scattered"), repeats=7),
             repetition=Repetition(warmup=3, reps=20, budget_s=4.0),
         )
-    raise ConfigError(f"unknown preset {name!r}: choose cpu, gpu or tiny")
+    if name == "gpu2":
+        return BenchConfig(
+            name="gpu2", cases=GPU2_CASES, devices=(0, 1),
+            throughput=(
+                # issue 8: rows of 4, 16, 64 KiB at 256 MiB and 1 GiB, prefill on GPU 0, decode on GPU 1.
+                ThroughputSweep(row_bytes=(4 * K, 16 * K, 64 * K), request_bytes=256 * M,
+                                memory=("device",), slots=("scattered", "contiguous")),
+                ThroughputSweep(row_bytes=(4 * K, 16 * K, 64 * K), request_bytes=1 * G,
+                                memory=("device",), slots=("scattered", "contiguous")),
+            ),
+            latency=LatencySweep(rows=(1, 32), row_bytes=64 * K, memory=("device",), samples=500, warmup=50),
+            repetition=Repetition(warmup=3, reps=20, budget_s=4.0),
+        )
+    raise ConfigError(f"unknown preset {name!r}: choose {', '.join(PRESETS)}")
 
 
-PRESETS = ("cpu", "gpu", "tiny")
+PRESETS = ("cpu", "gpu", "gpu2", "tiny")

@@ -26,31 +26,33 @@ from kvxfer.contract import MemoryKind
 _ANSWER_S = 120.0
 
 
-def serve_buffer(conn: Connection, nbytes: int) -> None:
-    """Child: allocate ``nbytes`` of device memory, send its IPC export, free it when told."""
+def serve_buffer(conn: Connection, nbytes: int, device: int = 0) -> None:
+    """Child: allocate ``nbytes`` on ``device``, send its IPC export, free it when told."""
     from kvxfer import native
 
     n = native.cuda_module()
-    ptr = n.device_alloc(0, nbytes)
+    ptr = n.device_alloc(device, nbytes)
     try:
-        conn.send(n.ipc_export(0, ptr))
+        conn.send(n.ipc_export(device, ptr))
         conn.recv()
     except (EOFError, OSError):
         pass  # the parent went away: free and exit
     finally:
-        n.device_free(0, ptr)
+        n.device_free(device, ptr)
 
 
 class _PeerBuffer:
-    """A device buffer of a child process, mapped here."""
+    """A device buffer of a child process on ``peer_device``, mapped here for ``device``'s kernels."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, device: int = 0, peer_device: int = 0) -> None:
         from kvxfer import native
 
         self._n = native.cuda_module()
+        self.device = device
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=serve_buffer, args=(child, nbytes), name="kvxfer-bench-ipc", daemon=True)
+        self._proc = ctx.Process(target=serve_buffer, args=(child, nbytes, peer_device), name="kvxfer-bench-ipc",
+                                 daemon=True)
         self._proc.start()
         child.close()
         self.nbytes = nbytes
@@ -61,7 +63,7 @@ class _PeerBuffer:
             handle, _base, size = self._conn.recv()
             if size < nbytes:
                 raise RuntimeError(f"the buffer process exported {size} bytes, {nbytes} were asked")
-            self.base = self._n.ipc_open(0, handle)
+            self.base = self._n.ipc_open(device, handle)
         except BaseException:
             self.close()
             raise
@@ -69,7 +71,7 @@ class _PeerBuffer:
     def close(self) -> None:
         if self.base:
             self._n.stream_synchronize(0)
-            self._n.ipc_close(0, self.base)
+            self._n.ipc_close(self.device, self.base)
             self.base = 0
         try:
             self._conn.send("stop")
@@ -92,7 +94,7 @@ class IpcKernel:
             if self._peer is not None:
                 self._peer.close()
                 self._peer = None
-            self._peer = _PeerBuffer(nbytes)
+            self._peer = _PeerBuffer(nbytes, *self.config.devices)
         return self._peer
 
     def throughput(self, point: Point) -> Measurement:
@@ -106,11 +108,12 @@ class IpcKernel:
         slots = pool_slots(point, self.config.pool_factor)
         span = slots * point.row_bytes
         peer = self._buffer(span * point.groups)
-        src = torch.randint(0, 256, (span * point.groups,), dtype=torch.uint8, device="cuda")
+        p, dev = self.config.devices
+        src = torch.randint(0, 256, (span * point.groups,), dtype=torch.uint8, device=f"cuda:{p}")
         picks = [(choose_slots(point, self.config.pool_factor, rng), choose_slots(point, self.config.pool_factor, rng))
                  for _ in range(point.groups)]
-        on_device = [(torch.from_numpy(s).cuda(), torch.from_numpy(d).cuda()) for s, d in picks]
-        stream = torch.cuda.current_stream().cuda_stream
+        on_device = [(torch.from_numpy(s).to(f"cuda:{p}"), torch.from_numpy(d).to(f"cuda:{p}")) for s, d in picks]
+        stream = torch.cuda.current_stream(p).cuda_stream
 
         def copy() -> None:
             for g, (s, d) in enumerate(on_device):
@@ -118,14 +121,15 @@ class IpcKernel:
                                  src_slots=native.DeviceIndex(int(s.data_ptr())), dst_base=peer.base + g * span,
                                  dst_stride=point.row_bytes, dst_slots=native.DeviceIndex(int(d.data_ptr())),
                                  row_bytes=point.row_bytes, n_rows=int(s.numel()), memory=MemoryKind.DEVICE,
-                                 stream=stream, device=0)
+                                 stream=stream, device=p)
 
-        timing = time_runs(cuda_timed(copy), self.config.repetition)
+        timing = time_runs(cuda_timed(copy, p), self.config.repetition)
         verified = self._verify(torch, src, span, point, picks, peer)
+        where = f" on cuda:{p}, the mapping on cuda:{dev} (peer access)" if p != dev else ""
         return Measurement(
             {"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},
             {"processes": 2, "how": "kvxfer._native kernel into a CUDA IPC mapping, device-resident indices, "
-             "CUDA events", "calls": point.groups, "verified": verified},
+             f"CUDA events{where}", "calls": point.groups, "verified": verified, "devices": [p, dev]},
         )
 
     @staticmethod
@@ -135,11 +139,12 @@ class IpcKernel:
 
         row = point.row_bytes
         for g, (s, d) in enumerate(picks):
-            got = torch.empty(s.size * row, dtype=torch.uint8, device="cuda")
+            got = torch.empty(s.size * row, dtype=torch.uint8, device=src.device)
             native.copy_rows(src_base=peer.base + g * span, src_stride=row, src_slots=d, dst_base=int(got.data_ptr()),
-                             dst_stride=row, dst_slots=None, row_bytes=row, memory=MemoryKind.DEVICE, device=0)
-            torch.cuda.synchronize()
-            want = src[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(s).cuda()]
+                             dst_stride=row, dst_slots=None, row_bytes=row, memory=MemoryKind.DEVICE,
+                             device=peer.device)
+            torch.cuda.synchronize(src.device)
+            want = src[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(s).to(src.device)]
             if not torch.equal(got.view(-1, row), want):
                 raise RuntimeError(f"group {g}: rows read back through the mapping differ from the source")
         return True

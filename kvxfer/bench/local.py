@@ -1,4 +1,5 @@
-"""The physical reference: one local copy of the request's bytes (memcpy on host, D2D on GPU).
+"""The physical reference: one local copy of the request's bytes (memcpy on host, D2D on GPU,
+the peer copy between the two GPUs when the prefill and decode ends are on different devices).
 
 Every transfer figure is divided by this one, measured in the same run on the same
 machine, so a ratio says how close the transport gets to what the memory system can do.
@@ -29,13 +30,15 @@ class LocalCopy:
         return self._host
 
     def _device_buffers(self, n: int) -> tuple[Any, Any]:
+        """The source on the prefill device, the destination on the decode device."""
         import torch
 
         if self._device is None or self._device[0].numel() < n:
             self._device = None
             torch.cuda.empty_cache()
-            self._device = (torch.full((n,), 0x5A, dtype=torch.uint8, device="cuda"),
-                            torch.zeros(n, dtype=torch.uint8, device="cuda"))
+            p, d = self.config.devices
+            self._device = (torch.full((n,), 0x5A, dtype=torch.uint8, device=f"cuda:{p}"),
+                            torch.zeros(n, dtype=torch.uint8, device=f"cuda:{d}"))
         return self._device
 
     def throughput(self, point: Point) -> Measurement:
@@ -57,10 +60,13 @@ class LocalCopy:
         else:
             src, dst = self._device_buffers(n)
             s, d = src[:n], dst[:n]
-            timing = time_runs(cuda_timed(lambda: d.copy_(s)), self.config.repetition)
+            # Across devices torch copies on the source device's current stream: time it there.
+            timing = time_runs(cuda_timed(lambda: d.copy_(s), self.config.prefill_device), self.config.repetition)
             ok = bool(d[0].item() == 0x5A and d[-1].item() == 0x5A)
-            how = "torch copy_ on one device, CUDA events"
-            facts_extra = {}
+            p, dev = self.config.devices
+            how = (f"torch copy_ cuda:{p} -> cuda:{dev} (peer copy), CUDA events on cuda:{p}"
+                   if self.config.two_devices else f"torch copy_ on cuda:{p}, CUDA events")
+            facts_extra = {"devices": [p, dev]}
         return Measurement(
             {"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},
             {"how": how, "verified": ok, "descriptors": 1, **facts_extra},
@@ -112,9 +118,12 @@ class LocalRows(LocalCopy):
         src_slots = [choose_slots(point, self.config.pool_factor, rng) for _ in range(point.groups)]
         dst_slots = [choose_slots(point, self.config.pool_factor, rng) for _ in range(point.groups)]
         device = point.memory == "device"
+        p, d = self.config.devices
         if device:
             src, dst = self._device_buffers(n)
             src_base, dst_base = int(src.data_ptr()), int(dst.data_ptr())
+            if self.config.two_devices and not native.cuda_module().peer_access(p, d):
+                raise Skip(f"cuda:{p} cannot reach cuda:{d}'s memory (no peer access)")
         else:
             src, dst = self._host_buffers(n)
             src_base, dst_base = int(src.ctypes.data), int(dst.ctypes.data)
@@ -124,17 +133,20 @@ class LocalRows(LocalCopy):
             for g in range(point.groups):
                 native.copy_rows(src_base=src_base + g * span, src_stride=point.row_bytes, src_slots=src_slots[g],
                                  dst_base=dst_base + g * span, dst_stride=point.row_bytes, dst_slots=dst_slots[g],
-                                 row_bytes=point.row_bytes, memory=kind, src_limit=slots, dst_limit=slots)
+                                 row_bytes=point.row_bytes, memory=kind, src_limit=slots, dst_limit=slots,
+                                 device=p if device else -1)
 
         if device:
-            timing = time_runs(cuda_timed(copy), self.config.repetition)
+            timing = time_runs(cuda_timed(copy, p), self.config.repetition)
         else:
             timing = time_runs(copy, self.config.repetition)
         info = native.info()
         how = ("kvxfer._native " + ("CUDA kernel" if device else "host memcpy")) if info.compiled else "numpy/torch fallback"
+        if device and self.config.two_devices:
+            how += f" on cuda:{p} writing cuda:{d} (peer access)"
         return Measurement(
             {"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},
-            {"how": how, "calls": point.groups},
+            {"how": how, "calls": point.groups, **({"devices": [p, d]} if device else {})},
         )
 
 

@@ -48,22 +48,23 @@ def _mem_type(memory: str) -> str:
 
 
 class _Buffer:
-    """One end's registered span: numpy on host, a torch tensor on device."""
+    """One end's registered span: numpy on host, a torch tensor on CUDA device ``device``."""
 
-    def __init__(self, nbytes: int, memory: str, fill: int) -> None:
+    def __init__(self, nbytes: int, memory: str, fill: int, device: int = 0) -> None:
         self.memory = memory
         self.nbytes = nbytes
+        self.device = device if memory == "device" else 0
         if memory == "host":
             self.array: Any = np.full(nbytes, fill, dtype=np.uint8)  # written: pages resident
             self.address = int(self.array.ctypes.data)
         else:
             import torch
 
-            self.array = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda")
+            self.array = torch.full((nbytes,), fill, dtype=torch.uint8, device=f"cuda:{device}")
             self.address = int(self.array.data_ptr())
 
     def descs(self) -> np.ndarray:
-        return np.array([[self.address, self.nbytes, 0]], dtype=np.uint64)
+        return np.array([[self.address, self.nbytes, self.device]], dtype=np.uint64)
 
     def _slice(self, offset: int, length: int) -> np.ndarray:
         part = self.array[offset:offset + length]
@@ -89,17 +90,22 @@ class _Buffer:
         if self.memory == "device":
             import torch
 
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
 
-def _target_main(conn: Connection, name: str, nbytes: int, memory: str) -> None:
-    """The child: owns the target buffer and answers checksum/stamp requests until told to stop."""
+def _target_main(conn: Connection, name: str, nbytes: int, memory: str, device: int = 0) -> None:
+    """The child: owns the target buffer (on ``device`` for device memory, made current as a
+    worker on that GPU would) and answers checksum/stamp requests until told to stop."""
     _quiet_nixl()
     try:
+        if memory == "device":
+            import torch
+
+            torch.cuda.set_device(device)
         from nixl._api import nixl_agent, nixl_agent_config
 
         agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        buf = _Buffer(nbytes, memory, fill=0)
+        buf = _Buffer(nbytes, memory, fill=0, device=device)
         reg = agent.register_memory(buf.descs(), _mem_type(memory))
         conn.send(("ready", agent.get_agent_metadata(), buf.address))
     except Exception as err:  # report why the child could not start, then exit
@@ -126,18 +132,20 @@ def _target_main(conn: Connection, name: str, nbytes: int, memory: str) -> None:
 
 
 class NixlPair:
-    """An initiator agent here and a target agent in a child process, each with ``nbytes``."""
+    """An initiator agent here and a target agent in a child process, each with ``nbytes``;
+    device buffers on ``devices`` (here, the child's)."""
 
-    def __init__(self, nbytes: int, memory: str) -> None:
+    def __init__(self, nbytes: int, memory: str, devices: tuple[int, int] = (0, 0)) -> None:
         _quiet_nixl()
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.memory = memory
         self.nbytes = nbytes
+        self.devices = devices if memory == "device" else (0, 0)
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_target_main, args=(child_conn, f"bench-target-{os.getpid()}", nbytes, memory),
-                                 name="kvxfer-bench-nixl-target", daemon=True)
+        self._proc = ctx.Process(target=_target_main, name="kvxfer-bench-nixl-target", daemon=True,
+                                 args=(child_conn, f"bench-target-{os.getpid()}", nbytes, memory, self.devices[1]))
         self._proc.start()
         child_conn.close()
         self._reg = None
@@ -147,7 +155,7 @@ class NixlPair:
                 raise RuntimeError(f"NIXL target process failed to start: {rest[0]}")
             metadata, self.remote_address = rest
             self.agent = nixl_agent(f"bench-initiator-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
-            self.local = _Buffer(nbytes, memory, fill=0x5A)
+            self.local = _Buffer(nbytes, memory, fill=0x5A, device=self.devices[0])
             self._reg = self.agent.register_memory(self.local.descs(), _mem_type(memory))
             self.remote_name = self.agent.add_remote_agent(metadata)
             if isinstance(self.remote_name, bytes):
@@ -171,11 +179,11 @@ class NixlPair:
     def handle(self, op: str, local_addr: np.ndarray, remote_addr: np.ndarray, length: int) -> Any:
         """A prepared transfer of ``len(local_addr)`` descriptors of ``length`` bytes each."""
         n = local_addr.size
-        dev = np.zeros(n, dtype=np.uint64)
+        here, there = (np.full(n, d, dtype=np.uint64) for d in self.devices)
         lens = np.full(n, length, dtype=np.uint64)
         mem = _mem_type(self.memory)
-        local = self.agent.get_xfer_descs(np.stack([local_addr.astype(np.uint64), lens, dev], axis=1), mem)
-        remote = self.agent.get_xfer_descs(np.stack([remote_addr.astype(np.uint64), lens, dev], axis=1), mem)
+        local = self.agent.get_xfer_descs(np.stack([local_addr.astype(np.uint64), lens, here], axis=1), mem)
+        remote = self.agent.get_xfer_descs(np.stack([remote_addr.astype(np.uint64), lens, there], axis=1), mem)
         return self.agent.initialize_xfer(op, local, remote, self.remote_name, b"")
 
     def run(self, handle: Any) -> None:
@@ -222,14 +230,14 @@ class NixlPair:
         self._conn.close()
 
 
-_PAIRS: dict[tuple[str, int], NixlPair] = {}
+_PAIRS: dict[tuple[str, int, tuple[int, int]], NixlPair] = {}
 
 
-def shared_pair(memory: str, nbytes: int) -> NixlPair:
-    """One pair per (memory kind, size) for the whole run: the child takes seconds to start."""
-    key = (memory, nbytes)
+def shared_pair(memory: str, nbytes: int, devices: tuple[int, int] = (0, 0)) -> NixlPair:
+    """One pair per (memory kind, size, devices) for the whole run: the child takes seconds to start."""
+    key = (memory, nbytes, devices)
     if key not in _PAIRS:
-        _PAIRS[key] = NixlPair(nbytes, memory)
+        _PAIRS[key] = NixlPair(nbytes, memory, devices)
 
         def close() -> None:
             pair = _PAIRS.pop(key, None)
@@ -256,8 +264,10 @@ class _RawCase:
         slots = pool_slots(point, self.config.pool_factor)
         return slots, slots * point.row_bytes
 
-    def _pair(self, memory: str) -> NixlPair:
-        return shared_pair(memory, self._capacity)
+    def _pair(self, point: Point) -> NixlPair:
+        # The initiator here is the active end: a push writes from prefill, a pull reads into decode.
+        devices = self.config.active_devices(point.direction) if point.memory == "device" else (0, 0)
+        return shared_pair(point.memory, self._capacity, devices)
 
     def descriptors(self, point: Point) -> tuple[np.ndarray, np.ndarray, int]:
         """(local offsets, remote offsets, bytes per descriptor), offsets from each buffer's base."""
@@ -268,7 +278,7 @@ class _RawCase:
         if local_off.size > self.config.max_descriptors:
             raise Skip(f"{local_off.size} descriptors exceed the run's limit of {self.config.max_descriptors} "
                        "(--max-descriptors)")
-        pair = self._pair(point.memory)
+        pair = self._pair(point)
         op = "WRITE" if point.direction == "push" else "READ"
         t0 = time.perf_counter()
         handle = pair.handle(op, pair.local.address + local_off, pair.remote_address + remote_off, length)
@@ -276,6 +286,8 @@ class _RawCase:
         check = pair.verify(op, local_off, remote_off, length, self.config.seed + point.rows)
         facts = {"descriptors": int(local_off.size), "descriptor_bytes": int(length), "prep_s": prep,
                  "op": op, "processes": 2, "memory_type": _mem_type(point.memory)}
+        if point.memory == "device":
+            facts["devices"] = list(self.config.devices)
         return pair, handle, op, facts, check
 
     def throughput(self, point: Point) -> Measurement:

@@ -119,6 +119,10 @@ def _machine_line(result: BenchResult) -> str:
     m, v = result.machine, result.versions
     mem = f", {m['memory_bytes'] / (1 << 30):.0f} GiB" if m.get("memory_bytes") else ""
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
+    if (m.get("gpu_count") or 0) > 1:
+        access = m.get("gpu_peer_access")
+        peer = "" if access is None else (", peer access" if access else ", no peer access")
+        gpu = f", {m['gpu_count']} GPUs {m['gpu']}{peer}"
     vers = ", ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "nixl", "ucx") if v.get(k))
     load = ""
     if m.get("loadavg_1m_before") is not None:
@@ -126,8 +130,20 @@ def _machine_line(result: BenchResult) -> str:
     return f"{m.get('hostname')}: {m.get('cpu')}, {m.get('cores')} cores{mem}{gpu}; {vers}{load}"
 
 
+def placement_line(result: BenchResult) -> str | None:
+    """Where device rows lived, when the two ends were on different GPUs."""
+    p, d = result.config.get("devices") or (0, 0)
+    if p == d:
+        return None
+    return (f"Device memory: prefill on cuda:{p}, decode on cuda:{d}; every device figure crosses between "
+            f"the two GPUs, and local_copy is the torch peer copy cuda:{p} -> cuda:{d}.")
+
+
 def render_text(result: BenchResult, targets: Sequence[TargetRow]) -> str:
     out = [f"kvxfer bench ({result.config.get('name')}) on {_machine_line(result)}", ""]
+    placed = placement_line(result)
+    if placed:
+        out[-1:-1] = [placed]
     for title, build in _SECTIONS:
         head, rows = build(result)
         if rows:
@@ -143,6 +159,9 @@ def render_markdown(result: BenchResult, targets: Sequence[TargetRow], json_name
     out = [f"# kvxfer bench: {result.config.get('name')} preset", "",
            f"Machine: {_machine_line(result)}.  ", f"Run: {result.created}, {result.duration_s:.0f} s."
            + (f" Raw figures: `{json_name}`." if json_name else ""), ""]
+    placed = placement_line(result)
+    if placed:
+        out[-1:-1] = [placed]
     for title, build in _SECTIONS:
         head, rows = build(result)
         if rows:

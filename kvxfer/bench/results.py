@@ -167,7 +167,10 @@ def machine() -> dict[str, Any]:
 
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
-            info["gpu_count"] = torch.cuda.device_count()
+            info["gpu_count"] = count = torch.cuda.device_count()
+            if count > 1:  # whether kernels of one GPU can reach another's memory (NVLink or PCIe P2P)
+                info["gpu_peer_access"] = all(torch.cuda.can_device_access_peer(a, b)
+                                              for a in range(count) for b in range(count) if a != b)
     except ImportError:
         pass
     return info

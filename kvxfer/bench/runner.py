@@ -20,12 +20,11 @@ from kvxfer.bench.cases import (
     CaseRunner,
     CaseSpec,
     Measurement,
-    Requirement,
     Role,
     Skip,
+    devices_missing,
     registry,
     release_shared,
-    requirement_missing,
     unmet,
 )
 from kvxfer.bench.config import BenchConfig, ConfigError, Point, format_size
@@ -115,8 +114,8 @@ def run(config: BenchConfig, progress: Progress | None = None,
 
             why = unmet(spec)
             if why is None and item.point.memory == "device":
-                cuda = requirement_missing(Requirement.CUDA)
-                why = f"device memory: {cuda}" if cuda else None
+                placed = devices_missing(config)
+                why = f"device memory: {placed}" if placed else None
             if why is not None:
                 figures.append(figure("skipped", why))
             else:

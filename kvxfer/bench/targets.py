@@ -1,4 +1,4 @@
-"""PERF.md's targets as pass/fail rows beside the figures of the same run.
+"""PERF.md's targets (issue 8's across two GPUs) as pass/fail rows beside the figures of the same run.
 
 Each target selects the figures it speaks about; with none, its row says what would be
 needed ("not measured: ..."), never a pass. Thresholds are PERF.md's, verbatim.
@@ -103,13 +103,30 @@ TARGETS = (
            _ratio_judge("nixl_one_desc", 0.90), "the nixl_2p case (kvxfer NIXL, peer in a second process) over host memory"),
 )
 
+# Issue 8: prefill on one GPU, decode on another. local_copy is then the torch peer copy
+# between them, the reference for the IPC backend over peer access.
+IPC_CASES = ("ipc_kernel", "ipc", "ipc_busy_poll", "ipc_busy_poll_sockets")
+TWO_GPU_TARGETS = (
+    Target("two GPUs, GPU→GPU over peer access, ≥256 MiB scattered, 4–64 KiB rows", "≥ 85% of the peer copy",
+           lambda f: f.case in IPC_CASES and _tp(f, "device", "scattered") and f.key["total_bytes"] >= 256 * M
+           and 4 * K <= f.key["row_bytes"] <= 64 * K, _ratio_judge("local_copy", 0.85),
+           "two CUDA devices (--devices 0,1) and the ipc cases"),
+    TARGETS[3],  # the small-request latency, now across the two GPUs
+)
+
 PULL_NOTE = TargetRow("NIXL pull where it would fall back to TCP", "-", "-", "checked by `kvxfer doctor`, not a figure",
                       "never silent", "not measured")
 
 
+def targets_for(result: BenchResult) -> tuple[Target, ...]:
+    """Issue 8's targets for a run across two GPUs, PERF.md's for everything else."""
+    p, d = result.config.get("devices") or (0, 0)
+    return TWO_GPU_TARGETS if p != d else TARGETS
+
+
 def evaluate(result: BenchResult) -> list[TargetRow]:
     rows: list[TargetRow] = []
-    for t in TARGETS:
+    for t in targets_for(result):
         chosen = [f for f in result.figures if f.ok and t.select(f)]
         judged = [(f, j) for f in chosen if (j := t.judge(result, f)) is not None]
         if not judged:

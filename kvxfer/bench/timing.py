@@ -33,17 +33,20 @@ class Timing:
         return float(np.percentile(np.asarray(self.samples), q))
 
 
-def cuda_timed(fn: Callable[[], object]) -> Callable[[], float]:
+def cuda_timed(fn: Callable[[], object], device: int | None = None) -> Callable[[], float]:
     """``fn`` as a run for ``time_runs`` that returns its device time: CUDA events recorded on
-    the current stream around it (torch must be importable and see a GPU)."""
+    the current stream of ``device`` (default: the current device) around it, with that
+    device current while ``fn`` runs (torch must be importable and see a GPU)."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    where = torch.cuda.current_device() if device is None else device
 
     def run() -> float:
-        start.record()
-        fn()
-        end.record()
+        with torch.cuda.device(where):
+            start.record()
+            fn()
+            end.record()
         end.synchronize()
         return float(start.elapsed_time(end)) / 1e3
 

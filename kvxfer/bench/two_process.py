@@ -37,13 +37,14 @@ Geometry = tuple[tuple[str, int, int], ...]  # (region name, row bytes, slots) p
 
 @dataclass(frozen=True)
 class Kind:
-    """How to build one backend kind's two ends and their rows."""
+    """How to build one backend kind's two ends and their rows; each callable's last
+    argument is the CUDA device of that end's device rows."""
 
     memory: tuple[str, ...]                                 # the memory kinds it runs over
-    local: Callable[[TransferMode], Backend]
-    peer: Callable[[TransferMode, Geometry, str], Any]      # a PeerEnd with regions, close()
-    rebuild_args: Callable[[TransferMode, Geometry, str], dict[str, Any]] | None  # a kept child's new backend
-    rows: Callable[[Geometry, str], Any]                    # RowMemory with regions (and close())
+    local: Callable[[TransferMode, int], Backend]
+    peer: Callable[[TransferMode, Geometry, str, int], Any]  # a PeerEnd with regions, close()
+    rebuild_args: Callable[[TransferMode, Geometry, str, int], dict[str, Any]] | None  # a kept child's new backend
+    rows: Callable[[Geometry, str, int], Any]               # RowMemory with regions (and close())
     facts: dict[str, Any]
     stamps_outcome: bool = False  # its child reports when its outcome became visible (latency)
 
@@ -51,24 +52,24 @@ class Kind:
 def _nixl_kind(packed: str) -> Kind:
     """NixlBackend here and in a SubprocessPeer child, over host or device rows."""
 
-    def local(mode: TransferMode) -> Backend:
+    def local(mode: TransferMode, device: int) -> Backend:
         from kvxfer.backends.nixl import NixlBackend
 
         return NixlBackend(mode=mode, packed=packed)  # type: ignore[arg-type]
 
-    def args(mode: TransferMode, geometry: Geometry, memory: str) -> dict[str, Any]:
+    def args(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> dict[str, Any]:
         return {"mode": mode.value, "buffers": [list(g) for g in geometry], "memory_kind": memory,
-                "touch": True, "packed": packed}
+                "touch": True, "packed": packed, "device": device}
 
-    def peer(mode: TransferMode, geometry: Geometry, memory: str) -> Any:
+    def peer(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> Any:
         from kvxfer.testing.subprocess_peer import SubprocessPeer
 
-        return SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", args(mode, geometry, memory))
+        return SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", args(mode, geometry, memory, device))
 
-    def rows(geometry: Geometry, memory: str) -> Any:
+    def rows(geometry: Geometry, memory: str, device: int) -> Any:
         from kvxfer.testing.nixl_pairs import rows_of, touch_pages
 
-        made = rows_of(memory, geometry)
+        made = rows_of(memory, geometry, device)
         touch_pages(made)
         return made
 
@@ -77,20 +78,20 @@ def _nixl_kind(packed: str) -> Kind:
 
 
 def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:
-    def local(mode: TransferMode) -> Backend:
+    def local(mode: TransferMode, device: int) -> Backend:
         from kvxfer.backends.ipc import IpcBackend
 
-        return IpcBackend("bench", mode, busy_poll=busy_poll, doorbell=doorbell)
+        return IpcBackend("bench", mode, device=device, busy_poll=busy_poll, doorbell=doorbell)
 
-    def peer(mode: TransferMode, geometry: Geometry, memory: str) -> Any:
+    def peer(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> Any:
         from kvxfer.backends.ipc_pair import ChildPeer, PeerSpec
 
-        return ChildPeer(PeerSpec(mode, geometry=geometry, busy_poll=busy_poll, doorbell=doorbell))
+        return ChildPeer(PeerSpec(mode, geometry=geometry, device=device, busy_poll=busy_poll, doorbell=doorbell))
 
-    def rows(geometry: Geometry, memory: str) -> Any:
+    def rows(geometry: Geometry, memory: str, device: int) -> Any:
         from kvxfer.backends.ipc_pair import DeviceRows
 
-        return DeviceRows(geometry)
+        return DeviceRows(geometry, device)
 
     return Kind(("device",), local, peer, None, rows,
                 {"processes": 2, "transport": "CUDA IPC mapping + native row kernel", "busy_poll": busy_poll,
@@ -112,19 +113,24 @@ class TwoProcessCase:
         self._rng = np.random.default_rng(config.seed + 3)
         self._peers: dict[tuple[TransferMode, str], Any] = {}  # children kept across points, where they can rebuild
 
+    def _devices(self, mode: TransferMode) -> tuple[int, int]:
+        """(this process's device, the child's): the active end is here, prefill for push."""
+        return self.config.active_devices("push" if mode is TransferMode.PUSH else "pull")
+
     def _peer(self, mode: TransferMode, geometry: Geometry, memory: str) -> Any:
         """A child for ``geometry``: reused (rebuilt in place) when it supports that, since a
         child takes seconds to start (NIXL's import alone) and tens of seconds on a busy host."""
         key = (mode, memory)
+        device = self._devices(mode)[1]
         peer = self._peers.get(key)
         if peer is not None and self.kind.rebuild_args is not None:
             try:
-                peer.rebuild(self.kind.rebuild_args(mode, geometry, memory))
+                peer.rebuild(self.kind.rebuild_args(mode, geometry, memory, device))
                 return peer
             except Exception:
                 self._peers.pop(key)
                 peer.close()
-        peer = self.kind.peer(mode, geometry, memory)
+        peer = self.kind.peer(mode, geometry, memory, device)
         if self.kind.rebuild_args is not None:
             self._peers[key] = peer
         return peer
@@ -139,12 +145,13 @@ class TwoProcessCase:
         geometry_peer = tuple((f"peer-g{g}", point.row_bytes, n_slots) for g in range(point.groups))
         local_slots = [choose_slots(point, self.config.pool_factor, self._rng) for _ in range(point.groups)]
         peer_slots = [choose_slots(point, self.config.pool_factor, self._rng) for _ in range(point.groups)]
-        memory = self.kind.rows(geometry_local, point.memory)
+        here = self._devices(mode)[0]
+        memory = self.kind.rows(geometry_local, point.memory, here)
         peer = local = None
         paths: set[str] = set()
         try:
             peer = self._peer(mode, geometry_peer, point.memory)
-            local = self.kind.local(mode)
+            local = self.kind.local(mode, here)
             local.register(memory.regions)
             v_local = _view(memory.regions, local_slots, point.rows)
             v_peer = _view(peer.regions, peer_slots, point.rows)
@@ -194,7 +201,7 @@ class TwoProcessCase:
                 memory.close()
         if left:
             raise RuntimeError(f"{left} attempts were not quiesced at shutdown")
-        facts = {**self.kind.facts, "verified": True,
+        facts = {**self.kind.facts, "verified": True, **self._placement(point),
                  "measured": "move call to the active end's outcome visible (bytes in place)"}
         if paths:
             facts["path"] = "/".join(sorted(paths))
@@ -218,13 +225,14 @@ class TwoProcessCase:
         block = max(1, min(total, _LATENCY_VERIFY_BYTES // (point.rows * point.row_bytes)))
         src_slots = 4 * point.rows
         dst_slots = block * point.rows + block * point.rows // 4  # fresh, scattered slots for a block of samples
-        memory = self.kind.rows((("prefill", point.row_bytes, src_slots),), point.memory)
+        here = self._devices(TransferMode.PUSH)[0]
+        memory = self.kind.rows((("prefill", point.row_bytes, src_slots),), point.memory, here)
         peer = local = None
         samples: list[float] = []
         left = 0
         try:
             peer = self._peer(TransferMode.PUSH, (("decode", point.row_bytes, dst_slots),), point.memory)
-            local = self.kind.local(TransferMode.PUSH)
+            local = self.kind.local(TransferMode.PUSH, here)
             local.register(memory.regions)
             rng = np.random.default_rng(self.config.seed + 5)
             everything = np.arange(src_slots, dtype=np.int64)
@@ -272,8 +280,11 @@ class TwoProcessCase:
         if left:
             raise RuntimeError(f"{left} attempts were not quiesced at shutdown")
         return latency_measurement(Timing(tuple(samples)), {
-            **self.kind.facts, "verified": True,
+            **self.kind.facts, "verified": True, **self._placement(point),
             "measured": "publish call to decode outcome visible (decode end in a second process)"})
+
+    def _placement(self, point: Point) -> dict[str, Any]:
+        return {"devices": list(self.config.devices)} if point.memory == "device" else {}
 
     def overhead(self, point: Point, sweep: OverheadSweep) -> Measurement:
         raise Skip("submission overhead is measured with both ends in one process")

@@ -42,12 +42,13 @@ def close_all(local: IpcBackend, peers: list[ChildPeer], memory: DeviceRows) -> 
 
 
 def large_rows_byte_exact(mode: TransferMode, *, cuda: ModuleType | None, row_bytes: int, slots: int,
-                          rows: int) -> None:
+                          rows: int, devices: tuple[int, int] = (0, 0)) -> None:
     """``rows`` scattered rows moved by this process's backend (the active end in both modes:
-    push publishes, pull fetches); both outcomes Delivered for every row; bytes equal."""
-    peer = ChildPeer(PeerSpec(mode, geometry=(("P", row_bytes, slots),), emulated=cuda is not None))
-    memory = DeviceRows((("L", row_bytes, slots),), cuda=cuda)
-    local = IpcBackend("local", mode, cuda=cuda)
+    push publishes, pull fetches); both outcomes Delivered for every row; bytes equal.
+    ``devices``: this end's and the child's CUDA devices (two GPUs: over peer access)."""
+    peer = ChildPeer(PeerSpec(mode, geometry=(("P", row_bytes, slots),), device=devices[1], emulated=cuda is not None))
+    memory = DeviceRows((("L", row_bytes, slots),), devices[0], cuda=cuda)
+    local = IpcBackend("local", mode, device=devices[0], cuda=cuda)
     try:
         local.register(memory.regions)
         lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], rows, 5, "big")

@@ -37,13 +37,13 @@ class DeviceRows(RowMemory):
         self.regions = tuple(
             SlotRegion(name, int(t.data_ptr()), t.shape[1], t.shape[0], MemoryKind.DEVICE, device)
             for name, t in self.tensors.items())
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
     def write(self, region: str, slots: np.ndarray, data: bytes) -> None:
         t = self.tensors[region]
         rows = self._torch.frombuffer(bytearray(data), dtype=self._torch.uint8).reshape(-1, t.shape[1])
         t[self._torch.as_tensor(np.asarray(slots, dtype=np.int64), device=t.device)] = rows.to(t.device)
-        self._torch.cuda.synchronize()
+        self._torch.cuda.synchronize(t.device)  # the tensor's device: it need not be the current one
 
     def read(self, region: str, slots: np.ndarray) -> bytes:
         t = self.tensors[region]
@@ -58,9 +58,9 @@ def touch_pages(memory: HostRows | DeviceRows) -> None:
             buffer.array.fill(1)
 
 
-def rows_of(memory: str, spec: tuple[tuple[str, int, int], ...]) -> HostRows | DeviceRows:
-    """Host or device rows of the given geometry."""
-    return DeviceRows(spec) if memory == "device" else host_rows(spec)
+def rows_of(memory: str, spec: tuple[tuple[str, int, int], ...], device: int = 0) -> HostRows | DeviceRows:
+    """Host rows, or device rows on CUDA device ``device``, of the given geometry."""
+    return DeviceRows(spec, device) if memory == "device" else host_rows(spec)
 
 
 def make_backend(mode: TransferMode, memory: HostRows | DeviceRows, **options: Any) -> NixlBackend:
@@ -90,12 +90,18 @@ def nixl_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -
 
 
 def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] | None = None,
-                  memory_kind: str = "host", touch: bool = False,
+                  memory_kind: str = "host", touch: bool = False, device: int = 0,
                   **options: Any) -> tuple[NixlBackend, HostRows | DeviceRows, Callable[[int | None], None]]:
     """Runs in the child process of a SubprocessPeer: a NixlBackend over host (or device)
-    buffers (``buffers``: [name, slot_bytes, slots] items; the kit's peer geometry by default)."""
+    buffers (``buffers``: [name, slot_bytes, slots] items; the kit's peer geometry by default).
+    Device buffers live on CUDA device ``device``, made the child's current device, as a
+    decode worker on that GPU would have it."""
     spec = tuple((str(n), int(b), int(k)) for n, b, k in buffers) if buffers else PEER_BUFFERS
-    memory = rows_of(memory_kind, spec)
+    if memory_kind == "device":
+        import torch  # noqa: PLC0415 - only where CUDA exists
+
+        torch.cuda.set_device(device)
+    memory = rows_of(memory_kind, spec, device)
     if touch:
         touch_pages(memory)
     backend = make_backend(TransferMode(mode), memory, deadline_s=deadline_s, **options)
@@ -105,21 +111,23 @@ def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] 
 class ChildPairs:
     """A ``make_pair`` factory whose peer is a NixlBackend in one child process, rebuilt for
     each pair (a fresh child per pair costs seconds on a busy 2-core machine). ``close()``
-    ends the child."""
+    ends the child. ``devices``: the CUDA devices of this end's and the child's device rows."""
 
-    def __init__(self, *, deadline_s: float = 10.0, memory_kind: str = "host", **options: Any) -> None:
+    def __init__(self, *, deadline_s: float = 10.0, memory_kind: str = "host", devices: tuple[int, int] = (0, 0),
+                 **options: Any) -> None:
         self.options = {"deadline_s": deadline_s, **options}
         self.memory_kind = memory_kind
+        self.devices = devices
         self.peer: SubprocessPeer | None = None
 
     def __call__(self, mode: TransferMode) -> Pair:
-        kwargs = {"mode": mode.value, "memory_kind": self.memory_kind, **self.options}
+        kwargs = {"mode": mode.value, "memory_kind": self.memory_kind, "device": self.devices[1], **self.options}
         if self.peer is None:
             self.peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", kwargs)
         else:
             self.peer.rebuild(kwargs)
         peer = self.peer
-        local_mem = rows_of(self.memory_kind, LOCAL_BUFFERS)
+        local_mem = rows_of(self.memory_kind, LOCAL_BUFFERS, self.devices[0])
         local = make_backend(mode, local_mem, **self.options)
 
         def close() -> None:

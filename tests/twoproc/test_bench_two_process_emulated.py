@@ -18,10 +18,11 @@ from kvxfer.testing import host_cuda
 def emulated_ipc_kind() -> Kind:
     return Kind(
         memory=("device",),
-        local=lambda mode: IpcBackend("bench", mode, cuda=host_cuda),
-        peer=lambda mode, geometry, memory: ChildPeer(PeerSpec(mode, geometry=geometry, emulated=True)),
+        local=lambda mode, device: IpcBackend("bench", mode, device=device, cuda=host_cuda),
+        peer=lambda mode, geometry, memory, device: ChildPeer(PeerSpec(mode, geometry=geometry, device=device,
+                                                                       emulated=True)),
         rebuild_args=None,
-        rows=lambda geometry, memory: DeviceRows(geometry, cuda=host_cuda),
+        rows=lambda geometry, memory, device: DeviceRows(geometry, device, cuda=host_cuda),
         facts={"processes": 2, "transport": "emulated CUDA IPC (host memory)"},
         stamps_outcome=True,
     )

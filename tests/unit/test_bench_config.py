@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvxfer.bench import cli
+from kvxfer.bench.cases import devices_missing
 from kvxfer.bench.config import (
     PRESETS,
     ConfigError,
@@ -17,7 +20,7 @@ from kvxfer.bench.config import (
     parse_sizes,
     preset,
 )
-from kvxfer.bench.runner import plan
+from kvxfer.bench.runner import plan, run
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -123,3 +126,50 @@ def test_cli_flags_replace_the_throughput_sweep() -> None:
 def test_cli_bad_option_exits_2_with_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--preset", "tiny", "--row-sizes", "4Q"]) == 2
     assert "--row-sizes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,expected", [("0,1", (0, 1)), ("1,0", (1, 0)), ("2", (2, 2)), (" 0 , 3 ", (0, 3))])
+def test_devices_read_as_prefill_then_decode(text: str, expected: tuple[int, int]) -> None:
+    args = cli.build_parser().parse_args(["--preset", "tiny", "--devices", text])
+    cfg = cli.config_from_args(args)
+    assert cfg.devices == expected
+    assert (cfg.prefill_device, cfg.decode_device) == expected
+    assert cfg.two_devices is (expected[0] != expected[1])
+    # the active end holds the source for a push (prefill) and the destination for a pull (decode)
+    assert cfg.active_devices("push") == expected and cfg.active_devices("pull") == expected[::-1]
+
+
+@pytest.mark.parametrize("text", ["0,1,2", "a,1", "-1,0", "0;1", ","])
+def test_bad_devices_exit_2_naming_the_flag(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--preset", "tiny", f"--devices={text}"]) == 2
+    assert "--devices" in capsys.readouterr().err
+
+
+def test_devices_are_validated_on_the_config_itself() -> None:
+    with pytest.raises(ConfigError, match="devices"):
+        dataclasses.replace(preset("tiny"), devices=(0, -1))
+    with pytest.raises(ConfigError, match="devices"):
+        dataclasses.replace(preset("tiny"), devices=(0,))  # type: ignore[arg-type]
+
+
+def test_gpu2_preset_covers_issue_8_figures() -> None:
+    cfg = preset("gpu2")
+    assert cfg.devices == (0, 1) and cfg.two_devices
+    device = [p for p in cfg.throughput_points() if p.memory == "device"]
+    for row in (4096, 16384, 65536):
+        for total in (256 << 20, 1 << 30):
+            assert any(p.row_bytes == row and p.total_bytes == total and p.slots == "scattered" for p in device)
+    # the peer copy (reference), NIXL one descriptor / per row / packed, the IPC backend and its kernel
+    assert {"local_copy", "nixl_one_desc", "nixl_per_row", "nixl_2p_packed", "ipc", "ipc_kernel"} <= set(cfg.cases)
+    assert cfg.cases.index("ipc") < cfg.cases.index("nixl_per_row")  # a time limit cuts NIXL's slow tail first
+
+
+def test_device_figures_on_a_machine_without_cuda_are_skipped_with_the_reason() -> None:
+    if devices_missing(preset("gpu2")) is None:
+        pytest.skip("this machine has the two CUDA devices: the skip path is for machines without them")
+    cfg = dataclasses.replace(preset("tiny"), cases=("local_copy",), throughput=(
+        ThroughputSweep(row_bytes=(4096,), rows=(4,), memory=("device",), slots=("contiguous",)),), latency=None,
+        overhead=None, devices=(0, 1))
+    result = run(cfg)
+    (figure,) = result.figures
+    assert figure.status == "skipped" and figure.reason.startswith("device memory:")

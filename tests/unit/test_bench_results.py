@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -201,3 +202,27 @@ def test_relative_compare_cancels_a_slower_machine() -> None:
     # the backend alone slower: still a regression when relative
     new2 = _result(*_refs(), _tp("loopback", 0.020))
     assert [c.verdict for c in compare(old, new2, relative=True) if "loopback" in c.figure] == ["regression"]
+
+
+def test_two_gpu_runs_are_judged_against_the_peer_copy() -> None:
+    """With prefill and decode on different GPUs, local_copy is the peer copy: issue 8's
+    target (IPC >= 85% of it, scattered rows) replaces the same-GPU ones, and the report says
+    where each end was."""
+    dev = {"memory": "device", "total_bytes": 256 * M}
+    peer_copy = Figure("throughput", "local_copy", "reference", dev, "ok", "",
+                       {"seconds_best": 0.001, "seconds_median": 0.001, "reps": 10.0})
+    ipc = _tp("ipc", 0.00125, memory="device", total_bytes=256 * M)          # 80% of the peer copy
+    kernel = _tp("ipc_kernel", 0.00110, role="ceiling", memory="device", total_bytes=256 * M)  # 91%
+    nixl = _tp("nixl_2p", 0.01, memory="device", total_bytes=256 * M)
+    result = dataclasses.replace(_result(peer_copy, ipc, kernel, nixl),
+                                 config={"name": "gpu2", "devices": [0, 1]})
+    rows = {r.case: r for r in evaluate(result) if "peer copy" in r.threshold}
+    assert set(rows) == {"ipc", "ipc_kernel"}  # the IPC target speaks about IPC only
+    assert rows["ipc"].status == "fail" and rows["ipc"].measured.startswith("80.0%")
+    assert rows["ipc_kernel"].status == "pass"
+    assert not [r for r in evaluate(result) if "of D2D" in r.threshold]
+    text = render_text(result, evaluate(result))
+    assert "prefill on cuda:0, decode on cuda:1" in text
+    same = dataclasses.replace(result, config={"name": "gpu", "devices": [0, 0]})
+    assert [r for r in evaluate(same) if "of D2D" in r.threshold]
+    assert "prefill on cuda" not in render_text(same, evaluate(same))
