@@ -1,7 +1,7 @@
 """IpcBackend throughput with several requests in flight, beside the device copy of the same run.
 
     python bench/ipc_in_flight.py [--row-sizes 4096,16384,65536] [--request-mib 256] [--depths 1,2,4]
-                                  [--requests N] [--reps 10] [--json OUT.json] [--emulated]
+                                  [--requests N] [--reps 10] [--devices P,D] [--json OUT.json] [--emulated]
 
 ``kvxfer bench``'s ``ipc`` figure times one request at a time: publish call to the
 publisher's outcome, so each request pays the host's fixed cost (checks, launch, the
@@ -14,7 +14,9 @@ requests go out in all, a new one published as soon as one of the ``depth`` in f
 concludes: the steady state of a loaded server, where the first request's start and the last
 one's end are spread over N requests instead of ``depth``. Each request lands in decode rows
 of its own; the first and last requests' rows are compared byte for byte. ``--emulated`` runs
-over kvxfer.testing.host_cuda (no GPU): the code path, not figures.
+over kvxfer.testing.host_cuda (no GPU): the code path, not figures. ``--devices 0,1`` puts
+the prefill end on GPU 0 and the decode end on GPU 1: the reference is then the torch peer
+copy between them.
 """
 
 from __future__ import annotations
@@ -33,24 +35,26 @@ import numpy as np
 import kvxfer.backends.ipc_pair as pair
 
 
-def device_copy_gbps(nbytes: int, reps: int, emulated: bool) -> float:
-    """The reference: one contiguous copy of a request's bytes (torch D2D; numpy on the host when emulated)."""
+def device_copy_gbps(nbytes: int, reps: int, emulated: bool, devices: tuple[int, int] = (0, 0)) -> float:
+    """The reference: one contiguous copy of a request's bytes (torch D2D, or the peer copy
+    between ``devices``; numpy on the host when emulated)."""
     if emulated:
         a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
         best = min(_timed(lambda: np.copyto(b, a)) for _ in range(reps))
         return nbytes / best / 1e9
     import torch
 
-    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{devices[0]}")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{devices[1]}")
     times = []
-    for _ in range(reps + 2):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    with torch.cuda.device(devices[0]):  # a peer copy runs on the source device's stream
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(reps + 2):
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
     return nbytes / min(times[2:]) / 1e9
 
 
@@ -60,11 +64,12 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def run_point(row: int, rows: int, depth: int, reps: int, emulated: bool, requests: int = 0) -> dict[str, Any]:
+def run_point(row: int, rows: int, depth: int, reps: int, emulated: bool, requests: int = 0,
+              devices: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """``requests`` in all (at least ``depth``), ``depth`` of them in flight at a time."""
     total = max(depth, requests)
     slots = total * rows + total * rows // 4
-    with pair.push_pair(row, slots, emulated) as (peer, memory, local):
+    with pair.push_pair(row, slots, emulated, devices=devices) as (peer, memory, local):
         rng = np.random.default_rng(row + depth)
         mine = rng.permutation(slots)[: total * rows].astype(np.int64).reshape(total, rows)
         theirs = rng.permutation(slots)[: total * rows].astype(np.int64).reshape(total, rows)
@@ -133,15 +138,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests in all, a new one published as each ends (default: the depth, one batch)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--devices", default="0,0", help="CUDA devices of the prefill and decode ends (e.g. 0,1)")
     ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
     args = ap.parse_args(argv)
+    try:
+        prefill, decode = (int(x) for x in args.devices.split(","))
+    except ValueError:
+        ap.error(f"--devices {args.devices!r}: two CUDA device indices, e.g. 0,1")
+    devices = (prefill, decode)
+    if args.emulated and devices != (0, 0):
+        ap.error("--emulated has one device: leave --devices at 0,0")
     request = int(args.request_mib * 2**20)
-    reference = device_copy_gbps(request, args.reps, args.emulated)
-    print(f"reference: {'host memcpy' if args.emulated else 'torch D2D copy'} of {request >> 20} MiB: {reference:.1f} GB/s")
+    reference = device_copy_gbps(request, args.reps, args.emulated, devices)
+    what = "host memcpy" if args.emulated else (
+        f"torch peer copy cuda:{prefill} -> cuda:{decode}" if prefill != decode else "torch D2D copy")
+    print(f"reference: {what} of {request >> 20} MiB: {reference:.1f} GB/s")
     figures = []
     for row in (int(x) for x in args.row_sizes.split(",")):
         for depth in (int(x) for x in args.depths.split(",")):
-            fig = run_point(row, request // row, depth, args.reps, args.emulated, args.requests)
+            fig = run_point(row, request // row, depth, args.reps, args.emulated, args.requests, devices)
             fig["vs_reference"] = fig["gbps_best"] / reference
             figures.append(fig)
             print(f"{row // 1024:>3} KiB rows x {request // row:>6} per request, {fig['requests']} requests, "
@@ -153,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"what": "IpcBackend, `requests` requests with up to `depth` in flight, first publish call to "
                                "last publisher outcome",
                        "command": " ".join(sys.argv), "machine": _machine(args.emulated), "python": platform.python_version(),
-                       "emulated": args.emulated, "reference_gbps": reference,
-                       "reference": "host memcpy" if args.emulated else "torch D2D copy, one request's bytes",
+                       "emulated": args.emulated, "devices": list(devices), "reference_gbps": reference,
+                       "reference": f"{what}, one request's bytes",
                        "figures": figures}, f, indent=1)
     return 0
 

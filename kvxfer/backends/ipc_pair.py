@@ -303,20 +303,21 @@ def ipc_pair(mode: TransferMode, *, device: int = 0, peer_device: int | None = N
 
 
 @contextlib.contextmanager
-def push_pair(row_bytes: int, slots: int, emulated: bool = False,
-              busy_poll: bool = False) -> Iterator[tuple[ChildPeer, DeviceRows, Any]]:
+def push_pair(row_bytes: int, slots: int, emulated: bool = False, busy_poll: bool = False,
+              devices: tuple[int, int] = (0, 0)) -> Iterator[tuple[ChildPeer, DeviceRows, Any]]:
     """For the bench scripts: a decode ChildPeer (busy-polling, with its doorbell, if asked)
     and, here, a publishing IpcBackend over its own DeviceRows, each ``slots`` rows of
-    ``row_bytes``; all three closed on the way out."""
+    ``row_bytes``, on ``devices`` (prefill here, decode in the child); all three closed on
+    the way out."""
     from kvxfer.backends.ipc import IpcBackend
 
     cuda = cuda_calls(emulated)
-    peer = ChildPeer(PeerSpec(TransferMode.PUSH, geometry=(("decode", row_bytes, slots),), emulated=emulated,
-                              busy_poll=busy_poll))
+    peer = ChildPeer(PeerSpec(TransferMode.PUSH, geometry=(("decode", row_bytes, slots),), device=devices[1],
+                              emulated=emulated, busy_poll=busy_poll))
     memory = local = None
     try:
-        memory = DeviceRows((("prefill", row_bytes, slots),), cuda=cuda)
-        local = IpcBackend("prefill", TransferMode.PUSH, cuda=cuda)
+        memory = DeviceRows((("prefill", row_bytes, slots),), devices[0], cuda=cuda)
+        local = IpcBackend("prefill", TransferMode.PUSH, device=devices[0], cuda=cuda)
         local.register(memory.regions)
         yield peer, memory, local
     finally:

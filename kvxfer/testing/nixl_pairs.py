@@ -42,12 +42,13 @@ class DeviceRows(RowMemory):
     def write(self, region: str, slots: np.ndarray, data: bytes) -> None:
         t = self.tensors[region]
         rows = self._torch.frombuffer(bytearray(data), dtype=self._torch.uint8).reshape(-1, t.shape[1])
-        t[self._torch.as_tensor(np.asarray(slots, dtype=np.int64), device=t.device)] = rows.to(t.device)
+        # A copy: views hand out read-only slot arrays, which torch warns about sharing.
+        t[self._torch.as_tensor(np.array(slots, dtype=np.int64), device=t.device)] = rows.to(t.device)
         self._torch.cuda.synchronize(t.device)  # the tensor's device: it need not be the current one
 
     def read(self, region: str, slots: np.ndarray) -> bytes:
         t = self.tensors[region]
-        index = self._torch.as_tensor(np.asarray(slots, dtype=np.int64), device=t.device)
+        index = self._torch.as_tensor(np.array(slots, dtype=np.int64), device=t.device)
         return bytes(t[index].cpu().numpy().tobytes())
 
 

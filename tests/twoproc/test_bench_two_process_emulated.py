@@ -115,6 +115,11 @@ def test_ipc_in_flight_script_runs_emulated(tmp_path):  # type: ignore[no-untype
     result = json.loads(out.read_text())
     assert [f["depth"] for f in result["figures"]] == [1, 3]
     assert all(f["verified"] and f["gbps_best"] > 0 for f in result["figures"])
+    assert result["devices"] == [0, 0] and result["reference"].startswith("host memcpy")
+    # Two devices exist only on a GPU machine: asked for over the emulation, refused by name.
+    refused = subprocess.run([sys.executable, str(script), "--emulated", "--devices", "0,1"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "--devices" in refused.stderr
 
 
 def test_ipc_in_flight_sustained_requests_emulated(tmp_path):  # type: ignore[no-untyped-def]
