@@ -146,8 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--devices {args.devices!r}: two CUDA device indices, e.g. 0,1")
     devices = (prefill, decode)
+    if min(devices) < 0:
+        ap.error(f"--devices {args.devices!r}: device indices are not negative")
     if args.emulated and devices != (0, 0):
         ap.error("--emulated has one device: leave --devices at 0,0")
+    if not args.emulated:
+        import torch
+
+        if max(devices) >= torch.cuda.device_count():
+            ap.error(f"--devices {args.devices!r}: this machine sees {torch.cuda.device_count()} CUDA device(s)")
     request = int(args.request_mib * 2**20)
     reference = device_copy_gbps(request, args.reps, args.emulated, devices)
     what = "host memcpy" if args.emulated else (

@@ -199,17 +199,17 @@ NB_MODULE(_native, m) {
     bool enabled = false;
     check(kvxfer::cuda::peer_access(device, peer, &enabled));
     return enabled;
-  }, "device"_a, "peer"_a, "Enable kernels on device to reach peer's memory; False where the hardware cannot.");
+  }, "device"_a, "peer"_a, "Enable kernels on device to reach peer's memory (peer != device); False where the hardware cannot.");
   m.def("stream_create", [](int device) { return out_handle(kvxfer::cuda::stream_create, device); }, "device"_a);
   m.def("stream_destroy", [](std::uint64_t s) { check(kvxfer::cuda::stream_destroy(s)); }, "stream"_a);
-  m.def("stream_synchronize", [](std::uint64_t s) {
+  m.def("stream_synchronize", [](std::uint64_t s, int device) {
     std::string err;
     {
       nb::gil_scoped_release release;
-      err = kvxfer::cuda::stream_synchronize(s);
+      err = kvxfer::cuda::stream_synchronize(s, device);
     }
     check(err);
-  }, "stream"_a);
+  }, "stream"_a, "device"_a = -1, "Wait for stream's work; stream 0 is device's default stream (-1: the current device).");
   m.def("event_create", [](int device) { return out_handle(kvxfer::cuda::event_create, device); }, "device"_a);
   m.def("event_record", [](std::uint64_t ev, std::uint64_t s) { check(kvxfer::cuda::event_record(ev, s)); },
         "event"_a, "stream"_a);

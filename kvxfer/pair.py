@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if warning:
             print(f"kvxfer pair: {warning}", file=sys.stderr, flush=True)
+        if prefill_device != decode_device:
+            print(f"kvxfer pair: the lane probe ran with both ends on one device; the workers are on "
+                  f"{prefill_device} and {decode_device}, whose pull lane was not probed", file=sys.stderr, flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
     worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
                    str(args.blocks), "--transfer-timeout", str(args.timeout)]

@@ -27,7 +27,7 @@ std::string peer_access(int device, int peer, bool* enabled);
 
 std::string stream_create(int device, std::uint64_t* stream);
 std::string stream_destroy(std::uint64_t stream);
-std::string stream_synchronize(std::uint64_t stream);
+std::string stream_synchronize(std::uint64_t stream, int device = -1);
 
 std::string event_create(int device, std::uint64_t* event);
 std::string event_record(std::uint64_t event, std::uint64_t stream);

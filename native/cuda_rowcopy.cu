@@ -584,7 +584,10 @@ std::string stream_destroy(std::uint64_t s) {
   return e == cudaSuccess ? std::string() : fail("cudaStreamDestroy", e);
 }
 
-std::string stream_synchronize(std::uint64_t s) {
+std::string stream_synchronize(std::uint64_t s, int device) {
+  // With `device`, stream 0 names that device's default stream, not the current device's.
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
   cudaError_t e = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(s));
   return e == cudaSuccess ? std::string() : fail("cudaStreamSynchronize", e);
 }

@@ -72,7 +72,7 @@ class DeviceRows(RowMemory):
             self._n.copy_bytes(self.device, staging, host.ctypes.data, host.size)
             self._n.cuda_copy_rows(staging, r.slot_bytes, None, r.address, r.slot_bytes, slots, slots.size,
                                    r.slot_bytes, 0, self.device, -1, r.slots)
-            self._n.stream_synchronize(0)
+            self._n.stream_synchronize(0, self.device)
         finally:
             self._n.device_free(self.device, staging)
 

@@ -9,6 +9,7 @@ descriptors, or a memory kind the case cannot reach.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import importlib
@@ -128,9 +129,21 @@ def devices_missing(config: BenchConfig) -> str | None:
     absent = sorted({d for d in config.devices if d >= count})
     if absent:
         p, d = config.devices
-        return (f"--devices {p},{d}: cuda:{absent[0]} is not visible "
-                f"({count} CUDA device{'' if count == 1 else 's'}: cuda:0..cuda:{count - 1})")
+        return (f"--devices {p},{d} (the preset's unless given): cuda:{absent[0]} is not visible "
+                f"({count} CUDA device{'' if count == 1 else 's'}: cuda:0..cuda:{count - 1}); pass --devices "
+                f"with visible indices, e.g. --devices 0,0")
     return None
+
+
+def device_scope(memory: str, device: int) -> contextlib.AbstractContextManager[Any]:
+    """``device`` current while an end over device memory is built here, as a worker on that
+    GPU has it (NIXL/UCX may take the current device); nothing for host memory, or where
+    torch has no CUDA (device rows emulated in host memory by kvxfer.testing.host_cuda)."""
+    if memory != "device":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext()
 
 
 def unmet(spec: CaseSpec) -> str | None:

@@ -42,6 +42,11 @@ def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relativ
     cancels a machine that is busier or slower as a whole (shared CI hosts)."""
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
+    placed = [tuple(r.config.get("devices") or (0, 0)) for r in (old, new)]
+    if placed[0] != placed[1]:
+        # Same figure names, other physics: a same-GPU local_copy is D2D, a cross-GPU one the peer copy.
+        raise ValueError(f"the runs placed their ends on different GPUs (devices {placed[0]} and {placed[1]}): "
+                         "their figures do not compare")
     out: list[Change] = []
     new_by_id = {f.id: f for f in new.figures}
     old_ids = set()

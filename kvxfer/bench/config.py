@@ -75,8 +75,8 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
 
 def parse_devices(text: str) -> tuple[int, int]:
     """``P,D``: the prefill and decode ends' CUDA device indices (``0,1``; ``0`` alone is ``0,0``)."""
-    items = parse_list(text, "--devices")
-    if len(items) > 2 or not all(t.isdigit() for t in items):
+    items = [t.strip() for t in str(text).split(",")]  # empties kept: "1," is refused, not read as 1,1
+    if not 1 <= len(items) <= 2 or not all(t.isascii() and t.isdecimal() for t in items):
         raise ConfigError(f"--devices: {text!r} must be one or two CUDA device indices, e.g. 0,1")
     first = int(items[0])
     return first, int(items[-1]) if len(items) == 2 else first
@@ -226,6 +226,7 @@ class BenchConfig:
             raise ConfigError("layers, pool factor and max descriptors must be >= 1")
         if len(self.devices) != 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.devices):
             raise ConfigError(f"devices: {self.devices!r} must be two CUDA device indices (prefill, decode), e.g. 0,1")
+        object.__setattr__(self, "devices", tuple(self.devices))  # a list would not key a cache
 
     @property
     def prefill_device(self) -> int:
@@ -240,7 +241,8 @@ class BenchConfig:
         return self.devices[0] != self.devices[1]
 
     def active_devices(self, direction: str) -> tuple[int, int]:
-        """(the active end's device, the passive end's): push moves from prefill, pull from decode."""
+        """(the active end's device, the passive end's). Bytes always go prefill -> decode; a
+        push is driven by the prefill end (the publisher), a pull by the decode end (the fetcher)."""
         return self.devices if direction == "push" else (self.devices[1], self.devices[0])
 
     def throughput_points(self) -> list[Point]:

@@ -70,7 +70,7 @@ class _PeerBuffer:
 
     def close(self) -> None:
         if self.base:
-            self._n.stream_synchronize(0)
+            self._n.stream_synchronize(0, self.device)
             self._n.ipc_close(self.device, self.base)
             self.base = 0
         try:

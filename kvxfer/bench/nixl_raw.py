@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, hold_until_run_end
+from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope, hold_until_run_end
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, layer_major_addresses, pool_slots, row_addresses
 from kvxfer.bench.timing import Timing, time_runs
@@ -154,9 +154,10 @@ class NixlPair:
             if status != "ready":
                 raise RuntimeError(f"NIXL target process failed to start: {rest[0]}")
             metadata, self.remote_address = rest
-            self.agent = nixl_agent(f"bench-initiator-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
-            self.local = _Buffer(nbytes, memory, fill=0x5A, device=self.devices[0])
-            self._reg = self.agent.register_memory(self.local.descs(), _mem_type(memory))
+            with device_scope(memory, self.devices[0]):
+                self.agent = nixl_agent(f"bench-initiator-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
+                self.local = _Buffer(nbytes, memory, fill=0x5A, device=self.devices[0])
+                self._reg = self.agent.register_memory(self.local.descs(), _mem_type(memory))
             self.remote_name = self.agent.add_remote_agent(metadata)
             if isinstance(self.remote_name, bytes):
                 self.remote_name = self.remote_name.decode()
@@ -249,7 +250,8 @@ def shared_pair(memory: str, nbytes: int, devices: tuple[int, int] = (0, 0)) -> 
 
 
 class _RawCase:
-    """Shared machinery: one NixlPair per memory kind, sized for the largest point of the run."""
+    """Shared machinery: one NixlPair per memory kind and placement of its two ends, sized for
+    the largest point of the run."""
 
     descriptor_shape = "one"
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench.backend_cases import BLOCK_TOKENS, LAYOUT, Watch, wait_settled
-from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
+from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
 from kvxfer.bench.nixl_raw import latency_measurement
@@ -151,8 +151,9 @@ class TwoProcessCase:
         paths: set[str] = set()
         try:
             peer = self._peer(mode, geometry_peer, point.memory)
-            local = self.kind.local(mode, here)
-            local.register(memory.regions)
+            with device_scope(point.memory, here):
+                local = self.kind.local(mode, here)
+                local.register(memory.regions)
             v_local = _view(memory.regions, local_slots, point.rows)
             v_peer = _view(peer.regions, peer_slots, point.rows)
             rng = np.random.default_rng(self.config.seed + point.rows)
@@ -232,8 +233,9 @@ class TwoProcessCase:
         left = 0
         try:
             peer = self._peer(TransferMode.PUSH, (("decode", point.row_bytes, dst_slots),), point.memory)
-            local = self.kind.local(TransferMode.PUSH, here)
-            local.register(memory.regions)
+            with device_scope(point.memory, here):
+                local = self.kind.local(TransferMode.PUSH, here)
+                local.register(memory.regions)
             rng = np.random.default_rng(self.config.seed + 5)
             everything = np.arange(src_slots, dtype=np.int64)
             # Distinct bytes in every source slot; every sample's rows are compared (untimed).

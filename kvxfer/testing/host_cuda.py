@@ -305,7 +305,7 @@ def stream_destroy(stream: int) -> None:
         queue.close()
 
 
-def stream_synchronize(stream: int) -> None:
+def stream_synchronize(stream: int, device: int = -1) -> None:
     with _LOCK:
         queue = _STREAMS.get(stream)
     if queue is not None:

@@ -139,7 +139,7 @@ def test_devices_read_as_prefill_then_decode(text: str, expected: tuple[int, int
     assert cfg.active_devices("push") == expected and cfg.active_devices("pull") == expected[::-1]
 
 
-@pytest.mark.parametrize("text", ["0,1,2", "a,1", "-1,0", "0;1", ","])
+@pytest.mark.parametrize("text", ["0,1,2", "a,1", "-1,0", "0;1", ",", ",1", "1,", "0,,1", "\u00b2,0"])
 def test_bad_devices_exit_2_naming_the_flag(text: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--preset", "tiny", f"--devices={text}"]) == 2
     assert "--devices" in capsys.readouterr().err
@@ -150,6 +150,10 @@ def test_devices_are_validated_on_the_config_itself() -> None:
         dataclasses.replace(preset("tiny"), devices=(0, -1))
     with pytest.raises(ConfigError, match="devices"):
         dataclasses.replace(preset("tiny"), devices=(0,))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="devices"):
+        dataclasses.replace(preset("tiny"), devices=(True, 0))
+    listed = dataclasses.replace(preset("tiny"), devices=[0, 1])  # type: ignore[arg-type]
+    assert listed.devices == (0, 1) and hash(listed.devices)  # a tuple, fit to key a shared pair
 
 
 def test_gpu2_preset_covers_issue_8_figures() -> None:

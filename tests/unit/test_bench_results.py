@@ -226,3 +226,7 @@ def test_two_gpu_runs_are_judged_against_the_peer_copy() -> None:
     same = dataclasses.replace(result, config={"name": "gpu", "devices": [0, 0]})
     assert [r for r in evaluate(same) if "of D2D" in r.threshold]
     assert "prefill on cuda" not in render_text(same, evaluate(same))
+    # A peer copy is not a D2D copy: the two runs' figures share names, not meaning.
+    with pytest.raises(ValueError, match="different GPUs"):
+        compare(same, result)
+    assert compare(result, result) is not None
