@@ -1,7 +1,7 @@
 """Where an IpcBackend push spends its time, step by step (a diagnostic for the GPU machine).
 
     python bench/ipc_breakdown.py [--cases 262144x4096,16384x65536,32x65536] [--reps 5] [--small-reps 200]
-                                  [--emulated] [--busy-poll]
+                                  [--emulated] [--busy-poll] [--devices P,D]
 
 The publisher is an IpcBackend here; the fetcher an IpcBackend in a child process
 (``ipc_pair.ChildPeer``). Both processes wrap the backend's steps (checks, row matching,
@@ -12,6 +12,7 @@ step's stamp, in microseconds since the publish() call. The wrappers cost time t
 ``--busy-poll`` makes the decode end busy-poll, with its doorbell (``ipc_bells``).
 ``--emulated`` runs both ends over kvxfer.testing.host_cuda (no GPU): the control path's
 Python costs on any machine; its copies are host memcpy, so those steps say nothing of a GPU.
+``--devices 0,1`` puts the publisher's rows on GPU 0 and the fetcher's on GPU 1.
 """
 
 from __future__ import annotations
@@ -104,12 +105,13 @@ def serve_instrumented(conn: Any, spec: Any) -> None:
     _ORIGINAL_SERVE(conn, spec)
 
 
-def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False, busy_poll: bool = False) -> None:
+def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False, busy_poll: bool = False,
+        devices: tuple[int, int] = (0, 0)) -> None:
     slots = rows + rows // 4
     samples: list[dict[str, int]] = []
     pair._serve = serve_instrumented  # the spawned child runs this module's function
     try:
-        with pair.push_pair(row, slots, emulated, busy_poll) as (peer, memory, local):
+        with pair.push_pair(row, slots, emulated, busy_poll, devices) as (peer, memory, local):
             _sample(peer, memory, local, slots, rows, reps, warmup, samples)
     finally:
         pair._serve = _ORIGINAL_SERVE
@@ -165,12 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-reps", type=int, default=200, help="repetitions of smaller cases")
     ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
     ap.add_argument("--busy-poll", action="store_true", help="the decode end busy-polls (and offers its doorbell)")
+    ap.add_argument("--devices", default="0,0", help="CUDA devices of the publisher's and the fetcher's rows")
     args = ap.parse_args(argv)
+    try:
+        prefill, decode = (int(x) for x in args.devices.split(","))
+    except ValueError:
+        ap.error(f"--devices {args.devices!r}: two CUDA device indices, e.g. 0,1")
+    if min(prefill, decode) < 0 or (args.emulated and (prefill, decode) != (0, 0)):
+        ap.error(f"--devices {args.devices!r}: indices are not negative, and --emulated has device 0 only")
     instrument()
     for case in args.cases.split(","):
         rows, row = (int(x) for x in case.split("x"))
         run(row, rows, args.reps if rows > 1000 else args.small_reps, emulated=args.emulated,
-            busy_poll=args.busy_poll)
+            busy_poll=args.busy_poll, devices=(prefill, decode))
     return 0
 
 
