@@ -104,11 +104,13 @@ def lanes_from_tables(tables: list[dict[str, Any]], memory: str) -> dict[str, li
     return out
 
 
-def _spawn(role: str, fd: int, memory: str, nbytes: int, reps: int, log: Path) -> subprocess.Popen[bytes]:
+def _spawn(role: str, fd: int, memory: str, nbytes: int, reps: int, log: Path,
+           cuda_device: int = -1) -> subprocess.Popen[bytes]:
     env = {**os.environ, "UCX_PROTO_INFO": "y", "NIXL_LOG_LEVEL": "WARN"}
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "kvxfer.doctor_probe", role, str(fd), memory, str(nbytes), str(reps)],
+            [sys.executable, "-m", "kvxfer.doctor_probe", role, str(fd), memory, str(nbytes), str(reps),
+             str(cuda_device)],
             pass_fds=[fd], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
@@ -129,15 +131,18 @@ def _recv(sock: socket.socket, timeout: float) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
-def probe(memory: str, nbytes: int, reps: int, timeout: float) -> dict[str, Any]:
-    """Run target and initiator for one memory kind; figures, transports, and the raw tables."""
+def probe(memory: str, nbytes: int, reps: int, timeout: float,
+          devices: tuple[int, int] = (-1, -1)) -> dict[str, Any]:
+    """Run target and initiator for one memory kind; figures, transports, and the raw tables.
+    ``devices``: the initiator's and the target's CUDA devices for device memory (-1: the
+    current one), since UCX picks another lane between two GPUs than within one."""
     work = Path(tempfile.mkdtemp(prefix="kvxfer-doctor-"))
     t_parent, t_child = socket.socketpair()
     i_parent, i_child = socket.socketpair()
     procs = []
     try:
-        procs.append(_spawn("target", t_child.fileno(), memory, nbytes, reps, work / "target.log"))
-        procs.append(_spawn("initiator", i_child.fileno(), memory, nbytes, reps, work / "initiator.log"))
+        procs.append(_spawn("target", t_child.fileno(), memory, nbytes, reps, work / "target.log", devices[1]))
+        procs.append(_spawn("initiator", i_child.fileno(), memory, nbytes, reps, work / "initiator.log", devices[0]))
         t_child.close()
         i_child.close()
         info = _recv(t_parent, timeout)

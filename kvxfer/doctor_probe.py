@@ -1,6 +1,7 @@
 """The two processes ``kvxfer doctor`` measures with: a NIXL target and a NIXL initiator.
 
-``python -m kvxfer.doctor_probe target FD MEM BYTES`` registers a buffer (host or device)
+``python -m kvxfer.doctor_probe target FD MEM BYTES [REPS [CUDA_DEVICE]]`` registers a buffer (host or device, on
+CUDA_DEVICE when given and not -1)
 and sends its agent metadata and address; ``... initiator FD MEM BYTES`` loads them, runs
 WRITE (push lane) and READ (pull lane) at a few sizes, and 64 KiB rows four ways
 (scattered per-row descriptors via ``initialize_xfer``, the same via prepared descriptor
@@ -40,11 +41,14 @@ def _recv(sock: socket.socket) -> bytes:
     return exact(int.from_bytes(exact(8), "little"))
 
 
-def _buffer(mem: str, nbytes: int, fill: int) -> tuple[Any, int, int]:
-    """(keep-alive object, address, device id) of a fresh buffer with every page touched."""
+def _buffer(mem: str, nbytes: int, fill: int, cuda_device: int = -1) -> tuple[Any, int, int]:
+    """(keep-alive object, address, device id) of a fresh buffer with every page touched;
+    device memory on ``cuda_device`` (made current, as a worker on it has it), or the current one."""
     if mem == "device":
         import torch  # noqa: PLC0415 - only on machines with CUDA
 
+        if cuda_device >= 0:
+            torch.cuda.set_device(cuda_device)
         tensor = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda")
         return tensor, int(tensor.data_ptr()), int(tensor.device.index or 0)
     array = np.full(nbytes, fill, dtype=np.uint8)
@@ -61,9 +65,9 @@ def _agent(role: str) -> Any:
     return api.nixl_agent(f"kvxfer-doctor-{role}-{os.getpid()}", config)
 
 
-def target(sock: socket.socket, mem: str, nbytes: int) -> None:
+def target(sock: socket.socket, mem: str, nbytes: int, cuda_device: int = -1) -> None:
+    keep, address, device = _buffer(mem, nbytes, 0, cuda_device)  # the GPU first: UCX may take the current one
     agent = _agent("target")
-    keep, address, device = _buffer(mem, nbytes, 0)
     agent.register_memory([(address, nbytes, device, "")], "VRAM" if mem == "device" else "DRAM")
     _send(sock, json.dumps({"metadata": agent.get_agent_metadata().hex(), "address": address,
                             "device": device}).encode())
@@ -99,11 +103,12 @@ def _descs(base: int, slots: np.ndarray, lengths: np.ndarray, device: int) -> np
     return out
 
 
-def initiator(sock: socket.socket, mem: str, nbytes: int, reps: int, progress: Callable[[str], None]) -> dict[str, Any]:
+def initiator(sock: socket.socket, mem: str, nbytes: int, reps: int, progress: Callable[[str], None],
+              cuda_device: int = -1) -> dict[str, Any]:
     peer = json.loads(_recv(sock))
-    agent = _agent("initiator")
     kind = "VRAM" if mem == "device" else "DRAM"
-    keep, address, device = _buffer(mem, nbytes, 1)
+    keep, address, device = _buffer(mem, nbytes, 1, cuda_device)
+    agent = _agent("initiator")
     agent.register_memory([(address, nbytes, device, "")], kind)
     name = agent.add_remote_agent(bytes.fromhex(peer["metadata"]))
     name = name.decode() if isinstance(name, bytes) else str(name)
@@ -163,15 +168,16 @@ def initiator(sock: socket.socket, mem: str, nbytes: int, reps: int, progress: C
 def main(argv: list[str]) -> int:
     role, fd, mem, nbytes = argv[0], int(argv[1]), argv[2], int(argv[3])
     reps = int(argv[4]) if len(argv) > 4 else 5
+    cuda_device = int(argv[5]) if len(argv) > 5 else -1  # -1: the current device
     sock = socket.socket(fileno=fd)
     try:
         if role == "target":
-            target(sock, mem, nbytes)
+            target(sock, mem, nbytes, cuda_device)
         else:
             def progress(step: str) -> None:
                 _send(sock, json.dumps({"progress": step}).encode())
             try:
-                results = initiator(sock, mem, nbytes, reps, progress)
+                results = initiator(sock, mem, nbytes, reps, progress, cuda_device)
                 _send(sock, json.dumps({"results": results}).encode())
             except Exception as exc:  # report, do not hide: the doctor prints it
                 _send(sock, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())

@@ -272,6 +272,12 @@ def role_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> t
     return str(devices[1]), str(devices[2])
 
 
+def _index(device: str) -> int:
+    """A CUDA device's index for the lane probe (-1: cpu, or the current device)."""
+    d = torch.device(device)
+    return d.index if d.type == "cuda" and d.index is not None else -1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -286,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = synthetic_prompts(args.requests, args.min_len, longest, model.config.vocab_size, args.prompt_seed)
     requested_mode, lanes = args.mode, None
     if args.backend == "nixl" and args.mode == "pull":
-        # The workers' memory kind (role_devices keeps it one kind). The probe's two processes
-        # share a GPU, so a cross-GPU pair's lanes are judged from a same-GPU pair's.
+        # The workers' memory kind (role_devices keeps it one kind), and their GPUs: UCX's lane
+        # between two GPUs is not the one within one (on an H200 pair: cuda_ipc against TCP).
         memory = "device" if torch.device(prefill_device).type == "cuda" else "host"
         try:
-            lanes = probe_lanes(memory, args.startup_timeout)
+            lanes = probe_lanes(memory, args.startup_timeout, (_index(decode_device), _index(prefill_device)))
             args.mode, warning = choose_mode(args.mode, lanes, PullOnTcp(args.pull_on_tcp))
         except PullOverTcp as exc:
             print(f"kvxfer pair: {exc}", file=sys.stderr)
@@ -301,9 +307,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if warning:
             print(f"kvxfer pair: {warning}", file=sys.stderr, flush=True)
-        if prefill_device != decode_device:
-            print(f"kvxfer pair: the lane probe ran with both ends on one device; the workers are on "
-                  f"{prefill_device} and {decode_device}, whose pull lane was not probed", file=sys.stderr, flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
     worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
                    str(args.blocks), "--transfer-timeout", str(args.timeout)]

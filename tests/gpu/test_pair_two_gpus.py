@@ -49,7 +49,9 @@ def _counter(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize(("backend", "mode"), [("ipc", "push"), ("ipc", "pull"), ("nixl", "push")],
+# nixl pull: the lane probe runs on the workers' two GPUs, where READ has a fast lane (on one
+# GPU it is TCP and the pair would be routed to push: config["mode"] would say so).
+@pytest.mark.parametrize(("backend", "mode"), [("ipc", "push"), ("ipc", "pull"), ("nixl", "push"), ("nixl", "pull")],
                          ids=lambda v: str(v))
 def test_pair_prefill_on_cuda0_decode_on_cuda1_token_identical(backend: str, mode: str, tmp_path: Path) -> None:
     _require(backend)
