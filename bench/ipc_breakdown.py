@@ -27,6 +27,7 @@ import numpy as np
 
 import kvxfer.backends.ipc as ipc
 import kvxfer.backends.ipc_pair as pair
+from kvxfer.bench.config import devices_argument
 
 STAMPS: list[tuple[str, int]] = []
 _ORIGINAL_SERVE = pair._serve
@@ -167,19 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-reps", type=int, default=200, help="repetitions of smaller cases")
     ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
     ap.add_argument("--busy-poll", action="store_true", help="the decode end busy-polls (and offers its doorbell)")
-    ap.add_argument("--devices", default="0,0", help="CUDA devices of the publisher's and the fetcher's rows")
+    ap.add_argument("--devices", default=(0, 0), type=devices_argument,
+                    help="CUDA devices of the publisher's and the fetcher's rows (e.g. 0,1)")
     args = ap.parse_args(argv)
-    try:
-        prefill, decode = (int(x) for x in args.devices.split(","))
-    except ValueError:
-        ap.error(f"--devices {args.devices!r}: two CUDA device indices, e.g. 0,1")
-    if min(prefill, decode) < 0 or (args.emulated and (prefill, decode) != (0, 0)):
-        ap.error(f"--devices {args.devices!r}: indices are not negative, and --emulated has device 0 only")
+    if args.emulated and args.devices != (0, 0):
+        ap.error("--emulated has one device: leave --devices at 0,0")
     instrument()
     for case in args.cases.split(","):
         rows, row = (int(x) for x in case.split("x"))
         run(row, rows, args.reps if rows > 1000 else args.small_reps, emulated=args.emulated,
-            busy_poll=args.busy_poll, devices=(prefill, decode))
+            busy_poll=args.busy_poll, devices=args.devices)
     return 0
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import kvxfer.backends.ipc_pair as pair
+from kvxfer.bench.config import devices_argument
 
 
 def device_copy_gbps(nbytes: int, reps: int, emulated: bool, devices: tuple[int, int] = (0, 0)) -> float:
@@ -138,23 +139,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests in all, a new one published as each ends (default: the depth, one batch)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--devices", default="0,0", help="CUDA devices of the prefill and decode ends (e.g. 0,1)")
+    ap.add_argument("--devices", default=(0, 0), type=devices_argument,
+                    help="CUDA devices of the prefill and decode ends (e.g. 0,1)")
     ap.add_argument("--emulated", action="store_true", help="kvxfer.testing.host_cuda instead of CUDA (no GPU)")
     args = ap.parse_args(argv)
-    try:
-        prefill, decode = (int(x) for x in args.devices.split(","))
-    except ValueError:
-        ap.error(f"--devices {args.devices!r}: two CUDA device indices, e.g. 0,1")
-    devices = (prefill, decode)
-    if min(devices) < 0:
-        ap.error(f"--devices {args.devices!r}: device indices are not negative")
+    devices = prefill, decode = args.devices
     if args.emulated and devices != (0, 0):
         ap.error("--emulated has one device: leave --devices at 0,0")
     if not args.emulated:
         import torch
 
         if max(devices) >= torch.cuda.device_count():
-            ap.error(f"--devices {args.devices!r}: this machine sees {torch.cuda.device_count()} CUDA device(s)")
+            ap.error(f"--devices {prefill},{decode}: this machine sees {torch.cuda.device_count()} CUDA device(s)")
     request = int(args.request_mib * 2**20)
     reference = device_copy_gbps(request, args.reps, args.emulated, devices)
     what = "host memcpy" if args.emulated else (

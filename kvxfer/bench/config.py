@@ -7,6 +7,7 @@ figure sets the project cares about; command-line flags build one custom sweep i
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 from collections.abc import Iterable, Sequence
@@ -80,6 +81,14 @@ def parse_devices(text: str) -> tuple[int, int]:
         raise ConfigError(f"--devices: {text!r} must be one or two CUDA device indices, e.g. 0,1")
     first = int(items[0])
     return first, int(items[-1]) if len(items) == 2 else first
+
+
+def devices_argument(text: str) -> tuple[int, int]:
+    """``parse_devices`` as an argparse ``type=`` (for the bench scripts): its message, not argparse's."""
+    try:
+        return parse_devices(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--devices: ")) from None  # argparse names the flag
 
 
 def _choices(values: Iterable[str], allowed: Sequence[str], what: str) -> tuple[str, ...]:

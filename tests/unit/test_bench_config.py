@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -14,6 +15,7 @@ from kvxfer.bench.config import (
     LatencySweep,
     Point,
     ThroughputSweep,
+    devices_argument,
     format_size,
     parse_ints,
     parse_size,
@@ -143,6 +145,12 @@ def test_devices_read_as_prefill_then_decode(text: str, expected: tuple[int, int
 def test_bad_devices_exit_2_naming_the_flag(text: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--preset", "tiny", f"--devices={text}"]) == 2
     assert "--devices" in capsys.readouterr().err
+
+
+def test_the_scripts_devices_argument_reads_and_refuses_like_the_cli() -> None:
+    assert devices_argument("0,1") == (0, 1) and devices_argument("3") == (3, 3)
+    with pytest.raises(argparse.ArgumentTypeError, match="'1,' must be one or two CUDA device indices"):
+        devices_argument("1,")
 
 
 def test_devices_are_validated_on_the_config_itself() -> None:
