@@ -24,6 +24,7 @@
 
 #include "cuda_api.h"
 #include "fill_helpers.h"
+#include "spin_poll.h"
 
 namespace kvxfer::cuda {
 namespace {
@@ -621,6 +622,7 @@ std::string event_spin(std::uint64_t ev, std::int64_t timeout_us, bool* done) {
   for (;;) {
     std::string err = event_query(ev, done);
     if (!err.empty() || *done || std::chrono::steady_clock::now() >= end) return err;
+    cpu_relax();
   }
 }
 
