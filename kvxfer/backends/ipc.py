@@ -160,6 +160,7 @@ class _Active:
     local_masks: list[np.ndarray] = field(default_factory=list)
     peer_masks: list[np.ndarray] = field(default_factory=list)
     failure: str | None = None
+    token: bytes | None = None  # the token of "DELIVERED, every row" (b"": none); see _frame_token
     frame: bytes | None = None  # DELIVERED (a token frame, or the record), made while the kernel runs
     delivered: Delivered | None = None  # and our outcome if it ends so
     # Who sends the record: the owner thread (a copy already ended when publish() was
@@ -457,7 +458,7 @@ class IpcBackend(Backend):
         job's kernels; (0, 0) for none. Only when every row of its hint is being copied (the
         doorbell means DELIVERED, all rows). A ring that cannot be opened costs only the
         doorbell: the record still goes."""
-        if job.bell is None or job.failure is not None or rows != sum(len(g) for g in job.hint.groups):
+        if job.bell is None or job.failure is not None or rows != sum(map(len, job.hint.groups)):
             return 0, 0
         token = self._frame_token(job)
         path, slot = job.bell
@@ -490,10 +491,14 @@ class IpcBackend(Backend):
         return None if token is None else DONE_PREFIX + token
 
     def _frame_token(self, job: _Active) -> bytes | None:
-        if self._key:
-            return self._done_token(job.hint.transfer_id, self.name, job.view.request)
-        token = job.hint.extra(EXTRA_DONE)
-        return token if token is not None and len(token) == _TOKEN_BYTES else None
+        """Derived once per job (the doorbell's value, then the frame): signed, it is an HMAC."""
+        if job.token is None:
+            if self._key:
+                job.token = self._done_token(job.hint.transfer_id, self.name, job.view.request)
+            else:
+                token = job.hint.extra(EXTRA_DONE)
+                job.token = token if token is not None and len(token) == _TOKEN_BYTES else b""
+        return job.token or None
 
     def _spin_send(self, job: _Active, spin_us: int, fd: int, data: bytes) -> int:
         done, sent = self._native.event_spin_send(job.event, spin_us, fd, data)
@@ -624,6 +629,11 @@ class IpcBackend(Backend):
             if wait is None:
                 continue
             self.bells_rung += 1  # before the outcome: whoever sees it concluded sees it counted
+            if wait.attempt.poll() is None:
+                # Concluded here, first: the owner waits for nothing of the bookkeeping below
+                # (_on_token finds it concluded and only retires the wait).
+                assert wait.delivered is not None
+                wait.attempt.conclude(wait.delivered)
             self._on_token(wait.token)
             with self._jobs_lock:
                 self._answered[wait.token] = None  # its record will follow: dropped then
@@ -783,12 +793,12 @@ class IpcBackend(Backend):
         on a small transfer each call through the binding, and the Python between two calls,
         costs microseconds."""
         copied: list[tuple[int, GroupMatch, int]] = []  # (group, match, rows) whose kernel is queued
-        plan = self._plan_launches(job)
+        plan, rows = self._plan_launches(job)
         if not plan:
             self._set_masks(job, copied)
             return
         event, event_error = self._take_event()
-        bell_ptr, bell_value = self._bell_target(job, sum(n for _, _, n, _, _ in plan))
+        bell_ptr, bell_value = self._bell_target(job, rows)
         recorded = False
         for k, (gi, match, n, src, dst) in enumerate(plan):
             row = match.local.region.slot_bytes
@@ -838,17 +848,19 @@ class IpcBackend(Backend):
                 copied = []
         self._set_masks(job, copied)
 
-    def _plan_launches(self, job: _Active) -> list[tuple[int, GroupMatch, int, tuple, tuple]]:
+    def _plan_launches(self, job: _Active) -> tuple[list[tuple[int, GroupMatch, int, tuple, tuple]], int]:
         """(group, match, rows, src, dst) of each kernel to queue, with the peer's mappings
-        acquired (held by the job); job.failure says why fewer rows than asked will move."""
+        acquired (held by the job), and the rows they copy; job.failure says why fewer rows
+        than asked will move."""
         plan: list[tuple[int, GroupMatch, int, tuple, tuple]] = []
         if job.hint.endpoint in self._gone:
             job.failure = f"peer {job.hint.agent!r} is gone"
-            return plan
+            return plan, 0
         total = sum(m.local_rows.size for m in job.matches if m.peer is not None)
         budget = total if self.fail_after_rows is None else min(total, self.fail_after_rows)
         if budget < total:
             job.failure = f"injected fault after {budget} rows"
+        planned = 0
         for gi, match in enumerate(job.matches):
             peer = match.peer
             if budget <= 0 or peer is None or match.local_rows.size == 0:
@@ -874,8 +886,9 @@ class IpcBackend(Backend):
             else:
                 src, dst = (peer_base, peer_slots), (local.address, local_slots)
             plan.append((gi, match, n, src, dst))
+            planned += n
             budget -= n
-        return plan
+        return plan, planned
 
     def _take_event(self) -> tuple[int, str | None]:
         """A completion event (recycled, or new) and None; or 0 and why none could be made."""
