@@ -1,7 +1,8 @@
 """Where an IpcBackend push spends its time, step by step (a diagnostic for the GPU machine).
 
     python bench/ipc_breakdown.py [--cases 262144x4096,16384x65536,32x65536] [--reps 5] [--small-reps 200]
-                                  [--emulated] [--busy-poll] [--devices P,D]
+                                  [--emulated] [--busy-poll] [--devices P,D] [--tail 0.02]
+                                  [--settle-us 0]
 
 The publisher is an IpcBackend here; the fetcher an IpcBackend in a child process
 (``ipc_pair.ChildPeer``). Both processes wrap the backend's steps (checks, row matching,
@@ -12,12 +13,19 @@ step's stamp, in microseconds since the publish() call. The wrappers cost time t
 ``--busy-poll`` makes the decode end busy-poll, with its doorbell (``ipc_bells``).
 ``--emulated`` runs both ends over kvxfer.testing.host_cuda (no GPU): the control path's
 Python costs on any machine; its copies are host memcpy, so those steps say nothing of a GPU.
+``--tail F`` adds the medians over the slowest fraction F of the samples (by when the decode
+end saw its outcome), to show which step grows in the tail; collections of Python's garbage
+collector are stamped in both processes (``gc0>`` .. ``gc2<``) and counted there.
+``--settle-us N`` sleeps N µs between the decode end's registration of its fetch and the
+publish (serving registers it a prefill earlier; a ping alone sometimes races the decode
+end's handling of it).
 ``--devices 0,1`` puts the publisher's rows on GPU 0 and the fetcher's on GPU 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -26,6 +34,7 @@ from typing import Any
 import numpy as np
 
 import kvxfer.backends.ipc as ipc
+import kvxfer.backends.ipc_channel as ipc_channel
 import kvxfer.backends.ipc_pair as pair
 from kvxfer.bench.config import devices_argument
 
@@ -74,9 +83,18 @@ class _TimedNative:
         return done
 
 
+def _gc_stamp(phase: str, info: dict[str, int]) -> None:
+    _stamp(f"gc{info['generation']}{'>' if phase == 'start' else '<'}")
+
+
 def instrument() -> None:
+    # Collections stamped too (gc0> .. gc2<): a pause of the collector is a candidate for the tail.
+    if _gc_stamp not in gc.callbacks:
+        gc.callbacks.append(_gc_stamp)
     for name in ("check_submission", "match_rows", "encode_completion", "decode_completion"):
         setattr(ipc, name, _timed(getattr(ipc, name), name))
+    # The progress thread's socket/doorbell spin (busy_poll): entered and returned.
+    ipc_channel.Channel.spin = _timed(ipc_channel.Channel.spin, "spin")  # type: ignore[method-assign]
     backend = ipc.IpcBackend
     for name in ("_launch", "_complete", "_finish", "_on_frame", "_on_record", "_peer_exports", "_check_bells",
                  "_on_token"):
@@ -100,27 +118,31 @@ def serve_instrumented(conn: Any, spec: Any) -> None:
             out = list(STAMPS)
             STAMPS.clear()
             return out
-        return handle(cmd, args, *rest)
+        _stamp(f"cmd:{cmd}>")  # the child's command thread (it takes the GIL too)
+        try:
+            return handle(cmd, args, *rest)
+        finally:
+            _stamp(f"cmd:{cmd}<")
 
     pair._handle = with_stamps
     _ORIGINAL_SERVE(conn, spec)
 
 
 def run(row: int, rows: int, reps: int, warmup: int = 3, emulated: bool = False, busy_poll: bool = False,
-        devices: tuple[int, int] = (0, 0)) -> None:
+        devices: tuple[int, int] = (0, 0), tail: float = 0.0, settle_us: int = 0) -> None:
     slots = rows + rows // 4
     samples: list[dict[str, int]] = []
     pair._serve = serve_instrumented  # the spawned child runs this module's function
     try:
         with pair.push_pair(row, slots, emulated, busy_poll, devices) as (peer, memory, local):
-            _sample(peer, memory, local, slots, rows, reps, warmup, samples)
+            _sample(peer, memory, local, slots, rows, reps, warmup, samples, settle_us)
     finally:
         pair._serve = _ORIGINAL_SERVE
-    _report(samples, row, rows, emulated)
+    _report(samples, row, rows, emulated, tail)
 
 
 def _sample(peer: Any, memory: Any, local: Any, slots: int, rows: int, reps: int, warmup: int,
-            samples: list[dict[str, int]]) -> None:
+            samples: list[dict[str, int]], settle_us: int) -> None:
     rng = np.random.default_rng(1)
     for i in range(reps + warmup):
         lv = pair.one_group_view(memory.regions[0], rng.permutation(slots)[:rows].astype(np.int64), f"r{i}")
@@ -129,8 +151,11 @@ def _sample(peer: Any, memory: Any, local: Any, slots: int, rows: int, reps: int
         handle = peer.start("fetch", pv, local.describe(lv))
         peer._call("stamps")
         STAMPS.clear()
+        if settle_us:  # the decode end's fetch registered that long before the publish, as in serving
+            time.sleep(settle_us / 1e6)
         woke: list[int] = []
         _stamp("t0")
+        start = STAMPS[-1][1]
         attempt = local.publish(lv, hint, lambda w=woke: w.append(time.monotonic_ns()))
         _stamp("publish_ret")
         if not attempt.wait(30):
@@ -140,10 +165,12 @@ def _sample(peer: Any, memory: Any, local: Any, slots: int, rows: int, reps: int
             raise RuntimeError(f"not delivered: {outcome!r}")
         seen: dict[str, int] = {}
         for label, t in STAMPS:
-            seen.setdefault(label, t)
+            if t >= start:  # stamps of the harness before t0 (a collection while preparing) are not this sample's
+                seen.setdefault(label, t)
         seen["local_wake"] = woke[0]
         for label, t in peer._call("stamps"):
-            seen.setdefault("peer:" + label, t)
+            if t >= start:
+                seen.setdefault("peer:" + label, t)
         if peer.last_visible_ns is None:
             raise RuntimeError("the decode process did not stamp its outcome")
         seen["peer_visible"] = peer.last_visible_ns
@@ -151,14 +178,30 @@ def _sample(peer: Any, memory: Any, local: Any, slots: int, rows: int, reps: int
             samples.append(seen)
 
 
-def _report(samples: list[dict[str, int]], row: int, rows: int, emulated: bool) -> None:
+def _report(samples: list[dict[str, int]], row: int, rows: int, emulated: bool, tail: float) -> None:
     if not samples:
         raise SystemExit("no samples: --reps must be at least 1")
-    order = sorted(samples[0], key=lambda k: samples[0][k])
-    print(f"--- {'emulated (host memory), ' if emulated else ''}{rows} x {row // 1024} KiB ({rows * row / 2**20:.0f} MiB), median over {len(samples)} (us since t0)")
-    for label in order:
+    what = f"{'emulated (host memory), ' if emulated else ''}{rows} x {row // 1024} KiB ({rows * row / 2**20:.0f} MiB)"
+    _print_medians(f"--- {what}, median over {len(samples)} (us since t0)", samples)
+    if tail > 0 and all("peer_visible" in s for s in samples):
+        slow = sorted(samples, key=lambda s: s["peer_visible"] - s["t0"])[-max(1, round(len(samples) * tail)):]
+        _print_medians(f"--- the slowest {len(slow)} by peer_visible ({tail:.0%}), median over them (us since t0)", slow)
+        with_gc = sum(any(k.startswith(("gc", "peer:gc")) for k in s) for s in slow)
+        print(f"  a garbage collection ran in {with_gc} of them "
+              f"(and in {sum(any(k.startswith(('gc', 'peer:gc')) for k in s) for s in samples)} of all {len(samples)})")
+
+
+def _print_medians(title: str, samples: list[dict[str, int]]) -> None:
+    """Each label's median over the samples holding it (a step some samples skip, such as a
+    garbage collection, is marked with how many held it), in order of those medians."""
+    print(title)
+    medians = {}
+    for label in {k for s in samples for k in s}:
         values = [s[label] - s["t0"] for s in samples if label in s]
-        print(f"  {label:28s} {statistics.median(values) / 1e3:10.1f}")
+        medians[label] = (statistics.median(values) / 1e3, len(values))
+    for label, (value, held) in sorted(medians.items(), key=lambda kv: kv[1][0]):
+        note = "" if held == len(samples) else f"   (in {held})"
+        print(f"  {label:28s} {value:10.1f}{note}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,14 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy-poll", action="store_true", help="the decode end busy-polls (and offers its doorbell)")
     ap.add_argument("--devices", default=(0, 0), type=devices_argument,
                     help="CUDA devices of the publisher's and the fetcher's rows (e.g. 0,1)")
+    ap.add_argument("--tail", type=float, default=0.0,
+                    help="also the medians over this slowest fraction of samples (e.g. 0.02), by peer_visible")
+    ap.add_argument("--settle-us", type=int, default=0,
+                    help="microseconds to sleep between the decode end's fetch registration and the publish")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.tail < 1.0:
+        ap.error("--tail is a fraction in [0, 1)")
     if args.emulated and args.devices != (0, 0):
         ap.error("--emulated has one device: leave --devices at 0,0")
     instrument()
     for case in args.cases.split(","):
         rows, row = (int(x) for x in case.split("x"))
         run(row, rows, args.reps if rows > 1000 else args.small_reps, emulated=args.emulated,
-            busy_poll=args.busy_poll, devices=args.devices)
+            busy_poll=args.busy_poll, devices=args.devices, tail=args.tail,
+            settle_us=args.settle_us)
     return 0
 
 

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("latency and host overhead")
     m.add_argument("--latency-rows", help="rows per small request, e.g. 1,32")
     m.add_argument("--latency-samples", type=int, help="timed samples per latency figure")
+    m.add_argument("--latency-settle-us", type=int,
+                   help="two-process latency: µs to sleep between the decode end's fetch registration and "
+                        "each publish (default 0: a ping's round trip)")
     m.add_argument("--no-latency", action="store_true")
     m.add_argument("--overhead-rows", help="rows per submission, e.g. 1k,10k,100k")
     m.add_argument("--no-overhead", action="store_true")
@@ -105,11 +108,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cfg = dataclasses.replace(cfg, throughput=())
     if args.no_latency:
         cfg = dataclasses.replace(cfg, latency=None)
-    elif args.latency_rows or args.latency_samples:
+    elif args.latency_rows or args.latency_samples or args.latency_settle_us is not None:
         lat = cfg.latency or LatencySweep()
         cfg = dataclasses.replace(cfg, latency=dataclasses.replace(
             lat, rows=parse_ints(args.latency_rows, "--latency-rows") if args.latency_rows else lat.rows,
-            samples=args.latency_samples or lat.samples))
+            samples=args.latency_samples or lat.samples,
+            settle_us=lat.settle_us if args.latency_settle_us is None else args.latency_settle_us))
     if args.no_overhead:
         cfg = dataclasses.replace(cfg, overhead=None)
     elif args.overhead_rows:

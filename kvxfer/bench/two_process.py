@@ -254,7 +254,12 @@ class TwoProcessCase:
                     handle = peer.start("fetch", v_peer, local.describe(v_local))
                     # In serving the decode end's fetch is registered long before prefill ends;
                     # publishing while the child still handles the registration times that too.
+                    # The ping's answer can still come before the child's progress thread has
+                    # finished its pass over the new wait (about 1% of samples on the H200):
+                    # settle_us sleeps on top (see LatencySweep).
                     peer.ping()
+                    if sweep.settle_us:
+                        time.sleep(sweep.settle_us / 1e6)
                     watch = Watch()  # an owner waits for its wake callback: polling here took the GIL every 0.2 ms
                     t0 = time.monotonic_ns()
                     attempt = local.publish(v_local, h_peer, wake=watch)
@@ -282,7 +287,7 @@ class TwoProcessCase:
         if left:
             raise RuntimeError(f"{left} attempts were not quiesced at shutdown")
         return latency_measurement(Timing(tuple(samples)), {
-            **self.kind.facts, "verified": True, **self._placement(point),
+            **self.kind.facts, "verified": True, **self._placement(point), "settle_us": sweep.settle_us,
             "measured": "publish call to decode outcome visible (decode end in a second process)"})
 
     def _placement(self, point: Point) -> dict[str, Any]:

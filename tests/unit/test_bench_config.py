@@ -185,3 +185,12 @@ def test_device_figures_on_a_machine_without_cuda_are_skipped_with_the_reason() 
     result = run(cfg)
     (figure,) = result.figures
     assert figure.status == "skipped" and figure.reason.startswith("device memory:")
+
+
+def test_latency_settle_time_is_validated_and_read_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="settle"):
+        LatencySweep(settle_us=-1)
+    args = cli.build_parser().parse_args(["--preset", "tiny", "--latency-settle-us", "1500"])
+    cfg = cli.config_from_args(args)
+    assert cfg.latency is not None and cfg.latency.settle_us == 1500
+    assert cli.config_from_args(cli.build_parser().parse_args(["--preset", "tiny"])).latency.settle_us == 0
