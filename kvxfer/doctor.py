@@ -8,6 +8,10 @@ with ``UCX_PROTO_INFO=y``, so UCX prints the protocol it selected for each opera
 memory type; the doctor reads the transports from those tables (``cma``, ``tcp``,
 ``cuda_ipc``, ``rc_mlx5``...). A lane that falls back to TCP gets a loud warning with the
 remedy: run that pair in push mode, or use the same-node ``ipc`` backend.
+
+``--devices I,T`` puts the device-memory initiator on CUDA device I and the target on T: UCX
+picks other lanes between two GPUs than within one (on an H200 pair, READ went over NVLink
+where within one GPU it fell back to TCP), so ask about the placement your workers have.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvxfer.backends.nixl import cuda_present
+from kvxfer.backends.nixl import cuda_device_count, cuda_present
 from kvxfer.doctor_probe import ROW
 
 _CELL_TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
@@ -76,7 +80,7 @@ def parse_proto_info(text: str) -> list[dict[str, Any]]:
         line = raw[raw.index("|"):].strip().strip("|").strip()
         op = next((v for k, v in _OPS.items() if k in line), None)
         if op is not None:
-            memory = "device" if "cuda" in line or "rocm" in line else "host"
+            memory = _lane_memory(op, line)
             current = {"op": op, "memory": memory, "endpoint": previous, "what": line, "transports": []}
             tables.append(current)
         elif " by ucp_" in line:  # another operation's table (active messages, ...): not a lane
@@ -91,6 +95,22 @@ def parse_proto_info(text: str) -> list[dict[str, Any]]:
         previous = line
     # "self" endpoints are an agent's connection to itself; lanes between processes are the rest.
     return [t for t in tables if " self " not in f" {t['endpoint']} "]
+
+
+_ENDS = {"write": re.compile(r" from (\S+)(?: memory)? to (\S+)"),
+         "read": re.compile(r" into (\S+)(?: memory)? from (\S+)")}
+
+
+def _lane_memory(op: str, line: str) -> str:
+    """"device" when both the initiator's buffer and the remote one are GPU memory, "host"
+    when neither is, "mixed" otherwise. A mixed table (UCX prints "from host memory to
+    cuda/dev[3]" beside "from cuda/GPU0 to cuda/dev[3]" between two GPUs) is not the lane the
+    rows take, and counting it made a device lane look like TCP."""
+    ends = _ENDS[op].search(line)
+    if ends is None:  # another wording: any GPU memory named makes it a device table
+        return "device" if "cuda" in line or "rocm" in line else "host"
+    gpu = [any(k in end for k in ("cuda", "rocm")) for end in ends.groups()]
+    return "device" if all(gpu) else "host" if not any(gpu) else "mixed"
 
 
 def lanes_from_tables(tables: list[dict[str, Any]], memory: str) -> dict[str, list[str]]:
@@ -188,7 +208,11 @@ def _print(report: dict[str, Any]) -> None:
     v = report["versions"]
     print(f"NIXL {v.get('nixl', '?')} ({v.get('nixl_module', '?')}), UCX {v.get('ucx', '?')}")
     for memory, result in report["memory"].items():
-        print(f"\n{memory} memory, two processes on this node:")
+        placed = ""
+        if "devices" in result:
+            initiator, target = result["devices"]
+            placed = f" (initiator on cuda:{initiator}, target on cuda:{target})"
+        print(f"\n{memory} memory, two processes on this node{placed}:")
         for lane, transports in result["lanes"].items():
             print(f"  {lane:<4} ({LANE_OP[lane]}) lane: {', '.join(transports) or 'unknown'}")
         for lane, by_size in result["figures"]["lanes"].items():
@@ -203,6 +227,28 @@ def _print(report: dict[str, Any]) -> None:
         print(f"\n{warning}")
 
 
+def _devices(parser: argparse.ArgumentParser, text: str | None, no_device: bool) -> tuple[int, int] | None:
+    """``--devices`` read and checked before any process starts; a usage error naming it."""
+    if text is None:
+        return None
+    from kvxfer.bench.config import ConfigError, parse_devices  # the bench's and the CLI's grammar
+
+    try:
+        devices = parse_devices(text)
+    except ConfigError as exc:
+        parser.error(f"{exc} (the initiator's and the target's)")
+    if no_device:
+        parser.error("--devices places the device-memory probe; it cannot go with --no-device")
+    count = cuda_device_count()
+    if count == 0:
+        parser.error(f"--devices {text}: no CUDA device is visible, so there is no device memory to probe")
+    absent = [d for d in devices if d >= count]
+    if absent:
+        parser.error(f"--devices {text}: cuda:{absent[0]} is not visible (this process sees {count} CUDA "
+                     f"device{'' if count == 1 else 's'}: cuda:0..cuda:{count - 1})")
+    return devices
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvxfer doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
@@ -210,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (best and median)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each probe step")
     parser.add_argument("--no-device", action="store_true", help="skip device memory even when CUDA is present")
+    parser.add_argument("--devices", metavar="I,T",
+                        help="CUDA devices of the device-memory initiator (it WRITEs on the push lane and READs "
+                             "on the pull lane, as a pull's decode end does) and target, e.g. 0,1 "
+                             "(default: each process's current device)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.bytes < 2 * ROW:  # the row figures need two 64 KiB rows at least
         parser.error(f"--bytes must be at least {2 * ROW} (two {ROW >> 10} KiB rows), got {args.bytes}")
@@ -217,13 +267,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--reps must be at least 1, got {args.reps}")
     if not args.timeout > 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
+    devices = _devices(parser, args.devices, args.no_device)
     started = time.time()
     _say("reading versions")
     report: dict[str, Any] = {"versions": versions(), "host": socket.gethostname(), "memory": {}}
     kinds = ["host"] + (["device"] if cuda_present() and not args.no_device else [])
     for memory in kinds:
         _say(f"{memory}: starting target and initiator processes ({args.bytes >> 20} MiB each)")
-        report["memory"][memory] = probe(memory, args.bytes, args.reps, args.timeout)
+        placed = devices if memory == "device" and devices is not None else (-1, -1)
+        report["memory"][memory] = probe(memory, args.bytes, args.reps, args.timeout, placed)
+        if placed != (-1, -1):
+            report["memory"][memory]["devices"] = list(placed)
     if "device" not in kinds:
         report["device_skipped"] = "no CUDA device" if not args.no_device else "--no-device"
     report["warnings"] = _warnings(report)

@@ -161,14 +161,19 @@ def unique_agent_name(prefix: str = "kvxfer") -> str:
     return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def cuda_present() -> bool:
-    """True when the CUDA driver reports a device (checked without importing torch)."""
+def cuda_device_count() -> int:
+    """Devices the CUDA driver reports, 0 without a driver (asked without importing torch)."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
         count = ctypes.c_int(0)
-        return cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+        return count.value if cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 else 0
     except OSError:
-        return False
+        return 0
+
+
+def cuda_present() -> bool:
+    """True when the CUDA driver reports a device (checked without importing torch)."""
+    return cuda_device_count() > 0
 
 
 class NixlBackend(Backend):

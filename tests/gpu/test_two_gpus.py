@@ -89,3 +89,19 @@ def test_bench_two_gpu_rows_verified_against_the_peer_copy(tmp_path: Path) -> No
     assert "peer copy" in by_case["local_copy"]["facts"]["how"]
     assert by_case["ipc"]["facts"]["verified"] and by_case["ipc_kernel"]["facts"]["verified"]
     assert [t for t in result["targets"] if "peer copy" in t["threshold"]], result["targets"]
+
+
+def test_doctor_probes_the_lanes_between_two_gpus(tmp_path: Path) -> None:
+    """``kvxfer doctor --devices 0,1``: the device-memory initiator on cuda:0 and its target on
+    cuda:1, said in the report; both lanes have a transport and figures."""
+    from kvxfer.doctor import main
+
+    before = set(live_children())
+    path = tmp_path / "doctor.json"
+    assert main(["--devices", "0,1", "--bytes", str(64 << 20), "--reps", "2", "--json", str(path)]) == 0
+    device = json.loads(path.read_text())["memory"]["device"]
+    print("\ndoctor lanes between cuda:0 and cuda:1:", device["lanes"])
+    assert device["devices"] == [0, 1]
+    assert device["lanes"]["push"] and device["lanes"]["pull"], device["lanes"]
+    assert all(f["best_gbps"] > 0 for by_size in device["figures"]["lanes"].values() for f in by_size.values())
+    assert set(live_children()) <= before

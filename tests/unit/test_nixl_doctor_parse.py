@@ -58,3 +58,54 @@ def test_doctor_refuses_sizes_it_cannot_probe_before_starting_processes(capsys: 
             main(argv)
         assert exc.value.code == 2
         assert words in capsys.readouterr().err  # type: ignore[attr-defined]
+
+
+def test_doctor_devices_are_checked_before_any_process_starts(capsys: object, monkeypatch: object) -> None:
+    """``--devices I,T`` places the device-memory probe; a malformed, contradictory or invisible
+    placement is a usage error naming the flag, before a probe process starts."""
+    import pytest
+
+    import kvxfer.doctor as doctor
+
+    def no_probe(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a probe started")
+
+    monkeypatch.setattr(doctor, "probe", no_probe)  # type: ignore[attr-defined]
+    monkeypatch.setattr(doctor, "cuda_device_count", lambda: 1)  # type: ignore[attr-defined]
+    cases = ((["--devices", "0,x"], "'0,x' must be one or two CUDA device indices"),
+             (["--devices", "0,1", "--no-device"], "cannot go with --no-device"),
+             (["--devices", "0,1"], "cuda:1 is not visible (this process sees 1 CUDA device: cuda:0..cuda:0)"))
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exc:
+            doctor.main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err  # type: ignore[attr-defined]
+        assert "--devices" in err and words in err, err
+    monkeypatch.setattr(doctor, "cuda_device_count", lambda: 0)  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):
+        doctor.main(["--devices", "0"])
+    assert "no CUDA device is visible" in capsys.readouterr().err  # type: ignore[attr-defined]
+
+
+# Table headers UCX 1.23 printed for a device probe between two H200s (initiator cuda:0, target cuda:1).
+TWO_GPUS = """\
+[2.0] [n:1:0]   | kvxfer-doctor-initiator-1350 intra-node cfg#2            |
+[2.0] [n:1:0]   | remote memory write by ucp_put* from host memory to cuda/dev[2] |
+[2.0] [n:1:0]   | 0..inf | zero-copy   | tcp/lo                            |
+[2.1] [n:1:0]   | kvxfer-doctor-initiator-1350 intra-node cfg#2            |
+[2.1] [n:1:0]   | remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[3] |
+[2.1] [n:1:0]   | 0..inf | zero-copy   | cuda_ipc/cuda                     |
+[2.2] [n:1:0]   | kvxfer-doctor-initiator-1350 intra-node cfg#2            |
+[2.2] [n:1:0]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[3] |
+[2.2] [n:1:0]   | 0..inf | zero-copy   | cuda_ipc/cuda                     |
+"""
+
+
+def test_a_write_from_host_memory_into_the_gpu_is_not_the_device_lane() -> None:
+    """Between two GPUs UCX also prints a host-to-GPU put table (tcp/lo); the rows go GPU to
+    GPU (cuda_ipc), so the device push lane is cuda_ipc and no TCP warning is raised."""
+    tables = parse_proto_info(TWO_GPUS)
+    assert [t["memory"] for t in tables] == ["mixed", "device", "device"]
+    lanes = lanes_from_tables(tables, "device")
+    assert lanes == {"push": ["cuda_ipc/cuda"], "pull": ["cuda_ipc/cuda"]}
+    assert not [w for w in _warnings({"memory": {"device": {"lanes": lanes}}}) if "TCP" in w]
