@@ -109,3 +109,28 @@ def test_a_write_from_host_memory_into_the_gpu_is_not_the_device_lane() -> None:
     lanes = lanes_from_tables(tables, "device")
     assert lanes == {"push": ["cuda_ipc/cuda"], "pull": ["cuda_ipc/cuda"]}
     assert not [w for w in _warnings({"memory": {"device": {"lanes": lanes}}}) if "TCP" in w]
+
+
+# Table headers of the doctor's device probe on one H200 (both processes on cuda:0), UCX 1.23.
+ONE_GPU = """\
+[3.0] [n:1:0]   | kvxfer-doctor-initiator-7 intra-node cfg#2               |
+[3.0] [n:1:0]   | remote memory write by ucp_put* from host memory to cuda/dev[1] |
+[3.0] [n:1:0]   | 0..inf | zero-copy   | tcp/lo                            |
+[3.1] [n:1:0]   | kvxfer-doctor-initiator-7 intra-node cfg#2               |
+[3.1] [n:1:0]   | remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[1] |
+[3.1] [n:1:0]   | 0..inf | zero-copy   | cuda_ipc/cuda                     |
+[3.2] [n:1:0]   | kvxfer-doctor-initiator-7 intra-node cfg#2               |
+[3.2] [n:1:0]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
+[3.2] [n:1:0]   | 0..inf | zero-copy   | tcp/lo                            |
+"""
+
+
+def test_a_tcp_pull_on_one_gpu_is_still_routed_to_push() -> None:
+    """The host-to-GPU put table (tcp/lo) must not make push look like TCP too: then
+    ``kvxfer pair --mode pull`` would keep pull at TCP speed ("routing would not help")."""
+    from kvxfer.worker.lanes import Lanes, PullOnTcp, choose_mode
+
+    lanes = lanes_from_tables(parse_proto_info(ONE_GPU), "device")
+    assert lanes == {"push": ["cuda_ipc/cuda"], "pull": ["tcp/lo"]}
+    mode, warning = choose_mode("pull", Lanes("device", tuple(lanes["push"]), tuple(lanes["pull"])), PullOnTcp.PUSH)
+    assert mode == "push" and warning is not None and "routed this pair to push" in warning
