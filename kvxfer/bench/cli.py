@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-bytes", help="bytes per request when --rows is not given (default 64M)")
     s.add_argument("--groups", help="layer groups per request, e.g. 1,4")
     s.add_argument("--directions", help="push,pull")
-    s.add_argument("--memory", help="host,device")
+    s.add_argument("--memory", help="host,device (the latency sweep's memory kinds too)")
     s.add_argument("--slots", help="contiguous,scattered")
     s.add_argument("--no-throughput", action="store_true", help="skip the throughput sweeps")
     p.add_argument("--devices", metavar="P,D",
@@ -104,6 +104,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             memory=tuple(parse_list(args.memory, "--memory")) if args.memory else base.memory,
             slots=tuple(parse_list(args.slots, "--slots")) if args.slots else base.slots,
         ),))
+    if args.memory is not None and cfg.latency is not None:
+        # Asked for device memory only, a user does not want the latency sweep's host points
+        # (they used to run, or be reported skipped, beside the device ones).
+        cfg = dataclasses.replace(cfg, latency=dataclasses.replace(
+            cfg.latency, memory=tuple(parse_list(args.memory, "--memory"))))
     if args.no_throughput:
         cfg = dataclasses.replace(cfg, throughput=())
     if args.no_latency:

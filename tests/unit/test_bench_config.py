@@ -194,3 +194,14 @@ def test_latency_settle_time_is_validated_and_read_from_the_cli(capsys: pytest.C
     cfg = cli.config_from_args(args)
     assert cfg.latency is not None and cfg.latency.settle_us == 1500
     assert cli.config_from_args(cli.build_parser().parse_args(["--preset", "tiny"])).latency.settle_us == 0
+
+
+def test_cli_memory_flag_limits_the_latency_sweep_too() -> None:
+    """``--memory device`` on the gpu preset used to leave the latency sweep's host points in
+    (run, or reported skipped, beside the device ones)."""
+    assert preset("gpu").latency is not None and "host" in preset("gpu").latency.memory
+    cfg = cli.config_from_args(cli.build_parser().parse_args(["--preset", "gpu", "--memory", "device"]))
+    assert cfg.latency is not None and cfg.latency.memory == ("device",)
+    assert {p.memory for p in cfg.latency.points()} == {"device"}
+    with pytest.raises(ConfigError, match="disk"):
+        cli.config_from_args(cli.build_parser().parse_args(["--preset", "gpu", "--memory", "disk"]))
