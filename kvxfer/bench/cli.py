@@ -91,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg = preset(args.preset)
     if args.cases:
         cfg = cfg.with_cases(parse_list(args.cases, "--cases"))
+    memory = tuple(parse_list(args.memory, "--memory")) if args.memory else None
     custom = [args.row_sizes, args.rows, args.request_bytes, args.groups, args.directions, args.memory, args.slots]
     if any(v is not None for v in custom):
         base = cfg.throughput[0] if cfg.throughput else ThroughputSweep(row_bytes=(64 << 10,))
@@ -101,14 +102,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             else base.request_bytes,
             groups=parse_ints(args.groups, "--groups") if args.groups else base.groups,
             directions=tuple(parse_list(args.directions, "--directions")) if args.directions else base.directions,
-            memory=tuple(parse_list(args.memory, "--memory")) if args.memory else base.memory,
+            memory=memory or base.memory,
             slots=tuple(parse_list(args.slots, "--slots")) if args.slots else base.slots,
         ),))
-    if args.memory is not None and cfg.latency is not None:
-        # Asked for device memory only, a user does not want the latency sweep's host points
-        # (they used to run, or be reported skipped, beside the device ones).
-        cfg = dataclasses.replace(cfg, latency=dataclasses.replace(
-            cfg.latency, memory=tuple(parse_list(args.memory, "--memory"))))
     if args.no_throughput:
         cfg = dataclasses.replace(cfg, throughput=())
     if args.no_latency:
@@ -119,6 +115,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             lat, rows=parse_ints(args.latency_rows, "--latency-rows") if args.latency_rows else lat.rows,
             samples=args.latency_samples or lat.samples,
             settle_us=lat.settle_us if args.latency_settle_us is None else args.latency_settle_us))
+    if memory and cfg.latency is not None:
+        # Asked for device memory only, a user does not want the latency sweep's host points
+        # (they used to run, or be reported skipped, beside the device ones).
+        cfg = dataclasses.replace(cfg, latency=dataclasses.replace(cfg.latency, memory=memory))
     if args.no_overhead:
         cfg = dataclasses.replace(cfg, overhead=None)
     elif args.overhead_rows:

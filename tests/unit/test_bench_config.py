@@ -205,3 +205,11 @@ def test_cli_memory_flag_limits_the_latency_sweep_too() -> None:
     assert {p.memory for p in cfg.latency.points()} == {"device"}
     with pytest.raises(ConfigError, match="disk"):
         cli.config_from_args(cli.build_parser().parse_args(["--preset", "gpu", "--memory", "disk"]))
+
+
+def test_cli_memory_flag_applies_to_a_latency_sweep_the_flags_create() -> None:
+    args = cli.build_parser().parse_args(["--preset", "gpu", "--no-latency"])
+    assert cli.config_from_args(args).latency is None
+    args = cli.build_parser().parse_args(["--preset", "tiny", "--memory", "device", "--latency-rows", "32"])
+    cfg = cli.config_from_args(args)
+    assert cfg.latency is not None and cfg.latency.memory == ("device",) and cfg.latency.rows == (32,)
