@@ -3,7 +3,12 @@ against the packed path, with raw NIXL's one-descriptor WRITE of the same bytes,
 the same run, as the ceiling.
 
     .venv/bin/python bench/nixl_packed.py [--rows 4096] [--row-bytes 65536] [--reps 5] [--memory host|device]
-                                          [--fetch-ahead-ms 20] [--json out.json]
+                                          [--fetch-ahead-ms 20] [--layout scattered|contiguous]
+                                          [--chunk-mib 16,256] [--paths unpacked,packed] [--json out.json]
+
+``--layout contiguous`` gives both ends consecutive slots, so that the unpacked path
+coalesces them into one descriptor per chunk: then ``--chunk-mib`` (a list; 0 is the
+backend's default) shows what the unpacked path's chunk size costs against the ceiling.
 
 Every figure is payload bytes over the time from the call that moves them to the moment they
 are proven at the destination: raw NIXL, post to DONE (busy-polled); NixlBackend, publish() to
@@ -71,9 +76,10 @@ def raw_one_descriptor(nbytes: int, reps: int, memory: str) -> dict[str, float]:
 def backend_push(path: str, rows: int, row_bytes: int, reps: int, memory_kind: str,
                  options: dict[str, Any], fetch_ahead_s: float = 0.02,
                  peer_factory: str = "kvxfer.testing.nixl_pairs:child_backend",
-                 peer_env: dict[str, str] | None = None) -> dict[str, Any]:
+                 peer_env: dict[str, str] | None = None, contiguous: bool = False) -> dict[str, Any]:
     """NixlBackend publisher here, NixlBackend fetcher in a child (made by ``peer_factory``);
-    ``path``: packed always|never."""
+    ``path``: packed always|never; ``contiguous``: consecutive slots on both ends (each
+    repetition at another offset) instead of scattered ones."""
     slots = rows * 2
     opts = {"packed": path, "deadline_s": 300.0, **options}
     memory = rows_of(memory_kind, (("S", row_bytes, slots),))
@@ -88,8 +94,12 @@ def backend_push(path: str, rows: int, row_bytes: int, reps: int, memory_kind: s
     try:
         payload = rng.integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
         for i in range(reps + 1):
-            ls = rng.permutation(slots)[:rows].astype(np.int64)
-            ps = rng.permutation(slots)[:rows].astype(np.int64)
+            if contiguous:
+                ls = np.arange(rows, dtype=np.int64) + (i % 2) * rows
+                ps = np.arange(rows, dtype=np.int64) + ((i + 1) % 2) * rows
+            else:
+                ls = rng.permutation(slots)[:rows].astype(np.int64)
+                ps = rng.permutation(slots)[:rows].astype(np.int64)
             request = f"{path}-{i}"
             lview = View(request, TokenRange(0, rows * 16),
                          (LayerGroupRows("g", CacheKind.PAGED, memory.regions[0], ls, ordinals),), b"B")
@@ -122,7 +132,7 @@ def backend_push(path: str, rows: int, row_bytes: int, reps: int, memory_kind: s
         local.shutdown()
         peer.close()
     return {**summary(times, rows * row_bytes), "stats": stats.__dict__, "options": opts,
-            "fetch_ahead_s": fetch_ahead_s}
+            "fetch_ahead_s": fetch_ahead_s, "contiguous": contiguous}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +147,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="progress-thread pause while transfers are pending (NixlBackend poll_s)")
     parser.add_argument("--fetch-ahead-ms", type=float, default=20.0,
                         help="time between the fetcher's fetch() and the timed publish() (0: back to back)")
+    parser.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered")
+    parser.add_argument("--chunk-mib", default="0",
+                        help="the unpacked path's chunk sizes to measure, MiB, comma-separated (0: the backend's default)")
+    parser.add_argument("--paths", default="unpacked,packed", help="which of unpacked,packed to measure")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    chunk_mib = [int(c) for c in args.chunk_mib.split(",")]
+    paths = args.paths.split(",")
+    if any(c < 0 for c in chunk_mib) or not set(paths) <= {"unpacked", "packed"} or not paths:
+        parser.error("--chunk-mib takes sizes >= 0; --paths takes unpacked and/or packed")
     nbytes = args.rows * args.row_bytes
     options = {"arena_bytes": args.arena_mib << 20 if args.arena_mib else None,
                "packed_chunk_bytes": args.packed_chunk_mib << 20 if args.packed_chunk_mib else None,
@@ -147,19 +165,31 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg": os.getloadavg()},
         "rows": args.rows, "row_bytes": args.row_bytes, "bytes": nbytes, "reps": args.reps, "memory": args.memory,
+        "layout": args.layout,
     }
+    contiguous = args.layout == "contiguous"
     result["raw_one_descriptor"] = raw_one_descriptor(nbytes, args.reps, args.memory)
-    for name, path in (("unpacked", "never"), ("packed", "always")):
-        result[name] = backend_push(path, args.rows, args.row_bytes, args.reps, args.memory, options,
-                                    args.fetch_ahead_ms / 1e3)
+    names = ["raw_one_descriptor"]
+    if "unpacked" in paths:
+        for mib in chunk_mib:
+            name = "unpacked" if mib == 0 else f"unpacked_chunk_{mib}MiB"
+            chunk = {"chunk_bytes": mib << 20} if mib else {}
+            result[name] = backend_push("never", args.rows, args.row_bytes, args.reps, args.memory,
+                                        {**options, **chunk}, args.fetch_ahead_ms / 1e3, contiguous=contiguous)
+            names.append(name)
+    if "packed" in paths:
+        result["packed"] = backend_push("always", args.rows, args.row_bytes, args.reps, args.memory, options,
+                                        args.fetch_ahead_ms / 1e3, contiguous=contiguous)
+        names.append("packed")
     ceiling = result["raw_one_descriptor"]["best_gbps"]
-    print(f"{args.rows} scattered rows x {args.row_bytes // 1024} KiB = {nbytes >> 20} MiB, two processes, "
+    print(f"{args.rows} {args.layout} rows x {args.row_bytes // 1024} KiB = {nbytes >> 20} MiB, two processes, "
           f"{args.memory} memory, best / median of {args.reps}")
-    for name in ("raw_one_descriptor", "unpacked", "packed"):
+    for name in names:
         r = result[name]
-        print(f"  {name:20s} {r['best_gbps']:7.2f} / {r['median_gbps']:7.2f} GB/s   "
+        print(f"  {name:26s} {r['best_gbps']:8.2f} / {r['median_gbps']:8.2f} GB/s   "
               f"({r['best_gbps'] / ceiling:5.1%} of the one-descriptor ceiling)")
-    print(f"  packed / unpacked (best): {result['packed']['best_gbps'] / result['unpacked']['best_gbps']:.2f}x")
+    if "packed" in result and "unpacked" in result:
+        print(f"  packed / unpacked (best): {result['packed']['best_gbps'] / result['unpacked']['best_gbps']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -62,6 +62,12 @@ class DeviceScope {
   cudaError_t err_ = cudaSuccess;
 };
 
+// Selects `device` for the rest of the enclosing function, which returns the error text when
+// it cannot be selected (every entry point below starts so).
+#define KVXFER_DEVICE_SCOPE(device)                                  \
+  DeviceScope device_scope_(device);                                 \
+  if (device_scope_.error() != cudaSuccess) return fail("selecting the device", device_scope_.error())
+
 template <int W> struct Vec;
 template <> struct Vec<16> { using T = uint4; };
 template <> struct Vec<8> { using T = uint2; };
@@ -212,8 +218,7 @@ std::string stream_counter(int device, std::uint64_t stream, unsigned int** out)
     *out = it->second;
     return {};
   }
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   unsigned int* counter = nullptr;
   cudaError_t e = cudaMalloc(&counter, sizeof(unsigned int));
   if (e != cudaSuccess) return fail("allocating a doorbell block counter", e);
@@ -459,8 +464,7 @@ std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int devi
   *rang = false;
   std::string err = check_plan(p);
   if (!err.empty() || p.n_rows == 0 || p.row_bytes == 0) return err;
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
 
   const int width = vector_width(p);
@@ -558,8 +562,7 @@ std::string peer_access(int device, int peer, bool* enabled) {
   cudaError_t e = cudaDeviceCanAccessPeer(&can, device, peer);
   if (e != cudaSuccess) return fail("cudaDeviceCanAccessPeer", e);
   if (!can) return std::string();
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   e = cudaDeviceEnablePeerAccess(peer, 0);
   if (e == cudaErrorPeerAccessAlreadyEnabled) {
     (void)cudaGetLastError();
@@ -570,8 +573,7 @@ std::string peer_access(int device, int peer, bool* enabled) {
 }
 
 std::string stream_create(int device, std::uint64_t* out) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaStream_t s = nullptr;
   // Non-blocking: the backend's copies must not serialize with the legacy default stream.
   cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -587,15 +589,13 @@ std::string stream_destroy(std::uint64_t s) {
 
 std::string stream_synchronize(std::uint64_t s, int device) {
   // With `device`, stream 0 names that device's default stream, not the current device's.
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaError_t e = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(s));
   return e == cudaSuccess ? std::string() : fail("cudaStreamSynchronize", e);
 }
 
 std::string event_create(int device, std::uint64_t* out) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaEvent_t ev = nullptr;
   cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
   *out = reinterpret_cast<std::uint64_t>(ev);
@@ -675,8 +675,7 @@ __global__ void write_word_kernel(unsigned long long* word, unsigned long long v
 }  // namespace
 
 std::string host_register(int device, std::uint64_t ptr, std::uint64_t bytes, std::uint64_t* device_ptr) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   void* p = reinterpret_cast<void*>(ptr);
   cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (e != cudaSuccess) return fail("cudaHostRegister", e);
@@ -692,16 +691,14 @@ std::string host_register(int device, std::uint64_t ptr, std::uint64_t bytes, st
 }
 
 std::string host_unregister(int device, std::uint64_t ptr) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaError_t e = cudaHostUnregister(reinterpret_cast<void*>(ptr));
   return e == cudaSuccess ? std::string() : fail("cudaHostUnregister", e);
 }
 
 std::string stream_write_word(int device, std::uint64_t s, std::uint64_t device_ptr, std::uint64_t value) {
   if (device_ptr % 8 != 0) return "stream_write_word: the word's address is not 8-byte aligned";
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   write_word_kernel<<<1, 1, 0, reinterpret_cast<cudaStream_t>(s)>>>(
       reinterpret_cast<unsigned long long*>(device_ptr), static_cast<unsigned long long>(value));
   cudaError_t e = cudaGetLastError();
@@ -727,8 +724,7 @@ std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t strea
 }
 
 std::string ipc_export(int device, std::uint64_t ptr, std::string* handle, std::uint64_t* base, std::uint64_t* size) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   // The allocation's base and size come from the driver; asking for its entry point through
   // the runtime keeps libcuda out of the link, so the module imports on machines without it.
   using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -757,8 +753,7 @@ std::string ipc_open(int device, const std::string& handle, std::uint64_t* base)
   if (handle.size() != sizeof(cudaIpcMemHandle_t))
     return "an IPC handle is " + std::to_string(sizeof(cudaIpcMemHandle_t)) + " bytes, got " +
            std::to_string(handle.size());
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
   void* p = nullptr;
@@ -768,15 +763,13 @@ std::string ipc_open(int device, const std::string& handle, std::uint64_t* base)
 }
 
 std::string ipc_close(int device, std::uint64_t base) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaError_t e = cudaIpcCloseMemHandle(reinterpret_cast<void*>(base));
   return e == cudaSuccess ? std::string() : fail("cudaIpcCloseMemHandle", e);
 }
 
 std::string device_alloc(int device, std::uint64_t bytes, std::uint64_t* ptr) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, bytes);
   *ptr = reinterpret_cast<std::uint64_t>(p);
@@ -784,15 +777,13 @@ std::string device_alloc(int device, std::uint64_t bytes, std::uint64_t* ptr) {
 }
 
 std::string device_free(int device, std::uint64_t ptr) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaError_t e = cudaFree(reinterpret_cast<void*>(ptr));
   return e == cudaSuccess ? std::string() : fail("cudaFree", e);
 }
 
 std::string copy_bytes(int device, std::uint64_t dst, std::uint64_t src, std::uint64_t bytes) {
-  DeviceScope scope(device);
-  if (scope.error() != cudaSuccess) return fail("selecting the device", scope.error());
+  KVXFER_DEVICE_SCOPE(device);
   cudaError_t e = cudaMemcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes, cudaMemcpyDefault);
   return e == cudaSuccess ? std::string() : fail("cudaMemcpy", e);
 }

@@ -12,7 +12,9 @@ A progress thread owned by the backend posts every transfer (PERF.md: on host me
 ``transfer()`` can block for seconds), checks transfer state, reads notifications, sends
 heartbeats to the peers of passive waits, enforces per-attempt deadlines and handles
 cancel, injected faults and dead peers. Submissions go in chunks (``nixl_plan``): a
-failure part-way reports exactly the chunks whose requests NIXL completed.
+failure part-way reports exactly the chunks whose requests NIXL completed. Chunks are
+16 MiB, or 256 MiB between device memory on both ends, where a request's fixed cost
+would otherwise exceed its transfer time (``nixl_plan.ChunkBytes``; ``chunk_bytes``).
 
 A passive wait that is cancelled or times out concludes at once but stays unquiesced until
 the peer answers its CANCEL_REQUEST (or is found dead): a NIXL notification needs the
@@ -85,7 +87,7 @@ from kvxfer.backends.nixl_packed import (
     rows_from_runs,
     step_packed,
 )
-from kvxfer.backends.nixl_plan import count_descriptors, plan_chunks
+from kvxfer.backends.nixl_plan import ChunkBytes, count_descriptors, plan_chunks
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
 from kvxfer.contract import (
@@ -123,8 +125,8 @@ KEPT = 4096  # stashed records and withdrawn transfer ids kept
 PACKED = True  # this backend has the packed path (kvxfer bench checks for it)
 PackedMode = Literal["auto", "always", "never"]
 Path = Literal["packed", "unpacked"]
-# packed="auto" packs a push when its chunks average at least this many descriptors (runs
-# after coalescing) each. DEVICE: every descriptor costs ~12 µs in UCX while the device
+# packed="auto" packs a push when its host-sized chunks (``ChunkBytes.host``, 16 MiB by
+# default) average at least this many descriptors (runs after coalescing) each. DEVICE: every descriptor costs ~12 µs in UCX while the device
 # gathers and scatters at TB/s (PERF.md), so pack early. HOST: packing adds two memcpys to
 # NIXL's one; measured on the 2-core CPU machine (bench/nixl_packed.py, 256 MiB of scattered
 # rows, two processes, best of 3-7 over several runs) packed was 2.2-2.9x unpacked at 4 KiB
@@ -185,7 +187,7 @@ class NixlBackend(Backend):
         mode: TransferMode = TransferMode.PUSH,
         *,
         deadline_s: float = 30.0,
-        chunk_bytes: int = 16 << 20,
+        chunk_bytes: int | ChunkBytes | None = None,
         window: int = 4,
         heartbeat_s: float = 0.25,
         coalesce: bool = True,
@@ -199,8 +201,12 @@ class NixlBackend(Backend):
         packed_chunk_bytes: int | None = None,
         poll_s: float = 0.0001,
     ) -> None:
-        if chunk_bytes <= 0 or window <= 0 or deadline_s <= 0 or heartbeat_s <= 0:
-            raise ValueError("chunk_bytes, window, deadline_s and heartbeat_s must be positive")
+        # None: ChunkBytes' defaults (16 MiB, or 256 MiB between device memory on both ends);
+        # an int: that size for every memory.
+        if isinstance(chunk_bytes, int) and chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0:
+            raise ValueError("window, deadline_s and heartbeat_s must be positive")
         if packed not in ("auto", "always", "never"):
             raise ValueError(f"packed must be 'auto', 'always' or 'never', got {packed!r}")
         if arena_bytes and packed_chunk_bytes is not None and (
@@ -217,7 +223,8 @@ class NixlBackend(Backend):
         self.name = name or unique_agent_name()
         self.mode = mode
         self.deadline_s = deadline_s
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes: ChunkBytes = (ChunkBytes() if chunk_bytes is None else
+                                         ChunkBytes.uniform(chunk_bytes) if isinstance(chunk_bytes, int) else chunk_bytes)
         self.window = window
         self.heartbeat_s = heartbeat_s
         self.coalesce = coalesce
@@ -447,7 +454,9 @@ class NixlBackend(Backend):
             raise InvalidSubmission(str(exc)) from None
         if remote is None:
             return None
-        descriptors, chunks = count_descriptors(matches, chunk_bytes=self.chunk_bytes, row_limit=row_limit,
+        # Counted per host-sized chunk whatever the memory: MIN_DESCRIPTORS was measured so
+        # (with 16 MiB chunks), and an unpacked push of device rows then goes in larger ones.
+        descriptors, chunks = count_descriptors(matches, chunk_bytes=self.chunk_bytes.host, row_limit=row_limit,
                                                 coalesce_runs=self.coalesce)
         if chunks == 0:
             return None

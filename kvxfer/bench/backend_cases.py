@@ -82,7 +82,8 @@ def nixl_ends(mode: TransferMode, memory: str, packed: Literal["auto", "always",
     except BaseException:
         prefill.shutdown()
         raise
-    return Ends(prefill, decode, lambda: None, {"processes": 1, "chunk_bytes": prefill.chunk_bytes,
+    return Ends(prefill, decode, lambda: None, {"processes": 1, "chunk_bytes_host": prefill.chunk_bytes.host,
+                                                "chunk_bytes_device": prefill.chunk_bytes.device,
                                                 "window": prefill.window, "packed": packed})
 
 

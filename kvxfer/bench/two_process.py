@@ -73,8 +73,12 @@ def _nixl_kind(packed: str) -> Kind:
         touch_pages(made)
         return made
 
+    from kvxfer.backends.nixl_plan import ChunkBytes
+
+    chunks = ChunkBytes()  # the backend's defaults, which both ends use here
     return Kind(("host", "device"), local, peer, args, rows,
-                {"processes": 2, "transport": "NIXL over UCX", "packed": packed})
+                {"processes": 2, "transport": "NIXL over UCX", "packed": packed,
+                 "chunk_bytes_host": chunks.host, "chunk_bytes_device": chunks.device})
 
 
 def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvxfer.backends.nixl import NixlBackend
+from kvxfer.backends.nixl_plan import ChunkBytes
 from kvxfer.contract import (
     CacheKind,
     Cancelled,
@@ -194,3 +195,17 @@ def test_a_stashed_record_concludes_on_the_progress_thread_not_inside_fetch(made
     assert attempt.wait(5.0) and isinstance(attempt.poll(), Delivered)
     # A wake inside fetch() would reach an owner that has no attempt yet (and may hold its own lock).
     assert woken_on and threading.current_thread() not in woken_on
+
+
+def test_chunk_sizes_default_by_memory_and_bad_ones_are_refused(made: list[NixlBackend]) -> None:
+    """chunk_bytes None: 16 MiB chunks, 256 MiB between device memory on both ends; an int
+    applies to both; a size that is not positive is refused by name before an agent starts."""
+    with pytest.raises(ValueError, match="chunk_bytes must be positive, got 0"):
+        NixlBackend(mode=TransferMode.PUSH, chunk_bytes=0)
+    with pytest.raises(ValueError, match="chunk sizes must be positive"):
+        NixlBackend(mode=TransferMode.PUSH, chunk_bytes=ChunkBytes(host=-1))
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")]
+    default, _ = _backend(made, TransferMode.PUSH, "D")
+    assert default.chunk_bytes == ChunkBytes(16 << 20, 256 << 20)
+    uniform, _ = _backend(made, TransferMode.PUSH, "U", chunk_bytes=3 * ROW)
+    assert uniform.chunk_bytes == ChunkBytes(3 * ROW, 3 * ROW)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.backends.matching import match_rows
-from kvxfer.backends.nixl_plan import count_descriptors, plan_chunks
+from kvxfer.backends.nixl_plan import ChunkBytes, count_descriptors, plan_chunks
 from kvxfer.backends.transfers import hint_groups
 from kvxfer.contract import CacheKind, Hint, LayerGroupRows, MemoryKind, SlotRegion, TokenRange, TransferMode, View
 
@@ -55,6 +56,24 @@ def test_chunks_bound_bytes_and_cover_matched_rows_in_order() -> None:
     assert rows.tolist() == [o for o in range(50) if o % 7]
     peer_rows = np.concatenate([c.peer_rows for c in chunks])
     assert peer.groups[0].ordinals[peer_rows].tolist() == local.groups[0].ordinals[rows].tolist()
+
+
+def test_chunk_size_follows_the_memory_at_both_ends() -> None:
+    """Device to device: ChunkBytes.device; host at either end: ChunkBytes.host."""
+    sizes = ChunkBytes(host=4 * 1024, device=16 * 1024)
+    ld = SlotRegion("LD", 1 << 34, 1024, 64, MemoryKind.DEVICE, device_id=0)
+    rows = list(range(40))
+    device_chunks = plan_chunks(match_rows(_view(ld, rows, rows), _hint(_view(PB, rows, rows))),
+                                _hint(_view(PB, rows, rows)), chunk_bytes=sizes)
+    assert [c.rows for c in device_chunks] == [16, 16, 8]
+    assert all(c.local_descs.shape == (1, 3) for c in device_chunks)  # each chunk one coalesced run
+    host_chunks = plan_chunks(match_rows(_view(A, rows, rows), _hint(_view(PB, rows, rows))),
+                              _hint(_view(PB, rows, rows)), chunk_bytes=sizes)
+    assert [c.rows for c in host_chunks] == [4] * 10
+    assert ChunkBytes.uniform(123) == ChunkBytes(123, 123)
+    assert ChunkBytes() == ChunkBytes(16 << 20, 256 << 20)
+    with pytest.raises(ValueError, match="device 0"):
+        ChunkBytes(device=0)
 
 
 def test_row_limit_takes_exactly_the_first_rows_across_groups() -> None:
