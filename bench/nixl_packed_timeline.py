@@ -10,6 +10,10 @@ the wrappers cost time themselves, so read the gaps, not the sum.
 
     python bench/nixl_packed_timeline.py [--rows 4096] [--row-bytes 65536] [--chunk-mib 32]
                                          [--memory device] [--poll-us 100]
+                                         [--path packed|unpacked] [--layout scattered|contiguous]
+
+``--path unpacked`` stamps the unpacked push instead (``--chunk-mib`` is then its chunk size);
+with ``--layout contiguous`` its rows coalesce into one descriptor per chunk.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", choices=("host", "device"), default="device")
     parser.add_argument("--poll-us", type=float, default=100.0)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--path", choices=("packed", "unpacked"), default="packed")
+    parser.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered")
     args = parser.parse_args(argv)
     here = str(Path(__file__).resolve().parent)
     sys.path.insert(0, here)
@@ -112,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[TRACE_ENV] = trace_dir
         install("S")
         env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), TRACE_ENV: trace_dir}
-        options = {"arena_bytes": args.arena_mib << 20, "packed_chunk_bytes": args.chunk_mib << 20,
-                   "poll_s": args.poll_us * 1e-6}
-        result = nixl_packed.backend_push("always", args.rows, args.row_bytes, args.reps, args.memory, options,
-                                          peer_factory="nixl_packed_timeline:child", peer_env=env)
+        options = {"arena_bytes": args.arena_mib << 20, "poll_s": args.poll_us * 1e-6,
+                   ("packed_chunk_bytes" if args.path == "packed" else "chunk_bytes"): args.chunk_mib << 20}
+        result = nixl_packed.backend_push("always" if args.path == "packed" else "never", args.rows, args.row_bytes,
+                                          args.reps, args.memory, options, peer_factory="nixl_packed_timeline:child",
+                                          peer_env=env, contiguous=args.layout == "contiguous")
         events = sorted(e for f in Path(trace_dir).glob("*.json") for e in json.loads(f.read_text()))
-    print(f"{args.rows} scattered rows x {args.row_bytes >> 10} KiB, {args.memory} memory, chunks of "
-          f"{args.chunk_mib} MiB: packed {result['best_gbps']:.1f} GB/s best, {result['median_gbps']:.1f} median")
+    print(f"{args.rows} {args.layout} rows x {args.row_bytes >> 10} KiB, {args.memory} memory, chunks of "
+          f"{args.chunk_mib} MiB: {args.path} {result['best_gbps']:.1f} GB/s best, {result['median_gbps']:.1f} median")
     start = [t for t, end, name, _ in events if (end, name) == ("S", "publish>")][-1]
     for t, end, name, detail in events:
         if t >= start:
