@@ -4,9 +4,10 @@ Runs ``bench/nixl_packed.py``'s packed push (publisher here, fetcher in a child)
 steps of both ends stamped (CLOCK_MONOTONIC, comparable across the two processes) by
 wrapping them: publish(), the notes each end sends and receives (``req``, ``credit`` with
 the slots granted and chunks acknowledged, ``chunk``, the completion record), the batched
-gathers and scatters, each WRITE's post and its DONE, and each end's outcome. Prints the
+gathers and scatters, each WRITE's post, its DONE and its release, and each end's outcome. Prints the
 last repetition's events in microseconds since its publish() call, the fetcher's indented;
-the wrappers cost time themselves, so read the gaps, not the sum.
+the wrappers cost time themselves, so read the gaps, not the sum. ``[cpu N us]`` is the CPU
+time the stamping thread used since its own previous stamp.
 
     python bench/nixl_packed_timeline.py [--rows 4096] [--row-bytes 65536] [--chunk-mib 32]
                                          [--memory device] [--poll-us 100]
@@ -24,16 +25,23 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 TRACE_ENV = "KVXFER_TIMELINE_DIR"
 _EVENTS: list[tuple[int, str, str, str]] = []
+_LAST_CPU: dict[int, int] = {}  # thread -> its CPU time at its previous stamp
 
 
 def _stamp(end: str, name: str, detail: str = "") -> None:
-    _EVENTS.append((time.monotonic_ns(), end, name, detail))
+    # With the CPU time the stamping thread spent since its previous stamp: a gap that is
+    # mostly CPU is work, one that is not is waiting (a sleep, a lock, the GIL, preemption).
+    now, cpu, thread = time.monotonic_ns(), time.thread_time_ns(), threading.get_ident()
+    spent = (cpu - _LAST_CPU[thread]) // 1000 if thread in _LAST_CPU else -1
+    _LAST_CPU[thread] = cpu
+    _EVENTS.append((now, end, name, f"{detail} [cpu {spent} us]" if spent >= 0 else detail))
 
 
 def _wrap(owner: Any, attr: str, end: str, after: Any = None, bracket: bool = True) -> None:
@@ -68,7 +76,15 @@ def install(end: str) -> None:
     _wrap(nixl_packed.Arena, "gather", end, lambda _, a: _stamp(end, "  chunks", str(len(a[1]))))
     _wrap(nixl_packed.Arena, "scatter", end, lambda _, a: _stamp(end, "  chunks", str(len(a[1]))))
     _wrap(nixl_agent.NixlAgent, "post", end)
-    _wrap(nixl_agent.NixlAgent, "notify", end, lambda _, a: _stamp(end, "sent", kind(a[2])), bracket=False)
+    _wrap(nixl_agent.NixlAgent, "release", end)
+    _wrap(nixl_agent.NixlAgent, "ensure_peer", end)
+    _wrap(nixl, "plan_chunks", end)
+    _wrap(nixl, "count_descriptors", end)
+    _wrap(nixl, "conclusion", end)
+    _wrap(nixl, "encode_completion", end)
+    _wrap(nixl, "check_submission", end)
+    _wrap(nixl, "match_rows", end)
+    _wrap(nixl_agent.NixlAgent, "notify", end, lambda _, a: _stamp(end, "sent", kind(a[2])))
     _wrap(nixl_agent.NixlAgent, "state", end, lambda r, _: r != "PROC" and _stamp(end, "WRITE", r), bracket=False)
     received = nixl_agent.NixlAgent.notifications
 
