@@ -824,11 +824,11 @@ class NixlBackend(Backend):
             # Paced, or waiting for the peer's metadata from etcd; a packed job waiting for
             # credits or acknowledgements polls fast: they come in a fraction of a millisecond.
             return isinstance(job, PackedJob) and job.requested
-        status, outcome, reason = conclusion(job)
+        local_masks, peer_masks = job.masks()
+        status, outcome, reason = conclusion(job, local_masks)
         # NIXL flushes the endpoint before a request is DONE, so the rows this record
         # marks are visible at the peer before the record can arrive.
         if job.hint.agent not in self._dead:
-            _, peer_masks = job.masks()
             self._send(job.hint.agent, CompletionRecord(
                 job.hint.transfer_id, self.name, job.view.request, status, peer_masks, reason))
         with self._lock:

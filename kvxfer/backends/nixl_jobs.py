@@ -15,7 +15,18 @@ import numpy as np
 
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, XferError
-from kvxfer.contract import BoolArray, Cancelled, Delivered, Failed, Hint, IndexArray, Outcome, RecordStatus, View
+from kvxfer.contract import (
+    BoolArray,
+    Cancelled,
+    Delivered,
+    Failed,
+    Hint,
+    IndexArray,
+    Outcome,
+    RecordStatus,
+    View,
+    constant_mask,
+)
 
 if TYPE_CHECKING:
     from kvxfer.backends.nixl_packed import Inbound
@@ -70,14 +81,26 @@ class ActiveJob:
         return stopping or self.next_chunk >= len(self.chunks)
 
     def masks(self) -> tuple[list[BoolArray], list[BoolArray]]:
-        """(local masks aligned with the view, peer masks aligned with the hint) of proven chunks."""
-        local = self.view.row_masks()
-        peer = [np.zeros(len(g), dtype=np.bool_) for g in self.hint.groups]
-        for index in self.done:
-            chunk: Carried = self.chunks[index]
-            local[chunk.group][chunk.local_rows] = True
-            peer[chunk.peer_group][chunk.peer_rows] = True
+        """(local masks aligned with the view, peer masks aligned with the hint) of proven
+        chunks, read-only. A group whose every row is proven (the usual end) gets the shared
+        all-True mask: nothing to fill, and the wire codec sends it without packing its bits."""
+        done: list[Carried] = [self.chunks[i] for i in sorted(set(self.done))]  # a row is in one chunk
+        local = self._masks([len(g) for g in self.view.groups], [(c.group, c.local_rows) for c in done])
+        peer = self._masks([len(g) for g in self.hint.groups], [(c.peer_group, c.peer_rows) for c in done])
         return local, peer
+
+    @staticmethod
+    def _masks(sizes: list[int], proven: list[tuple[int, IndexArray]]) -> list[BoolArray]:
+        counts = [0] * len(sizes)
+        for group, rows in proven:
+            counts[group] += rows.size
+        masks = [constant_mask(n, True) if counts[g] == n else np.zeros(n, dtype=np.bool_) for g, n in enumerate(sizes)]
+        for group, rows in proven:
+            if counts[group] != sizes[group]:
+                masks[group][rows] = True
+        for mask in masks:
+            mask.flags.writeable = False
+        return masks
 
 
 @dataclass(eq=False)
@@ -156,9 +179,11 @@ def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float
     return lost
 
 
-def conclusion(job: ActiveJob) -> tuple[RecordStatus, Outcome, str]:
-    """The record status, local outcome and reason of a finished job."""
-    local, _ = job.masks()
+def conclusion(job: ActiveJob, local: list[BoolArray] | None = None) -> tuple[RecordStatus, Outcome, str]:
+    """The record status, local outcome and reason of a finished job (``local``: its local
+    masks, when the caller has them already)."""
+    if local is None:
+        local, _ = job.masks()
     complete = len(job.done) == len(job.chunks)
     if job.failure is not None:
         return RecordStatus.FAILED, Failed(job.failure, local), job.failure

@@ -114,3 +114,30 @@ def test_counting_descriptors_agrees_with_planning_them(seed: int, rows: int, pe
     chunks = plan_chunks(matches, _hint(peer), chunk_bytes=chunk_bytes, row_limit=limit, coalesce_runs=coalesce)
     assert count_descriptors(matches, chunk_bytes=chunk_bytes, row_limit=limit, coalesce_runs=coalesce) == (
         sum(len(c.local_descs) for c in chunks), len(chunks))
+
+
+def test_job_masks_are_exact_and_a_whole_group_is_the_shared_true_mask() -> None:
+    """ActiveJob.masks(): the rows of proven chunks on both ends, read-only; a group whose
+    every row is proven is the shared all-True mask (what the wire codec sends by identity)."""
+    from kvxfer.backends.attempt import TrackedAttempt
+    from kvxfer.backends.nixl_jobs import ActiveJob, conclusion
+    from kvxfer.contract import Delivered, Failed, constant_mask
+
+    local = _view(A, list(range(10)), list(range(10)))
+    peer = _view(PB, list(range(20, 30)), list(range(10)))
+    chunks = plan_chunks(match_rows(local, _hint(peer)), _hint(peer), chunk_bytes=4 * 1024)
+    assert [c.rows for c in chunks] == [4, 4, 2]
+    job = ActiveJob(TrackedAttempt(None, lambda a: None, "t"), local, _hint(peer), "WRITE", chunks, deadline=1e18)
+    job.done = [0, 2]
+    mine, theirs = job.masks()
+    expected = [True] * 4 + [False] * 4 + [True] * 2
+    assert mine[0].tolist() == expected == theirs[0].tolist()
+    assert not mine[0].flags.writeable and not theirs[0].flags.writeable
+    job.failure = "stopped"
+    status, outcome, _ = conclusion(job, mine)
+    assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == expected
+    job.failure = None
+    job.done = [2, 0, 1, 0]  # in any order, and once each however often listed
+    mine, theirs = job.masks()
+    assert mine[0] is constant_mask(10, True) and theirs[0] is constant_mask(10, True)
+    assert isinstance(conclusion(job)[1], Delivered)
