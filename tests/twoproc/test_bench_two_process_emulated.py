@@ -140,6 +140,18 @@ def test_ipc_in_flight_sustained_requests_emulated(tmp_path):  # type: ignore[no
     assert all(f["verified"] and f["payload_bytes"] == 5 * 2**20 for f in figures)
 
 
+def _timeline(stdout: str) -> tuple[list[str], list[str]]:
+    """(publisher's, fetcher's) events of bench/nixl_packed_timeline.py's printout, each
+    without its "[cpu N us]" column, which every line after a thread's first one carries."""
+    import re
+
+    lines = stdout.splitlines()[1:]
+    assert sum("[cpu " in line for line in lines) >= len(lines) - 4, lines  # four threads at most start unstamped
+    events = [(bool(line[11:13].strip()), re.sub(r"\s*\[cpu -?\d+ us\]$", "", line.split(None, 1)[1]))
+              for line in lines]
+    return [e for p, e in events if p], [e for p, e in events if not p]
+
+
 def test_nixl_packed_timeline_script_stamps_both_ends(tmp_path):  # type: ignore[no-untyped-def]
     """bench/nixl_packed_timeline.py over host memory: both processes' steps of one packed push,
     in order from the request to each end's outcome, the fetcher's indented."""
@@ -152,10 +164,30 @@ def test_nixl_packed_timeline_script_stamps_both_ends(tmp_path):  # type: ignore
                            "--chunk-mib", "1", "--arena-mib", "8", "--reps", "1"],
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()[1:]
-    publisher = [line.split(None, 1)[1] for line in lines if line[11:13].strip()]
-    fetcher = [line.split(None, 1)[1] for line in lines if not line[11:13].strip()]
+    publisher, fetcher = _timeline(done.stdout)
     assert publisher[0] == "publish>" and "sent req" in publisher and "outcome Delivered" in publisher
     assert {"gather>", "post>", "WRITE DONE"} <= set(publisher), publisher
     assert "received req" in fetcher and "scatter>" in fetcher and "outcome Delivered" in fetcher, fetcher
     assert any(f.startswith("sent credit") for f in fetcher) and any(f.startswith("received chunk") for f in fetcher)
+
+
+def test_nixl_timeline_script_stamps_an_unpacked_push():  # type: ignore[no-untyped-def]
+    """--path unpacked --layout contiguous: the planning, the post, its release, the
+    conclusion and the record, in that order, then the fetcher's outcome."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "nixl_packed_timeline.py"
+    done = subprocess.run([sys.executable, str(script), "--memory", "host", "--rows", "256", "--row-bytes", "16384",
+                           "--chunk-mib", "1", "--reps", "1", "--path", "unpacked", "--layout", "contiguous"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "256 contiguous rows" in done.stdout and "unpacked" in done.stdout.splitlines()[0]
+    publisher, fetcher = _timeline(done.stdout)
+    order = ["publish>", "plan_chunks>", "publish<", "post>", "release>", "conclusion>", "sent record",
+             "outcome Delivered"]
+    at = [publisher.index(e) for e in order]
+    assert at == sorted(at), publisher
+    assert publisher.count("post>") == 4  # 4 MiB in 1 MiB chunks, one coalesced descriptor each
+    assert "received record" in fetcher and "outcome Delivered" in fetcher, fetcher
