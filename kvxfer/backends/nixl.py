@@ -126,8 +126,9 @@ PACKED = True  # this backend has the packed path (kvxfer bench checks for it)
 PackedMode = Literal["auto", "always", "never"]
 Path = Literal["packed", "unpacked"]
 # packed="auto" packs a push when its host-sized chunks (``ChunkBytes.host``, 16 MiB by
-# default) average at least this many descriptors (runs after coalescing) each. DEVICE: every descriptor costs ~12 µs in UCX while the device
-# gathers and scatters at TB/s (PERF.md), so pack early. HOST: packing adds two memcpys to
+# default) average at least this many descriptors (runs after coalescing) each. DEVICE:
+# every descriptor costs ~12 µs in UCX while the device gathers and scatters at TB/s
+# (PERF.md), so pack early. HOST: packing adds two memcpys to
 # NIXL's one; measured on the 2-core CPU machine (bench/nixl_packed.py, 256 MiB of scattered
 # rows, two processes, best of 3-7 over several runs) packed was 2.2-2.9x unpacked at 4 KiB
 # rows, 0.8-1.1x at 16 KiB, 0.5-0.65x at 64 KiB, so with 16 MiB chunks only rows of about
