@@ -4,7 +4,8 @@ the same run, as the ceiling.
 
     .venv/bin/python bench/nixl_packed.py [--rows 4096] [--row-bytes 65536] [--reps 5] [--memory host|device]
                                           [--fetch-ahead-ms 20] [--layout scattered|contiguous]
-                                          [--chunk-mib 16,256] [--paths unpacked,packed] [--json out.json]
+                                          [--chunk-mib 16,256] [--paths unpacked,packed]
+                                          [--post-inline auto,never] [--json out.json]
 
 ``--layout contiguous`` gives both ends consecutive slots, so that the unpacked path
 coalesces them into one descriptor per chunk: then ``--chunk-mib`` (a list; 0 is the
@@ -151,12 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-mib", default="0",
                         help="the unpacked path's chunk sizes to measure, MiB, comma-separated (0: the backend's default)")
     parser.add_argument("--paths", default="unpacked,packed", help="which of unpacked,packed to measure")
+    parser.add_argument("--post-inline", default="auto",
+                        help="the unpacked path's post_inline values to measure, comma-separated: auto (None), "
+                             "always (True), never (False)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     chunk_mib = [int(c) for c in args.chunk_mib.split(",")]
     paths = args.paths.split(",")
+    inline_values = {"auto": None, "always": True, "never": False}
+    inlines = args.post_inline.split(",")
     if any(c < 0 for c in chunk_mib) or not set(paths) <= {"unpacked", "packed"} or not paths:
         parser.error("--chunk-mib takes sizes >= 0; --paths takes unpacked and/or packed")
+    if not set(inlines) <= set(inline_values):
+        parser.error("--post-inline takes auto, always and/or never")
     nbytes = args.rows * args.row_bytes
     options = {"arena_bytes": args.arena_mib << 20 if args.arena_mib else None,
                "packed_chunk_bytes": args.packed_chunk_mib << 20 if args.packed_chunk_mib else None,
@@ -171,12 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     result["raw_one_descriptor"] = raw_one_descriptor(nbytes, args.reps, args.memory)
     names = ["raw_one_descriptor"]
     if "unpacked" in paths:
-        for mib in chunk_mib:
-            name = "unpacked" if mib == 0 else f"unpacked_chunk_{mib}MiB"
-            chunk = {"chunk_bytes": mib << 20} if mib else {}
-            result[name] = backend_push("never", args.rows, args.row_bytes, args.reps, args.memory,
-                                        {**options, **chunk}, args.fetch_ahead_ms / 1e3, contiguous=contiguous)
-            names.append(name)
+        for inline in inlines:
+            for mib in chunk_mib:
+                name = ("unpacked" if mib == 0 else f"unpacked_chunk_{mib}MiB") + \
+                    ("" if inline == "auto" else f"_inline_{inline}")
+                chunk = {"chunk_bytes": mib << 20} if mib else {}
+                result[name] = backend_push("never", args.rows, args.row_bytes, args.reps, args.memory,
+                                            {**options, **chunk, "post_inline": inline_values[inline]},
+                                            args.fetch_ahead_ms / 1e3, contiguous=contiguous)
+                names.append(name)
     if "packed" in paths:
         result["packed"] = backend_push("always", args.rows, args.row_bytes, args.reps, args.memory, options,
                                         args.fetch_ahead_ms / 1e3, contiguous=contiguous)

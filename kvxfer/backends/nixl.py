@@ -150,6 +150,7 @@ class NixlStats:
     bytes_scattered: int = 0
     credits_granted: int = 0
     credits_ahead: int = 0          # of those, granted at fetch() before the sender asked
+    chunks_posted_inline: int = 0   # unpacked chunks posted by the owner's publish() (``post_inline``)
 
 
 def _bounded_put(table: OrderedDict[Any, Any], key: Hashable, value: Any) -> None:
@@ -201,6 +202,7 @@ class NixlBackend(Backend):
         arena_bytes: int | None = None,
         packed_chunk_bytes: int | None = None,
         poll_s: float = 0.0001,
+        post_inline: bool | None = None,
     ) -> None:
         # None: ChunkBytes' defaults (16 MiB, or 256 MiB between device memory on both ends);
         # an int: that size for every memory.
@@ -216,6 +218,14 @@ class NixlBackend(Backend):
                              f"({packed_chunk_bytes}), or be 0 for no arena")
         if poll_s < 0:
             raise ValueError("poll_s must not be negative")
+        if post_inline not in (None, True, False):
+            raise ValueError(f"post_inline must be None, True or False, got {post_inline!r}")
+        # None: an unpacked push whose every chunk is device memory on both ends gets its
+        # first ``window`` chunks (more, if some complete at once) posted by publish() itself, sparing the progress thread's
+        # wake-up (about 0.2 ms on the GPU machine) before the copy starts: there NIXL's
+        # transfer() only queues it. Host memory stays with the progress thread, as UCX may
+        # do the whole copy inside transfer() (PERF.md). True/False: always/never.
+        self.post_inline = post_inline
         self.poll_s = poll_s
         self.packed: PackedMode = packed
         self.packed_min_descriptors = packed_min_descriptors
@@ -408,6 +418,12 @@ class NixlBackend(Backend):
                                          coalesce_runs=self.coalesce)
                     job = ActiveJob(attempt, view, hint, "READ" if fetching else "WRITE", chunks, deadline,
                                     injected=injected, ready=ready)
+                    if self._posts_inline(job):
+                        # Before the job is in _active, so the progress thread cannot step it
+                        # meanwhile; under our lock, so that shutdown() finds what was posted.
+                        if step_chunks(job, self._agent, window=self.window, pause_s=0.0, deadline_s=self.deadline_s):
+                            self._dead.add(hint.agent)  # as _peer_lost, whose lock we hold
+                        self._counts["chunks_posted_inline"] += job.next_chunk
                     self._counts["unpacked_submissions"] += 1
                     self._paths[attempt] = "unpacked"
                 self._active.append(job)
@@ -440,6 +456,13 @@ class NixlBackend(Backend):
             return 0
         nbytes = sum(len(g) * g.region.slot_bytes for g in view.groups)
         return min(PREGRANT_SLOTS, -(-nbytes // arena.slot_bytes))
+
+    def _posts_inline(self, job: ActiveJob) -> bool:
+        """Whether publish() posts this unpacked push's first chunks itself (``post_inline``)."""
+        if job.op != "WRITE" or not job.ready or not job.chunks or self.chunk_pause_s or self.post_inline is False:
+            return False
+        return self.post_inline or all(
+            c.local_kind is MemoryKind.DEVICE and c.remote_kind is MemoryKind.DEVICE for c in job.chunks)
 
     def _on_cancel(self, attempt: TrackedAttempt) -> None:
         self._kick.set()

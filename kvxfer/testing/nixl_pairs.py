@@ -197,10 +197,11 @@ def push_rows_throughput(memory_kind: str = "host", *, rows: int = 4096, row_byt
                 times.append(elapsed)
             if i == reps and peer.read("P", pslots) != payload:
                 raise RuntimeError("bytes at the peer differ")
+        inline = local.stats().chunks_posted_inline
     finally:
         local.shutdown()
         peer.close()
     times.sort()
     total = rows * row_bytes
     return {"best_gbps": total / times[0] / 1e9, "median_gbps": total / times[len(times) // 2] / 1e9,
-            "rows": rows, "row_bytes": row_bytes, "run": run, "coalesce": coalesce}
+            "rows": rows, "row_bytes": row_bytes, "run": run, "coalesce": coalesce, "chunks_posted_inline": inline}

@@ -50,6 +50,22 @@ def test_nixl_vram_push_64k_rows_with_and_without_coalescing() -> None:
     assert set(live_children()) <= before
 
 
+def test_nixl_vram_push_posts_from_publish_by_default() -> None:
+    """Device memory on both ends: publish() posts the push's first chunks itself (post_inline
+    None), the bytes land exactly (push_rows_throughput compares them); with post_inline=False
+    the progress thread posts every chunk."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    before = set(live_children())
+    # 4 warm-up and timed pushes of 2,048 contiguous 64 KiB rows (128 MiB): one chunk each.
+    inline = push_rows_throughput("device", rows=2048, run=2048, reps=3)
+    queued = push_rows_throughput("device", rows=2048, run=2048, reps=3, post_inline=False)
+    print(f"\nNIXL VRAM push, 128 MiB contiguous: posted from publish() {inline['best_gbps']:.1f} GB/s, "
+          f"by the progress thread {queued['best_gbps']:.1f} GB/s")
+    assert inline["chunks_posted_inline"] == 4 and queued["chunks_posted_inline"] == 0
+    assert set(live_children()) <= before
+
+
 def test_doctor_on_the_gpu_machine(tmp_path) -> None:  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -209,3 +209,46 @@ def test_chunk_sizes_default_by_memory_and_bad_ones_are_refused(made: list[NixlB
     assert default.chunk_bytes == ChunkBytes(16 << 20, 256 << 20)
     uniform, _ = _backend(made, TransferMode.PUSH, "U", chunk_bytes=3 * ROW)
     assert uniform.chunk_bytes == ChunkBytes(3 * ROW, 3 * ROW)
+
+
+@pytest.mark.parametrize("post_inline", [True, None, False], ids=["inline", "auto-host", "never"])
+def test_post_inline_posts_a_push_from_publish_and_moves_the_same_bytes(made: list[NixlBackend],
+                                                                        post_inline: bool | None) -> None:
+    """post_inline=True: publish() itself posts at least the first ``window`` chunks (counted
+    in stats); None posts inline only between device memory, so host rows go through the
+    progress thread as with False. Either way both ends conclude Delivered, bytes exact,
+    and an injected fault still reports exactly its rows."""
+    pub, pmem = _backend(made, TransferMode.PUSH, "P", chunk_bytes=2 * ROW, window=3, post_inline=post_inline)
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, "inline", 11), _view(fmem, "inline", 12)
+    payload = _fill(pmem, pview, 13)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    attempt = pub.publish(pview, fhint)
+    posted = pub.stats().chunks_posted_inline
+    # At least a window's worth; more where a post completed at once (host memory may copy
+    # inside NIXL's transfer()), up to all 12 chunks (2 groups of 12 rows, 2 rows a chunk).
+    assert 3 <= posted <= 12 if post_inline else posted == 0, posted
+    assert attempt.wait(5.0) and waiting.wait(5.0)
+    for outcome in (attempt.poll(), waiting.poll()):
+        assert isinstance(outcome, Delivered) and outcome.all_delivered, outcome
+    for g in fview.groups:
+        assert fmem.read(g.region.name, g.slots) == payload[g.layer_group]
+
+
+def test_post_inline_with_an_injected_fault_and_a_bad_value(made: list[NixlBackend]) -> None:
+    with pytest.raises(ValueError, match="post_inline must be None, True or False, got 'yes'"):
+        NixlBackend(mode=TransferMode.PUSH, post_inline="yes")  # type: ignore[arg-type]
+    pub, pmem = _backend(made, TransferMode.PUSH, "P", chunk_bytes=3 * ROW, fail_after_rows=7, post_inline=True)
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, "inline-fault", 14), _view(fmem, "inline-fault", 15)
+    payload = _fill(pmem, pview, 16)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    attempt = pub.publish(pview, fhint)
+    assert pub.stats().chunks_posted_inline == 3  # 7 rows in chunks of 3, window 4: all three from publish()
+    assert attempt.wait(5.0) and waiting.wait(5.0)
+    for outcome in (attempt.poll(), waiting.poll()):
+        assert isinstance(outcome, Failed) and outcome.rows_delivered == 7, outcome
+    g = fview.groups[0]
+    assert fmem.read(g.region.name, g.slots[:7]) == payload["g0"][: 7 * ROW]
