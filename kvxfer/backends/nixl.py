@@ -8,10 +8,11 @@ attempt concludes so its read lease can end. Records name the receiver's transfe
 carry masks aligned with the receiver's hint groups; a record that arrives before its
 fetch() is stashed by transfer id.
 
-A progress thread owned by the backend posts every transfer (PERF.md: on host memory
-``transfer()`` can block for seconds), checks transfer state, reads notifications, sends
-heartbeats to the peers of passive waits, enforces per-attempt deadlines and handles
-cancel, injected faults and dead peers. Submissions go in chunks (``nixl_plan``): a
+A progress thread owned by the backend posts the transfers (PERF.md: on host memory
+``transfer()`` can block for seconds; only a push between device memory on both ends has
+its first chunks posted by publish() itself, ``post_inline``), checks transfer state,
+reads notifications, sends heartbeats to the peers of passive waits, enforces per-attempt
+deadlines and handles cancel, injected faults and dead peers. Submissions go in chunks (``nixl_plan``): a
 failure part-way reports exactly the chunks whose requests NIXL completed. Chunks are
 16 MiB, or 256 MiB between device memory on both ends, where a request's fixed cost
 would otherwise exceed its transfer time (``nixl_plan.ChunkBytes``; ``chunk_bytes``).
