@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.backends.nixl_plan import ChunkBytes
 from kvxfer.contract import (
@@ -211,6 +212,19 @@ def test_chunk_sizes_default_by_memory_and_bad_ones_are_refused(made: list[NixlB
     assert uniform.chunk_bytes == ChunkBytes(3 * ROW, 3 * ROW)
 
 
+def _push(made: list[NixlBackend], request: str, seed: int, **publisher: object
+          ) -> tuple[NixlBackend, HostRows, View, dict[str, bytes], TrackedAttempt, TrackedAttempt]:
+    """A publisher (``publisher`` options) pushes filled rows to a waiting fetcher: (publisher,
+    fetcher's memory, fetcher's view, payload by group, the publish and the fetch attempts)."""
+    pub, pmem = _backend(made, TransferMode.PUSH, "P", **publisher)
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, request, seed), _view(fmem, request, seed + 1)
+    payload = _fill(pmem, pview, seed + 2)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    return pub, fmem, fview, payload, pub.publish(pview, fhint), waiting
+
+
 @pytest.mark.parametrize("post_inline", [True, None, False], ids=["inline", "auto-host", "never"])
 def test_post_inline_posts_a_push_from_publish_and_moves_the_same_bytes(made: list[NixlBackend],
                                                                         post_inline: bool | None) -> None:
@@ -218,13 +232,8 @@ def test_post_inline_posts_a_push_from_publish_and_moves_the_same_bytes(made: li
     in stats); None posts inline only between device memory, so host rows go through the
     progress thread as with False. Either way both ends conclude Delivered, bytes exact,
     and an injected fault still reports exactly its rows."""
-    pub, pmem = _backend(made, TransferMode.PUSH, "P", chunk_bytes=2 * ROW, window=3, post_inline=post_inline)
-    fet, fmem = _backend(made, TransferMode.PUSH, "F")
-    pview, fview = _view(pmem, "inline", 11), _view(fmem, "inline", 12)
-    payload = _fill(pmem, pview, 13)
-    fhint = fet.describe(fview)
-    waiting = fet.fetch(fview, pub.describe(pview))
-    attempt = pub.publish(pview, fhint)
+    pub, fmem, fview, payload, attempt, waiting = _push(made, "inline", 11, chunk_bytes=2 * ROW, window=3,
+                                                        post_inline=post_inline)
     posted = pub.stats().chunks_posted_inline
     # At least a window's worth; more where a post completed at once (host memory may copy
     # inside NIXL's transfer()), up to all 12 chunks (2 groups of 12 rows, 2 rows a chunk).
@@ -239,13 +248,8 @@ def test_post_inline_posts_a_push_from_publish_and_moves_the_same_bytes(made: li
 def test_post_inline_with_an_injected_fault_and_a_bad_value(made: list[NixlBackend]) -> None:
     with pytest.raises(ValueError, match="post_inline must be None, True or False, got 'yes'"):
         NixlBackend(mode=TransferMode.PUSH, post_inline="yes")  # type: ignore[arg-type]
-    pub, pmem = _backend(made, TransferMode.PUSH, "P", chunk_bytes=3 * ROW, fail_after_rows=7, post_inline=True)
-    fet, fmem = _backend(made, TransferMode.PUSH, "F")
-    pview, fview = _view(pmem, "inline-fault", 14), _view(fmem, "inline-fault", 15)
-    payload = _fill(pmem, pview, 16)
-    fhint = fet.describe(fview)
-    waiting = fet.fetch(fview, pub.describe(pview))
-    attempt = pub.publish(pview, fhint)
+    pub, fmem, fview, payload, attempt, waiting = _push(made, "inline-fault", 14, chunk_bytes=3 * ROW,
+                                                        fail_after_rows=7, post_inline=True)
     assert pub.stats().chunks_posted_inline == 3  # 7 rows in chunks of 3, window 4: all three from publish()
     assert attempt.wait(5.0) and waiting.wait(5.0)
     for outcome in (attempt.poll(), waiting.poll()):
