@@ -132,8 +132,11 @@ def count_descriptors(matches: list[GroupMatch], *, chunk_bytes: int, row_limit:
             descriptors += n
         elif n:
             local, peer = match.local_slots[:n], match.peer_slots[:n]
-            breaks = np.flatnonzero((np.diff(local) != 1) | (np.diff(peer) != 1)) + 1
-            descriptors += parts + int(np.count_nonzero(breaks % per_chunk))  # a chunk edge is no extra break
+            ends = np.diff(local) != 1  # ends[k]: a run ends after row k
+            ends |= np.diff(peer) != 1
+            # A run that ends at a chunk's last row (k = per_chunk - 1 mod per_chunk) adds no
+            # descriptor: the chunk ends there anyway.
+            descriptors += parts + int(np.count_nonzero(ends)) - int(np.count_nonzero(ends[per_chunk - 1::per_chunk]))
         if budget == 0:
             break
     return descriptors, chunks
