@@ -5,7 +5,7 @@ child process (``ChildPairs``, over ``kvxfer.testing.subprocess_peer``), over ho
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import MemoryKind, SlotRegion, TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
 from kvxfer.testing.memory import HostBuffer, HostRows, RowMemory
-from kvxfer.testing.subprocess_peer import SubprocessPeer
+from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
 
 # Geometry as in kvxfer.testing.pairs: two groups of unequal row sizes at each end.
 LOCAL_BUFFERS = (("L0", 256, 64), ("L1", 96, 40))
@@ -143,6 +143,19 @@ class ChildPairs:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
+
+    @staticmethod
+    def kept(**options: Any) -> Iterator[ChildPairs]:
+        """For a module-scoped fixture (``yield from``): the pairs, then, at teardown, their
+        child closed and AssertionError if any child process of this one is left running."""
+        pairs = ChildPairs(**options)
+        try:
+            yield pairs
+        finally:
+            pairs.close()
+        left = live_children()
+        if left:
+            raise AssertionError(f"child processes left running: {left}")
 
 
 def push_rows_throughput(memory_kind: str = "host", *, rows: int = 4096, row_bytes: int = 64 << 10,

@@ -24,10 +24,7 @@ from kvxfer.testing.subprocess_peer import live_children  # noqa: E402
 def device_pairs() -> Iterator[ChildPairs]:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pairs = ChildPairs(memory_kind="device")
-    yield pairs
-    pairs.close()
-    assert live_children() == []
+    yield from ChildPairs.kept(memory_kind="device")
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

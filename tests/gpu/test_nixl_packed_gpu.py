@@ -33,10 +33,7 @@ def _need_cuda() -> None:
 @pytest.fixture(scope="module")
 def packed_device_pairs() -> Iterator[ChildPairs]:
     _need_cuda()
-    pairs = ChildPairs(memory_kind="device", packed="always", arena_bytes=8 << 20, packed_chunk_bytes=1 << 20)
-    yield pairs
-    pairs.close()
-    assert live_children() == []
+    yield from ChildPairs.kept(memory_kind="device", packed="always", arena_bytes=8 << 20, packed_chunk_bytes=1 << 20)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

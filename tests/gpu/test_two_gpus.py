@@ -58,10 +58,7 @@ def nixl_pairs() -> Iterator[object]:
         pytest.skip(f"nixl does not import: {exc}")
     from kvxfer.testing.nixl_pairs import ChildPairs
 
-    pairs = ChildPairs(memory_kind="device", devices=(0, 1))
-    yield pairs
-    pairs.close()
-    assert live_children() == []
+    yield from ChildPairs.kept(memory_kind="device", devices=(0, 1))
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
