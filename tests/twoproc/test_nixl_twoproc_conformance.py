@@ -28,4 +28,3 @@ def keeps_child(request: pytest.FixtureRequest) -> Iterator[ChildPairs]:
 def test_nixl_conformance_two_processes(check, mode, keeps_child):  # type: ignore[no-untyped-def]
     check(keeps_child, mode)
     assert keeps_child.peer is not None and keeps_child.peer.process.poll() is None, "the peer child died"
-
