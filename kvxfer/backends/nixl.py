@@ -12,10 +12,11 @@ A progress thread owned by the backend posts the transfers (PERF.md: on host mem
 ``transfer()`` can block for seconds; only a push between device memory on both ends has
 its first chunks posted by publish() itself, ``post_inline``), checks transfer state,
 reads notifications, sends heartbeats to the peers of passive waits, enforces per-attempt
-deadlines and handles cancel, injected faults and dead peers. Submissions go in chunks (``nixl_plan``): a
-failure part-way reports exactly the chunks whose requests NIXL completed. Chunks are
-16 MiB, or 256 MiB between device memory on both ends, where a request's fixed cost
-would otherwise exceed its transfer time (``nixl_plan.ChunkBytes``; ``chunk_bytes``).
+deadlines and handles cancel, injected faults and dead peers. Submissions go in chunks
+(``nixl_plan``): a failure part-way reports exactly the chunks whose requests NIXL
+completed. Chunks are 16 MiB, or 256 MiB between device memory on both ends, where a
+request's fixed cost would otherwise exceed its transfer time (``nixl_plan.ChunkBytes``;
+``chunk_bytes``).
 
 A passive wait that is cancelled or times out concludes at once but stays unquiesced until
 the peer answers its CANCEL_REQUEST (or is found dead): a NIXL notification needs the
@@ -207,8 +208,7 @@ class NixlBackend(Backend):
     ) -> None:
         # None: ChunkBytes' defaults (16 MiB, or 256 MiB between device memory on both ends);
         # an int: that size for every memory.
-        if isinstance(chunk_bytes, int) and chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        sizes = ChunkBytes.of(chunk_bytes)
         if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0:
             raise ValueError("window, deadline_s and heartbeat_s must be positive")
         if packed not in ("auto", "always", "never"):
@@ -222,9 +222,9 @@ class NixlBackend(Backend):
         if post_inline not in (None, True, False):
             raise ValueError(f"post_inline must be None, True or False, got {post_inline!r}")
         # None: an unpacked push whose every chunk is device memory on both ends gets its
-        # first ``window`` chunks (more, if some complete at once) posted by publish() itself, sparing the progress thread's
-        # wake-up (about 0.2 ms on the GPU machine) before the copy starts: there NIXL's
-        # transfer() only queues it. Host memory stays with the progress thread, as UCX may
+        # first ``window`` chunks (more, if some complete at once) posted by publish()
+        # itself, sparing the progress thread's wake-up (about 0.2 ms on the GPU machine)
+        # before the copy starts: there NIXL's transfer() only queues it. Host memory stays with the progress thread, as UCX may
         # do the whole copy inside transfer() (PERF.md). True/False: always/never.
         self.post_inline = post_inline
         self.poll_s = poll_s
@@ -235,8 +235,7 @@ class NixlBackend(Backend):
         self.name = name or unique_agent_name()
         self.mode = mode
         self.deadline_s = deadline_s
-        self.chunk_bytes: ChunkBytes = (ChunkBytes() if chunk_bytes is None else
-                                         ChunkBytes.uniform(chunk_bytes) if isinstance(chunk_bytes, int) else chunk_bytes)
+        self.chunk_bytes = sizes
         self.window = window
         self.heartbeat_s = heartbeat_s
         self.coalesce = coalesce

@@ -40,6 +40,20 @@ class ChunkBytes:
     def uniform(nbytes: int) -> ChunkBytes:
         return ChunkBytes(nbytes, nbytes)
 
+    @staticmethod
+    def of(chunk_bytes: int | ChunkBytes | None) -> ChunkBytes:
+        """``chunk_bytes`` as given to a backend: None, the defaults; an int, that size for
+        every memory; ValueError or TypeError naming ``chunk_bytes`` for anything else."""
+        if chunk_bytes is None:
+            return ChunkBytes()
+        if isinstance(chunk_bytes, ChunkBytes):
+            return chunk_bytes
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+            raise TypeError(f"chunk_bytes must be an int, a ChunkBytes or None, got {chunk_bytes!r}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        return ChunkBytes.uniform(chunk_bytes)
+
     def between(self, local: MemoryKind, remote: MemoryKind) -> int:
         return self.device if local is MemoryKind.DEVICE and remote is MemoryKind.DEVICE else self.host
 
@@ -78,7 +92,7 @@ def plan_chunks(matches: list[GroupMatch], hint: Hint, *, chunk_bytes: int | Chu
                 coalesce_runs: bool = True) -> list[Chunk]:
     """Chunks for the matched rows, in view order; only the first ``row_limit`` rows when set.
     An int ``chunk_bytes`` applies to every group, whatever its memory."""
-    sizes = ChunkBytes.uniform(chunk_bytes) if isinstance(chunk_bytes, int) else chunk_bytes
+    sizes = ChunkBytes.of(chunk_bytes)
     peer_index = {g.layer_group: i for i, g in enumerate(hint.groups)}
     budget = row_limit
     chunks: list[Chunk] = []

@@ -200,11 +200,14 @@ def test_a_stashed_record_concludes_on_the_progress_thread_not_inside_fetch(made
 
 def test_chunk_sizes_default_by_memory_and_bad_ones_are_refused(made: list[NixlBackend]) -> None:
     """chunk_bytes None: 16 MiB chunks, 256 MiB between device memory on both ends; an int
-    applies to both; a size that is not positive is refused by name before an agent starts."""
+    applies to both; a size that is not positive, or not a size, is refused by name before an
+    agent starts."""
     with pytest.raises(ValueError, match="chunk_bytes must be positive, got 0"):
         NixlBackend(mode=TransferMode.PUSH, chunk_bytes=0)
     with pytest.raises(ValueError, match="chunk sizes must be positive"):
         NixlBackend(mode=TransferMode.PUSH, chunk_bytes=ChunkBytes(host=-1))
+    with pytest.raises(TypeError, match="chunk_bytes must be an int, a ChunkBytes or None, got 1.5"):
+        NixlBackend(mode=TransferMode.PUSH, chunk_bytes=1.5)  # type: ignore[arg-type]
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")]
     default, _ = _backend(made, TransferMode.PUSH, "D")
     assert default.chunk_bytes == ChunkBytes(16 << 20, 256 << 20)

@@ -74,6 +74,15 @@ def test_chunk_size_follows_the_memory_at_both_ends() -> None:
     assert ChunkBytes() == ChunkBytes(16 << 20, 256 << 20)
     with pytest.raises(ValueError, match="device 0"):
         ChunkBytes(device=0)
+    assert ChunkBytes.of(None) == ChunkBytes()
+    assert ChunkBytes.of(sizes) is sizes
+    assert ChunkBytes.of(123) == ChunkBytes(123, 123)
+    with pytest.raises(ValueError, match="chunk_bytes must be positive, got -5"):
+        ChunkBytes.of(-5)
+    with pytest.raises(TypeError, match="chunk_bytes must be an int, a ChunkBytes or None, got '16M'"):
+        ChunkBytes.of("16M")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got True"):
+        ChunkBytes.of(True)
 
 
 def test_row_limit_takes_exactly_the_first_rows_across_groups() -> None:
