@@ -5,11 +5,16 @@ the same run, as the ceiling.
     .venv/bin/python bench/nixl_packed.py [--rows 4096] [--row-bytes 65536] [--reps 5] [--memory host|device]
                                           [--fetch-ahead-ms 20] [--layout scattered|contiguous]
                                           [--chunk-mib 16,256] [--paths unpacked,packed]
-                                          [--post-inline auto,never] [--json out.json]
+                                          [--post-inline auto,never] [--devices P,D] [--json out.json]
 
 ``--layout contiguous`` gives both ends consecutive slots, so that the unpacked path
 coalesces them into one descriptor per chunk: then ``--chunk-mib`` (a list; 0 is the
 backend's default) shows what the unpacked path's chunk size costs against the ceiling.
+
+``--devices P,D`` (device memory) puts the publisher's rows and arena on CUDA device P and
+the fetcher's on D; the run then also times torch's copy from device P to device D of the
+same bytes (``device_copy``: D2D on one GPU, the peer copy across two), the reference
+PERF.md's packed target is a share of.
 
 Every figure is payload bytes over the time from the call that moves them to the moment they
 are proven at the destination: raw NIXL, post to DONE (busy-polled); NixlBackend, publish() to
@@ -39,6 +44,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import numpy as np  # noqa: E402
 
 from kvxfer.backends.nixl import NixlBackend  # noqa: E402
+from kvxfer.bench.cases import device_scope  # noqa: E402
 from kvxfer.contract import CacheKind, Delivered, LayerGroupRows, TokenRange, TransferMode, View  # noqa: E402
 from kvxfer.testing.nixl_pairs import rows_of, touch_pages  # noqa: E402
 from kvxfer.testing.subprocess_peer import SubprocessPeer  # noqa: E402
@@ -50,11 +56,34 @@ def summary(seconds: list[float], nbytes: int) -> dict[str, float]:
             "best_s": min(seconds), "median_s": statistics.median(seconds), "reps": len(seconds)}
 
 
-def raw_one_descriptor(nbytes: int, reps: int, memory: str) -> dict[str, float]:
+def device_copy(nbytes: int, reps: int, devices: tuple[int, int]) -> dict[str, float]:
+    """torch's copy of the payload from device P to device D, in this process (the reference)."""
+    import torch
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{devices[0]}")
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{devices[1]}")
+    times = []
+    for i in range(reps + 1):
+        torch.cuda.synchronize(devices[0])
+        torch.cuda.synchronize(devices[1])
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(devices[1])
+        torch.cuda.synchronize(devices[0])
+        if i:
+            times.append(time.perf_counter() - start)
+    if not torch.equal(dst.cpu(), src.cpu()):
+        raise RuntimeError("device copy: bytes differ")
+    del src, dst
+    torch.cuda.empty_cache()
+    return summary(times, nbytes)
+
+
+def raw_one_descriptor(nbytes: int, reps: int, memory: str, devices: tuple[int, int] = (0, 0)) -> dict[str, float]:
     """NIXL itself, no kvxfer code: the whole payload as one WRITE descriptor into a child."""
     from kvxfer.bench.nixl_raw import NixlPair
 
-    pair = NixlPair(nbytes, memory)
+    pair = NixlPair(nbytes, memory, devices)
     try:
         zero = np.zeros(1, dtype=np.int64)
         handle = pair.handle("WRITE", pair.local.address + zero, pair.remote_address + zero, nbytes)
@@ -77,18 +106,21 @@ def raw_one_descriptor(nbytes: int, reps: int, memory: str) -> dict[str, float]:
 def backend_push(path: str, rows: int, row_bytes: int, reps: int, memory_kind: str,
                  options: dict[str, Any], fetch_ahead_s: float = 0.02,
                  peer_factory: str = "kvxfer.testing.nixl_pairs:child_backend",
-                 peer_env: dict[str, str] | None = None, contiguous: bool = False) -> dict[str, Any]:
+                 peer_env: dict[str, str] | None = None, contiguous: bool = False,
+                 devices: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """NixlBackend publisher here, NixlBackend fetcher in a child (made by ``peer_factory``);
     ``path``: packed always|never; ``contiguous``: consecutive slots on both ends (each
-    repetition at another offset) instead of scattered ones."""
+    repetition at another offset) instead of scattered ones; ``devices``: the CUDA devices of
+    the publisher's and the fetcher's device rows."""
     slots = rows * 2
     opts = {"packed": path, "deadline_s": 300.0, **options}
-    memory = rows_of(memory_kind, (("S", row_bytes, slots),))
+    memory = rows_of(memory_kind, (("S", row_bytes, slots),), devices[0])
     touch_pages(memory)
-    local = NixlBackend(mode=TransferMode.PUSH, **opts)
-    local.register(memory.regions)
+    with device_scope(memory_kind, devices[0]):
+        local = NixlBackend(mode=TransferMode.PUSH, **opts)
+        local.register(memory.regions)
     peer = SubprocessPeer(peer_factory, {"mode": "push", "buffers": [["P", row_bytes, slots]], "touch": True,
-                                         "memory_kind": memory_kind, **opts}, env=peer_env)
+                                         "memory_kind": memory_kind, "device": devices[1], **opts}, env=peer_env)
     rng = np.random.default_rng(1)
     ordinals = np.arange(rows, dtype=np.int64)
     times = []
@@ -133,7 +165,19 @@ def backend_push(path: str, rows: int, row_bytes: int, reps: int, memory_kind: s
         local.shutdown()
         peer.close()
     return {**summary(times, rows * row_bytes), "stats": stats.__dict__, "options": opts,
-            "fetch_ahead_s": fetch_ahead_s, "contiguous": contiguous}
+            "fetch_ahead_s": fetch_ahead_s, "contiguous": contiguous, "devices": list(devices)}
+
+
+def parse_devices(text: str | None, memory: str) -> tuple[int, int]:
+    """``--devices P,D``: two CUDA device indices, for device memory only; ValueError if not."""
+    if text is None:
+        return (0, 0)
+    if memory != "device":
+        raise ValueError("--devices needs --memory device")
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--devices takes two CUDA device indices P,D, got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,8 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--post-inline", default="auto",
                         help="the unpacked path's post_inline values to measure, comma-separated: auto (None), "
                              "always (True), never (False)")
+    parser.add_argument("--devices", metavar="P,D",
+                        help="CUDA devices of the publisher's and the fetcher's rows (device memory; default 0,0)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    try:
+        devices = parse_devices(args.devices, args.memory)
+    except ValueError as exc:
+        parser.error(str(exc))
     chunk_mib = [int(c) for c in args.chunk_mib.split(",")]
     paths = args.paths.split(",")
     inline_values = {"auto": None, "always": True, "never": False}
@@ -173,11 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg": os.getloadavg()},
         "rows": args.rows, "row_bytes": args.row_bytes, "bytes": nbytes, "reps": args.reps, "memory": args.memory,
-        "layout": args.layout,
+        "layout": args.layout, "devices": list(devices),
     }
     contiguous = args.layout == "contiguous"
-    result["raw_one_descriptor"] = raw_one_descriptor(nbytes, args.reps, args.memory)
-    names = ["raw_one_descriptor"]
+    names = []
+    if args.memory == "device":
+        result["device_copy"] = device_copy(nbytes, args.reps, devices)
+        names.append("device_copy")
+    result["raw_one_descriptor"] = raw_one_descriptor(nbytes, args.reps, args.memory, devices)
+    names.append("raw_one_descriptor")
     if "unpacked" in paths:
         for inline in inlines:
             for mib in chunk_mib:
@@ -186,19 +240,22 @@ def main(argv: list[str] | None = None) -> int:
                 chunk = {"chunk_bytes": mib << 20} if mib else {}
                 result[name] = backend_push("never", args.rows, args.row_bytes, args.reps, args.memory,
                                             {**options, **chunk, "post_inline": inline_values[inline]},
-                                            args.fetch_ahead_ms / 1e3, contiguous=contiguous)
+                                            args.fetch_ahead_ms / 1e3, contiguous=contiguous, devices=devices)
                 names.append(name)
     if "packed" in paths:
         result["packed"] = backend_push("always", args.rows, args.row_bytes, args.reps, args.memory, options,
-                                        args.fetch_ahead_ms / 1e3, contiguous=contiguous)
+                                        args.fetch_ahead_ms / 1e3, contiguous=contiguous, devices=devices)
         names.append("packed")
     ceiling = result["raw_one_descriptor"]["best_gbps"]
+    copy = result["device_copy"]["best_gbps"] if "device_copy" in result else None
+    where = f", devices {devices[0]} -> {devices[1]}" if args.memory == "device" else ""
     print(f"{args.rows} {args.layout} rows x {args.row_bytes // 1024} KiB = {nbytes >> 20} MiB, two processes, "
-          f"{args.memory} memory, best / median of {args.reps}")
+          f"{args.memory} memory{where}, best / median of {args.reps}")
     for name in names:
         r = result[name]
+        of_copy = f", {r['best_gbps'] / copy:5.1%} of the device copy" if copy else ""
         print(f"  {name:26s} {r['best_gbps']:8.2f} / {r['median_gbps']:8.2f} GB/s   "
-              f"({r['best_gbps'] / ceiling:5.1%} of the one-descriptor ceiling)")
+              f"({r['best_gbps'] / ceiling:5.1%} of the one-descriptor ceiling{of_copy})")
     if "packed" in result and "unpacked" in result:
         print(f"  packed / unpacked (best): {result['packed']['best_gbps'] / result['unpacked']['best_gbps']:.2f}x")
     if args.json:

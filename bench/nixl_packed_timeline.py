@@ -10,7 +10,7 @@ the wrappers cost time themselves, so read the gaps, not the sum. ``[cpu N us]``
 time the stamping thread used since its own previous stamp.
 
     python bench/nixl_packed_timeline.py [--rows 4096] [--row-bytes 65536] [--chunk-mib 32]
-                                         [--memory device] [--poll-us 100]
+                                         [--memory device] [--poll-us 100] [--devices P,D]
                                          [--path packed|unpacked] [--layout scattered|contiguous]
 
 ``--path unpacked`` stamps the unpacked push instead (``--chunk-mib`` is then its chunk size);
@@ -125,10 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--path", choices=("packed", "unpacked"), default="packed")
     parser.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered")
+    parser.add_argument("--devices", metavar="P,D", help="CUDA devices of the publisher's and the fetcher's rows")
     args = parser.parse_args(argv)
     here = str(Path(__file__).resolve().parent)
     sys.path.insert(0, here)
     import nixl_packed  # noqa: PLC0415 - the sibling script, on the path just above
+
+    try:
+        devices = nixl_packed.parse_devices(args.devices, args.memory)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     with tempfile.TemporaryDirectory() as trace_dir:
         os.environ[TRACE_ENV] = trace_dir
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                    ("packed_chunk_bytes" if args.path == "packed" else "chunk_bytes"): args.chunk_mib << 20}
         result = nixl_packed.backend_push("always" if args.path == "packed" else "never", args.rows, args.row_bytes,
                                           args.reps, args.memory, options, peer_factory="nixl_packed_timeline:child",
-                                          peer_env=env, contiguous=args.layout == "contiguous")
+                                          peer_env=env, contiguous=args.layout == "contiguous", devices=devices)
         events = sorted(e for f in Path(trace_dir).glob("*.json") for e in json.loads(f.read_text()))
     print(f"{args.rows} {args.layout} rows x {args.row_bytes >> 10} KiB, {args.memory} memory, chunks of "
           f"{args.chunk_mib} MiB: {args.path} {result['best_gbps']:.1f} GB/s best, {result['median_gbps']:.1f} median")
