@@ -57,6 +57,10 @@ def _ratio_judge(case: str, floor: float) -> Callable[[BenchResult, Figure], tup
     return judge
 
 
+def _packed_64k(f: Figure) -> bool:
+    return f.case in ("nixl_packed", "nixl_2p_packed") and _tp(f, "device", "scattered") and f.key["row_bytes"] == 64 * K
+
+
 def _packed_judge(result: BenchResult, f: Figure) -> tuple[str, bool] | None:
     d2d, per_row = ratio(result, f, "local_copy"), None
     for g in result.figures:
@@ -95,9 +99,7 @@ TARGETS = (
            lambda f: f.case in GPU_BACKENDS and _tp(f, "device", "contiguous") and f.key["total_bytes"] >= 256 * M,
            _ratio_judge("local_copy", 0.90), "a CUDA device and ipc/nixl"),
     Target("NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of D2D and ≥ 50× per-row NIXL",
-           lambda f: f.case in ("nixl_packed", "nixl_2p_packed") and _tp(f, "device", "scattered")
-           and f.key["row_bytes"] == 64 * K,
-           _packed_judge, "a CUDA device and the packed NIXL path"),
+           lambda f: _packed_64k(f), _packed_judge, "a CUDA device and the packed NIXL path"),
     SMALL_REQUEST,
     Target("submission overhead on the host at 100k rows", "≤ 1 µs per row",
            lambda f: f.mode == "overhead" and f.case in BACKENDS
@@ -115,6 +117,9 @@ TWO_GPU_TARGETS = (
            lambda f: f.case in IPC_CASES and _tp(f, "device", "scattered") and f.key["total_bytes"] >= 256 * M
            and 4 * K <= f.key["row_bytes"] <= 64 * K, _ratio_judge("local_copy", 0.85),
            "two CUDA devices (--devices 0,1) and the ipc cases"),
+    # PERF.md's packed target with the peer copy in D2D's place, as issue 8 did for IPC.
+    Target("two GPUs, NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of the peer copy and ≥ 50× per-row NIXL",
+           lambda f: _packed_64k(f), _packed_judge, "two CUDA devices (--devices 0,1) and nixl_2p_packed"),
     SMALL_REQUEST,  # now across the two GPUs
 )
 

@@ -214,12 +214,17 @@ def test_two_gpu_runs_are_judged_against_the_peer_copy() -> None:
     ipc = _tp("ipc", 0.00125, memory="device", total_bytes=256 * M)          # 80% of the peer copy
     kernel = _tp("ipc_kernel", 0.00110, role="ceiling", memory="device", total_bytes=256 * M)  # 91%
     nixl = _tp("nixl_2p", 0.01, memory="device", total_bytes=256 * M)
-    result = dataclasses.replace(_result(peer_copy, ipc, kernel, nixl),
+    packed = _tp("nixl_2p_packed", 0.002, memory="device", total_bytes=256 * M)    # 50% of the peer copy
+    per_row = _tp("nixl_per_row", 0.05, role="baseline", memory="device", total_bytes=256 * M)  # packed 25x it
+    result = dataclasses.replace(_result(peer_copy, ipc, kernel, nixl, packed, per_row),
                                  config={"name": "gpu2", "devices": [0, 1]})
     rows = {r.case: r for r in evaluate(result) if "peer copy" in r.threshold}
-    assert set(rows) == {"ipc", "ipc_kernel"}  # the IPC target speaks about IPC only
+    assert set(rows) == {"ipc", "ipc_kernel", "nixl_2p_packed"}  # the IPC target speaks about IPC only
     assert rows["ipc"].status == "fail" and rows["ipc"].measured.startswith("80.0%")
     assert rows["ipc_kernel"].status == "pass"
+    # The packed path's target across two GPUs: 40% of the peer copy passes, 25x per row does not.
+    assert rows["nixl_2p_packed"].measured == "50.0% of local_copy, 25x nixl_per_row"
+    assert rows["nixl_2p_packed"].status == "fail"
     assert not [r for r in evaluate(result) if "of D2D" in r.threshold]
     text = render_text(result, evaluate(result))
     assert "prefill on cuda:0, decode on cuda:1" in text
