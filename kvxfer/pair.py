@@ -29,7 +29,15 @@ from kvxfer.engine import colocated_generate, synthetic_prompts
 from kvxfer.router.http import HttpError, request_text, stream_json
 from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
-from kvxfer.worker.serve import add_model_args, check_visible, model_args_list, model_from_args, parse_device
+from kvxfer.worker.serve import (
+    ARENA_HELP,
+    add_model_args,
+    arena_mib,
+    check_visible,
+    model_args_list,
+    model_from_args,
+    parse_device,
+)
 
 
 @dataclass
@@ -206,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-on-tcp", default="push", choices=[x.value for x in PullOnTcp],
                    help="nixl pull: the lanes are probed first; when the pull lane is TCP, route to push "
                         "(if push is faster), keep pull with a warning, or fail")
+    p.add_argument("--nixl-arena-mib", type=arena_mib, default=None, metavar="MIB", help=ARENA_HELP)
     p.add_argument("--busy-poll", action="store_true",
                    help="ipc: both workers spin while transfers wait; the decode worker offers a doorbell word "
                         "that the copy kernel sets (one busy core each)")
@@ -238,6 +247,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--min-len {args.min_len} is over --max-len {args.max_len}")
     if args.busy_poll and args.backend != "ipc":
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
+    if args.nixl_arena_mib is not None and args.backend != "nixl":
+        parser.error(f"--nixl-arena-mib applies to --backend nixl only, not {args.backend}")
     for flag in ("timeout", "startup_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -270,6 +281,17 @@ def role_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> t
     if problems:
         parser.error("; ".join(problems))
     return str(devices[1]), str(devices[2])
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The ``kvxfer serve`` flags every worker of the pair gets (the model's come apart)."""
+    out = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
+           str(args.blocks), "--transfer-timeout", str(args.timeout)]
+    if args.busy_poll:
+        out.append("--busy-poll")
+    if args.nixl_arena_mib is not None:
+        out += ["--nixl-arena-mib", str(args.nixl_arena_mib)]
+    return out
 
 
 def _index(device: str) -> int:
@@ -308,13 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         if warning:
             print(f"kvxfer pair: {warning}", file=sys.stderr, flush=True)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
-    worker_args = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
-                   str(args.blocks), "--transfer-timeout", str(args.timeout)]
-    if args.busy_poll:
-        worker_args.append("--busy-poll")
-    role_args = {role: [*worker_args, *model_args_list(args, device)]
+    common = worker_args(args)
+    role_args = {role: [*common, *model_args_list(args, device)]
                  for role, device in (("prefill", prefill_device), ("decode", decode_device))}
-    config = {"backend": args.backend, "busy_poll": args.busy_poll, "mode": args.mode, "mode_requested": requested_mode,
+    config = {"backend": args.backend, "busy_poll": args.busy_poll, "nixl_arena_mib": args.nixl_arena_mib,
+              "mode": args.mode, "mode_requested": requested_mode,
               "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                    "pull": list(lanes.pull)},
               "lender": args.lender, "requests": args.requests,

@@ -32,7 +32,9 @@ credits the receiver returns once it scattered, and a fetch() large enough to go
 grants a few slots ahead, before the publisher asks (``nixl_packed.PREGRANT_SLOTS``), so
 that a push published later starts without the request's round trip. The arena
 (``arena_bytes`` in slots of ``packed_chunk_bytes``; HOST for host pools, DEVICE for CUDA
-pools, the kind of the first regions registered; defaults in ``ARENA_DEFAULTS``) is
+pools, the kind of the first regions registered; defaults in ``ARENA_DEFAULTS``, an
+``arena_bytes`` given alone in the default slots or in two halves when smaller than two of
+them; ``arena_bytes=0``: none, and no packed transfer to or from this backend) is
 registered once and advertised in ``Hint.extras``. ``stats()`` and ``path_of(attempt)``
 say which path carried each submission. Pull stays unpacked (see ``nixl_packed``).
 
@@ -215,6 +217,9 @@ class NixlBackend(Backend):
             raise ValueError("window, deadline_s and heartbeat_s must be positive")
         if packed not in ("auto", "always", "never"):
             raise ValueError(f"packed must be 'auto', 'always' or 'never', got {packed!r}")
+        if arena_bytes is not None and (isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int)
+                                        or arena_bytes < 0):
+            raise ValueError(f"arena_bytes must be a byte count >= 0 (0: no arena) or None, got {arena_bytes!r}")
         if arena_bytes and packed_chunk_bytes is not None and (
                 packed_chunk_bytes <= 0 or arena_bytes < 2 * packed_chunk_bytes):
             raise ValueError(f"arena_bytes ({arena_bytes}) must hold at least 2 slots of packed_chunk_bytes "
@@ -288,8 +293,10 @@ class NixlBackend(Backend):
             if self._arena is None and self.arena_bytes != 0:
                 first = added[0]
                 size, slot = ARENA_DEFAULTS[first.memory_kind]
-                self._arena = Arena(self.arena_bytes or size, self.packed_chunk_bytes or slot, first.memory_kind,
-                                    first.device_id)
+                size = self.arena_bytes or size
+                # An arena size given alone keeps the default slot when two fit, else two halves.
+                slot = self.packed_chunk_bytes or min(slot, size // 2)
+                self._arena = Arena(size, slot, first.memory_kind, first.device_id)
                 added = [*added, self._arena.region(f"kvxfer-arena-{self.name}")]
             self._agent.register(added)
 

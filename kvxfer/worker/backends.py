@@ -18,17 +18,22 @@ BACKENDS = ("nixl", "ipc", "loopback")
 
 def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
                  fabric: LoopbackFabric | None = None, device: int = 0, chunk_bytes: int | None = None,
-                 chunk_pause_s: float = 0.0, busy_poll: bool = False) -> Backend:
+                 chunk_pause_s: float = 0.0, busy_poll: bool = False, arena_bytes: int | None = None) -> Backend:
     """``chunk_bytes``/``chunk_pause_s`` tune NIXL's submission chunks (a chunk is the unit
     that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way.
+    ``arena_bytes`` (nixl only): the packed path's bounce arena (None: the backend's default,
+    0: none).
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
     doorbell (``kvxfer.backends.ipc_bells``), for the lowest small-transfer latency."""
     if busy_poll and kind != "ipc":
         raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
+    if arena_bytes is not None and kind != "nixl":
+        raise ValueError(f"arena_bytes applies to the nixl backend only, not {kind!r}")
     if kind == "nixl":
         from kvxfer.backends.nixl import NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
 
-        return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s, chunk_bytes=chunk_bytes or None)
+        return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s, chunk_bytes=chunk_bytes or None,
+                           arena_bytes=arena_bytes)
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 

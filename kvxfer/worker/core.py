@@ -78,6 +78,7 @@ class WorkerConfig:
     chunk_pause_s: float = 0.0      # nixl: pause between chunk posts (fault-injection tests)
     device: str = "cpu"             # where the pool lives (the model must be on the same device)
     busy_poll: bool = False         # ipc: spin while transfers wait, and offer a doorbell (make_backend)
+    arena_bytes: int | None = None  # nixl: the packed path's bounce arena (None: the backend's default, 0: none)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -86,6 +87,9 @@ class WorkerConfig:
             raise ValueError(f"lender must be 'inplace' or 'staging', got {self.lender!r}")
         if self.busy_poll and self.backend != "ipc":
             raise ValueError(f"busy_poll applies to the ipc backend only, not {self.backend!r}")
+        if self.arena_bytes is not None and (self.backend != "nixl" or self.arena_bytes < 0):
+            raise ValueError(f"arena_bytes applies to the nixl backend only and is >= 0, got {self.arena_bytes} "
+                             f"with {self.backend!r}")
 
 
 def reason_label(outcome: Outcome | None, reason: str = "") -> str:
@@ -181,7 +185,8 @@ class Worker:
         self.backend = make_backend(cfg.backend, cfg.mode, name=backend_name or _nixl_name(self.name),
                                     deadline_s=cfg.transfer_timeout_s, fabric=self._fabric,
                                     chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s,
-                                    busy_poll=cfg.busy_poll, device=_cuda_index(self.pool))
+                                    busy_poll=cfg.busy_poll, device=_cuda_index(self.pool),
+                                    arena_bytes=cfg.arena_bytes)
         self.backend.register(self.lender.regions)
 
     async def close(self) -> dict[str, int]:

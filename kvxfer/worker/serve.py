@@ -118,7 +118,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
                           mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause,
-                          device=str(model.device), busy_poll=args.busy_poll)
+                          device=str(model.device), busy_poll=args.busy_poll,
+                          arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20)
     worker = Worker(config, model=model)
     await worker.start()
     server = HttpServer(make_handler(worker), args.host, args.port)
@@ -146,6 +147,21 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     return 0
 
 
+ARENA_HELP = ("nixl: MiB of the packed path's bounce arena, registered per worker (unset: the backend's default, "
+              "64 for host memory and 1024 on a GPU; 0: none, and no packed transfer to or from the worker)")
+
+
+def arena_mib(text: str) -> int:
+    """``--nixl-arena-mib``: a whole number of MiB, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of MiB: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no arena) or more, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvxfer serve", description="Run a prefill or decode worker.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -163,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nixl: bytes per submission chunk, the unit a partial delivery reports (0: default)")
     p.add_argument("--nixl-chunk-pause", type=float, default=0.0,
                    help="nixl: seconds between chunk posts (fault-injection tests kill a peer mid-transfer)")
+    p.add_argument("--nixl-arena-mib", type=arena_mib, default=None, metavar="MIB", help=ARENA_HELP)
     p.add_argument("--busy-poll", action="store_true",
                    help="ipc: a core spins while transfers wait, and a waiting end offers a doorbell word that the "
                         "copy kernel sets (lowest small-transfer latency, one busy core)")
