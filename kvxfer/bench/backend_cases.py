@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from kvxfer.contract import (
     TransferMode,
     View,
 )
+
+if TYPE_CHECKING:
+    from kvxfer.backends.nixl_plan import ChunkBytes
 
 _WAIT_S = 60.0
 BLOCK_TOKENS = 16
@@ -68,6 +71,15 @@ def loopback_ends(mode: TransferMode, memory: str) -> Ends:
     return Ends(prefill, decode, lambda: None, {"processes": 1})
 
 
+def nixl_facts(chunks: ChunkBytes) -> dict[str, Any]:
+    """A figure's facts about NixlBackend's sizes: its chunk sizes, and the packed arena's
+    default (bytes, slot bytes) by memory kind, so that a result says which it measured."""
+    from kvxfer.backends.nixl import ARENA_DEFAULTS
+
+    arena = {f"arena_{kind.value}": list(ARENA_DEFAULTS[kind]) for kind in ARENA_DEFAULTS}
+    return {"chunk_bytes_host": chunks.host, "chunk_bytes_device": chunks.device, **arena}
+
+
 def nixl_ends(mode: TransferMode, memory: str, packed: Literal["auto", "always", "never"] = "auto") -> Ends:
     """Two kvxfer NIXL backends in this process: two agents, UCX between them.
 
@@ -82,9 +94,8 @@ def nixl_ends(mode: TransferMode, memory: str, packed: Literal["auto", "always",
     except BaseException:
         prefill.shutdown()
         raise
-    return Ends(prefill, decode, lambda: None, {"processes": 1, "chunk_bytes_host": prefill.chunk_bytes.host,
-                                                "chunk_bytes_device": prefill.chunk_bytes.device,
-                                                "window": prefill.window, "packed": packed})
+    return Ends(prefill, decode, lambda: None, {"processes": 1, **nixl_facts(prefill.chunk_bytes), "window": prefill.window,
+                                                "packed": packed})
 
 
 def nixl_packed_ends(mode: TransferMode, memory: str) -> Ends:

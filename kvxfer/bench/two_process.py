@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.bench.backend_cases import BLOCK_TOKENS, LAYOUT, Watch, wait_settled
+from kvxfer.bench.backend_cases import BLOCK_TOKENS, LAYOUT, Watch, nixl_facts, wait_settled
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
@@ -75,10 +75,8 @@ def _nixl_kind(packed: str) -> Kind:
 
     from kvxfer.backends.nixl_plan import ChunkBytes
 
-    chunks = ChunkBytes()  # the backend's defaults, which both ends use here
-    return Kind(("host", "device"), local, peer, args, rows,
-                {"processes": 2, "transport": "NIXL over UCX", "packed": packed,
-                 "chunk_bytes_host": chunks.host, "chunk_bytes_device": chunks.device})
+    return Kind(("host", "device"), local, peer, args, rows,  # both ends use the backend's defaults here
+                {"processes": 2, "transport": "NIXL over UCX", "packed": packed, **nixl_facts(ChunkBytes())})
 
 
 def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:

@@ -32,8 +32,8 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     if kind == "nixl":
         from kvxfer.backends.nixl import NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
 
-        return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s, chunk_bytes=chunk_bytes or None,
-                           arena_bytes=arena_bytes)
+        return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s,
+                           chunk_bytes=chunk_bytes or None, arena_bytes=arena_bytes)
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 

@@ -138,6 +138,10 @@ def test_nixl_cases_two_processes_verified_and_reaped() -> None:
     per_row = [f for f in result.figures if f.case == "nixl_per_row"]
     assert {f.facts["descriptors"] for f in per_row} == {16}
     assert {f.facts["descriptors"] for f in result.figures if f.case == "peer_practice"} == {16 * 2 * 4}
+    # A result says which sizes the backend measured with: chunks, and the packed arena by memory.
+    kvxfer_nixl = [f for f in result.figures if f.case == "nixl_2p"]
+    assert kvxfer_nixl and all(f.facts["arena_device"] == [1 << 30, 64 << 20] and f.facts["arena_host"] == [
+        64 << 20, 4 << 20] and f.facts["chunk_bytes_device"] == 256 << 20 for f in kvxfer_nixl)
     assert multiprocessing.active_children() == []
     assert live_children() == []
 
