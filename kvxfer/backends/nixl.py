@@ -273,6 +273,7 @@ class NixlBackend(Backend):
         self._arena: Arena | None = None
         self._early_requests: OrderedDict[str, tuple[str, int, int, int]] = OrderedDict()
         self._early_credits: OrderedDict[tuple[str, str], list[int]] = OrderedDict()  # granted before publish()
+        self._heard: OrderedDict[str, None] = OrderedDict()  # peers whose notifications reached us (bounded)
         self._inbound: dict[str, PassiveWait] = {}
         self._counts: dict[str, int] = dict.fromkeys(NixlStats.__dataclass_fields__, 0)
         self._paths: weakref.WeakKeyDictionary[TrackedAttempt, Path] = weakref.WeakKeyDictionary()
@@ -524,6 +525,8 @@ class NixlBackend(Backend):
     def _step(self) -> bool:
         to_land: list[tuple[str, dict[str, Any]]] = []
         for sender, messages in self._agent.notifications().items():
+            if messages:
+                _bounded_put(self._heard, sender, None)
             for message in messages:
                 self._on_message(sender, message, to_land)
         self._land_chunks(to_land)
@@ -588,7 +591,9 @@ class NixlBackend(Backend):
                         if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
                 if not jobs:
                     # Nothing of ours touches the peer's rows; refuse to start later, and say so.
+                    # Slots it granted us ahead are its own again once we answer: forget them.
                     _bounded_put(self._revoked, (record.sender, record.transfer_id), None)
+                    self._early_credits.pop((record.sender, record.transfer_id), None)
             for job in jobs:
                 job.cancelled_by_peer = True
                 job.attempt.cancel()
@@ -682,7 +687,9 @@ class NixlBackend(Backend):
             return
         live = [w.inbound for _, w in waits if w.inbound and w.inbound.wanted > 0 and w.attempt.poll() is None
                 and not w.attempt.cancel_requested]  # a cancelled wait concludes this step: no new writes
-        ahead = [i for i in live if not i.requested and self._agent.knows(i.sender)]
+        # Unasked grants go only to senders we have heard from: one that never loaded our
+        # metadata could not answer the withdrawal that frees them if the wait ends unasked.
+        ahead = [i for i in live if not i.requested and i.sender in self._heard and self._agent.knows(i.sender)]
         wanting = [i for i in live if i.requested] + ahead
         # Slots held for senders that have not asked are at most half of the landing slots.
         room = arena.landing_slots // 2 - sum(len(w.inbound.granted) for _, w in waits
@@ -743,6 +750,13 @@ class NixlBackend(Backend):
                 continue
             if landing is not None:
                 landings.append(landing)
+        # A wait that a later note of this batch failed (or that ended meanwhile) takes no
+        # more rows: its outcome's masks are final.
+        for x in [x for x in landings if x.wait.attempt.poll() is not None]:
+            landings.remove(x)
+            if arena is not None:
+                arena.free_in.append(x.slot)
+            x.wait.inbound.no.append(x.chunk)
         if not landings:
             return
         assert arena is not None
@@ -793,12 +807,15 @@ class NixlBackend(Backend):
                 raise ValueError(f"{rows.size} rows of {region.slot_bytes} bytes exceed an arena slot")
             if (region.memory_kind, region.device_id) != (arena.memory_kind, arena.device_id):
                 raise ValueError(f"region {region.name!r} is not in the arena's memory")
-        except ValueError as exc:
+            slots = rows_group.slots[rows]
+        except (ValueError, IndexError) as exc:
+            # The slot was taken from the granted set above: it must go back, and the sender
+            # must hear "no", whatever was wrong with the note.
             arena.free_in.append(slot)
             inbound.no.append(chunk)
             wait.attempt.conclude(Failed(f"packed chunk {chunk} from {sender!r}: {exc}", wait.masks()))
             return None
-        return Landing(wait, chunk, slot, group, rows, region, rows_group.slots[rows])
+        return Landing(wait, chunk, slot, group, rows, region, slots)
 
     def _on_credit(self, sender: str, note: dict[str, Any]) -> None:
         grant, ok, no = ints(note.get("grant"), "grant"), ints(note.get("ok"), "ok"), ints(note.get("no"), "no")
@@ -890,12 +907,15 @@ class NixlBackend(Backend):
                 reason = "timeout"
             if reason:
                 wait.stop_reason = reason
-            if wait.attempt.poll() is not None and not wait.told_peer and self._agent.knows(wait.hint.agent):
+            if wait.attempt.poll() is not None and now >= wait.ask_again and self._agent.knows(wait.hint.agent):
                 # Stays unquiesced until the peer confirms that it stopped (or is found dead).
-                # An etcd peer not loaded yet is asked again once it is.
-                wait.told_peer = self._send(wait.hint.agent, CompletionRecord(
-                    wait.own_id, self.name, wait.view.request, RecordStatus.CANCEL_REQUEST, [],
-                    wait.stop_reason or "stopped"))
+                # An etcd peer not loaded yet is asked once it is; an unanswered request is sent
+                # again every heartbeat, as a peer that had not loaded our metadata (it never
+                # published to us) can answer only once it has (a later push to us loads it).
+                if self._send(wait.hint.agent, CompletionRecord(
+                        wait.own_id, self.name, wait.view.request, RecordStatus.CANCEL_REQUEST, [],
+                        wait.stop_reason or "stopped")):
+                    wait.ask_again = now + self.heartbeat_s
 
     def _heartbeat(self) -> None:
         """An idle peer's death is seen only when something is posted to it (PERF.md): so peers
@@ -926,6 +946,7 @@ class NixlBackend(Backend):
             # No request of ours to it is alive; dropping its endpoint stops our worker from
             # acting on anything it sent. A restarted peer of that name can now be added.
             self._agent.forget(peer)
+            self._heard.pop(peer, None)
             with self._lock:
                 self._dead.discard(peer)
         for wait in waits:

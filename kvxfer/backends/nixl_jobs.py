@@ -112,7 +112,7 @@ class PassiveWait:
     hint: Hint
     own_id: str
     deadline: float
-    told_peer: bool = False  # the peer was asked to stop (CANCEL_REQUEST sent)
+    ask_again: float = 0.0  # when to ask the peer to stop (CANCEL_REQUEST), again while unanswered
     stop_reason: str = ""
     inbound: Inbound | None = None  # packed landing: set by the peer's request, or by fetch() granting ahead
 

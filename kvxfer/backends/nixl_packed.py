@@ -21,7 +21,9 @@ Protocol (push only; notes are NIXL notifications, ``NOTE_PREFIX`` + msgpack):
 
 A fetch() whose publisher has an arena too, and whose view is large enough to go packed,
 grants up to ``PREGRANT_SLOTS`` slots at once, unasked (a ``credit`` note before any ``req``;
-at most half the landing slots are held so by waits whose sender has not asked yet): a push
+at most half the landing slots are held so by waits whose sender has not asked yet), once
+this end has heard from that publisher (a notification proves that it holds our metadata,
+so it can answer the withdrawal that frees the slots should the wait end unasked): a push
 published later finds them waiting and starts writing without the request's round trip. The
 sender keeps such credits (bounded) until its push is submitted; if the push goes unpacked
 they are dropped there and freed here by its completion record, as are slots of a wait that
@@ -218,7 +220,8 @@ def rows_from_runs(starts_b: Any, lengths_b: Any, limit: int) -> IndexArray:
         raise ValueError("packed note runs are malformed")
     starts = np.frombuffer(starts_b, dtype=np.int64)
     lengths = np.frombuffer(lengths_b, dtype=np.int64)
-    if (lengths <= 0).any() or (starts < 0).any() or int((starts + lengths).max()) > limit:
+    # Compared without adding: starts + lengths could wrap around int64 and pass.
+    if (lengths <= 0).any() or (starts < 0).any() or (lengths > limit).any() or (starts > limit - lengths).any():
         raise ValueError(f"packed note runs fall outside the group's {limit} rows")
     total = int(lengths.sum())
     offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
@@ -293,10 +296,12 @@ class PackedJob(ActiveJob):
 
     def on_credit(self, grant: list[int], ok: list[int], no: list[int]) -> None:
         assert self.remote is not None
+        # Acknowledgements first: a bad grant in the same note must not strand chunks the
+        # peer did scatter (they would stay "written" until the deadline).
         if any(s < 0 or s >= self.remote.slots for s in grant):
             self.failure = self.failure or f"peer {self.hint.agent!r} granted an arena slot outside its arena"
-            return
-        self.credits.extend(grant)
+        else:
+            self.credits.extend(grant)
         for c in ok:
             if c in self.written:
                 self.written.discard(c)
@@ -346,7 +351,9 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
             job.failure = f"peer {peer!r} unreachable: {exc}"
     for index, handle in list(job.inflight.items()):
         state = agent.state(handle)
-        if state == "PROC" and job.failure is None:
+        if state == "PROC" and not job.abandoned:
+            # Even after a failure: a WRITE that completes is acknowledged by the peer, which
+            # scatters it, and both ends must then count its rows.
             continue
         if state == "DONE":
             job.written.add(index)  # its ``chunk`` note reaches the peer with the bytes

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvxfer.backends.nixl import NixlBackend
-from kvxfer.backends.nixl_packed import ARENA_EXTRA, ArenaInfo, rows_from_runs, runs_of
+from kvxfer.backends.nixl_packed import ARENA_EXTRA, ArenaInfo, encode_note, rows_from_runs, runs_of
 from kvxfer.contract import (
     CacheKind,
     Cancelled,
@@ -278,10 +278,19 @@ class AheadPush:
         return self.sending.poll(), self.waiting.poll()
 
 
+def _introduce(pub: NixlBackend, pmem: HostRows, fet: NixlBackend, fmem: HostRows) -> None:
+    """One small push, so that the fetcher has heard from the publisher (slots are granted
+    ahead only to a sender that has notified us: it can then answer a withdrawal)."""
+    pview, fview = _view(pmem, "hello", 2, 1, contiguous=True), _view(fmem, "hello", 2, 1, contiguous=True)
+    _, _, mine, theirs = _push(pub, pview, fet, fview)
+    assert isinstance(mine, Delivered) and isinstance(theirs, Delivered), (mine, theirs)
+
+
 def _fetch_ahead(made: list[NixlBackend], request: str, seed: int, contiguous: bool = False) -> AheadPush:
     """8 landing slots of 64 KiB, 100 rows a group: the fetch is granted 4 slots ahead."""
     pub, pmem = _backend(made, "P", packed_min_descriptors=8)
     fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    _introduce(pub, pmem, fet, fmem)
     pview = _view(pmem, request, 100, seed, contiguous=contiguous)
     fview = _view(fmem, request, 100, seed + 1, contiguous=contiguous)
     push = AheadPush(pub, fet, pmem, fmem, pview, fview, _fill(pmem, pview, seed + 2))
@@ -331,6 +340,7 @@ def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[Nixl
     # others none. All three pushes then land byte for byte on credits asked for as usual.
     pub, pmem = _backend(made, "P", packed_min_descriptors=8)
     fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    _introduce(pub, pmem, fet, fmem)
     pairs, waits, hints = [], [], []
     for i in range(3):
         pview, fview = _view(pmem, f"half{i}", 60, 80, part=i), _view(fmem, f"half{i}", 60, 90, part=i)
@@ -347,6 +357,69 @@ def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[Nixl
         for pg, fg in zip(pview.groups, fview.groups):
             assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
     assert _settle(lambda: _landing_slots_free(fet))
+
+
+def test_no_slots_ahead_for_a_sender_never_heard_from_and_its_withdrawal_is_asked_again(
+        made: list[NixlBackend]) -> None:
+    # First contact: the publisher has never notified the fetcher (it never loaded its
+    # metadata), so it could not answer a withdrawal. The fetch is granted nothing ahead, so a
+    # wait that ends unasked strands no landing slot. The withdrawal is sent again until it
+    # is answered: once the publisher has pushed something else to the fetcher, it answers
+    # and the cancelled wait quiesces.
+    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
+    fet, fmem = _backend(made, "F", packed_min_descriptors=8, heartbeat_s=0.05)
+    pview, fview = _view(pmem, "gone", 100, 1), _view(fmem, "gone", 100, 2)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    time.sleep(0.3)
+    assert fet.stats().credits_ahead == 0 and _landing_slots_free(fet)
+    waiting.cancel()
+    assert _settle(lambda: waiting.poll() is not None)
+    assert isinstance(waiting.poll(), Cancelled) and _landing_slots_free(fet)
+    assert not waiting.quiesced(), "quiesced before the publisher said it will not write"
+    # The publisher pushes another transfer: now it knows the fetcher, and the next ask is answered.
+    _introduce(pub, pmem, fet, fmem)
+    assert _settle(waiting.quiesced), "the withdrawal was not asked again, or not answered"
+    with pytest.raises(InvalidSubmission, match="withdrew"):  # the publisher will not write it later either
+        pub.publish(pview, fhint)
+    assert _settle(lambda: _landing_slots_free(fet))
+
+
+def test_malformed_chunk_note_fails_the_wait_by_name_and_frees_every_slot(made: list[NixlBackend]) -> None:
+    # A buggy or hostile sender's chunk note whose runs wrap around int64 comes in the same
+    # batch as a good one. The wait fails naming the bad chunk; no row is scattered into it
+    # after that (its masks are final: none), both landing slots are free again, and the
+    # progress thread goes on: a later push lands byte for byte.
+    pub, pmem = _backend(made, "P", packed_min_descriptors=8)
+    fet, fmem = _backend(made, "F", packed_min_descriptors=8)
+    _introduce(pub, pmem, fet, fmem)
+    pview, fview = _view(pmem, "bad", 100, 3), _view(fmem, "bad", 100, 4)
+    _sentinel(fmem, fview)
+    fhint = fet.describe(fview)
+    waiting = fet.fetch(fview, pub.describe(pview))
+    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits)
+    grant = list(pub._early_credits.values())[0]
+    good_s, good_l = runs_of(np.arange(0, 4, dtype=np.int64))
+    bad_s, bad_l = np.array([2**63 - 1], dtype=np.int64).tobytes(), np.array([1], dtype=np.int64).tobytes()
+    with fet._agent._lock:  # both notes reach the fetcher's next step together
+        pub._agent.notify(fet.name, encode_note("chunk", t=fhint.transfer_id, c=0, s=grant[1], g=0, rs=good_s,
+                                                rl=good_l))
+        pub._agent.notify(fet.name, encode_note("chunk", t=fhint.transfer_id, c=1, s=grant[0], g=0, rs=bad_s,
+                                                rl=bad_l))
+        time.sleep(0.2)
+    assert _settle(lambda: waiting.poll() is not None)
+    outcome = waiting.poll()
+    assert isinstance(outcome, Failed) and "packed chunk 1" in outcome.reason, outcome
+    assert not any(m.any() for m in outcome.masks) and fet.stats().chunks_scattered == 0
+    assert fmem.read("F0", fview.groups[0].slots) == bytes([SENTINEL]) * (100 * ROW)
+    assert grant[0] in fet._arena.free_in and grant[1] in fet._arena.free_in  # type: ignore[union-attr]
+    later = _view(pmem, "after", 100, 5, part=1), _view(fmem, "after", 100, 6, part=1)
+    payload = _fill(pmem, later[0], 7)
+    _, _, mine, theirs = _push(pub, later[0], fet, later[1])
+    assert isinstance(mine, Delivered) and isinstance(theirs, Delivered), (mine, theirs)
+    assert fmem.read("F0", later[1].groups[0].slots) == payload["g0"]
+    pub.shutdown()  # the bad transfer is never published: the publisher's end ends the withdrawal
+    assert _settle(waiting.quiesced, 10.0) and _settle(lambda: _landing_slots_free(fet))
 
 
 def test_never_and_peer_without_arena_stay_unpacked(made: list[NixlBackend]) -> None:
@@ -393,6 +466,8 @@ def test_runs_round_trip_and_refusals() -> None:
         rows_from_runs(starts, lengths[:4], 100)
     with pytest.raises(ValueError, match="outside"):
         rows_from_runs(np.array([-1], dtype=np.int64).tobytes(), np.array([2], dtype=np.int64).tobytes(), 100)
+    with pytest.raises(ValueError, match="outside"):  # start + length wraps around int64
+        rows_from_runs(np.array([2**63 - 1], dtype=np.int64).tobytes(), np.array([1], dtype=np.int64).tobytes(), 100)
 
 
 def test_auto_default_on_host_packs_only_very_small_descriptors(made: list[NixlBackend]) -> None:
