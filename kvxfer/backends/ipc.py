@@ -49,6 +49,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ from kvxfer.backends.ipc_bells import (
     bell_value,
     parse_bell,
 )
-from kvxfer.backends.ipc_channel import Channel
+from kvxfer.backends.ipc_channel import Channel, PeerBusy
 from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
 from kvxfer.backends.matching import GroupMatch, check_submission, match_rows
 from kvxfer.backends.regions import RegionTable
@@ -99,6 +100,15 @@ EXTRA_DONE = "ipc.done"  # unsigned hints only: the token of this transfer's "DE
 DONE_PREFIX = b"KXD1"  # + a 16-byte token: that record in 20 bytes (a msgpack map never starts so)
 _TOKEN_BYTES = 16
 _EARLY_KEPT = 4096  # tokens that arrived before their fetch/publish, kept for it
+_KEPT = 4096  # records before their wait, and withdrawn transfers: the newest kept
+SHUTDOWN_JOIN_S = 10.0  # shutdown() waits this long for the progress thread; a later call finishes the rest
+
+
+def _put_bounded(table: collections.OrderedDict[Any, Any], key: object, value: object) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > _KEPT:
+        table.popitem(last=False)
 
 
 IDLE_WAIT_S = 0.02  # the progress thread's longest sleep (or spin, with busy_poll) between passes
@@ -245,10 +255,14 @@ class IpcBackend(Backend):
         self._by_token: dict[bytes, _Passive] = {}
         self._early: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # tokens before their wait
         self._secret = secrets.token_bytes(32)  # derives the tokens of unsigned hints
-        self._stashed: dict[str, CompletionRecord] = {}
-        self._revoked: set[tuple[str, str]] = set()
+        # Records that came before their wait, and (peer, transfer) pairs the peer withdrew:
+        # bounded, oldest dropped first (an aborted request leaves one of each behind).
+        self._stashed: collections.OrderedDict[str, CompletionRecord] = collections.OrderedDict()
+        self._revoked: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._unsent: collections.deque[tuple[bytes, bytes]] = collections.deque()  # peer busy: sent again
         self._events: collections.deque[int] = collections.deque()
         self._stop = threading.Event()
+        self._released = False  # shutdown() gave back the stream, mappings, ring and channel
         self._stream = self._native.stream_create(device)
         self._channel = Channel(f"{name}-{os.getpid()}-{secrets.token_hex(3)}")
         self.name = self._channel.path  # the agent name is the socket path: records can be answered
@@ -319,20 +333,27 @@ class IpcBackend(Backend):
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
         with self._jobs_lock:
-            if self._closed and not self._thread.is_alive():
-                # Already shut down: still report what was never proven quiesced.
-                left = [w.attempt for w in self._passive.values()] + [j.attempt for j in self._in_flight]
-                return frozenset(a for a in left if not a.quiesced())
+            first = not self._closed
             self._closed = True
             active = list(self._in_flight)
             passive = list(self._passive.values())
-        cancel_and_wait_quiet([j.attempt for j in active] + [w.attempt for w in passive], self._channel.wake)
-        self._stop.set()
-        self._channel.wake()
-        self._thread.join(timeout=10.0)
-        if self._thread.is_alive():
-            return frozenset(j.attempt for j in active + passive if not j.attempt.quiesced())
-        # Our thread has exited; wait for our kernels, then nothing of ours touches any memory.
+        if first:
+            cancel_and_wait_quiet([j.attempt for j in active] + [w.attempt for w in passive], self._channel.wake)
+            self._stop.set()
+            self._channel.wake()
+        self._thread.join(timeout=SHUTDOWN_JOIN_S)
+        if not self._thread.is_alive() and not self._released:
+            # A call whose join timed out (a wake callback held it up) left this to the next.
+            self._release()
+        with self._jobs_lock:
+            left = {w.attempt for w in passive} | {w.attempt for w in self._passive.values()}
+            left |= {j.attempt for j in active} | {j.attempt for j in self._in_flight}
+        return frozenset(a for a in left if not a.quiesced())
+
+    def _release(self) -> None:
+        """Once our thread has exited: wait for our kernels, then nothing of ours touches any
+        memory, and everything the backend holds is given back."""
+        self._released = True
         try:
             self._native.stream_synchronize(self._stream)
             stream_ok = True
@@ -353,7 +374,6 @@ class IpcBackend(Backend):
         if stream_ok:
             self._native.stream_destroy(self._stream)
         self._channel.close()
-        return frozenset(w.attempt for w in passive if not w.attempt.quiesced())
 
     # --- submission (the owner's thread) ----------------------------------------------
     def _refuse_if_closed(self) -> None:
@@ -553,40 +573,49 @@ class IpcBackend(Backend):
     # --- the progress thread ----------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._in_flight:
-                self._watch_head()
-            busy = bool(self._in_flight)
-            spun = not busy and self.busy_poll and bool(self._passive)
-            if spun:
-                # Returns as soon as a socket has input or a watched doorbell word is set.
-                self._channel.spin(IDLE_WAIT_S, *self._bell_watch())
-            if self._by_bell:
-                self._check_bells()
-            # While copies are in flight, look without sleeping: their events are polled, and
-            # a sleep's granularity (or a driver callback's wake-up, measured slower on an
-            # H200 host) would dominate a small transfer's latency.
-            frames, gone = self._channel.wait(0.0 if busy or spun else IDLE_WAIT_S)
-            if frames and self._by_bell:
-                # A wait registered while we slept in wait() may have its doorbell and its
-                # record both here now: the doorbell is stored before the record is sent, so
-                # looking again first means it, not the record, ends the wait.
-                self._check_bells()
-            for frame in frames:  # first: a peer's record is what a waiting owner needs soonest
-                self._on_frame(frame)
-            gone += self._channel.flush()  # the rest of a record the owner thread began
-            for peer in gone:
-                self._on_peer_gone(peer)
+            try:
+                self._step()
+            except Exception:  # keep serving the other attempts: a thread that died would hang them all
+                log.exception("IPC backend %s: progress step failed", self.name)
+                self._stop.wait(0.01)
+
+    def _step(self) -> None:
+        if self._in_flight:
+            self._watch_head()
+        busy = bool(self._in_flight)
+        spun = not busy and self.busy_poll and bool(self._passive)
+        if spun:
+            # Returns as soon as a socket has input or a watched doorbell word is set.
+            self._channel.spin(IDLE_WAIT_S, *self._bell_watch())
+        if self._by_bell:
+            self._check_bells()
+        # While copies are in flight, look without sleeping: their events are polled, and
+        # a sleep's granularity (or a driver callback's wake-up, measured slower on an
+        # H200 host) would dominate a small transfer's latency.
+        frames, gone = self._channel.wait(0.0 if busy or spun else IDLE_WAIT_S)
+        if frames and self._by_bell:
+            # A wait registered while we slept in wait() may have its doorbell and its
+            # record both here now: the doorbell is stored before the record is sent, so
+            # looking again first means it, not the record, ends the wait.
+            self._check_bells()
+        for frame in frames:  # first: a peer's record is what a waiting owner needs soonest
+            self._on_frame(frame)
+        gone += self._channel.flush()  # the rest of a record the owner thread began
+        for peer in gone:
+            self._on_peer_gone(peer)
+        if self._unsent:
+            self._send_unsent()
+        with self._jobs_lock:
+            stashed = [w for w in self._passive if w in self._stashed]
+        for own_id in stashed:
             with self._jobs_lock:
-                stashed = [w for w in self._passive if w in self._stashed]
-            for own_id in stashed:
-                with self._jobs_lock:
-                    record = self._stashed.pop(own_id, None)
-                if record is not None:
-                    self._on_record(record)
-            self._poll_in_flight()
-            self._check_passive()
-            if busy:
-                os.sched_yield()
+                record = self._stashed.pop(own_id, None)
+            if record is not None:
+                self._on_record(record)
+        self._poll_in_flight()
+        self._check_passive()
+        if busy:
+            os.sched_yield()
 
     def _watch_head(self) -> None:
         """Wait up to HEAD_SPIN_US for the oldest copy's event, spinning natively with the GIL
@@ -666,10 +695,27 @@ class IpcBackend(Backend):
             frame = self._encode(record)
         if frame is None:
             return False
-        if self._channel.send(peer, frame):
+        try:
+            if self._channel.send(peer, frame):
+                return True
+        except PeerBusy as exc:
+            log.info("IPC backend %s: %s; the frame goes later", self.name, exc)
+            self._unsent.append((peer, frame))
             return True
         self._on_peer_gone(peer)
         return False
+
+    def _send_unsent(self) -> None:
+        """Frames a busy peer could not take (progress thread): each goes once it can."""
+        for _ in range(len(self._unsent)):
+            peer, frame = self._unsent.popleft()
+            if peer in self._gone:
+                continue
+            try:
+                if not self._channel.send(peer, frame):
+                    self._on_peer_gone(peer)
+            except PeerBusy:
+                self._unsent.append((peer, frame))
 
     def _on_peer_gone(self, peer: bytes) -> None:
         with self._launch_lock:  # no launch into its mappings from here on
@@ -709,7 +755,7 @@ class IpcBackend(Backend):
             wait = self._passive.get(record.transfer_id)
             if wait is None:
                 if not self._own.is_retired(record.transfer_id):
-                    self._stashed[record.transfer_id] = record
+                    _put_bounded(self._stashed, record.transfer_id, record)
                 return
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
@@ -736,7 +782,7 @@ class IpcBackend(Backend):
                     if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
             if not jobs:
                 # Nothing of ours touches the peer's rows; refuse to start later, and say so.
-                self._revoked.add((record.sender, record.transfer_id))
+                _put_bounded(self._revoked, (record.sender, record.transfer_id), None)
         for job in jobs:
             job.cancelled_by_peer = True
             job.attempt.cancel()
@@ -763,11 +809,18 @@ class IpcBackend(Backend):
                     self._end_passive(wait)
                 continue
             if not wait.watching:
-                wait.watching = True
-                if self._channel.connect(wait.hint.endpoint) is None:
-                    wait.attempt.conclude(Failed(f"peer {wait.hint.agent!r} is not listening", wait.view.row_masks()))
-                    wait.gone_at = now
-                    continue
+                try:
+                    conn = self._channel.connect(wait.hint.endpoint)
+                except PeerBusy as exc:
+                    log.info("IPC backend %s: %s; asked again on the next pass", self.name, exc)
+                    conn = None
+                else:
+                    wait.watching = True
+                    if conn is None:
+                        wait.attempt.conclude(Failed(f"peer {wait.hint.agent!r} is not listening",
+                                                     wait.view.row_masks()))
+                        wait.gone_at = now
+                        continue
             reason = None
             if wait.attempt.cancel_requested:
                 wait.attempt.conclude(Cancelled(False, wait.view.row_masks()))

@@ -4,8 +4,11 @@ Each backend listens on a socket in a private temp dir; its path is the ``endpoi
 its hints. A backend sends to a peer over one outgoing connection per peer endpoint and
 receives on the connections peers opened to it. Frames are a 4-byte big-endian length and
 then the bytes of ``kvxfer.wire.encode_completion`` (or IpcBackend's 20-byte token frame).
-A connection that reaches end of file or fails to send means the peer's backend has gone:
-its process exited or it shut down.
+A connection that reaches end of file or fails to send, or a socket nobody listens on,
+means the peer's backend has gone: its process exited or it shut down. Nothing else does:
+a peer that is slow to accept or to read, or a shortage of descriptors on our side, only
+delays a frame (``PeerBusy``, or the rest of a frame left for ``flush()``), since a backend
+that took a live peer for gone would let it write into memory it had given back.
 
 Everything here runs on the owning backend's progress thread, except ``wake()``,
 ``try_send()`` and ``send_with()`` (any thread) and ``close()`` (after that thread has
@@ -38,6 +41,14 @@ log = logging.getLogger(__name__)
 _FRAME = struct.Struct(">I")
 MAX_FRAME = 64 << 20
 SEND_TIMEOUT_S = 5.0
+# connect() errors that say "not now" (a full listen backlog, no descriptor left here), not
+# "nobody is there".
+_TRANSIENT = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
+                        errno.ENOMEM, errno.ETIMEDOUT})
+
+
+class PeerBusy(OSError):
+    """The peer could not be reached just now, for a passing reason: try again later."""
 
 
 @dataclass(eq=False)
@@ -180,25 +191,34 @@ class Channel:
                 except BlockingIOError:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise TimeoutError(f"peer did not read for {SEND_TIMEOUT_S:g}s") from None
+                        # Slow, not gone: the rest goes from flush(), on the progress thread.
+                        log.warning("peer %r has not read for %gs; the frame goes later", peer, SEND_TIMEOUT_S)
+                        conn.pending = bytes(data)
+                        self.wake()
+                        return True
                     select.select([], [conn.sock], [], left)
             return True
-        except OSError as exc:  # a timeout too: a peer that stops reading is as good as gone
+        except OSError as exc:
             log.info("peer %r is gone: %s", peer, exc)
             self._drop_outbound(conn)
             return False
 
     def connect(self, peer: bytes) -> _Conn | None:
-        """The connection to ``peer``, opened on first use; None when nobody listens there."""
+        """The connection to ``peer``, opened on first use; None when nobody listens there;
+        PeerBusy when it cannot be opened just now (see _TRANSIENT)."""
         conn = self._outbound.get(peer)
         if conn is not None:
             return conn
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock: socket.socket | None = None
         try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(SEND_TIMEOUT_S)
             sock.connect(os.fsdecode(peer))
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, TimeoutError) or exc.errno in _TRANSIENT:
+                raise PeerBusy(exc.errno or errno.ETIMEDOUT, f"cannot reach peer {peer!r} now: {exc}") from exc
             if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED):
                 log.warning("cannot reach peer %r: %s", peer, exc)
             return None
@@ -264,6 +284,9 @@ class Channel:
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # no descriptor left here: the peer waits in the backlog
+                log.warning("cannot accept a peer's connection now: %s", exc)
                 return
             sock.setblocking(False)
             self._inbound[sock.fileno()] = _Conn(sock, b"")

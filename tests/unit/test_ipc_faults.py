@@ -1,0 +1,188 @@
+"""IpcBackend's control path under faults that do not mean a dead peer (over
+``kvxfer.testing.host_cuda``, no GPU): a descriptor shortage, a full listen backlog, a
+progress thread held up past shutdown's join, and many aborted transfers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import kvxfer.backends.ipc as ipc
+from kvxfer.backends.ipc import IpcBackend
+from kvxfer.backends.ipc_channel import Channel, PeerBusy
+from kvxfer.backends.ipc_pair import DeviceRows
+from kvxfer.contract import Cancelled, InvalidSubmission, TransferMode
+from kvxfer.testing import host_cuda
+from kvxfer.testing.ipc_scenarios import views
+
+PUSH = TransferMode.PUSH
+
+
+def _settle(condition: object, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.005)
+    return False
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[IpcBackend, IpcBackend, DeviceRows, DeviceRows]]:
+    mem_a = DeviceRows((("A0", 256, 64),), cuda=host_cuda)
+    mem_d = DeviceRows((("D0", 256, 64),), cuda=host_cuda)
+    a = IpcBackend("pre", PUSH, cuda=host_cuda)
+    d = IpcBackend("dec", PUSH, cuda=host_cuda)
+    a.register(mem_a.regions)
+    d.register(mem_d.regions)
+    yield a, d, mem_a, mem_d
+    try:
+        assert d.shutdown() == frozenset() and a.shutdown() == frozenset(), "an attempt was left unquiesced"
+        assert not d._thread.is_alive() and not a._thread.is_alive()
+    finally:
+        mem_a.close()
+        mem_d.close()
+
+
+def test_connect_tells_nobody_there_from_not_now() -> None:
+    # A socket nobody listens on: the peer is gone (None). A live peer whose listen backlog is
+    # full: PeerBusy, so that nothing takes it for gone.
+    channel = Channel("c")
+    folder = tempfile.mkdtemp(prefix="kvxfer-test-")
+    path = os.path.join(folder, "busy.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fillers: list[socket.socket] = []
+    try:
+        assert channel.connect(os.path.join(folder, "nobody.sock").encode()) is None
+        listener.bind(path)
+        listener.listen(1)  # never accepts
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            fillers.append(s)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                break
+            assert len(fillers) < 64, "the backlog never filled"
+        with pytest.raises(PeerBusy, match="now"):
+            channel.connect(path.encode())
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
+        channel.close()
+        os.unlink(path)
+        os.rmdir(folder)
+
+
+_SHORTAGE = r"""
+import json, os, time
+from kvxfer.backends.ipc import IpcBackend
+from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
+from kvxfer.contract import TransferMode
+from kvxfer.testing import host_cuda
+from kvxfer.testing.ipc_scenarios import views
+peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))  # the publisher, in another process
+mem = DeviceRows((("D0", 256, 64),), cuda=host_cuda)
+d = IpcBackend("dec", TransferMode.PUSH, cuda=host_cuda)
+d.register(mem.regions)
+dv, pv, ds, _ = views(mem.regions[0], peer.regions[0], 8, 1, "r1")
+hint_p = peer.describe(pv); hint_d = d.describe(dv)
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+waiting = d.fetch(dv, hint_p)  # its progress thread connects to the peer now, with no descriptor left
+time.sleep(0.3)
+for fd in held:
+    os.close(fd)
+alive = d._thread.is_alive()
+early = repr(waiting.poll())
+handle = peer.start("publish", pv, hint_d)
+ok = waiting.wait(15.0)
+mine, _ = peer.result(handle, 15.0)
+print(json.dumps({"alive": alive, "early": early, "ok": ok, "theirs": repr(waiting.poll()),
+                  "mine": type(mine).__name__, "left": len(d.shutdown())}))
+peer.close(); mem.close()
+"""
+
+
+def test_a_moment_without_descriptors_neither_kills_the_thread_nor_fails_the_wait() -> None:
+    # In a child process (it uses up every descriptor for a moment): the fetch's connection
+    # to its peer fails with EMFILE. Before, the progress thread died of it and every attempt
+    # hung; now the wait stays open, connects once descriptors are back, and the push lands.
+    out = subprocess.run([sys.executable, "-c", _SHORTAGE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["theirs"].startswith("Delivered"), (result, out.stderr[-2000:])
+    result["theirs"] = "Delivered"
+    assert result == {"alive": True, "early": "None", "ok": True, "theirs": "Delivered", "mine": "Delivered",
+                      "left": 0}, (result, out.stderr[-2000:])
+
+
+def test_withdrawn_transfers_and_early_records_are_bounded(
+        pair: tuple[IpcBackend, IpcBackend, DeviceRows, DeviceRows], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every request aborted before its prefill published leaves the publisher a withdrawn
+    # transfer: the table keeps the newest _KEPT, and the newest is still refused.
+    a, d, mem_a, mem_d = pair
+    monkeypatch.setattr(ipc, "_KEPT", 4)
+    hints = []
+    for i in range(7):
+        lv, dv, _, _ = views(mem_a.regions[0], mem_d.regions[0], 4, i, f"abort{i}")
+        hint_d = d.describe(dv)
+        waiting = d.fetch(dv, a.describe(lv))
+        waiting.cancel()
+        assert waiting.wait(5.0) and isinstance(waiting.poll(), Cancelled)
+        hints.append((lv, hint_d))
+    assert _settle(lambda: len(a._revoked) == 4), len(a._revoked)
+    with pytest.raises(InvalidSubmission, match="withdrew"):
+        a.publish(*hints[-1])
+
+
+def test_a_shutdown_whose_join_timed_out_is_finished_by_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The owner holds a lock that the wait's wake callback needs while it shuts down, so the
+    # progress thread outlives shutdown()'s join. A later shutdown(), once the thread is
+    # gone, gives back what the backend holds (its socket is removed) and still names the
+    # wait it could not prove quiesced.
+    monkeypatch.setattr(ipc, "SHUTDOWN_JOIN_S", 0.3)
+    mem_a = DeviceRows((("A0", 256, 64),), cuda=host_cuda)
+    mem_d = DeviceRows((("D0", 256, 64),), cuda=host_cuda)
+    a = IpcBackend("pre", PUSH, cuda=host_cuda)
+    d = IpcBackend("dec", PUSH, cuda=host_cuda)
+    engine = threading.Lock()
+
+    def wake() -> None:
+        with engine:
+            pass
+
+    try:
+        a.register(mem_a.regions)
+        d.register(mem_d.regions)
+        lv, dv, _, _ = views(mem_a.regions[0], mem_d.regions[0], 4, 1, "slow")
+        d.describe(dv)
+        waiting = d.fetch(dv, a.describe(lv), wake=wake)
+        time.sleep(0.1)  # its progress thread has connected to the peer
+        engine.acquire()
+        threading.Timer(2.0, engine.release).start()  # after the shutdown's 1 s grace and its join
+        assert d.shutdown() == {waiting} and d._thread.is_alive()  # the join timed out: the thread is in wake()
+        assert os.path.exists(d._channel.path)
+        assert _settle(lambda: not d._thread.is_alive())
+        assert d.shutdown() == {waiting} and not waiting.quiesced()
+        assert not os.path.exists(d._channel.path), "the second shutdown did not give the channel back"
+        assert d.shutdown() == {waiting}  # and again: nothing released twice
+    finally:
+        assert a.shutdown() == frozenset()
+        mem_a.close()
+        mem_d.close()
