@@ -310,12 +310,21 @@ class Lender(abc.ABC):
                     raise LeaseError(f"request {request!r}: group {spec.name!r} block {gap} does not hold committed "
                                      f"KV up to token {int(need[np.argmin(done)])}; commit before lend_read")
             blocks = table[ordinals]
+            if not write and blocks.size and (alloc.write_pins[blocks] > 0).any():
+                # A peer is rewriting them: what a reader sent could be torn.
+                raise LeaseError(f"request {request!r}: group {spec.name!r} blocks are lent for writing; they can "
+                                 "be lent for reading once that lease is released")
             if write and blocks.size:
                 if (alloc.refcount[blocks] > 1).any():
                     raise LeaseError(f"request {request!r}: group {spec.name!r} would lend blocks shared with "
                                      "another request for writing")
                 if (alloc.write_pins[blocks] > 0).any():
                     raise LeaseError(f"request {request!r}: group {spec.name!r} blocks are already lent for writing")
+                if (alloc.pins[blocks] > 0).any():
+                    # A peer would rewrite whole blocks that an open read lease may still be
+                    # sending (a shrink and regrow, or a shared prefix, under a publish).
+                    raise LeaseError(f"request {request!r}: group {spec.name!r} blocks are lent for reading by an "
+                                     "open lease; release it before lending them for writing")
                 writes.append((alloc, blocks))
             for region in pool.row_regions():
                 if region.group == spec.name:

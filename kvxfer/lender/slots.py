@@ -40,6 +40,12 @@ class SlotRuns:
         fit = np.flatnonzero(lengths >= n)
         return int(starts[fit[0]]) if fit.size else None
 
+    def usable_run(self) -> int:
+        """The longest run of slots not quarantined: the most one lease can ever be granted."""
+        edges = np.diff(np.concatenate(([0], (~self._quarantined).view(np.int8), [0])).astype(np.int8))
+        lengths = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
+        return int(lengths.max()) if lengths.size else 0
+
     def take(self, start: int, n: int) -> None:
         if not self._free[start: start + n].all():
             raise AssertionError(f"staging region {self.name!r}: slots [{start}, {start + n}) are not free")

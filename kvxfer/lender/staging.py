@@ -122,12 +122,29 @@ class StagingLender(Lender):
             if part.blocks.size > cap:
                 raise LeaseError(f"{lease!r} needs {part.blocks.size} rows of {part.region.name!r}; staging holds "
                                  f"{cap} (sized for {self.fetch_tokens} tokens a fetch)")
+        unfit = self._never_fits(lease)
+        if unfit:
+            raise LeaseError(unfit)
         self._queue.append(lease)
         self._pump()
+
+    def _never_fits(self, lease: Lease) -> str | None:
+        """Why ``lease`` can never be granted, now that copy faults quarantined slots; None if it can."""
+        for part in lease._parts:
+            usable = self._slots[part.region.name].usable_run()
+            if part.blocks.size > usable:
+                return (f"{lease!r} needs {part.blocks.size} rows of {part.region.name!r}; after copy faults the "
+                        f"longest run of staging slots left is {usable}")
+        return None
 
     def _pump(self) -> None:
         while self._queue:
             head = self._queue[0]
+            unfit = self._never_fits(head)
+            if unfit:  # a quarantine since it queued: it would hold up everyone behind it for good
+                head.failure = unfit
+                self._queue.popleft()
+                continue
             starts = [self._slots[p.region.name].find(p.blocks.size) for p in head._parts]
             if any(s is None for s in starts):
                 return  # strictly FIFO: nobody passes a head that does not fit
@@ -260,6 +277,8 @@ class StagingLender(Lender):
             if lease in self._queue:
                 self._queue.remove(lease)
             starts = self._grants.pop(lease.id, None)
+            # A copy still in flight is not waited for: its slots and pages are kept for good.
+            self._copies.pop(lease.id, None)
             if starts is None:
                 continue
             for part, start in zip(lease._parts, starts):

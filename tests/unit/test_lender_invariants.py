@@ -4,7 +4,7 @@ After every step: each block's refcount is the number of requests holding it; it
 are the number of leases still holding its memory; a free block is held, pinned,
 retained and cached by nobody; a retained block is never free, cached or named (so no
 prefix reuse hands it out); a named block is never lent for writing; readiness never
-reaches past the request. Misuse is allowed to raise only the lender's and pool's own
+reaches past the request; a block lent for writing is lent for nothing else. Misuse is allowed to raise only the lender's and pool's own
 named errors, never a KeyError or a numpy error.
 """
 
@@ -48,6 +48,8 @@ def check(pool: PagedKVPool, leases: list[Lease]) -> None:
         assert not (held[lru].any() or a.pins[lru].any() or a.retained[lru].any()) and a.named[lru].all()
         assert not (a.retained & a.named).any(), "a retained block keeps a prefix name"
         assert not (a.named & (a.write_pins > 0)).any(), "a block lent for writing has a prefix name"
+        written = a.write_pins > 0
+        assert (a.pins[written] == a.write_pins[written]).all(), "a block lent for writing is lent for reading too"
         assert sorted(a._key_of) == np.flatnonzero(a.named).tolist()
 
 
@@ -123,3 +125,24 @@ def run(seed: int, staging: bool, steps: int = 150) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_random_call_sequences_keep_blocks_sound(seed: int, staging: bool) -> None:
     run(seed, staging)
+
+
+def test_blocks_a_read_lease_holds_are_not_lent_for_writing() -> None:
+    # A read lease is open on blocks 0-1 (a publish may be sending them); the request shrinks
+    # to 8 tokens and grows back, so block 0 is partly empty again. Lending it for writing
+    # would let a peer rewrite the whole block under the publish: refused by name, as the
+    # pool's own write_kv refuses; once the read lease is released, it is lent.
+    pool = PagedKVPool([FULL], 16, scope=b"s")
+    lender = InPlaceLender(pool)
+    pool.allocate("r", 8)
+    pool.commit("r", 8)
+    reading = lender.lend_read("r", (0, 8))
+    pool.shrink("r", 2)
+    pool.grow("r", 8)
+    with pytest.raises(LeaseError, match="lent for reading by an open lease"):
+        lender.lend_write("r", (2, 8))
+    reading.release()
+    writing = lender.lend_write("r", (2, 8))
+    view = writing.view()
+    assert view is not None and view.groups[0].slots.tolist() == pool.block_table("r", "full").tolist()
+    writing.release()

@@ -205,3 +205,57 @@ def test_mark_arrived_after_forced_shutdown_is_refused_by_name() -> None:
         write.mark_arrived(write.view().row_masks(True))
     assert lender.readiness("r") == ResumeBounds(0, 0)
     write.release()
+
+
+def test_a_lease_that_can_no_longer_fit_fails_instead_of_holding_up_the_queue() -> None:
+    # 5 slots. A write lease holds 4; a 2-row read waits (strict FIFO), a 1-row read behind it.
+    # The write lease's arrival copy fails: its 4 slots are quarantined for good, so the
+    # 2-row read can never be granted. It fails by name, and the 1-row read behind it is
+    # granted the last slot; a new 2-row lease is refused at once.
+    p = pool()
+    fill(p, "r", 16)
+    p.allocate("w", 0)
+    lender = StagingLender(p, 16, 1, 1 << 20)  # 5 rows a fetch, 5 slots
+    write = lender.lend_write("w", (0, 16))
+    two = lender.lend_read("r", (0, 8))
+    one = lender.lend_read("r", (12, 16))
+    assert write.view() is not None and two.view() is None and one.view() is None
+    lender.inject_copy_faults(1)
+    write.mark_arrived(write.view().row_masks(True))
+    assert write.failure is not None
+    write.release()
+    assert two.view() is None and "longest run of staging slots left is 1" in (two.failure or "")
+    assert one.view() is not None and one.view().groups[0].slots.tolist() == [4]
+    with pytest.raises(LeaseError, match="longest run of staging slots left is 1"):
+        lender.lend_read("r", (0, 8))
+    two.release()
+    one.release()
+    assert lender.stats().waiting == 0 and p.stats()["full"]["pinned"] == 0
+
+
+def test_forced_shutdown_under_a_copy_in_flight_leaves_later_calls_working() -> None:
+    # On a GPU a read lease's copy may still run when shutdown(force=True) retains its slots
+    # and pages; here an event that completes later stands for it. Once it completes, the
+    # lender's next calls (view, readiness, release) must not trip over the retained lease.
+    from kvxfer.lender.staging import _Copy
+
+    class LateEvent:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    p = pool()
+    fill(p, "r", 16)
+    lender = StagingLender(p, 16, 2, 1 << 20)
+    lease = lender.lend_read("r", (0, 16))
+    lease._view = None
+    event = LateEvent()
+    lender._copies[lease.id] = _Copy(lease, event)
+    report = lender.shutdown(force=True)
+    assert report.open_leases == 1 and report.retained_staging["full"].size == 4
+    event.done = True
+    assert lease.view() is None
+    lender.readiness("r")
+    lease.release()
+    assert lender.stats().regions["full"].quarantined == 4
