@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 IndexArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
+_T = TypeVar("_T", bound=np.generic)
 
 
 def frozen_int64(values: Any, what: str) -> IndexArray:
@@ -27,9 +28,14 @@ def frozen_int64(values: Any, what: str) -> IndexArray:
         raise ValueError(f"{what} must be one-dimensional, got shape {array.shape}")
     if array.dtype == np.uint64 and array.size and int(array.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{what} has values beyond int64")
-    out = np.array(array, dtype=np.int64, copy=True)
-    out.flags.writeable = False
-    return out
+    return sealed(np.ascontiguousarray(array, dtype=np.int64))
+
+
+def sealed(array: npt.NDArray[_T]) -> npt.NDArray[_T]:
+    """A read-only copy of ``array`` that cannot be made writeable again: its memory is an
+    immutable bytes object (numpy refuses to set WRITEABLE on such an array, where it lets
+    any array that owns its memory be opened again)."""
+    return np.frombuffer(np.ascontiguousarray(array).tobytes(), dtype=array.dtype)
 
 
 SHARED_MASK_ROWS = 1 << 18  # constant masks up to this size are made once and shared
@@ -41,17 +47,13 @@ def constant_mask(n: int, value: bool) -> BoolArray:
     the mask by identity instead of packing its bits."""
     if n <= SHARED_MASK_ROWS:
         return _shared_mask(n, bool(value))
-    mask = np.full(n, bool(value), dtype=np.bool_)
-    mask.flags.writeable = False
-    return mask
+    return sealed(np.full(n, bool(value), dtype=np.bool_))
 
 
 @functools.lru_cache(maxsize=64)
 def _shared_mask(n: int, value: bool) -> BoolArray:
-    # A view of a read-only base: nobody can make the shared array writeable again.
-    base = np.full(n, value, dtype=np.bool_)
-    base.flags.writeable = False
-    return base[:]
+    # Shared by every caller: sealed, so that nobody can make it writeable again.
+    return sealed(np.full(n, value, dtype=np.bool_))
 
 
 _SMALL = 128  # below this a Python set beats numpy's per-call overhead (a small request's rows)
@@ -87,8 +89,8 @@ def all_distinct(values: IndexArray) -> bool:
         return True
     if n <= _SMALL:
         return len(set(values.tolist())) == n
-    steps = np.diff(values)
-    if bool((steps > 0).all()) or bool((steps < 0).all()):
+    # Compared, not subtracted: a difference of int64 values can wrap around and look sorted.
+    if bool((values[1:] > values[:-1]).all()) or bool((values[1:] < values[:-1]).all()):
         return True
     low, high = int(values.min()), int(values.max())
     span = high - low + 1

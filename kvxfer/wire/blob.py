@@ -32,7 +32,7 @@ def encode_blob(kind: str, payload: bytes, key: bytes | None = None, *, limits: 
 def decode_blob(data: Buffer, kind: str, key: bytes | None = None, *, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """The payload of a blob of ``kind`` in ``data``; WireError for a blob of another kind
     and for anything malformed, oversized, unsigned while a key applies, or wrongly signed."""
-    body, _mac = open_message(data, "blob", key, limits, max_items=4)
+    body, _mac = open_message(data, "blob", key, limits, max_items=4, max_containers=1)
     f = Fields(body, "blob", _BLOB_KEYS)
     got = f.text("kind", limits.string_bytes)
     if got != kind:

@@ -33,15 +33,27 @@ def _refuse_ext(code: int, data: bytes) -> NoReturn:
     raise ValueError(f"msgpack ext type {code} is not allowed")
 
 
-def unpack(data: Buffer, what: str, limits: Limits, *, max_items: int) -> Any:
-    """Strict msgpack: str map keys only, no ext types, every object bounded in size.
+def unpack(data: Buffer, what: str, limits: Limits, *, max_items: int, max_containers: int) -> Any:
+    """Strict msgpack: str map keys only, no ext types, every object bounded in size, and at
+    most ``max_containers`` arrays and maps in all.
 
     Any msgpack failure (truncation, trailing bytes, bad UTF-8, nesting too deep, a size
-    beyond the limits) becomes a WireError naming ``what``.
+    beyond the limits) becomes a WireError naming ``what``. The container count matters
+    because each one-byte empty array becomes a Python list of about 70 bytes: a message of
+    nested arrays would otherwise cost 70 times its size in memory before any check.
     """
+    left = [max_containers]
+
+    def counted(obj: Any) -> Any:
+        left[0] -= 1
+        if left[0] < 0:
+            raise ValueError(f"more than {max_containers} arrays and maps")
+        return obj
+
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext,
+            list_hook=counted, object_hook=counted,
             # str and bin need their bytes present, so the message limit bounds them; the
             # field checks then name an oversized string. Array and map headers can claim
             # counts the data does not hold, so those get the tight bound.
@@ -85,24 +97,28 @@ def seal(msg_type: str, body: dict[str, Any], key: bytes | None, limits: Limits)
 
 
 def open_message(
-    data: Any, msg_type: str, key: bytes | None, limits: Limits, *, max_items: int
+    data: Any, msg_type: str, key: bytes | None, limits: Limits, *, max_items: int, max_containers: int
 ) -> tuple[Any, bytes | None]:
     """The decoded body of a message of ``msg_type``, after version, type and MAC checks,
-    and the MAC it was verified with (None for an unsigned message)."""
+    and the MAC it was verified with (None for an unsigned message). The envelope may hold
+    no container but itself; the body at most ``max_containers``."""
     view: Buffer
     if type(data) is bytes:  # what sockets hand over: nothing to convert
         view = data
     else:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise WireError(f"a {msg_type} message must be bytes, got {type(data).__name__}")
-        view = memoryview(data)
-        if not view.c_contiguous:
-            raise WireError(f"a {msg_type} message must be contiguous bytes, got a strided memoryview")
-        view = view.cast("B")  # msgpack refuses buffers of wider items
+        try:
+            view = memoryview(data)
+            if not view.c_contiguous:
+                raise WireError(f"a {msg_type} message must be contiguous bytes, got a strided memoryview")
+            view = view.cast("B")  # msgpack refuses buffers of wider items
+        except (ValueError, TypeError) as exc:  # a released memoryview, say
+            raise WireError(f"a {msg_type} message cannot be read as bytes: {exc}") from None
     if len(view) > limits.message_bytes:
         raise WireError(f"message is {len(view)} bytes, the limit is {limits.message_bytes}")
     key = resolve_key(key)
-    outer = unpack(view, "message", limits, max_items=8)
+    outer = unpack(view, "message", limits, max_items=8, max_containers=1)
     if type(outer) is not dict or "kvxfer" not in outer:
         raise WireError(f"not a kvxfer wire message (expected a map with a 'kvxfer' version field, got {describe(outer)})")
     version = outer["kvxfer"]
@@ -128,4 +144,4 @@ def open_message(
             raise WireError(f"{msg_type} message has a wrong MAC: signed with another key, or altered on the way")
     elif key is not None:
         raise WireError(f"{msg_type} message is unsigned but a key is configured: refusing unauthenticated messages")
-    return unpack(body, f"{msg_type} body", limits, max_items=max_items), given
+    return unpack(body, f"{msg_type} body", limits, max_items=max_items, max_containers=max_containers), given

@@ -59,7 +59,9 @@ def decode_hint(data: Buffer, key: bytes | None = None, *, limits: Limits = DEFA
     """The Hint in ``data``; WireError for anything malformed, oversized, of another version
     or type, unsigned while a key applies, or wrongly signed."""
     items = max(limits.groups, limits.extras, _MAP_FIELDS)
-    body, mac = open_message(data, "hint", key, limits, max_items=items)
+    # The body map, the extras array and one pair per extra, the groups array and one map per group.
+    containers = 3 + limits.extras + limits.groups
+    body, mac = open_message(data, "hint", key, limits, max_items=items, max_containers=containers)
     f = Fields(body, "hint", _HINT_KEYS)
     text = limits.string_bytes
     strings = {name: f.text(name, text) for name in ("backend", "agent", "request", "transfer_id")}

@@ -47,7 +47,9 @@ def encode_completion(record: CompletionRecord, key: bytes | None = None, *, lim
 def decode_completion(data: Buffer, key: bytes | None = None, *, limits: Limits = DEFAULT_LIMITS) -> CompletionRecord:
     """The CompletionRecord in ``data``; WireError for anything malformed, oversized, of
     another version or type, unsigned while a key applies, or wrongly signed."""
-    body, _mac = open_message(data, "completion", key, limits, max_items=max(limits.groups, _MAP_FIELDS))
+    # The body map, the masks array and one map per mask.
+    body, _mac = open_message(data, "completion", key, limits, max_items=max(limits.groups, _MAP_FIELDS),
+                              max_containers=2 + limits.groups)
     f = Fields(body, "completion record", _RECORD_KEYS)
     text = limits.string_bytes
     strings = {name: f.text(name, text) for name in ("transfer_id", "sender", "request")}

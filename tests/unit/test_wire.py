@@ -472,3 +472,57 @@ def test_a_million_row_hint_round_trips() -> None:
     back = decode_hint(encode_hint(hint, KEY), KEY)
     np.testing.assert_array_equal(back.groups[0].slots, group.slots)
     np.testing.assert_array_equal(back.groups[0].ordinals, group.ordinals)
+
+
+def _nested(width: int, depth: int) -> bytes:
+    """msgpack of arrays ``width`` wide and ``depth`` deep, empty at the leaves: one byte each."""
+    out = b"\x90"
+    for _ in range(depth):
+        out = bytes([0x90 | width]) + out * width
+    return out
+
+
+def test_nested_arrays_are_refused_before_they_cost_memory() -> None:
+    # 8 wide and 7 deep: 2.4 MiB of one-byte empty arrays, which unbounded would become
+    # 2.4 million Python lists (about 170 MB) before any field check, with a key set or not.
+    bomb = _nested(8, 7)
+    envelope = (b"\x85" + msgpack.packb("kvxfer") + msgpack.packb(WIRE_VERSION) + msgpack.packb("type")
+                + msgpack.packb("hint") + msgpack.packb("body") + msgpack.packb(b"{}", use_bin_type=True)
+                + msgpack.packb("mac") + msgpack.packb(bytes(32), use_bin_type=True) + msgpack.packb("x") + bomb)
+    assert refused(envelope, "more than 1 arrays and maps", key=KEY)
+    body = b"\x81" + msgpack.packb("extras") + bomb
+    assert refused(raw_message(body), "more than 323 arrays and maps")
+    record = b"\x81" + msgpack.packb("masks") + bomb
+    assert refused(raw_message(record, "completion"), "more than 258 arrays and maps", decode=decode_completion)
+    # A real hint at the limits still decodes: 64 extras and 256 groups.
+    full = make_hint(extras=tuple((f"x{i}", b"v") for i in range(64)),
+                     groups=tuple(make_group(f"g{i}") for i in range(256)))
+    assert decode_hint(encode_hint(full)) == full
+
+
+def test_a_released_buffer_is_refused_by_name() -> None:
+    view = memoryview(encode_hint(make_hint()))
+    view.release()
+    refused(view, "cannot be read as bytes")
+
+
+def test_ordinals_that_wrap_around_int64_still_count_as_repeated() -> None:
+    # 0, 2**56, ..., 2**63 - 2**56, then -2**63 ... up to 0 again: each step is positive
+    # modulo 2**64, so a subtraction saw a sorted array; the first and last are both 0.
+    ordinals = (np.arange(257, dtype=np.uint64) * np.uint64(1 << 56)).view(np.int64)
+    assert ordinals[0] == ordinals[-1] == 0
+    with pytest.raises(ValueError, match="repeats an ordinal"):
+        make_group(rows=257, region_slots=1000, ordinals=ordinals)
+
+
+def test_contract_arrays_cannot_be_made_writeable_again() -> None:
+    hint = decode_hint(encode_hint(make_hint()))
+    for array in (hint.groups[0].slots, hint.groups[0].ordinals, make_group().slots, constant_mask(4, True),
+                  constant_mask(1 << 19, False)):
+        with pytest.raises(ValueError):
+            array.flags.writeable = True
+        base = array.base
+        while isinstance(base, np.ndarray):
+            with pytest.raises(ValueError):
+                base.flags.writeable = True
+            base = base.base
