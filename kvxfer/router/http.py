@@ -80,7 +80,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 async def _read_request(reader: asyncio.StreamReader) -> Request:
-    head = await reader.readuntil(b"\r\n\r\n")
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError:
+        raise BadRequest("header too large") from None
     if len(head) > MAX_HEADER:
         raise BadRequest("header too large")
     lines = head.decode("latin-1").split("\r\n")
@@ -132,11 +135,14 @@ class HttpServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+        # Connections first: from Python 3.12 wait_closed() waits for every open connection,
+        # and an idle client would hold it (and the process's shutdown) for good.
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -185,7 +191,9 @@ async def _open(url: str, method: str, path: str, body: Any, timeout: float
     host, _, port = url.removeprefix("http://").rstrip("/").partition(":")
     data = b"" if body is None else json.dumps(body).encode()
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+        # The limit bounds one line of a stream: a hint event carries every row's slot, and
+        # asyncio's default (64 KiB) is a few thousand rows.
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), limit=MAX_BODY), timeout)
     except asyncio.TimeoutError:
         raise HttpError(f"{url}: cannot connect within {timeout:.1f}s", unreachable=True) from None
     except OSError as exc:
@@ -261,9 +269,16 @@ async def stream_json(url: str, path: str, body: Any, timeout: float, idle_timeo
                 raise HttpError(f"{url}{path}: no event within {idle_timeout:.1f}s") from None
             except OSError as exc:
                 raise HttpError(f"{url}{path}: stream cut: {exc!r}", unreachable=True) from None
+            except ValueError as exc:  # a line over the limit (asyncio's LimitOverrunError, as ValueError)
+                raise HttpError(f"{url}{path}: stream event too large: {exc}") from None
             if not line:
                 raise HttpError(f"{url}{path}: stream ended before its final event", unreachable=True)
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:
+                raise HttpError(f"{url}{path}: stream event is not JSON: {line[:80]!r}") from None
+            if not isinstance(event, dict):
+                raise HttpError(f"{url}{path}: stream event is not a JSON object: {line[:80]!r}")
             yield event
             if event.get("final"):
                 return

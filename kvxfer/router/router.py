@@ -146,6 +146,7 @@ class Router:
         self.probe_interval_s = probe_interval_s
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._ids = itertools.count()
+        self._background: set[asyncio.Task[None]] = set()  # aborts of requests whose client left
         self._metrics()
 
     # --- selection ---------------------------------------------------------------------------
@@ -245,7 +246,14 @@ class Router:
         else:
             tok = run.token(0, int(prefilled["token"]))
             if tok is not None:
-                yield tok
+                try:
+                    yield tok
+                except GeneratorExit:
+                    # The client left before hint D went to the prefill worker: nothing can
+                    # write into the reservation, so both ends drop it now (rows reusable)
+                    # rather than the decode end quarantining it when it expires.
+                    self._abandon(run.rid, p, d if not isinstance(reserved, BaseException) else None)
+                    raise
         if isinstance(reserved, BaseException):
             self._down(d, reserved)
             if not isinstance(prefilled, BaseException):
@@ -324,6 +332,8 @@ class Router:
                 elif kind == "error":
                     raise _Failure(f"decode {d.url}: {event.get('error')}", dead=False)
         except HttpError as exc:
+            if exc.status == 400:  # the worker is fine: it named what is wrong with the request
+                raise _Failure(f"decode {d.url} refused the request: {exc}", dead=False) from None
             self._down(d, exc)
             raise _Failure(f"decode {d.url} failed: {exc}", dead=True) from None
 
@@ -358,8 +368,10 @@ class Router:
 
     async def _local(self, run: _Run, d: _Endpoint) -> AsyncIterator[Token]:
         """The decode worker prefills the prompt plus every token streamed so far, then goes on."""
-        run.path, run.decode = "local", d.url
         done = len(run.emitted)
+        if done >= run.max_new:
+            return  # the lost worker had streamed every token asked for: nothing is left to do
+        run.path, run.decode = "local", d.url
         context = run.prompt + run.emitted
         run.recomputed += len(context)
         body = {"request": f"{run.rid}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
@@ -379,6 +391,17 @@ class Router:
             await call
         except HttpError:
             pass
+
+    def _abandon(self, rid: str, p: _Endpoint, d: _Endpoint | None) -> None:
+        """Drop a request's prefill and reservation in the background: called where the
+        request's own task is being closed and can await nothing more."""
+        calls = [request_json(p.url, "POST", "/abort", {"request": rid}, self.timeout_s)]
+        if d is not None:
+            calls.append(request_json(d.url, "POST", "/abort", {"request": rid, "rows_safe": True}, self.timeout_s))
+        for call in calls:
+            task = asyncio.get_running_loop().create_task(self._quiet(call))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # --- metrics --------------------------------------------------------------------------------
     def _metrics(self) -> None:

@@ -15,7 +15,7 @@ import torch
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
 from kvxfer.router import Completion, Router, Token
-from kvxfer.router.http import HttpError, HttpServer, request_json, request_text
+from kvxfer.router.http import HttpError, HttpServer, Request, Response, request_json, request_text
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.core import Worker, WorkerConfig
 
@@ -321,5 +321,64 @@ def test_a_client_that_leaves_mid_stream_stops_the_decode_and_frees_its_rows() -
             produced = float(text.split("\nkvxfer_generated_tokens_total ")[1].split()[0])
             assert produced < 100  # stopped long before the 400 tokens asked for
             assert c.workers[d].pool is not None and c.workers[d].pool.requests == ()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_before_the_transfer_frees_both_ends() -> None:
+    # The client takes the first token (from the prefill worker) and leaves before hint D
+    # went to the prefill worker: both ends drop the request now, and the decode worker's
+    # reserved rows are released (nothing can write into them), not quarantined later.
+    async def main() -> None:
+        async with cluster() as c:
+            router = Router(c.prefill, c.decode)
+            stream = router.stream([5, 4, 3, 2, 1], 8)
+            first = await stream.__anext__()
+            assert isinstance(first, Token) and first.index == 0
+            await stream.aclose()
+            p, d = c.prefill[0], c.decode[0]
+            for _ in range(200):
+                if c.workers[p].pool.requests == () and c.workers[d].pool.requests == ():  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.01)
+            text = await request_text(d, "/metrics")
+            assert c.workers[d].pool.requests == () and c.workers[p].pool.requests == ()  # type: ignore[union-attr]
+            assert "kvxfer_open_leases 0" in text and "kvxfer_quarantined_slots 0" in text, text
+
+    asyncio.run(main())
+
+
+def test_a_decode_worker_cut_after_its_last_token_leaves_the_request_complete() -> None:
+    # The worker streams every token asked for, then its stream is cut before "done": the
+    # request is complete (recomputing 0 tokens elsewhere was a 400 that failed it).
+    async def main() -> None:
+        async with cluster(1, 2) as c:
+            inner = make_handler(c.workers[c.decode[0]])
+
+            async def cutting(request: Request) -> Response:
+                response = await inner(request)
+                if request.path.strip("/") != "generate" or response.stream is None:
+                    return response
+                source = response.stream
+
+                async def cut():  # type: ignore[no-untyped-def]
+                    try:
+                        async for chunk in source:
+                            if b'"done"' in chunk:
+                                return  # the worker is gone between its last token and "done"
+                            yield chunk
+                    finally:
+                        await source.aclose()
+                return Response(200, b"", response.content_type, cut())
+
+            server = HttpServer(cutting)
+            port = await server.start()
+            try:
+                router = Router(c.prefill, [f"http://127.0.0.1:{port}", c.decode[1]], on_failure="recompute")
+                prompt = list(range(1, 20))
+                done = await router.generate(prompt, 4)
+                assert done.ok and list(done.tokens) == oracle(prompt, 4), done.error
+            finally:
+                await server.close()
 
     asyncio.run(main())

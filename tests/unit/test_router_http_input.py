@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from test_router import cluster  # noqa: I001 - pytest puts tests/unit on sys.path
@@ -102,5 +103,40 @@ def test_a_transfer_past_its_deadline_is_recomputed_on_the_same_decode_worker() 
             assert done.ok, (done.error, done.events)
             assert list(done.tokens) == oracle(prompt, 4)
             assert done.decode == c.decode[0] and done.path == "resumed"
+
+    asyncio.run(main())
+
+
+def test_long_stream_events_bad_lines_and_an_idle_client_at_close() -> None:
+    """A stream event longer than asyncio's default line limit (64 KiB: a hint of a few
+    thousand rows) is read whole; a line that is not JSON is an HttpError, not a crash; and
+    close() returns while an idle client holds a connection open (from Python 3.12
+    wait_closed() waited for it)."""
+    from kvxfer.router.http import stream_json
+
+    big = "x" * (1 << 20)
+
+    async def handler(request: Request) -> Response:
+        async def events():  # type: ignore[no-untyped-def]
+            if request.path == "/junk":
+                yield b"not json\n"
+                return
+            yield (json.dumps({"event": "published", "hint": big}) + "\n").encode()
+            yield b'{"final": true}\n'
+        return Response(200, b"", "application/x-ndjson", events())
+
+    async def main() -> None:
+        server = HttpServer(handler)
+        port = await server.start()
+        url = f"http://127.0.0.1:{port}"
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)  # sends nothing
+        try:
+            got = [e async for e in stream_json(url, "/publish", {}, 10, 10)]
+            assert got[0]["hint"] == big and got[-1] == {"final": True}
+            with pytest.raises(HttpError, match="not JSON"):
+                _ = [e async for e in stream_json(url, "/junk", {}, 10, 10)]
+        finally:
+            await asyncio.wait_for(server.close(), 5)
+            idle_writer.close()
 
     asyncio.run(main())
