@@ -192,11 +192,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse numeric flags that cannot work, by name, before anything starts (exit 2)."""
+    for flag, low in (("blocks", 1), ("threads", 1), ("nixl_chunk_bytes", 0)):
+        if getattr(args, flag) < low:
+            parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be 0 to 65535, got {args.port}")
+    if not args.transfer_timeout > 0:
+        parser.error(f"--transfer-timeout must be positive, got {args.transfer_timeout}")
+    if not args.nixl_chunk_pause >= 0:
+        parser.error(f"--nixl-chunk-pause must not be negative, got {args.nixl_chunk_pause}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.busy_poll and args.backend != "ipc":
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
+    check_numbers(parser, args)
     try:
         device = parse_device(args.device)
         check_visible(device)

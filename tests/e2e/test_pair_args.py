@@ -42,6 +42,22 @@ def test_serve_refuses_busy_poll_outside_ipc(capsys: pytest.CaptureFixture[str])
     assert exc.value.code == 2 and "--busy-poll applies to --backend ipc only, not nixl" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--transfer-timeout", "-1"], "--transfer-timeout must be positive, got -1.0"),
+    (["--blocks", "0"], "--blocks must be at least 1, got 0"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--port", "70000"], "--port must be 0 to 65535, got 70000"),
+    (["--nixl-chunk-pause", "-0.5"], "--nixl-chunk-pause must not be negative, got -0.5"),
+])
+def test_serve_refuses_numbers_that_cannot_work_by_flag(flags: list[str], words: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.worker import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--role", "decode", *flags])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_worker_config_and_backend_factory_refuse_busy_poll_outside_ipc() -> None:
     from kvxfer.contract import TransferMode
     from kvxfer.worker.backends import make_backend
