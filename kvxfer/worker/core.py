@@ -157,6 +157,9 @@ class Worker:
         self.backend: Backend | None = None
         self._held: dict[str, _Held] = {}
         self._reserved: dict[str, _Reserved] = {}
+        # Ids whose prefill, reservation or local generation is being set up (across awaits):
+        # a second call with one of them is refused at once instead of failing in the pool.
+        self._starting: set[str] = set()
         self._quarantined: list[Lease] = []
         self._quarantined_count = 0
         self._active = 0
@@ -346,10 +349,14 @@ class Worker:
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
         self._need("prefill")
         rid, prompt = _request_id(body), _prompt(body, self.config.model)
-        if rid in self._held:
+        if rid in self._held or rid in self._starting:
             raise BadRequest(f"request {rid!r} is already held here")
         start = time.perf_counter()
-        first = await self._run(self._prefill_sync, rid, prompt)
+        self._starting.add(rid)
+        try:
+            first = await self._run(self._prefill_sync, rid, prompt)
+        finally:
+            self._starting.discard(rid)
         seconds = time.perf_counter() - start
         self.m_prefill.observe(seconds)
         self.m_tokens.inc()
@@ -440,9 +447,13 @@ class Worker:
         self._need("decode")
         rid, prompt = _request_id(body), _prompt(body, self.config.model)
         max_new = _positive(body, "max_new_tokens")
-        if rid in self._reserved:
+        if rid in self._reserved or rid in self._starting:
             raise BadRequest(f"request {rid!r} is already reserved here")
-        hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new)
+        self._starting.add(rid)
+        try:
+            hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new)
+        finally:
+            self._starting.discard(rid)
         self._reserved[rid] = _Reserved(prompt, max_new, lease, view, time.monotonic())
         return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows, "reused_tokens": reused}
 
@@ -516,8 +527,15 @@ class Worker:
         prompt = _prompt(body, self.config.model)
         if body.get("hint"):
             raise BadRequest(f"request {rid!r} has no reservation here: reserve before generating with a hint")
-        return self._decode_events(rid, prompt, _positive(body, "max_new_tokens"), None, None, None, policy,
-                                   timeout, True)
+        max_new = _positive(body, "max_new_tokens")
+        need = tokens_needed(len(prompt), max_new)
+        if need > self.config.model.max_positions:
+            raise BadRequest(f"prompt plus completion is {need} tokens, over max_positions "
+                             f"{self.config.model.max_positions}")
+        assert self.pool is not None
+        if rid in self._starting or self.pool.has(rid):
+            raise BadRequest(f"request {rid!r} is already in use here")
+        return self._decode_events(rid, prompt, max_new, None, None, None, policy, timeout, True)
 
     async def _decode_events(self, rid: str, prompt: list[int], max_new: int, reserved: _Reserved | None,
                              hint_p: Any, first: int | None, policy: str, timeout: float,
@@ -525,6 +543,10 @@ class Worker:
         self._active += 1
         n = len(prompt)
         name = rid
+        own = reserved  # the reservation this stream took over; others under this id are not ours
+        owned = reserved is not None  # the pool request ``name`` is ours to finish
+        if reserved is None:
+            self._starting.add(rid)
         try:
             transfer: dict[str, Any] | None = None
             if reserved is not None and hint_p is not None:
@@ -538,17 +560,21 @@ class Worker:
                     self.m_failures.inc(reason=reason_label(None, str(exc)))
                     transfer = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
                                 "rows": reserved.view.rows, "rows_delivered": 0, "bytes": 0, "seconds": 0.0}
+                    owned = False
                     await self._run(self._free, rid)
                     name, reserved = f"{rid}#local", None
             elif reserved is not None:
                 # No hint P: the prefill side failed before publishing. Unless the router
                 # knows it cannot write into our rows, quarantine them and start afresh.
+                owned = False
                 await self._run(self._drop_reservation, rid, reserved, rows_safe)
                 name = f"{rid}#local"
                 reserved = None
                 first = None
             if reserved is None:
                 await self._run(self._allocate_local, name, prompt, max_new)
+                owned = True
+            self._starting.discard(rid)
             position = await self._run(self._usable, name, n)
             if position < n and transfer is not None and policy == "fail":
                 yield {"event": "error", "final": True, "transfer": transfer,
@@ -579,8 +605,12 @@ class Worker:
             yield {"event": "done", "final": True, "tokens": max_new}
         finally:
             try:
-                self._reserved.pop(rid, None)
-                await self._run(self._finish, name, prompt)
+                if own is None:
+                    self._starting.discard(rid)
+                elif self._reserved.get(rid) is own:
+                    del self._reserved[rid]
+                if owned:
+                    await self._run(self._finish, name, prompt)
             finally:
                 self._active -= 1  # last: "no active stream" means its clean-up is done
 

@@ -382,3 +382,42 @@ def test_a_decode_worker_cut_after_its_last_token_leaves_the_request_complete() 
                 await server.close()
 
     asyncio.run(main())
+
+
+def test_worker_ids_in_use_and_lengths_are_refused_before_anything_is_touched() -> None:
+    # A local /generate whose id a /reserve took before the stream started fails alone: the
+    # reservation stays whole (the stream's clean-up used to drop it and free its rows). Two
+    # prefills of one id at once: the second is a 400, not a pool error (500). A local
+    # /generate past max_positions is refused before it streams anything.
+    from kvxfer.router.http import BadRequest
+
+    async def main() -> None:
+        worker = Worker(WorkerConfig(role="decode", model=CFG, num_blocks=256, backend="loopback"), model=MODEL,
+                        fabric=LoopbackFabric())
+        await worker.start()
+        prefill = Worker(WorkerConfig(role="prefill", model=CFG, num_blocks=256, backend="loopback"), model=MODEL,
+                         fabric=LoopbackFabric())
+        await prefill.start()
+        try:
+            stream = await worker.generate({"request": "X", "prompt": [1, 2, 3, 4, 5], "max_new_tokens": 3})
+            await worker.reserve({"request": "X", "prompt": list(range(1, 30)), "max_new_tokens": 3})
+            with pytest.raises(ValueError, match="already"):
+                async for _ in stream:
+                    pass
+            assert "X" in worker._reserved and worker.pool is not None and worker.pool.has("X")
+            assert (await worker.abort({"request": "X", "rows_safe": True}))["dropped"] == "reserved"
+            assert worker._quarantined_count == 0 and worker.lender is not None and worker.lender.open_leases == 0
+
+            results = await asyncio.gather(*(prefill.prefill({"request": "same", "prompt": list(range(1, 30))})
+                                             for _ in range(2)), return_exceptions=True)
+            assert sum(isinstance(r, dict) for r in results) == 1, results
+            assert any(isinstance(r, BadRequest) and "already held" in str(r) for r in results), results
+
+            too_long = CFG.max_positions
+            with pytest.raises(BadRequest, match="over max_positions"):
+                await worker.generate({"request": "Y", "prompt": [1, 2, 3], "max_new_tokens": too_long})
+        finally:
+            await worker.close()
+            await prefill.close()
+
+    asyncio.run(main())
