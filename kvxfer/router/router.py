@@ -164,6 +164,8 @@ class Router:
         return ordered[0]
 
     def _down(self, endpoint: _Endpoint, exc: BaseException) -> None:
+        if isinstance(exc, HttpError) and exc.status == 400:
+            return  # the worker is fine: it named what is wrong with the request
         endpoint.failures += 1
         self.m_worker_failures.inc(role=endpoint.role, worker=endpoint.url)
         if isinstance(exc, HttpError) and exc.unreachable:
@@ -214,8 +216,14 @@ class Router:
             if self.on_failure == "fail":
                 raise _Failure("no prefill worker is reachable (policy fail)", dead=True)
             run.events.append("no prefill worker reachable: decode prefills")
-            async for t in self._local(run, d):
-                yield t
+            try:
+                async for t in self._local(run, d):
+                    yield t
+            except _Failure as exc:
+                if not exc.dead:
+                    raise
+                async for t in self._after_decode_loss(run, d, str(exc)):  # another decode worker goes on
+                    yield t
             return
         run.prefill, run.decode = p.url, d.url
         p.outstanding += 1

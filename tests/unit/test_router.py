@@ -421,3 +421,44 @@ def test_worker_ids_in_use_and_lengths_are_refused_before_anything_is_touched() 
             await prefill.close()
 
     asyncio.run(main())
+
+
+def test_without_prefill_workers_a_lost_decode_worker_is_replaced_and_bad_input_blames_nobody() -> None:
+    # No prefill worker: the decode worker prefills; its stream is cut after one token, and
+    # another decode worker goes on from there (policy recompute). A token id outside the
+    # vocabulary is the client's mistake: the request fails, and no worker counts a failure.
+    async def main() -> None:
+        async with cluster(0, 2) as c:
+            inner = make_handler(c.workers[c.decode[0]])
+
+            async def cutting(request: Request) -> Response:
+                response = await inner(request)
+                if request.path.strip("/") != "generate" or response.stream is None:
+                    return response
+                source = response.stream
+
+                async def cut():  # type: ignore[no-untyped-def]
+                    try:
+                        async for chunk in source:
+                            yield chunk
+                            if b'"index": 1' in chunk:
+                                return  # gone after its second token
+                    finally:
+                        await source.aclose()
+                return Response(200, b"", response.content_type, cut())
+
+            server = HttpServer(cutting)
+            port = await server.start()
+            try:
+                router = Router([], [f"http://127.0.0.1:{port}", c.decode[1]], on_failure="recompute")
+                prompt = [9, 8, 7, 6, 5]
+                done = await router.generate(prompt, 6)
+                assert done.ok and list(done.tokens) == oracle(prompt, 6), done.error
+                router = Router([], [c.decode[1]], on_failure="recompute")
+                bad = await router.generate([1, 2, CFG.vocab_size + 5], 3)
+                assert not bad.ok and bad.error is not None and "400" in bad.error
+                assert "kvxfer_router_worker_failures_total{" not in router.metrics_text()
+            finally:
+                await server.close()
+
+    asyncio.run(main())
