@@ -186,10 +186,24 @@ def encode_note(kind: str, **fields: Any) -> bytes:
     return NOTE_PREFIX + msgpack.packb({"k": kind, **fields}, use_bin_type=True)
 
 
+_NOTE_CONTAINERS = 4  # the map, and the grant, ok and no lists of a credit note
+
+
 def decode_note(message: bytes) -> dict[str, Any]:
-    """The note's fields; ValueError naming what is wrong."""
+    """The note's fields; ValueError naming what is wrong. Bounded like the wire codec: a
+    peer's note of nested arrays would otherwise cost many times its size in memory."""
+    left = [_NOTE_CONTAINERS]
+
+    def counted(obj: Any) -> Any:
+        left[0] -= 1
+        if left[0] < 0:
+            raise ValueError(f"more than {_NOTE_CONTAINERS} arrays and maps")
+        return obj
+
     try:
-        note = msgpack.unpackb(message[len(NOTE_PREFIX):], raw=False)
+        note = msgpack.unpackb(message[len(NOTE_PREFIX):], raw=False, strict_map_key=True,
+                               list_hook=counted, object_hook=counted, max_array_len=MAX_CHUNKS,
+                               max_map_len=16, max_ext_len=0)
     except Exception as exc:
         raise ValueError(f"packed note does not decode: {exc}") from None
     if not isinstance(note, dict) or note.get("k") not in ("req", "credit", "chunk"):

@@ -492,3 +492,17 @@ def test_auto_default_on_host_packs_only_very_small_descriptors(made: list[NixlB
         assert isinstance(theirs, Delivered) and pub.path_of(sending) == path  # type: ignore[arg-type]
         g = views[1].groups[0]
         assert fmem.read(g.region.name, g.slots) == payload["g"]
+
+
+def test_notes_decode_within_bounds() -> None:
+    # A credit note round-trips; a note of nested arrays (8 wide, 6 deep: 300 KB of one-byte
+    # empty arrays, some 19 MB as Python lists) is refused by name before it is built.
+    from kvxfer.backends.nixl_packed import NOTE_PREFIX, decode_note
+
+    note = decode_note(encode_note("credit", t="x", grant=[1, 2], ok=[0], no=[]))
+    assert note == {"k": "credit", "t": "x", "grant": [1, 2], "ok": [0], "no": []}
+    bomb = b"\x90"
+    for _ in range(6):
+        bomb = b"\x98" + bomb * 8
+    with pytest.raises(ValueError, match="more than 4 arrays and maps"):
+        decode_note(NOTE_PREFIX + b"\x82\xa1k\xa6credit\xa1t" + bomb)
