@@ -62,6 +62,7 @@ from kvxfer.backends.matching import GroupMatch
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, PeerUnknown, XferError
 from kvxfer.backends.nixl_jobs import ActiveJob
 from kvxfer.contract import BoolArray, Hint, IndexArray, MemoryKind, SlotRegion
+from kvxfer.wire.envelope import container_budget
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +193,7 @@ _NOTE_CONTAINERS = 4  # the map, and the grant, ok and no lists of a credit note
 def decode_note(message: bytes) -> dict[str, Any]:
     """The note's fields; ValueError naming what is wrong. Bounded like the wire codec: a
     peer's note of nested arrays would otherwise cost many times its size in memory."""
-    left = [_NOTE_CONTAINERS]
-
-    def counted(obj: Any) -> Any:
-        left[0] -= 1
-        if left[0] < 0:
-            raise ValueError(f"more than {_NOTE_CONTAINERS} arrays and maps")
-        return obj
-
+    counted = container_budget(_NOTE_CONTAINERS)
     try:
         note = msgpack.unpackb(message[len(NOTE_PREFIX):], raw=False, strict_map_key=True,
                                list_hook=counted, object_hook=counted, max_array_len=MAX_CHUNKS,

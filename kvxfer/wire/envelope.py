@@ -14,6 +14,7 @@ record can never decode as a hint.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, NoReturn, Union
 
 import msgpack
@@ -33,15 +34,10 @@ def _refuse_ext(code: int, data: bytes) -> NoReturn:
     raise ValueError(f"msgpack ext type {code} is not allowed")
 
 
-def unpack(data: Buffer, what: str, limits: Limits, *, max_items: int, max_containers: int) -> Any:
-    """Strict msgpack: str map keys only, no ext types, every object bounded in size, and at
-    most ``max_containers`` arrays and maps in all.
-
-    Any msgpack failure (truncation, trailing bytes, bad UTF-8, nesting too deep, a size
-    beyond the limits) becomes a WireError naming ``what``. The container count matters
-    because each one-byte empty array becomes a Python list of about 70 bytes: a message of
-    nested arrays would otherwise cost 70 times its size in memory before any check.
-    """
+def container_budget(max_containers: int) -> Callable[[Any], Any]:
+    """A msgpack list_hook/object_hook that lets through at most ``max_containers`` arrays and
+    maps, then raises ValueError: each one-byte empty array becomes a Python list of about 70
+    bytes, so nested arrays would cost 70 times their size in memory before any check."""
     left = [max_containers]
 
     def counted(obj: Any) -> Any:
@@ -50,6 +46,18 @@ def unpack(data: Buffer, what: str, limits: Limits, *, max_items: int, max_conta
             raise ValueError(f"more than {max_containers} arrays and maps")
         return obj
 
+    return counted
+
+
+def unpack(data: Buffer, what: str, limits: Limits, *, max_items: int, max_containers: int) -> Any:
+    """Strict msgpack: str map keys only, no ext types, every object bounded in size, and at
+    most ``max_containers`` arrays and maps in all.
+
+    Any msgpack failure (truncation, trailing bytes, bad UTF-8, nesting too deep, a size
+    beyond the limits, too many containers: see container_budget) becomes a WireError
+    naming ``what``.
+    """
+    counted = container_budget(max_containers)
     try:
         return msgpack.unpackb(
             data, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext,

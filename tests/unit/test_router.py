@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -348,30 +349,36 @@ def test_a_client_that_leaves_before_the_transfer_frees_both_ends() -> None:
     asyncio.run(main())
 
 
+def _cutting(inner: Any, at: Any, after: bool) -> Any:
+    """A worker's HTTP handler whose /generate stream is cut at the first chunk ``at`` accepts
+    (``after``: once that chunk is sent, else before it): the worker's death, as the router sees it."""
+    async def handler(request: Request) -> Response:
+        response = await inner(request)
+        if request.path.strip("/") != "generate" or response.stream is None:
+            return response
+        source = response.stream
+
+        async def cut():  # type: ignore[no-untyped-def]
+            try:
+                async for chunk in source:
+                    if at(chunk) and not after:
+                        return
+                    yield chunk
+                    if at(chunk):
+                        return
+            finally:
+                await source.aclose()
+        return Response(200, b"", response.content_type, cut())
+    return handler
+
+
 def test_a_decode_worker_cut_after_its_last_token_leaves_the_request_complete() -> None:
     # The worker streams every token asked for, then its stream is cut before "done": the
     # request is complete (recomputing 0 tokens elsewhere was a 400 that failed it).
     async def main() -> None:
         async with cluster(1, 2) as c:
-            inner = make_handler(c.workers[c.decode[0]])
-
-            async def cutting(request: Request) -> Response:
-                response = await inner(request)
-                if request.path.strip("/") != "generate" or response.stream is None:
-                    return response
-                source = response.stream
-
-                async def cut():  # type: ignore[no-untyped-def]
-                    try:
-                        async for chunk in source:
-                            if b'"done"' in chunk:
-                                return  # the worker is gone between its last token and "done"
-                            yield chunk
-                    finally:
-                        await source.aclose()
-                return Response(200, b"", response.content_type, cut())
-
-            server = HttpServer(cutting)
+            # The worker is gone between its last token and "done".
+            server = HttpServer(_cutting(make_handler(c.workers[c.decode[0]]), lambda chunk: b'"done"' in chunk, False))
             port = await server.start()
             try:
                 router = Router(c.prefill, [f"http://127.0.0.1:{port}", c.decode[1]], on_failure="recompute")
@@ -429,25 +436,9 @@ def test_without_prefill_workers_a_lost_decode_worker_is_replaced_and_bad_input_
     # vocabulary is the client's mistake: the request fails, and no worker counts a failure.
     async def main() -> None:
         async with cluster(0, 2) as c:
-            inner = make_handler(c.workers[c.decode[0]])
-
-            async def cutting(request: Request) -> Response:
-                response = await inner(request)
-                if request.path.strip("/") != "generate" or response.stream is None:
-                    return response
-                source = response.stream
-
-                async def cut():  # type: ignore[no-untyped-def]
-                    try:
-                        async for chunk in source:
-                            yield chunk
-                            if b'"index": 1' in chunk:
-                                return  # gone after its second token
-                    finally:
-                        await source.aclose()
-                return Response(200, b"", response.content_type, cut())
-
-            server = HttpServer(cutting)
+            # The worker is gone after its second token.
+            server = HttpServer(_cutting(make_handler(c.workers[c.decode[0]]), lambda chunk: b'"index": 1' in chunk,
+                                         True))
             port = await server.start()
             try:
                 router = Router([], [f"http://127.0.0.1:{port}", c.decode[1]], on_failure="recompute")
