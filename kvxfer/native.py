@@ -82,6 +82,8 @@ def spin_poll(fds: list[int], timeout_s: float, words: np.ndarray | None = None,
     watched = slots is not None and slots.size > 0
     if watched:
         assert words is not None and words.dtype == np.uint64 and slots is not None and slots.dtype == np.int64
+        if not words.flags.c_contiguous:  # the native spin reads words at base + 8 * slot
+            raise ValueError("spin_poll: words must be a contiguous array")
         if int(slots.min()) < 0 or int(slots.max()) >= words.size:
             raise ValueError(f"spin_poll: slots must lie in [0, {words.size})")
     if _NATIVE is not None and hasattr(_NATIVE, "spin_poll"):
@@ -144,13 +146,30 @@ def _host_slots(slots: Any, n_rows: int | None, what: str) -> tuple[npt.NDArray[
     return array, int(array.size)
 
 
-def _check_range(slots: Any, limit: int | None, what: str) -> None:
-    if limit is None or not isinstance(slots, np.ndarray) or slots.size == 0:
+_INT64_MAX = (1 << 63) - 1
+
+
+def _check_range(slots: Any, limit: int | None, n: int, stride: int, row_bytes: int, what: str) -> None:
+    """Every row of an end lies in [0, limit) (when a limit is given), no slot is negative,
+    and the furthest byte's address does not wrap around int64 (index * stride)."""
+    if isinstance(slots, DeviceIndex):
+        if limit is not None:
+            raise RowCopyError(f"a {what} limit cannot be checked against device-resident indices (DeviceIndex): "
+                               "check them where they are made")
         return
-    low, high = int(slots.min()), int(slots.max())
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        raise RowCopyError(f"{what} index {bad} is outside [0, {limit})")
+    if n == 0 or row_bytes == 0:
+        return
+    if slots is None:  # row i is slot i
+        high = n - 1
+        if limit is not None and n > limit:
+            raise RowCopyError(f"{what} rows 0..{high} do not fit its {limit} slots")
+    else:
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or (limit is not None and high >= limit):
+            bad = low if low < 0 else high
+            raise RowCopyError(f"{what} index {bad} is outside [0, {limit if limit is not None else 'inf'})")
+    if high * stride + row_bytes > _INT64_MAX:
+        raise RowCopyError(f"{what} index {high} at stride {stride} lies past the end of the address space")
 
 
 def copy_rows(
@@ -179,8 +198,8 @@ def copy_rows(
         raise RowCopyError(f"row_bytes {row_bytes} exceeds a stride (source {src_stride}, destination {dst_stride})")
     if n and row_bytes and (src_base == 0 or dst_base == 0):
         raise RowCopyError("a base address is null")
-    _check_range(src, src_limit, "source")
-    _check_range(dst, dst_limit, "destination")
+    _check_range(src, src_limit, n, src_stride, row_bytes, "source")
+    _check_range(dst, dst_limit, n, dst_stride, row_bytes, "destination")
     if n == 0 or row_bytes == 0:
         return
     if impl not in ("auto", "native", "fallback"):

@@ -222,7 +222,9 @@ std::string stream_counter(int device, std::uint64_t stream, unsigned int** out)
   unsigned int* counter = nullptr;
   cudaError_t e = cudaMalloc(&counter, sizeof(unsigned int));
   if (e != cudaSuccess) return fail("allocating a doorbell block counter", e);
-  e = cudaMemset(counter, 0, sizeof(unsigned int));
+  // On the copy stream itself: a plain cudaMemset goes to the legacy stream, which a
+  // non-blocking stream's kernels do not wait for.
+  e = cudaMemsetAsync(counter, 0, sizeof(unsigned int), reinterpret_cast<cudaStream_t>(stream));
   if (e != cudaSuccess) {
     (void)cudaFree(counter);
     return fail("clearing a doorbell block counter", e);

@@ -133,8 +133,28 @@ def test_errors_are_named(impl: str) -> None:
         native.copy_rows(src_slots=ok.astype(np.int32), dst_slots=ok, row_bytes=64, **common)
     with pytest.raises(native.RowCopyError, match="3 rows, the other end 4"):
         native.copy_rows(src_slots=ok, dst_slots=ok[:3], row_bytes=64, **common)
+    # A contiguous end is bounded by its limit too (a gather or scatter's buffer end).
+    with pytest.raises(native.RowCopyError, match="destination rows 0..9 do not fit its 4 slots"):
+        native.copy_rows(src_slots=np.arange(10, dtype=np.int64) % 8, dst_slots=None, row_bytes=64, dst_limit=4,
+                         **common)
+    # Without a limit, a negative slot or one whose address wraps around int64 is still refused
+    # (the native copy read before the base; the fallback wrapped around Python-style).
+    with pytest.raises(native.RowCopyError, match="source index -1 is outside"):
+        native.copy_rows(src_slots=np.array([-1, 3]), dst_slots=ok[:2], row_bytes=64, **common)
+    with pytest.raises(native.RowCopyError, match="past the end of the address space"):
+        native.copy_rows(src_slots=np.array([0, 1 << 58]), dst_slots=ok[:2], row_bytes=64, **common)
+    with pytest.raises(native.RowCopyError, match="device-resident indices"):
+        native.copy_rows(src_slots=native.DeviceIndex(8), dst_slots=native.DeviceIndex(16), n_rows=4, row_bytes=64,
+                         src_limit=8, **common)
     assert issubclass(native.RowCopyError, KvxferError)
     assert dst.raw.tobytes() == Space(8, 64).raw.tobytes()  # nothing was written
+
+
+def test_spin_poll_refuses_a_strided_words_view() -> None:
+    backing = np.zeros(16, dtype=np.uint64)
+    backing[8] = 1  # outside the view below, which the native spin would have read
+    with pytest.raises(ValueError, match="contiguous"):
+        native.spin_poll([], 0.0, backing[:8][::-1], np.array([1], dtype=np.int64))
 
 
 def test_native_module_checks_on_its_own() -> None:
