@@ -345,8 +345,11 @@ class NixlBackend(Backend):
         self._thread.join(timeout=10.0)
         if self._thread.is_alive():  # stuck inside NIXL: nothing can be proven
             return frozenset(j.attempt for j in active + passive if not j.attempt.quiesced())
-        # Our thread has exited: release what our own requests still hold (NIXL aborts them).
+        # Our thread has exited: release what our own requests still hold, unless one is still
+        # moving bytes to a live peer (NIXL would not abort it): that job stays unquiesced.
         for job in self._active:
+            if not job.peer_gone and any(self._agent.state(h) == "PROC" for h in job.inflight.values()):
+                continue
             for handle in list(job.inflight.values()) + job.stuck:
                 if not self._agent.release(handle):
                     break
@@ -850,6 +853,7 @@ class NixlBackend(Backend):
             jobs = [j for j in self._active if j.hint.agent == peer]
         for job in jobs:
             job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+            job.peer_gone = True
             if isinstance(job, PackedJob):
                 job.abandoned = True  # no acknowledgement will come: its rows stay as proven
 
@@ -869,6 +873,10 @@ class NixlBackend(Backend):
         if lost:
             self._peer_lost(job.hint.agent)
         if job.touching:
+            if job.failure is not None and job.attempt.poll() is None:
+                # Terminal now, with the rows proven so far; quiesced (and the peer told) only
+                # once NIXL has ended the requests still in flight.
+                job.attempt.conclude(conclusion(job)[1])
             return True
         if not job.finished:
             # Paced, or waiting for the peer's metadata from etcd; a packed job waiting for

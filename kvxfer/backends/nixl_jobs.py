@@ -64,6 +64,10 @@ class ActiveJob:
     done: list[int] = field(default_factory=list)            # chunks proven delivered
     failure: str | None = None
     cancelled_by_peer: bool = False
+    # NIXL does not abort a request that is still moving bytes when its handle is released
+    # (seen with UCX over TCP: released READs and WRITEs still land), so requests in progress
+    # are waited for even after a failure; only a peer known to be gone ends them sooner.
+    peer_gone: bool = False
 
     @property
     def touching(self) -> bool:
@@ -126,8 +130,8 @@ class PassiveWait:
 def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float, deadline_s: float) -> bool:
     """Check the job's requests, then post more (at most ``window`` in flight, none once it
     stops). A request that is DONE proves its chunk; once the job fails, requests still in
-    progress are released (NIXL aborts them) and their rows stay unproven. Returns True
-    when the peer turned out to be disconnected."""
+    progress are waited for (see ActiveJob.peer_gone), then their rows count as proven or
+    not by how they ended. Returns True when the peer turned out to be disconnected."""
     now = time.monotonic()
     peer = job.hint.agent
     lost = False
@@ -140,12 +144,12 @@ def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float
             job.failure = f"peer {peer!r} unreachable: {exc}"
     for index, handle in list(job.inflight.items()):
         state = agent.state(handle)
-        if state == "PROC" and job.failure is None:
+        if state == "PROC" and not job.peer_gone:
             continue
         if state == "DONE":
             job.done.append(index)
         elif state == "GONE":
-            lost = True
+            lost = job.peer_gone = True
             job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
         elif state == "ERR":
             job.failure = job.failure or f"NIXL reported an error on chunk {index} with peer {peer!r}"
@@ -161,7 +165,7 @@ def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float
         try:
             post = agent.post(job.op, chunk.local_descs, chunk.local_kind, chunk.remote_descs, chunk.remote_kind, peer)
         except PeerGone:
-            lost = True
+            lost = job.peer_gone = True
             job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
             break
         except XferError as exc:

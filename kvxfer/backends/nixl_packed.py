@@ -336,6 +336,7 @@ def request_slots(job: PackedJob, agent: NixlAgent) -> bool:
         pass  # etcd metadata not there yet: asked again on the next step
     except PeerGone:
         job.failure, job.abandoned = f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)", True
+        job.peer_gone = True
         return True
     return False
 
@@ -359,14 +360,15 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
             job.failure = f"peer {peer!r} unreachable: {exc}"
     for index, handle in list(job.inflight.items()):
         state = agent.state(handle)
-        if state == "PROC" and not job.abandoned:
-            # Even after a failure: a WRITE that completes is acknowledged by the peer, which
-            # scatters it, and both ends must then count its rows.
+        if state == "PROC" and not job.peer_gone:
+            # Even after a failure or past the deadline: NIXL does not abort a WRITE still in
+            # progress (ActiveJob.peer_gone), and one that completes is acknowledged by the
+            # peer, which scatters it: both ends must then count its rows.
             continue
         if state == "DONE":
             job.written.add(index)  # its ``chunk`` note reaches the peer with the bytes
         elif state == "GONE":
-            lost = True
+            lost = job.peer_gone = True
             job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
         elif state == "ERR":
             job.failure = job.failure or f"NIXL reported an error on packed chunk {index} with peer {peer!r}"
@@ -411,6 +413,7 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
         except PeerGone:
             arena.free_out.extend(s for _, _, s, _ in batch[at:])
             lost, job.abandoned = True, True
+            job.peer_gone = True
             job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
             break
         except XferError as exc:

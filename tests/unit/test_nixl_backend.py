@@ -259,3 +259,48 @@ def test_post_inline_with_an_injected_fault_and_a_bad_value(made: list[NixlBacke
         assert isinstance(outcome, Failed) and outcome.rows_delivered == 7, outcome
     g = fview.groups[0]
     assert fmem.read(g.region.name, g.slots[:7]) == payload["g0"][: 7 * ROW]
+
+
+def test_a_request_still_in_flight_at_the_deadline_is_waited_for_before_quiescence(
+        made: list[NixlBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    # UCX over TCP, and a publisher whose worker does not progress for a while: the pull's
+    # READs are still in flight when its deadline passes. NIXL does not abort a released
+    # request (its bytes still land), so the fetch fails at the deadline but quiesces only
+    # once its READs ended; from then on nothing of it writes the fetcher's rows.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    rows, row = 64, 1 << 20
+    pub = NixlBackend(mode=TransferMode.PULL)
+    fet = NixlBackend(mode=TransferMode.PULL, deadline_s=0.3, chunk_bytes=16 * row, window=2)
+    made.extend([pub, fet])
+    pmem, fmem = host_rows((("P0", row, rows),)), host_rows((("F0", row, rows),))
+    pub.register(pmem.regions)
+    fet.register(fmem.regions)
+    pmem.buffers["P0"].array.fill(7)
+    fmem.buffers["F0"].array.fill(0)
+
+    def whole(memory: HostRows) -> View:
+        region = memory.regions[0]
+        ordinals = np.arange(rows, dtype=np.int64)
+        return View("slow", TokenRange(0, 1), (LayerGroupRows("g0", CacheKind.PAGED, region, ordinals, ordinals),),
+                    b"L")
+
+    pv, fv = whole(pmem), whole(fmem)
+    hint_p, hint_f = pub.describe(pv), fet.describe(fv)
+    gate = threading.Event()
+    step = pub._step
+    monkeypatch.setattr(pub, "_step", lambda: gate.wait() and step())  # a publisher busy elsewhere
+    publishing = pub.publish(pv, hint_f)
+    fetching = fet.fetch(fv, hint_p)
+    end = time.monotonic() + 10
+    while fetching.poll() is None and time.monotonic() < end:
+        time.sleep(0.01)
+    outcome = fetching.poll()
+    assert isinstance(outcome, Failed) and "timeout" in outcome.reason, outcome
+    time.sleep(0.3)
+    assert not fetching.quiesced(), "quiesced while its READs were still in flight"
+    gate.set()
+    assert fetching.wait(20.0), "never quiesced once the publisher progressed"
+    landed = fmem.buffers["F0"].array.copy()
+    time.sleep(0.5)
+    assert np.array_equal(fmem.buffers["F0"].array, landed), "bytes landed after the fetch quiesced"
+    assert publishing.wait(20.0)
