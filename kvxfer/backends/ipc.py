@@ -398,10 +398,12 @@ class IpcBackend(Backend):
             with self._launch_lock:
                 with self._jobs_lock:
                     self._refuse_if_closed()
+                    self._own.check_unused(hint.agent, hint.transfer_id)
                     if (hint.agent, hint.transfer_id) in self._revoked:
                         raise InvalidSubmission(
                             f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): "
                             "describe again")
+                    self._own.use(hint.agent, hint.transfer_id)
                 self._launch(job)
                 self._in_flight.append(job)
             if job.launched and job.failure is None:

@@ -205,7 +205,9 @@ class LoopbackBackend(Backend):
                           not_before=now + self.delay_s)
             with self._jobs_lock:
                 self._refuse_if_closed()
+                self._own.check_unused(hint.agent, hint.transfer_id)
                 self._refuse_if_revoked(hint)
+                self._own.use(hint.agent, hint.transfer_id)
                 self._active.append(job)
         else:
             attempt = TrackedAttempt(wake, self._on_cancel, label)

@@ -398,6 +398,7 @@ class NixlBackend(Backend):
         with self._lock:
             self._refuse_if_closed()
             if active:
+                self._own.check_unused(hint.agent, hint.transfer_id)
                 if (hint.agent, hint.transfer_id) in self._revoked:
                     # The peer asked us to withdraw before we had its metadata to answer; now
                     # we can, and its wait quiesces once it hears that nothing will move.
@@ -439,6 +440,7 @@ class NixlBackend(Backend):
                         self._counts["chunks_posted_inline"] += job.next_chunk
                     self._counts["unpacked_submissions"] += 1
                     self._paths[attempt] = "unpacked"
+                self._own.use(hint.agent, hint.transfer_id)
                 self._active.append(job)
             else:
                 wait = PassiveWait(attempt, view, hint, own_id, deadline)

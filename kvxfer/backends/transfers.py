@@ -6,6 +6,8 @@ import secrets
 import threading
 from collections import OrderedDict
 
+import numpy as np
+
 from kvxfer.contract import HintGroup, InvalidSubmission, View
 
 _RETIRED_KEPT = 65536
@@ -24,17 +26,36 @@ def hint_groups(view: View) -> tuple[HintGroup, ...]:
     )
 
 
-class OwnTransfers:
-    """The ids this end minted in describe(), by view, and those already used up.
+def _same_rows(a: View, b: View) -> bool:
+    """The two views name the same rows (the described and the submitted one)."""
+    if a is b:
+        return True
+    if len(a.groups) != len(b.groups):
+        return False
+    for x, y in zip(a.groups, b.groups):
+        if x.layer_group != y.layer_group or x.region != y.region:
+            return False
+        for p, q in ((x.slots, y.slots), (x.ordinals, y.ordinals)):
+            if p is not q and not np.array_equal(p, q):
+                return False
+    return True
 
-    fetch()/publish() of a view use the id of that view's latest describe(); once the
-    attempt exists the id is consumed, and a record naming a retired id is stale.
+
+class OwnTransfers:
+    """The ids this end minted in describe(), by view, and those already used up; and the
+    peers' transfer ids this end has acted on.
+
+    fetch()/publish() of a view use the id of that view's latest describe(), and only for
+    the rows that describe() showed the peer; once the attempt exists the id is consumed,
+    and a record naming a retired id is stale. A peer's hint moves bytes once: a second
+    submission with it (a replay, or a retry after the peer reused its rows) is refused.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_view: dict[tuple[str, int, int], str] = {}
+        self._by_view: OrderedDict[tuple[str, int, int], tuple[str, View]] = OrderedDict()
         self._retired: OrderedDict[str, None] = OrderedDict()
+        self._used: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     @staticmethod
     def _key(view: View) -> tuple[str, int, int]:
@@ -43,23 +64,47 @@ class OwnTransfers:
     def mint(self, view: View) -> str:
         transfer_id = secrets.token_hex(12)
         with self._lock:
-            self._by_view[self._key(view)] = transfer_id
+            self._by_view[self._key(view)] = (transfer_id, view)
+            self._by_view.move_to_end(self._key(view))
+            while len(self._by_view) > _RETIRED_KEPT:  # described, never submitted
+                self._by_view.popitem(last=False)
         return transfer_id
 
     def lookup(self, view: View) -> str:
-        """The id of the view's latest describe(); InvalidSubmission when there is none."""
+        """The id of the view's latest describe(); InvalidSubmission when there is none, or
+        when ``view`` holds other rows than the described one (the peer was shown those)."""
         with self._lock:
-            transfer_id = self._by_view.get(self._key(view))
-        if transfer_id is None:
+            found = self._by_view.get(self._key(view))
+        if found is None:
             raise InvalidSubmission(
                 f"no describe() for request {view.request!r} tokens "
                 f"[{view.tokens.start}, {view.tokens.end}): describe the view and send its hint to the peer first"
             )
+        transfer_id, described = found
+        if not _same_rows(described, view):
+            raise InvalidSubmission(
+                f"request {view.request!r} tokens [{view.tokens.start}, {view.tokens.end}): the view holds other rows "
+                "than the one described; describe it again and send the new hint")
         return transfer_id
+
+    def check_unused(self, agent: str, transfer_id: str) -> None:
+        """InvalidSubmission when this end already acted on the peer's transfer."""
+        with self._lock:
+            used = (agent, transfer_id) in self._used
+        if used:
+            raise InvalidSubmission(f"peer {agent!r}'s transfer {transfer_id} was used already: a hint moves bytes "
+                                    "once; the peer must describe again")
+
+    def use(self, agent: str, transfer_id: str) -> None:
+        with self._lock:
+            self._used[(agent, transfer_id)] = None
+            while len(self._used) > _RETIRED_KEPT:
+                self._used.popitem(last=False)
 
     def consume(self, view: View, transfer_id: str) -> None:
         with self._lock:
-            if self._by_view.get(self._key(view)) == transfer_id:
+            found = self._by_view.get(self._key(view))
+            if found is not None and found[0] == transfer_id:
                 del self._by_view[self._key(view)]
 
     def retire(self, transfer_id: str) -> None:

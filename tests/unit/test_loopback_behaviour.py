@@ -15,6 +15,7 @@ from kvxfer.contract import (
     CompletionRecord,
     Delivered,
     Failed,
+    InvalidSubmission,
     LayerGroupRows,
     RecordStatus,
     TokenRange,
@@ -170,3 +171,29 @@ def test_host_rows_round_trip() -> None:
     rows = HostRows([buf])
     rows.write("X", np.array([3, 1]), bytes(range(16)))
     assert rows.read("X", np.array([1, 3])) == bytes(range(8, 16)) + bytes(range(8))
+
+
+def test_a_used_hint_and_a_swapped_view_are_refused() -> None:
+    # A hint moves bytes once: publishing again with the same hint (the peer may have reused
+    # those rows since) is refused by name, before anything moves. A fetch of a view holding
+    # other rows than the one described (its hint showed the peer those) is refused too.
+    a, b, ba, bb = _two(delay_s=0.0)
+    try:
+        va, vb = _view(ba, [0, 1]), _view(bb, [2, 3])
+        hint_a = a.describe(va)
+        b.describe(vb)
+        waiting = a.fetch(va, b.describe(vb))
+        sending = b.publish(vb, hint_a)
+        assert sending.wait(5) and waiting.wait(5) and isinstance(waiting.poll(), Delivered)
+        ba.array[[0, 1]] = 0
+        b.describe(vb)
+        with pytest.raises(InvalidSubmission, match="was used already"):
+            b.publish(vb, hint_a)
+        time.sleep(0.05)
+        assert (ba.array[[0, 1]] == 0).all()  # nothing moved
+        a.describe(_view(ba, [0, 1], "r"))
+        with pytest.raises(InvalidSubmission, match="holds other rows than the one described"):
+            a.fetch(_view(ba, [4, 5], "r"), b.describe(_view(bb, [2, 3], "r")))
+    finally:
+        a.shutdown()
+        b.shutdown()
