@@ -38,8 +38,12 @@ from kvxfer.doctor_probe import ROW
 _CELL_TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
 _OPS = {"remote memory write by": "write", "remote memory read by": "read"}
 LANE_OP = {"push": "write", "pull": "read"}
-REMEDY = ("use push mode (TransferMode.PUSH: the publisher WRITEs) for this pair, "
-          "or the same-node ipc backend (kvxfer.backends.ipc) when both ends share a node")
+REMEDY = {
+    "pull": ("use push mode (TransferMode.PUSH: the publisher WRITEs) for this pair, "
+             "or the same-node ipc backend (kvxfer.backends.ipc) when both ends share a node"),
+    "push": ("use the same-node ipc backend (kvxfer.backends.ipc) when both ends share a node; across nodes, "
+             "give UCX a faster transport (check UCX_TLS and the network devices NIXL can use)"),
+}
 
 
 def _say(message: str) -> None:
@@ -201,7 +205,7 @@ def _warnings(report: dict[str, Any]) -> list[str]:
                 out.append(f"{memory} {lane} lane: UCX printed no protocol table; transport unknown")
             elif any(t.startswith("tcp") for t in transports):
                 out.append(f"!!! {memory.upper()} {lane.upper()} lane falls back to TCP ({', '.join(transports)}): "
-                           f"expect TCP speed. Remedy: {REMEDY}.")
+                           f"expect TCP speed. Remedy: {REMEDY.get(lane, REMEDY['push'])}.")
     return out
 
 
@@ -257,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (best and median)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each probe step")
     parser.add_argument("--no-device", action="store_true", help="skip device memory even when CUDA is present")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when a lane falls back to TCP or its transport is unknown (for scripts and CI)")
     parser.add_argument("--devices", metavar="I,T",
                         help="CUDA devices of the device-memory initiator (it WRITEs on the push lane and READs "
                              "on the pull lane, as a pull's decode end does) and target, e.g. 0,1 "
@@ -287,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         _say(f"wrote {args.json}")
-    return 0
+    return 1 if args.strict and report["warnings"] else 0
 
 
 if __name__ == "__main__":

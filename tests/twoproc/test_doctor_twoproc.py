@@ -31,3 +31,18 @@ def test_doctor_reports_host_lanes_and_figures(tmp_path: Path) -> None:
     assert host["figures"]["rows"]["scattered_per_row_prepped"]["best_gbps"] > 0
     assert "NIXL 1.5.1" in run.stdout and "push (write) lane:" in run.stdout
     assert _probe_processes() == []
+
+
+def test_doctor_strict_exits_1_when_a_lane_falls_back_to_tcp(tmp_path: Path) -> None:
+    """With UCX held to TCP both host lanes fall back; --strict makes that the exit status
+    (a script or CI step can gate on it), and without it the report still says so, exit 0."""
+    import os
+
+    env = {**os.environ, "UCX_TLS": "tcp"}
+    base = [sys.executable, "-m", "kvxfer.cli", "doctor", "--bytes", str(1 << 20), "--reps", "1", "--no-device"]
+    strict = subprocess.run(base + ["--strict"], capture_output=True, text=True, timeout=120, env=env)
+    assert strict.returncode == 1, strict.stderr[-2000:]
+    assert "lane falls back to TCP" in strict.stdout
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert plain.returncode == 0 and "lane falls back to TCP" in plain.stdout
+    assert _probe_processes() == []

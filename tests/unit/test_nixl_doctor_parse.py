@@ -43,6 +43,11 @@ def test_tcp_lane_gets_a_loud_warning_with_the_remedy() -> None:
     assert len(tcp) == 1 and tcp[0].startswith("!!! DEVICE PULL lane falls back to TCP")
     assert "push mode" in tcp[0] and "ipc backend" in tcp[0]
     assert any("host push lane" in w and "unknown" in w for w in warnings)
+    # A push lane on TCP is not told to use push mode: its remedy is its own.
+    pushed = {"memory": {"device": {"lanes": {"push": ["tcp/lo"], "pull": ["cuda_ipc/cuda"]}}}}
+    (push_warning,) = _warnings(pushed)
+    assert push_warning.startswith("!!! DEVICE PUSH lane falls back to TCP") and "push mode" not in push_warning
+    assert "UCX_TLS" in push_warning
 
 
 def test_doctor_refuses_sizes_it_cannot_probe_before_starting_processes(capsys: object) -> None:
