@@ -557,6 +557,10 @@ def check_cancel_before_peer_starts(make_pair: PairFactory, mode: TransferMode) 
             time.sleep(0.001)
         outcome = attempt.poll()
         assert isinstance(outcome, (Cancelled, Delivered, Failed)), outcome
+        if mode is TransferMode.PUSH:
+            # Passive, and its peer never published: nothing can have arrived, so the only
+            # honest end is Cancelled (a deadline's Failed would mean cancel did nothing).
+            assert isinstance(outcome, Cancelled), f"a cancelled wait whose peer never published ended {outcome!r}"
         if isinstance(outcome, Cancelled):
             assert outcome.rows_delivered == 0 or mode is TransferMode.PULL
         if mode is TransferMode.PUSH and isinstance(outcome, Cancelled):

@@ -166,6 +166,25 @@ def test_kit_catches_skipped_registration_check() -> None:
         conformance.check_unregistered_region_refused(factory, TransferMode.PUSH)
 
 
+class _CancelIgnored(LoopbackBackend):
+    """Returns attempts whose cancel() does nothing: a wait then ends only at its deadline."""
+
+    def fetch(self, view, hint, wake=None):  # type: ignore[no-untyped-def]
+        attempt = super().fetch(view, hint, wake)
+        attempt.cancel = lambda: None  # type: ignore[method-assign]
+        return attempt
+
+
+def test_kit_catches_a_cancel_that_does_nothing() -> None:
+    def factory(mode: TransferMode) -> conformance.Pair:
+        pair = make_pair(mode, deadline_s=0.5)
+        pair.local.__class__ = _CancelIgnored
+        return pair
+
+    with pytest.raises(AssertionError, match="whose peer never published ended"):
+        conformance.check_cancel_before_peer_starts(factory, TransferMode.PUSH)
+
+
 def test_host_rows_round_trip() -> None:
     buf = HostBuffer("X", 8, 4)
     rows = HostRows([buf])
