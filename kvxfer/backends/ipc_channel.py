@@ -181,8 +181,13 @@ class Channel:
         conn = self.connect(peer)
         if conn is None:
             return False
-        data = memoryview(conn.pending + _FRAME.pack(len(frame)) + frame)
-        conn.pending = b""
+        if conn.pending:
+            # The peer has not taken the last frame yet: this one queues behind it (flush()
+            # sends both, in order) instead of waiting again on a peer that is slow to read.
+            conn.pending += _FRAME.pack(len(frame)) + frame
+            self.wake()
+            return True
+        data = memoryview(_FRAME.pack(len(frame)) + frame)
         deadline = time.monotonic() + SEND_TIMEOUT_S
         try:
             while data:

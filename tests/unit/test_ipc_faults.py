@@ -186,3 +186,45 @@ def test_a_shutdown_whose_join_timed_out_is_finished_by_the_next(monkeypatch: py
         assert a.shutdown() == frozenset()
         mem_a.close()
         mem_d.close()
+
+
+def test_a_peer_slow_to_read_delays_frames_and_is_not_taken_for_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The peer accepts but does not read: the first frame that fills the socket waits the send
+    # timeout, then its rest is kept for flush(); later frames queue behind it at once. The
+    # peer is not dropped, and once it reads, every frame arrives whole and in order.
+    import kvxfer.backends.ipc_channel as ipc_channel
+
+    monkeypatch.setattr(ipc_channel, "SEND_TIMEOUT_S", 1.0)
+    channel = Channel("c")
+    folder = tempfile.mkdtemp(prefix="kvxfer-test-")
+    path = os.path.join(folder, "slow.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    try:
+        frames = [bytes([i]) * (4 << 20) for i in range(3)]  # more than the socket buffers hold
+        started = time.monotonic()
+        assert channel.send(path.encode(), frames[0])
+        assert time.monotonic() - started >= 1.0  # waited the timeout once
+        quick = time.monotonic()
+        assert channel.send(path.encode(), frames[1]) and channel.send(path.encode(), frames[2])
+        assert time.monotonic() - quick < 0.5  # queued, without waiting the timeout again
+        assert path.encode() in channel._outbound, "a slow peer was taken for gone"
+        peer, _ = listener.accept()
+        got = bytearray()
+        expected = sum(4 + len(f) for f in frames)
+        peer.settimeout(0.05)
+        end = time.monotonic() + 10
+        while len(got) < expected and time.monotonic() < end:
+            assert channel.flush() == []
+            try:
+                got += peer.recv(1 << 20)
+            except TimeoutError:
+                pass
+        assert bytes(got) == b"".join(len(f).to_bytes(4, "big") + f for f in frames)
+        peer.close()
+    finally:
+        listener.close()
+        channel.close()
+        os.unlink(path)
+        os.rmdir(folder)
