@@ -264,7 +264,6 @@ class NixlBackend(Backend):
         self._stashed: OrderedDict[str, CompletionRecord] = OrderedDict()
         self._revoked: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._dead: set[str] = set()                     # peers found disconnected, not yet dropped
-        self._replies: list[tuple[str, CompletionRecord]] = []  # withdrawals owed to peers
         self._early: list[CompletionRecord] = []  # stashed records whose wait now exists
         self._next_heartbeat = 0.0
         # The packed path: our arena (made at the first register()), requests for arena slots
@@ -400,11 +399,8 @@ class NixlBackend(Backend):
             if active:
                 self._own.check_unused(hint.agent, hint.transfer_id)
                 if (hint.agent, hint.transfer_id) in self._revoked:
-                    # The peer asked us to withdraw before we had its metadata to answer; now
-                    # we can, and its wait quiesces once it hears that nothing will move.
-                    self._replies.append((hint.agent, CompletionRecord(
-                        hint.transfer_id, self.name, view.request, RecordStatus.CANCELLED, [], "withdrawn")))
-                    self._kick.set()
+                    # Refused, and the peer is told nothing here: it asks again every heartbeat
+                    # until answered, and now that we hold its metadata the next ask is.
                     raise InvalidSubmission(
                         f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): "
                         "describe again")
@@ -537,7 +533,6 @@ class NixlBackend(Backend):
         self._land_chunks(to_land)
         with self._lock:
             active = list(self._active)
-            replies, self._replies = self._replies, []
             early, self._early = self._early, []
             ready = [(t, *self._early_requests.pop(t)) for t in list(self._early_requests) if t in self._passive]
         for record in early:
@@ -548,8 +543,6 @@ class NixlBackend(Backend):
             except ValueError as exc:
                 log.warning("nixl backend %s: dropped a packed request from %r: %s", self.name, sender, exc)
         self._grant_credits()
-        for peer, record in replies:
-            self._send(peer, record)
         busy = False
         for job in active:
             busy |= self._advance(job)
