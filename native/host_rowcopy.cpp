@@ -52,7 +52,13 @@ std::string check_plan(const CopyPlan& p) {
 }
 
 std::string check_indices(const std::int64_t* index, std::int64_t n, std::int64_t limit, const char* what) {
-  if (index == nullptr || limit < 0) return {};
+  if (limit < 0) return {};
+  if (index == nullptr) {  // a contiguous end: rows 0 .. n-1
+    if (n > limit)
+      return std::string(what) + " rows 0.." + std::to_string(n - 1) + " do not fit its " + std::to_string(limit) +
+             " slots";
+    return {};
+  }
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t v = index[i];
     if (v < 0 || v >= limit)

@@ -30,7 +30,8 @@ struct CopyPlan {
 // Validates geometry (non-negative sizes, row_bytes <= strides). Empty string when fine.
 std::string check_plan(const CopyPlan& plan);
 
-// Validates that every index lies in [0, limit). limit < 0 skips the check.
+// Validates that every index lies in [0, limit); with a null index (a contiguous end), that
+// its n rows fit the limit. limit < 0 skips the check (the caller checked).
 std::string check_indices(const std::int64_t* index, std::int64_t n, std::int64_t limit, const char* what);
 
 // Host memory: memcpy per run of rows contiguous on both ends, split across up to

@@ -167,6 +167,8 @@ def test_native_module_checks_on_its_own() -> None:
         _native.host_copy_rows(src.base, 64, ix, dst.base, 64, np.array([0, 1, 2, 9]), 4, 64, 0, 8, 8)
     with pytest.raises(_native.CopyError, match="exceeds the source stride"):
         _native.host_copy_rows(src.base, 32, ix, dst.base, 64, ix, 4, 64)
+    with pytest.raises(_native.CopyError, match="destination rows 0..4 do not fit its 4 slots"):
+        _native.host_copy_rows(src.base, 64, np.arange(5, dtype=np.int64), dst.base, 64, None, 5, 64, 0, 8, 4)
     with pytest.raises(_native.CopyError, match="source index has 4 entries for 5 rows"):
         _native.host_copy_rows(src.base, 64, ix, dst.base, 64, None, 5, 64)
     with pytest.raises(TypeError):
