@@ -49,7 +49,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 
@@ -69,7 +68,7 @@ from kvxfer.backends.ipc_channel import Channel, PeerBusy
 from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
 from kvxfer.backends.matching import GroupMatch, check_submission, match_rows
 from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import OwnTransfers, hint_groups
+from kvxfer.backends.transfers import OwnTransfers, hint_groups, put_bounded
 from kvxfer.contract import (
     Backend,
     Cancelled,
@@ -102,13 +101,6 @@ _TOKEN_BYTES = 16
 _EARLY_KEPT = 4096  # tokens that arrived before their fetch/publish, kept for it
 _KEPT = 4096  # records before their wait, and withdrawn transfers: the newest kept
 SHUTDOWN_JOIN_S = 10.0  # shutdown() waits this long for the progress thread; a later call finishes the rest
-
-
-def _put_bounded(table: collections.OrderedDict[Any, Any], key: object, value: object) -> None:
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > _KEPT:
-        table.popitem(last=False)
 
 
 IDLE_WAIT_S = 0.02  # the progress thread's longest sleep (or spin, with busy_poll) between passes
@@ -667,9 +659,7 @@ class IpcBackend(Backend):
                 wait.attempt.conclude(wait.delivered)
             self._on_token(wait.token)
             with self._jobs_lock:
-                self._answered[wait.token] = None  # its record will follow: dropped then
-                while len(self._answered) > _EARLY_KEPT:
-                    self._answered.popitem(last=False)
+                put_bounded(self._answered, wait.token, None, _EARLY_KEPT)  # its record will follow: dropped then
 
     def _on_frame(self, frame: bytes) -> None:
         if len(frame) == len(DONE_PREFIX) + _TOKEN_BYTES and frame.startswith(DONE_PREFIX):
@@ -740,9 +730,7 @@ class IpcBackend(Backend):
                 if token in self._answered:
                     del self._answered[token]  # its doorbell concluded it already
                     return
-                self._early[token] = None
-                while len(self._early) > _EARLY_KEPT:
-                    self._early.popitem(last=False)
+                put_bounded(self._early, token, None, _EARLY_KEPT)
                 return
         if wait.attempt.poll() is None:
             assert wait.delivered is not None
@@ -757,7 +745,7 @@ class IpcBackend(Backend):
             wait = self._passive.get(record.transfer_id)
             if wait is None:
                 if not self._own.is_retired(record.transfer_id):
-                    _put_bounded(self._stashed, record.transfer_id, record)
+                    put_bounded(self._stashed, record.transfer_id, record, _KEPT)
                 return
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
@@ -784,7 +772,7 @@ class IpcBackend(Backend):
                     if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
             if not jobs:
                 # Nothing of ours touches the peer's rows; refuse to start later, and say so.
-                _put_bounded(self._revoked, (record.sender, record.transfer_id), None)
+                put_bounded(self._revoked, (record.sender, record.transfer_id), None, _KEPT)
         for job in jobs:
             job.cancelled_by_peer = True
             job.attempt.cancel()

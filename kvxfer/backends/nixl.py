@@ -67,7 +67,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,7 +93,7 @@ from kvxfer.backends.nixl_packed import (
 )
 from kvxfer.backends.nixl_plan import ChunkBytes, count_descriptors, plan_chunks
 from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import OwnTransfers, hint_groups
+from kvxfer.backends.transfers import OwnTransfers, hint_groups, put_bounded
 from kvxfer.contract import (
     Backend,
     Cancelled,
@@ -157,13 +157,6 @@ class NixlStats:
     credits_granted: int = 0
     credits_ahead: int = 0          # of those, granted at fetch() before the sender asked
     chunks_posted_inline: int = 0   # unpacked chunks posted by the owner's publish() (``post_inline``)
-
-
-def _bounded_put(table: OrderedDict[Any, Any], key: Hashable, value: Any) -> None:
-    table[key] = value
-    table.move_to_end(key)
-    while len(table) > KEPT:
-        table.popitem(last=False)
 
 
 def unique_agent_name(prefix: str = "kvxfer") -> str:
@@ -527,7 +520,7 @@ class NixlBackend(Backend):
         to_land: list[tuple[str, dict[str, Any]]] = []
         for sender, messages in self._agent.notifications().items():
             if messages:
-                _bounded_put(self._heard, sender, None)
+                put_bounded(self._heard, sender, None, KEPT)
             for message in messages:
                 self._on_message(sender, message, to_land)
         self._land_chunks(to_land)
@@ -590,7 +583,7 @@ class NixlBackend(Backend):
                 if not jobs:
                     # Nothing of ours touches the peer's rows; refuse to start later, and say so.
                     # Slots it granted us ahead are its own again once we answer: forget them.
-                    _bounded_put(self._revoked, (record.sender, record.transfer_id), None)
+                    put_bounded(self._revoked, (record.sender, record.transfer_id), None, KEPT)
                     self._early_credits.pop((record.sender, record.transfer_id), None)
             for job in jobs:
                 job.cancelled_by_peer = True
@@ -603,7 +596,7 @@ class NixlBackend(Backend):
             wait = self._passive.get(record.transfer_id)
             if wait is None:
                 if not self._own.is_retired(record.transfer_id):
-                    _bounded_put(self._stashed, record.transfer_id, record)
+                    put_bounded(self._stashed, record.transfer_id, record, KEPT)
                 return
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
@@ -655,7 +648,7 @@ class NixlBackend(Backend):
             wait = self._passive.get(transfer_id)
             if wait is None:
                 if not self._own.is_retired(transfer_id):
-                    _bounded_put(self._early_requests, transfer_id, (sender, chunks, rows, held))
+                    put_bounded(self._early_requests, transfer_id, (sender, chunks, rows, held), KEPT)
                 return
         inbound = wait.inbound
         if wait.hint.agent != sender or (inbound is not None and inbound.requested) or self._arena is None:
@@ -748,16 +741,18 @@ class NixlBackend(Backend):
                 continue
             if landing is not None:
                 landings.append(landing)
-        # A wait that a later note of this batch failed (or that ended meanwhile) takes no
-        # more rows: its outcome's masks are final.
-        for x in [x for x in landings if x.wait.attempt.poll() is not None]:
-            landings.remove(x)
-            if arena is not None:
-                arena.free_in.append(x.slot)
-            x.wait.inbound.no.append(x.chunk)
         if not landings:
             return
-        assert arena is not None
+        assert arena is not None  # a landing exists only in an arena
+        # A wait that a later note of this batch failed (or that ended meanwhile) takes no
+        # more rows: its outcome's masks are final.
+        ended = [x for x in landings if x.wait.attempt.poll() is not None]
+        for x in ended:
+            arena.free_in.append(x.slot)
+            x.wait.inbound.no.append(x.chunk)
+        landings = [x for x in landings if x not in ended]
+        if not landings:
+            return
         try:
             arena.scatter([(x.slot, x.region, x.slots) for x in landings])
             failure = None
@@ -822,7 +817,7 @@ class NixlBackend(Backend):
                     and j.hint.transfer_id == note["t"]]
             if not jobs and grant and not ok and not no:
                 # Granted by a fetch() ahead of our publish(): kept (bounded) for its push.
-                _bounded_put(self._early_credits, (sender, note["t"]), grant)
+                put_bounded(self._early_credits, (sender, note["t"]), grant, KEPT)
         for job in jobs:
             job.on_credit(grant, ok, no)
 

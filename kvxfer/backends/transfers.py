@@ -5,12 +5,24 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
 from kvxfer.contract import HintGroup, InvalidSubmission, View
 
 _RETIRED_KEPT = 65536
+
+
+def put_bounded(table: OrderedDict[Any, Any], key: Hashable, value: Any, kept: int) -> None:
+    """``table[key] = value`` as its newest entry, dropping the oldest past ``kept``: the
+    backends' tables of early, withdrawn and used transfers, which a confused or hostile
+    peer must not be able to grow."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > kept:
+        table.popitem(last=False)
 
 
 def hint_groups(view: View) -> tuple[HintGroup, ...]:
@@ -63,11 +75,8 @@ class OwnTransfers:
 
     def mint(self, view: View) -> str:
         transfer_id = secrets.token_hex(12)
-        with self._lock:
-            self._by_view[self._key(view)] = (transfer_id, view)
-            self._by_view.move_to_end(self._key(view))
-            while len(self._by_view) > _RETIRED_KEPT:  # described, never submitted
-                self._by_view.popitem(last=False)
+        with self._lock:  # bounded: views described but never submitted
+            put_bounded(self._by_view, self._key(view), (transfer_id, view), _RETIRED_KEPT)
         return transfer_id
 
     def lookup(self, view: View) -> str:
@@ -97,9 +106,7 @@ class OwnTransfers:
 
     def use(self, agent: str, transfer_id: str) -> None:
         with self._lock:
-            self._used[(agent, transfer_id)] = None
-            while len(self._used) > _RETIRED_KEPT:
-                self._used.popitem(last=False)
+            put_bounded(self._used, (agent, transfer_id), None, _RETIRED_KEPT)
 
     def consume(self, view: View, transfer_id: str) -> None:
         with self._lock:
@@ -109,9 +116,7 @@ class OwnTransfers:
 
     def retire(self, transfer_id: str) -> None:
         with self._lock:
-            self._retired[transfer_id] = None
-            while len(self._retired) > _RETIRED_KEPT:
-                self._retired.popitem(last=False)
+            put_bounded(self._retired, transfer_id, None, _RETIRED_KEPT)
 
     def is_retired(self, transfer_id: str) -> bool:
         with self._lock:

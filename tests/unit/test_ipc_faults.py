@@ -23,17 +23,11 @@ from kvxfer.backends.ipc_pair import DeviceRows
 from kvxfer.contract import Cancelled, InvalidSubmission, TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.ipc_scenarios import views
+from kvxfer.testing.waiting import settle
 
 PUSH = TransferMode.PUSH
 
 
-def _settle(condition: object, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.005)
-    return False
 
 
 @pytest.fixture
@@ -146,7 +140,7 @@ def test_withdrawn_transfers_and_early_records_are_bounded(
         waiting.cancel()
         assert waiting.wait(5.0) and isinstance(waiting.poll(), Cancelled)
         hints.append((lv, hint_d))
-    assert _settle(lambda: len(a._revoked) == 4), len(a._revoked)
+    assert settle(lambda: len(a._revoked) == 4), len(a._revoked)
     with pytest.raises(InvalidSubmission, match="withdrew"):
         a.publish(*hints[-1])
 
@@ -178,7 +172,7 @@ def test_a_shutdown_whose_join_timed_out_is_finished_by_the_next(monkeypatch: py
         threading.Timer(2.0, engine.release).start()  # after the shutdown's 1 s grace and its join
         assert d.shutdown() == {waiting} and d._thread.is_alive()  # the join timed out: the thread is in wake()
         assert os.path.exists(d._channel.path)
-        assert _settle(lambda: not d._thread.is_alive())
+        assert settle(lambda: not d._thread.is_alive())
         assert d.shutdown() == {waiting} and not waiting.quiesced()
         assert not os.path.exists(d._channel.path), "the second shutdown did not give the channel back"
         assert d.shutdown() == {waiting}  # and again: nothing released twice

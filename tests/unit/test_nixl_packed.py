@@ -30,6 +30,7 @@ from kvxfer.contract import (
 )
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.waiting import settle
 
 ROW = 4096
 SLOTS = 256
@@ -241,13 +242,6 @@ def test_auto_picks_packed_for_scattered_rows_and_unpacked_for_runs(made: list[N
         assert fet.path_of(waiting) == path  # type: ignore[arg-type]
 
 
-def _settle(condition: object, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def _landing_slots_free(backend: NixlBackend) -> bool:
@@ -297,7 +291,7 @@ def _fetch_ahead(made: list[NixlBackend], request: str, seed: int, contiguous: b
     _sentinel(fmem, fview)
     push.fhint = fet.describe(fview)
     push.waiting = fet.fetch(fview, pub.describe(pview))
-    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits), "no slots granted ahead"
+    assert settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits), "no slots granted ahead"
     return push
 
 
@@ -311,7 +305,7 @@ def test_fetch_grants_slots_ahead_and_the_push_starts_on_them(made: list[NixlBac
     assert push.pub.path_of(push.sending) == "packed" and push.fet.path_of(push.waiting) == "packed"
     sent, landed = push.pub.stats(), push.fet.stats()
     assert landed.credits_ahead == 4 and landed.credits_granted == sent.chunks_sent == landed.chunks_scattered
-    assert not push.pub._early_credits and _settle(lambda: _landing_slots_free(push.fet))
+    assert not push.pub._early_credits and settle(lambda: _landing_slots_free(push.fet))
 
 
 def test_slots_granted_ahead_come_back_when_the_push_goes_unpacked(made: list[NixlBackend]) -> None:
@@ -322,7 +316,7 @@ def test_slots_granted_ahead_come_back_when_the_push_goes_unpacked(made: list[Ni
     assert isinstance(theirs, Delivered) and theirs.all_delivered, theirs
     assert push.pub.path_of(push.sending) == "unpacked" and push.fet.path_of(push.waiting) == "unpacked"
     assert push.fet.stats().packed_received == 0 and not push.pub._early_credits
-    assert _settle(lambda: _landing_slots_free(push.fet))
+    assert settle(lambda: _landing_slots_free(push.fet))
 
 
 def test_slots_granted_ahead_but_lost_by_the_sender_are_granted_again(made: list[NixlBackend]) -> None:
@@ -332,7 +326,7 @@ def test_slots_granted_ahead_but_lost_by_the_sender_are_granted_again(made: list
     push.pub._early_credits.clear()  # as if evicted
     mine, theirs = push.publish()
     assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered, (mine, theirs)
-    assert _settle(lambda: _landing_slots_free(push.fet))
+    assert settle(lambda: _landing_slots_free(push.fet))
 
 
 def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[NixlBackend]) -> None:
@@ -347,7 +341,7 @@ def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[Nixl
         pairs.append((pview, fview, _fill(pmem, pview, 100 + i)))
         hints.append(fet.describe(fview))
         waits.append(fet.fetch(fview, pub.describe(pview)))
-    assert _settle(lambda: fet.stats().credits_ahead == 4)
+    assert settle(lambda: fet.stats().credits_ahead == 4)
     time.sleep(0.05)
     assert fet.stats().credits_ahead == 4, "more than half the landing slots were granted ahead"
     sends = [pub.publish(pview, hint) for (pview, _, _), hint in zip(pairs, hints)]
@@ -356,7 +350,7 @@ def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[Nixl
         assert isinstance(waiting.poll(), Delivered) and isinstance(sending.poll(), Delivered)
         for pg, fg in zip(pview.groups, fview.groups):
             assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
-    assert _settle(lambda: _landing_slots_free(fet))
+    assert settle(lambda: _landing_slots_free(fet))
 
 
 def test_no_slots_ahead_for_a_sender_never_heard_from_and_its_withdrawal_is_asked_again(
@@ -374,15 +368,15 @@ def test_no_slots_ahead_for_a_sender_never_heard_from_and_its_withdrawal_is_aske
     time.sleep(0.3)
     assert fet.stats().credits_ahead == 0 and _landing_slots_free(fet)
     waiting.cancel()
-    assert _settle(lambda: waiting.poll() is not None)
+    assert settle(lambda: waiting.poll() is not None)
     assert isinstance(waiting.poll(), Cancelled) and _landing_slots_free(fet)
     assert not waiting.quiesced(), "quiesced before the publisher said it will not write"
     # The publisher pushes another transfer: now it knows the fetcher, and the next ask is answered.
     _introduce(pub, pmem, fet, fmem)
-    assert _settle(waiting.quiesced), "the withdrawal was not asked again, or not answered"
+    assert settle(waiting.quiesced), "the withdrawal was not asked again, or not answered"
     with pytest.raises(InvalidSubmission, match="withdrew"):  # the publisher will not write it later either
         pub.publish(pview, fhint)
-    assert _settle(lambda: _landing_slots_free(fet))
+    assert settle(lambda: _landing_slots_free(fet))
 
 
 def test_malformed_chunk_note_fails_the_wait_by_name_and_frees_every_slot(made: list[NixlBackend]) -> None:
@@ -397,7 +391,7 @@ def test_malformed_chunk_note_fails_the_wait_by_name_and_frees_every_slot(made: 
     _sentinel(fmem, fview)
     fhint = fet.describe(fview)
     waiting = fet.fetch(fview, pub.describe(pview))
-    assert _settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits)
+    assert settle(lambda: fet.stats().credits_ahead == 4 and pub._early_credits)
     grant = list(pub._early_credits.values())[0]
     good_s, good_l = runs_of(np.arange(0, 4, dtype=np.int64))
     bad_s, bad_l = np.array([2**63 - 1], dtype=np.int64).tobytes(), np.array([1], dtype=np.int64).tobytes()
@@ -407,7 +401,7 @@ def test_malformed_chunk_note_fails_the_wait_by_name_and_frees_every_slot(made: 
         pub._agent.notify(fet.name, encode_note("chunk", t=fhint.transfer_id, c=1, s=grant[0], g=0, rs=bad_s,
                                                 rl=bad_l))
         time.sleep(0.2)
-    assert _settle(lambda: waiting.poll() is not None)
+    assert settle(lambda: waiting.poll() is not None)
     outcome = waiting.poll()
     assert isinstance(outcome, Failed) and "packed chunk 1" in outcome.reason, outcome
     assert not any(m.any() for m in outcome.masks) and fet.stats().chunks_scattered == 0
@@ -419,7 +413,7 @@ def test_malformed_chunk_note_fails_the_wait_by_name_and_frees_every_slot(made: 
     assert isinstance(mine, Delivered) and isinstance(theirs, Delivered), (mine, theirs)
     assert fmem.read("F0", later[1].groups[0].slots) == payload["g0"]
     pub.shutdown()  # the bad transfer is never published: the publisher's end ends the withdrawal
-    assert _settle(waiting.quiesced, 10.0) and _settle(lambda: _landing_slots_free(fet))
+    assert settle(waiting.quiesced, 10.0) and settle(lambda: _landing_slots_free(fet))
 
 
 def test_never_and_peer_without_arena_stay_unpacked(made: list[NixlBackend]) -> None:
