@@ -7,6 +7,10 @@
         else: completion = item               # the last item: a Completion (tokens, figures, error)
     completion = await router.generate(prompt_ids, 32)   # the same, collected
 
+A ``request`` id given to ``stream``/``generate`` is the client's: it comes back as
+``Completion.request`` and goes to no worker. The workers see an id the router makes per
+request, so clients that choose the same id (or one the router made) never meet there.
+
 Per request (DESIGN.md section 5): reserve on the decode worker *while* the prefill worker
 runs the prompt (two concurrent calls); the first token streams as soon as prefill answers.
 Then publish on the prefill worker with the decode hint; as soon as it answers with its
@@ -99,7 +103,8 @@ class _Failure(Exception):
 
 @dataclass(eq=False)
 class _Run:
-    rid: str
+    rid: str  # the client's id, only echoed back in the Completion
+    key: str  # the id the workers see: the router's own, unique per request (see Router._key)
     prompt: list[int]
     max_new: int
     start: float
@@ -146,6 +151,9 @@ class Router:
         self.probe_interval_s = probe_interval_s
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._ids = itertools.count()
+        # Workers key everything by request id, and several routers may share a worker: the
+        # tag keeps this router's keys apart from another's, the counter apart from its own.
+        self._tag = uuid.uuid4().hex[:12]
         self._background: set[asyncio.Task[None]] = set()  # aborts of requests whose client left
         self._metrics()
 
@@ -182,8 +190,8 @@ class Router:
                      request: str | None = None) -> AsyncGenerator[Token | Completion, None]:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        run = _Run(request or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}", list(prompt), max_new_tokens,
-                   time.perf_counter())
+        key = self._key()
+        run = _Run(request or key, key, list(prompt), max_new_tokens, time.perf_counter())
         error: str | None = None
         try:
             async for item in self._serve(run):
@@ -195,6 +203,12 @@ class Router:
             run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events))
         self._count(completion)
         yield completion
+
+    def _key(self) -> str:
+        """A worker-side id no other request of any router gets. A client's own id is never
+        sent to a worker: two clients choosing one id (or one a key of ours) would then share
+        a worker's held prefill, reservation or abort, and the later call be refused."""
+        return f"r{self._tag}-{next(self._ids)}"
 
     async def health(self) -> dict[str, bool]:
         async def one(e: _Endpoint) -> tuple[str, bool]:
@@ -238,8 +252,8 @@ class Router:
     async def _disaggregated(self, run: _Run, p: _Endpoint, d: _Endpoint) -> AsyncIterator[Token]:
         t = self.timeout_s
         reserve = asyncio.create_task(request_json(
-            d.url, "POST", "/reserve", {"request": run.rid, "prompt": run.prompt, "max_new_tokens": run.max_new}, t))
-        prefill = asyncio.create_task(request_json(p.url, "POST", "/prefill", {"request": run.rid,
+            d.url, "POST", "/reserve", {"request": run.key, "prompt": run.prompt, "max_new_tokens": run.max_new}, t))
+        prefill = asyncio.create_task(request_json(p.url, "POST", "/prefill", {"request": run.key,
                                                                                  "prompt": run.prompt}, t))
         reserved: Any
         prefilled: Any
@@ -260,12 +274,12 @@ class Router:
                     # The client left before hint D went to the prefill worker: nothing can
                     # write into the reservation, so both ends drop it now (rows reusable)
                     # rather than the decode end quarantining it when it expires.
-                    self._abandon(run.rid, p, d if not isinstance(reserved, BaseException) else None)
+                    self._abandon(run.key, p, d if not isinstance(reserved, BaseException) else None)
                     raise
         if isinstance(reserved, BaseException):
             self._down(d, reserved)
             if not isinstance(prefilled, BaseException):
-                await self._quiet(request_json(p.url, "POST", "/abort", {"request": run.rid}, t))
+                await self._quiet(request_json(p.url, "POST", "/abort", {"request": run.key}, t))
             async for tok in self._after_decode_loss(run, d, f"reserve on {d.url} failed: {reserved}"):
                 yield tok
             return
@@ -275,7 +289,7 @@ class Router:
                 yield tok
             return
         # Publish: the prefill worker answers with its hint as soon as the transfer is posted.
-        publish = stream_json(p.url, "/publish", {"request": run.rid, "hint": reserved["hint"]}, t, t)
+        publish = stream_json(p.url, "/publish", {"request": run.key, "hint": reserved["hint"]}, t, t)
         try:
             published = await publish.__anext__()
             if published.get("event") != "published":
@@ -289,7 +303,7 @@ class Router:
             return
         outcome = asyncio.create_task(self._publish_outcome(publish))
         try:
-            body = {"request": run.rid, "hint": published["hint"], "first_token": run.emitted[0],
+            body = {"request": run.key, "hint": published["hint"], "first_token": run.emitted[0],
                     "on_failure": self.on_failure, "timeout_s": t}
             async for tok in self._generate(run, d, body):
                 yield tok
@@ -349,11 +363,11 @@ class Router:
                                   rows_safe: bool) -> AsyncIterator[Token]:
         run.events.append(what)
         if self.on_failure == "fail":
-            await self._quiet(request_json(d.url, "POST", "/abort", {"request": run.rid, "rows_safe": rows_safe},
+            await self._quiet(request_json(d.url, "POST", "/abort", {"request": run.key, "rows_safe": rows_safe},
                                            self.timeout_s))
             raise _Failure(f"{what} (policy fail)", dead=False)
         run.path = "local"
-        body = {"request": run.rid, "on_failure": "recompute", "rows_safe": rows_safe, "timeout_s": self.timeout_s}
+        body = {"request": run.key, "on_failure": "recompute", "rows_safe": rows_safe, "timeout_s": self.timeout_s}
         try:
             async for tok in self._generate(run, d, body):
                 yield tok
@@ -382,11 +396,11 @@ class Router:
         run.path, run.decode = "local", d.url
         context = run.prompt + run.emitted
         run.recomputed += len(context)
-        body = {"request": f"{run.rid}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
+        body = {"request": f"{run.key}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
                 "on_failure": "recompute", "timeout_s": self.timeout_s}
         d.outstanding += 1
         try:
-            shifted = _Run(run.rid, context, run.max_new - done, run.start)
+            shifted = _Run(run.rid, run.key, context, run.max_new - done, run.start)
             async for event in self._generate(shifted, d, body):
                 tok = run.token(done + event.index, event.token)
                 if tok is not None:
@@ -400,12 +414,12 @@ class Router:
         except HttpError:
             pass
 
-    def _abandon(self, rid: str, p: _Endpoint, d: _Endpoint | None) -> None:
+    def _abandon(self, key: str, p: _Endpoint, d: _Endpoint | None) -> None:
         """Drop a request's prefill and reservation in the background: called where the
         request's own task is being closed and can await nothing more."""
-        calls = [request_json(p.url, "POST", "/abort", {"request": rid}, self.timeout_s)]
+        calls = [request_json(p.url, "POST", "/abort", {"request": key}, self.timeout_s)]
         if d is not None:
-            calls.append(request_json(d.url, "POST", "/abort", {"request": rid, "rows_safe": True}, self.timeout_s))
+            calls.append(request_json(d.url, "POST", "/abort", {"request": key, "rows_safe": True}, self.timeout_s))
         for call in calls:
             task = asyncio.get_running_loop().create_task(self._quiet(call))
             self._background.add(task)

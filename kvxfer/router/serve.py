@@ -3,6 +3,7 @@
     POST /generate {"prompt": [ids], "max_new_tokens": N, "request"?: str}
          -> NDJSON: {"event": "token", "index", "token", "at_s"} ... then
             {"event": "done", "final": true, "completion": {...}}  (completion.error set on failure)
+         "request" comes back as completion.request; the workers see the router's own id instead
     GET  /metrics  -> Prometheus text (router metrics)
     GET  /health   -> {"status": "ok", "workers": {url: reachable}}
 
