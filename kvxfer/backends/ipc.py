@@ -346,26 +346,28 @@ class IpcBackend(Backend):
         """Once our thread has exited: wait for our kernels, then nothing of ours touches any
         memory, and everything the backend holds is given back."""
         self._released = True
-        try:
-            self._native.stream_synchronize(self._stream)
-            stream_ok = True
-        except self._native.CopyError as exc:
-            log.error("IPC backend %s: stream failed at shutdown: %s", self.name, exc)
-            stream_ok = False
-        while self._in_flight:
-            self._finish(self._in_flight.popleft(), None if stream_ok else "the copy stream failed")
-        with self._map_lock:
-            still_mapped = self._mappings.close_all()
-        if still_mapped:
-            log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, still_mapped)
-        for ev in self._events:
-            self._native.event_destroy(ev)
-        self._events.clear()
-        if self._ring is not None:
-            self._ring.close()  # a peer's store into it after this lands in its own mapping only
-        if stream_ok:
-            self._native.stream_destroy(self._stream)
-        self._channel.close()
+        # A submission that passed the closed check on another thread just before shutdown
+        # finishes its launch first, so its job is in _in_flight and its event in hand here.
+        with self._launch_lock:
+            try:
+                self._native.stream_synchronize(self._stream)
+                stream_ok = True
+            except self._native.CopyError as exc:
+                log.error("IPC backend %s: stream failed at shutdown: %s", self.name, exc)
+                stream_ok = False
+            while self._in_flight:
+                self._finish(self._in_flight.popleft(), None if stream_ok else "the copy stream failed")
+            with self._map_lock:
+                still_mapped = self._mappings.close_all()
+            if still_mapped:
+                log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, still_mapped)
+            while self._events:
+                self._drop_event(self._events.pop())
+            if self._ring is not None:
+                self._ring.close()  # a peer's store into it after this lands in its own mapping only
+            if stream_ok:
+                self._native.stream_destroy(self._stream)
+            self._channel.close()
 
     # --- submission (the owner's thread) ----------------------------------------------
     def _refuse_if_closed(self) -> None:
@@ -879,10 +881,7 @@ class IpcBackend(Backend):
         else:
             # Without an event we cannot tell when the kernels end: wait for the whole stream.
             if event:
-                try:
-                    self._native.event_destroy(event)
-                except self._native.CopyError:
-                    pass
+                self._drop_event(event)
             job.failure = f"cannot record a completion event: {event_error}"
             try:
                 self._native.stream_synchronize(self._stream)
@@ -940,6 +939,14 @@ class IpcBackend(Backend):
         except self._native.CopyError as exc:
             return 0, str(exc)
 
+    def _drop_event(self, event: int) -> None:
+        """Destroy an event that must not be reused. One the driver refuses to destroy (its
+        context is broken) is lost either way: logged, and shutdown goes on giving back the rest."""
+        try:
+            self._native.event_destroy(event)
+        except self._native.CopyError as exc:
+            log.warning("IPC backend %s: cannot destroy a completion event: %s", self.name, exc)
+
     @staticmethod
     def _set_masks(job: _Active, copied: list[tuple[int, GroupMatch, int]]) -> None:
         """The rows whose kernels are queued, set after queueing them so that this overlaps
@@ -974,7 +981,7 @@ class IpcBackend(Backend):
     def _finish(self, job: _Active, device_error: str | None) -> None:
         with job.send_lock:
             owner_sent = job.sent
-            job.sent = True  # from here on the owner thread sends nothing (and the event is recycled)
+            job.sent = True  # from here on the owner thread sends nothing and leaves the event alone
         with self._map_lock:
             for mapping in job.mappings:
                 self._mappings.release(mapping)
@@ -982,6 +989,10 @@ class IpcBackend(Backend):
         if job.event:
             if device_error is None:
                 self._events.append(job.event)
+            else:
+                # Nothing says what state a device error left it in: reused, an event that still
+                # reads complete would report the next job's rows delivered before its kernel ran.
+                self._drop_event(job.event)
             job.event = 0
         if owner_sent:
             # The owner saw the event complete and told the peer DELIVERED: so it ended.

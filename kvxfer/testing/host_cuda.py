@@ -271,7 +271,25 @@ class _Stream:
 _HANDLES = itertools.count(1)
 _STREAMS: dict[int, _Stream] = {}
 _EVENTS: dict[int, tuple[int, int]] = {}  # event -> (stream, item it waits for); (0, 0) = complete
+_BROKEN: dict[int, str] = {}  # event -> the device error every query of it raises, until destroyed
+_BREAK_NEXT: collections.deque[str] = collections.deque()  # errors for the next events recorded
 _LOCK = threading.Lock()
+
+
+def break_next_event(message: str) -> None:
+    """Fault injection: the next event recorded (by event_record or cuda_copy_rows_then) is
+    left by a device error. Every query of it raises CopyError(message) until it is
+    destroyed, also after it is recorded again: after a real device fault nothing says what
+    state an event is in, so a backend that reuses it must see that here. The work queued
+    before it still runs."""
+    with _LOCK:
+        _BREAK_NEXT.append(message)
+
+
+def clear_faults() -> None:
+    """Drop injected faults not yet taken (a test that ends early leaves none behind)."""
+    with _LOCK:
+        _BREAK_NEXT.clear()
 
 
 def _enqueue(stream: int, fn: Callable[[], None]) -> None:
@@ -327,12 +345,17 @@ def event_record(event: int, stream: int) -> None:
         item = queue.put(None, 0.0)  # a marker: done once everything queued before it is
     with _LOCK:
         _EVENTS[event] = (stream, item)
+        if _BREAK_NEXT:
+            _BROKEN[event] = _BREAK_NEXT.popleft()
 
 
 def event_query(event: int) -> bool:
     with _LOCK:
         stream, item = _EVENTS.get(event, (0, 0))
         queue = _STREAMS.get(stream)
+        broken = _BROKEN.get(event)
+    if broken is not None:
+        raise CopyError(broken)
     if item == 0 or queue is None:
         return True
     with queue.cond:
@@ -370,3 +393,4 @@ def event_synchronize(event: int) -> None:
 def event_destroy(event: int) -> None:
     with _LOCK:
         _EVENTS.pop(event, None)
+        _BROKEN.pop(event, None)
