@@ -37,6 +37,19 @@ void check(const std::string& err) {
   if (!err.empty()) throw CopyError(err);
 }
 
+// Runs a native call that can block (device synchronization inside cudaFree, IPC mapping,
+// page locking) without the interpreter lock, so that other Python threads (a backend's
+// progress thread, a server's handlers) keep running meanwhile. f touches no Python object.
+template <typename F>
+void check_unlocked(F&& f) {
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = f();
+  }
+  check(err);
+}
+
 const std::int64_t* index_of(const std::optional<Index>& ix, std::int64_t n_rows, const char* what) {
   if (!ix) return nullptr;
   if (static_cast<std::int64_t>(ix->shape(0)) != n_rows)
@@ -197,18 +210,13 @@ NB_MODULE(_native, m) {
   });
   m.def("peer_access", [](int device, int peer) {
     bool enabled = false;
-    check(kvxfer::cuda::peer_access(device, peer, &enabled));
+    check_unlocked([&] { return kvxfer::cuda::peer_access(device, peer, &enabled); });
     return enabled;
   }, "device"_a, "peer"_a, "Enable kernels on device to reach peer's memory (peer != device); False where the hardware cannot.");
   m.def("stream_create", [](int device) { return out_handle(kvxfer::cuda::stream_create, device); }, "device"_a);
-  m.def("stream_destroy", [](std::uint64_t s) { check(kvxfer::cuda::stream_destroy(s)); }, "stream"_a);
+  m.def("stream_destroy", [](std::uint64_t s) { check_unlocked([&] { return kvxfer::cuda::stream_destroy(s); }); }, "stream"_a);
   m.def("stream_synchronize", [](std::uint64_t s, int device) {
-    std::string err;
-    {
-      nb::gil_scoped_release release;
-      err = kvxfer::cuda::stream_synchronize(s, device);
-    }
-    check(err);
+    check_unlocked([&] { return kvxfer::cuda::stream_synchronize(s, device); });
   }, "stream"_a, "device"_a = -1, "Wait for stream's work; stream 0 is device's default stream (-1: the current device).");
   m.def("event_create", [](int device) { return out_handle(kvxfer::cuda::event_create, device); }, "device"_a);
   m.def("event_record", [](std::uint64_t ev, std::uint64_t s) { check(kvxfer::cuda::event_record(ev, s)); },
@@ -233,12 +241,7 @@ NB_MODULE(_native, m) {
         "(-1: none). Returns (done, sent): sent is the bytes written, 0 if not done or the socket was full, "
         "-errno if the write failed. Raises CopyError if the work failed.");
   m.def("event_synchronize", [](std::uint64_t ev) {
-    std::string err;
-    {
-      nb::gil_scoped_release release;
-      err = kvxfer::cuda::event_synchronize(ev);
-    }
-    check(err);
+    check_unlocked([&] { return kvxfer::cuda::event_synchronize(ev); });
   }, "event"_a);
   m.def("stream_signal_fd", [](std::uint64_t s, int fd) { check(kvxfer::cuda::stream_signal_fd(s, fd)); },
         "stream"_a, "fd"_a, "Write one byte to fd once the work queued on stream so far has completed.");
@@ -251,18 +254,23 @@ NB_MODULE(_native, m) {
   }, "device"_a, "ptr"_a, "(handle bytes, allocation base, allocation size) of the allocation holding ptr.");
   m.def("ipc_open", [](int device, nb::bytes handle) {
     std::uint64_t base = 0;
-    check(kvxfer::cuda::ipc_open(device, std::string(handle.c_str(), handle.size()), &base));
+    const std::string raw(handle.c_str(), handle.size());
+    check_unlocked([&] { return kvxfer::cuda::ipc_open(device, raw, &base); });
     return base;
   }, "device"_a, "handle"_a, "Map a peer's allocation; returns its base in this process.");
-  m.def("ipc_close", [](int device, std::uint64_t base) { check(kvxfer::cuda::ipc_close(device, base)); },
+  m.def("ipc_close", [](int device, std::uint64_t base) {
+    check_unlocked([&] { return kvxfer::cuda::ipc_close(device, base); });
+  },
         "device"_a, "base"_a);
   m.def("host_register", [](int device, std::uint64_t ptr, std::uint64_t bytes) {
     std::uint64_t d = 0;
-    check(kvxfer::cuda::host_register(device, ptr, bytes, &d));
+    check_unlocked([&] { return kvxfer::cuda::host_register(device, ptr, bytes, &d); });
     return d;
   }, "device"_a, "ptr"_a, "bytes"_a,
         "Page-lock and map host memory for the device (cudaHostRegister, mapped); returns its device address.");
-  m.def("host_unregister", [](int device, std::uint64_t ptr) { check(kvxfer::cuda::host_unregister(device, ptr)); },
+  m.def("host_unregister", [](int device, std::uint64_t ptr) {
+    check_unlocked([&] { return kvxfer::cuda::host_unregister(device, ptr); });
+  },
         "device"_a, "ptr"_a);
   m.def("stream_write_word", [](int device, std::uint64_t s, std::uint64_t ptr, std::uint64_t value) {
     check(kvxfer::cuda::stream_write_word(device, s, ptr, value));
@@ -270,18 +278,15 @@ NB_MODULE(_native, m) {
         "Queue on stream an 8-byte store of value at ptr (device-visible), after the work queued before it.");
   m.def("device_alloc", [](int device, std::uint64_t bytes) {
     std::uint64_t p = 0;
-    check(kvxfer::cuda::device_alloc(device, bytes, &p));
+    check_unlocked([&] { return kvxfer::cuda::device_alloc(device, bytes, &p); });
     return p;
   }, "device"_a, "bytes"_a);
-  m.def("device_free", [](int device, std::uint64_t p) { check(kvxfer::cuda::device_free(device, p)); },
+  m.def("device_free", [](int device, std::uint64_t p) {
+    check_unlocked([&] { return kvxfer::cuda::device_free(device, p); });
+  },
         "device"_a, "ptr"_a);
   m.def("copy_bytes", [](int device, std::uint64_t dst, std::uint64_t src, std::uint64_t n) {
-    std::string err;
-    {
-      nb::gil_scoped_release release;
-      err = kvxfer::cuda::copy_bytes(device, dst, src, n);
-    }
-    check(err);
+    check_unlocked([&] { return kvxfer::cuda::copy_bytes(device, dst, src, n); });
   }, "device"_a, "dst"_a, "src"_a, "bytes"_a, "Synchronous cudaMemcpy in any direction (cudaMemcpyDefault).");
 #endif
 }

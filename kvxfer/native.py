@@ -5,7 +5,10 @@ One operation covers every case: rows move from ``src_base + src_slots[i] * src_
 ``base + i * stride``), so gather (rows -> buffer) and scatter (buffer -> rows) are the same
 call. HOST memory is copied by multi-threaded memcpy (or numpy); DEVICE memory by one CUDA
 kernel queued on the caller's stream (or torch ``index_select``/``index_copy_``). Both paths
-give identical bytes; overlapping source and destination rows are undefined on both.
+give identical bytes when no destination slot is named twice. A repeated destination slot gets
+one of its rows, which one unspecified (threads and GPU blocks write rows concurrently), and
+overlapping source and destination rows are undefined: callers pass distinct destinations, as
+the backends do (a fetch's rows are checked distinct before any copy).
 
 ``info()`` says what is available and why not. Failures raise :class:`RowCopyError`.
 """

@@ -12,12 +12,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <thread>
 #include <cstdint>
 #include <mutex>
 #include <vector>
 #include <unordered_map>
+#include <utility>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -207,20 +209,26 @@ cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stre
                                : launch_u<4>(width, g, ix, stream, items, sig);
 }
 
-// The per-stream block counter of Signal, made on first use and freed with the stream.
+// The block counter of Signal, one per (device, stream), made on first use and freed with
+// the stream. Keyed by device too: stream 0 is each device's own default stream, and a
+// counter must live on the device whose kernels count into it.
 std::mutex g_counters_mu;
-std::unordered_map<std::uint64_t, unsigned int*> g_counters;
+std::map<std::pair<int, std::uint64_t>, unsigned int*> g_counters;
 
 std::string stream_counter(int device, std::uint64_t stream, unsigned int** out) {
+  KVXFER_DEVICE_SCOPE(device);
+  int current = -1;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) return fail("reading the current device", e);
   std::lock_guard<std::mutex> lock(g_counters_mu);
-  auto it = g_counters.find(stream);
+  const auto key = std::make_pair(current, stream);
+  auto it = g_counters.find(key);
   if (it != g_counters.end()) {
     *out = it->second;
     return {};
   }
-  KVXFER_DEVICE_SCOPE(device);
   unsigned int* counter = nullptr;
-  cudaError_t e = cudaMalloc(&counter, sizeof(unsigned int));
+  e = cudaMalloc(&counter, sizeof(unsigned int));
   if (e != cudaSuccess) return fail("allocating a doorbell block counter", e);
   // On the copy stream itself: a plain cudaMemset goes to the legacy stream, which a
   // non-blocking stream's kernels do not wait for.
@@ -229,17 +237,23 @@ std::string stream_counter(int device, std::uint64_t stream, unsigned int** out)
     (void)cudaFree(counter);
     return fail("clearing a doorbell block counter", e);
   }
-  g_counters.emplace(stream, counter);
+  g_counters.emplace(key, counter);
   *out = counter;
   return {};
 }
 
+// A created stream's handle is unique across devices, so its counters go with it whatever
+// the device; the default streams' counters live as long as the process.
 void drop_stream_counter(std::uint64_t stream) {
   std::lock_guard<std::mutex> lock(g_counters_mu);
-  auto it = g_counters.find(stream);
-  if (it == g_counters.end()) return;
-  (void)cudaFree(it->second);
-  g_counters.erase(it);
+  for (auto it = g_counters.begin(); it != g_counters.end();) {
+    if (it->first.second == stream) {
+      (void)cudaFree(it->second);
+      it = g_counters.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 // Index staging: a pinned host buffer and a device buffer of the same size. A pageable

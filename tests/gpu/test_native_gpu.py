@@ -285,3 +285,45 @@ def test_copy_rows_then_rings_the_doorbell_after_every_row_and_again_next_time(n
         cuda.event_destroy(event)
         cuda.stream_destroy(stream)
         cuda.host_unregister(0, word.ctypes.data)
+
+
+def test_page_locking_lets_other_python_threads_run() -> None:
+    # host_register (and device_free, ipc_open, peer_access) can take a long time in the driver;
+    # they run without the interpreter lock, so a backend's progress thread is not frozen meanwhile.
+    import threading
+    import time
+
+    cuda = native.cuda_module()
+    buf = np.ones(1 << 30, dtype=np.uint8)  # touched: page locking then walks 1 GiB of present pages
+    ticks = [0]
+    inside = threading.Event()
+    done = threading.Event()
+
+    def count() -> None:
+        inside.wait()
+        while not done.is_set():
+            ticks[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        inside.set()
+        time.sleep(0.01)
+        start = ticks[0]
+        time.sleep(0.05)  # the counting thread alone: its rate
+        rate = (ticks[0] - start) / 0.05
+        before = ticks[0]
+        t0 = time.perf_counter()
+        cuda.host_register(0, buf.ctypes.data, buf.nbytes)
+        took = time.perf_counter() - t0
+        during = ticks[0] - before
+    finally:
+        done.set()
+        t.join()
+    cuda.host_unregister(0, buf.ctypes.data)
+    if took < 0.05:
+        pytest.skip(f"page locking 1 GiB took {took * 1e3:.1f} ms here, too short to tell")
+    # Holding the lock, the counting thread would get at most one switch interval (5 ms) in
+    # before the call; released, it counts for most of the call (two threads share the lock
+    # only while the main one runs Python, which it does not inside the call).
+    assert during > rate * took / 4, f"{during} ticks in {took * 1e3:.0f} ms of cudaHostRegister, {rate:.0f}/s alone"

@@ -102,3 +102,38 @@ def test_doctor_probes_the_lanes_between_two_gpus(tmp_path: Path) -> None:
     assert device["lanes"]["push"] and device["lanes"]["pull"], device["lanes"]
     assert all(f["best_gbps"] > 0 for by_size in device["figures"]["lanes"].values() for f in by_size.values())
     assert set(live_children()) <= before
+
+
+def test_default_streams_of_two_devices_ring_their_own_doorbells() -> None:
+    # Stream 0 is each device's own default stream: a small copy that rings a doorbell counts its
+    # finished blocks in a counter of its own device. One counter per stream handle alone would
+    # have device 1's kernel count into device 0's memory, and alternating devices would leave a
+    # stale count that rings early or never.
+    import numpy as np
+    import torch
+
+    cuda = native.cuda_module()
+    rows, row_bytes = 48, 4096
+    word = np.zeros(1, dtype=np.uint64)
+    word_dev = cuda.host_register(0, word.ctypes.data, 8)  # portable and mapped: one address for both
+    try:
+        rng = np.random.default_rng(7)
+        for round_, device in enumerate([0, 1, 0, 1, 1, 0]):
+            with torch.cuda.device(device):
+                src = torch.randint(0, 256, (rows * 2 * row_bytes,), dtype=torch.uint8, device=f"cuda:{device}")
+                dst = torch.zeros_like(src)
+                torch.cuda.synchronize(device)
+            s_ix = rng.permutation(rows * 2)[:rows].astype(np.int64)
+            d_ix = rng.permutation(rows * 2)[:rows].astype(np.int64)
+            word[0] = 0
+            bell_err, event_err = cuda.cuda_copy_rows_then(
+                src.data_ptr(), row_bytes, s_ix, dst.data_ptr(), row_bytes, d_ix, rows, row_bytes, 0, device,
+                word_dev, 500 + round_, 0)  # rows <= 64: the kernel rings the doorbell itself
+            assert bell_err == "" and event_err == ""
+            cuda.stream_synchronize(0, device)
+            assert int(word[0]) == 500 + round_, f"round {round_} on cuda:{device}: doorbell word {int(word[0])}"
+            want = src.view(rows * 2, row_bytes)[torch.from_numpy(s_ix).to(src.device)]
+            got = dst.view(rows * 2, row_bytes)[torch.from_numpy(d_ix).to(dst.device)]
+            assert torch.equal(got, want), f"round {round_} on cuda:{device}: rows differ"
+    finally:
+        cuda.host_unregister(0, word.ctypes.data)
