@@ -706,10 +706,11 @@ class NixlBackend(Backend):
             self._count(credits_granted=granted)
         for transfer_id, wait in waits:
             inbound = wait.inbound
-            if inbound is None or not inbound.owes_note:
-                continue
+            if inbound is None or not inbound.owes_note or not self._agent.knows(wait.hint.agent):
+                continue  # an etcd sender not loaded yet is told once the heartbeat has loaded it
             grant, asked = list(inbound.grant), inbound.requested
             if self._notify(wait.hint.agent, inbound.note(transfer_id)):
+                inbound.sent()
                 if not asked:
                     self._count(credits_ahead=len(grant))
             elif not asked:
@@ -717,6 +718,7 @@ class NixlBackend(Backend):
                 inbound.granted.difference_update(grant)
                 arena.free_in.extend(grant)
                 inbound.wanted += len(grant)
+                inbound.grant.clear()
 
     def _finish_if_complete(self, wait: PassiveWait) -> None:
         """Every row the sender will send is in place: conclude now rather than one
@@ -724,7 +726,8 @@ class NixlBackend(Backend):
         inbound = wait.inbound
         if inbound is None or not inbound.complete or wait.attempt.poll() is not None:
             return
-        self._notify(inbound.sender, inbound.note(wait.own_id))
+        if self._notify(inbound.sender, inbound.note(wait.own_id)):
+            inbound.sent()
         wait.attempt.conclude(Delivered(tuple(wait.masks())))
         self._end_passive(wait)
 

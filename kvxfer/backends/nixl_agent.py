@@ -6,9 +6,13 @@ makes almost all of them; the owner's thread only registers memory and loads pee
 metadata at submit. A post is bounded by the backend's chunk size, so the lock is never
 held for long (PERF.md: with host memory UCX may do the whole copy inside ``transfer()``).
 
-Remote agents are kept by name together with the metadata they were loaded from; a peer
-that comes back under the same name with new metadata (a restart) is invalidated and
-loaded again, and ``forget`` drops one that died so that its successor can be added.
+Remote agents are kept by name together with the metadata they were loaded from. A peer's
+newer metadata (it registered more memory since) is loaded over what we hold: NIXL adds the
+new regions and keeps the connection, the regions already loaded and our requests in flight
+(dropping the peer first would end those requests: NIXL fails a request whose remote agent
+was invalidated). Only a peer whose connection changed, the same name in a new process (a
+restart), is dropped and loaded again, and not while a request of ours to its previous run
+is alive. ``forget`` drops one that died so that its successor can be added.
 """
 
 from __future__ import annotations
@@ -51,6 +55,13 @@ def _nixl() -> Any:
     return api, bindings
 
 
+def _refused(name: str, exc: BaseException) -> Exception:
+    """What NIXL's refusal of a peer's metadata means to a submission."""
+    if type(exc).__name__ in ("nixlMismatchError", "nixlInvalidParamError"):
+        return ValueError(f"NIXL refused the metadata in the hint for agent {name!r}: {exc}")
+    return PeerGone(f"cannot connect to agent {name!r}: {exc}")
+
+
 def _is_disconnect(exc: BaseException) -> bool:
     return type(exc).__name__ == "nixlRemoteDisconnectError" or "REMOTE_DISCONNECT" in str(exc)
 
@@ -84,7 +95,9 @@ class NixlAgent:
             raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.get_plugin_list()})")
         self.memory_types = frozenset(self._agent.get_backend_mem_types("UCX"))
         self._registered: list[Any] = []
-        self._peers: dict[str, bytes] = {}  # remote agent name -> metadata it was loaded from
+        self._peers: dict[str, set[bytes]] = {}  # remote agent name -> metadata versions loaded
+        self._alive: dict[str, int] = {}  # remote agent name -> our requests to it not released yet
+        self._request_peer: dict[int, str] = {}  # id of such a request's handle -> its peer
         self._metadata = self._agent.get_agent_metadata()
         if self.use_etcd:
             self._agent.send_local_metadata()
@@ -116,25 +129,24 @@ class NixlAgent:
         """Make ``name`` reachable. True once loaded; False while etcd has not delivered it yet.
 
         Raises ValueError for metadata NIXL cannot parse or naming another agent, PeerGone
-        when the peer cannot be reached.
+        when the peer cannot be reached, or restarted while requests to its previous run are
+        alive.
         """
-        if metadata and self._peers.get(name) == metadata:
+        if metadata and metadata in self._peers.get(name, ()):
             # Loaded already (every submission after the first): not worth waiting for the lock,
             # which the progress thread holds through each NIXL call it makes.
             return True
         with self._lock:
             known = self._peers.get(name)
             if metadata:
-                if known == metadata:
+                if known is not None and metadata in known:
                     return True
-                if known is not None:  # the same name with new metadata: a restarted peer
-                    self._invalidate(name)
                 try:
                     loaded = self._agent.add_remote_agent(metadata)
                 except Exception as exc:
-                    if type(exc).__name__ in ("nixlMismatchError", "nixlInvalidParamError"):
-                        raise ValueError(f"NIXL refused the metadata in the hint for agent {name!r}: {exc}") from None
-                    raise PeerGone(f"cannot connect to agent {name!r}: {exc}") from None
+                    if known is None or type(exc).__name__ != "nixlNotAllowedError":
+                        raise _refused(name, exc) from None
+                    loaded = self._load_restarted(name, metadata)
                 loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
                 if loaded_name != name:
                     # Undo only what this call added: a peer we already know stays loaded (its
@@ -142,17 +154,31 @@ class NixlAgent:
                     if loaded_name not in self._peers:
                         self._invalidate(loaded_name)
                     raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
-                self._peers[name] = metadata
+                self._peers.setdefault(name, set()).add(metadata)
                 return True
             if not self.use_etcd:
                 raise ValueError(f"hint for agent {name!r} carries no NIXL metadata and etcd is not configured")
             if known is not None:
                 return True
             if self._agent.check_remote_metadata(name):
-                self._peers[name] = b""
+                self._peers[name] = {b""}
                 return True
             self._agent.fetch_remote_metadata(name)
             return False
+
+    def _load_restarted(self, name: str, metadata: bytes) -> Any:
+        """NIXL refused ``name``'s new connection info: another process of that name. Its
+        predecessor's state goes only once none of our requests to it is alive."""
+        alive = self._alive.get(name, 0)
+        if alive:
+            raise PeerGone(f"agent {name!r} restarted (its connection changed) while {alive} of our requests to "
+                           "its previous run are in flight: submit again once they ended")
+        self._peers.pop(name, None)
+        self._invalidate(name)
+        try:
+            return self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise _refused(name, exc) from None
 
     def knows(self, name: str) -> bool:
         with self._lock:
@@ -194,6 +220,8 @@ class NixlAgent:
             if state == "ERR":
                 self._release_quietly(handle)
                 raise XferError(f"NIXL could not post a {op} to {peer!r}")
+            self._alive[peer] = self._alive.get(peer, 0) + 1
+            self._request_peer[id(handle)] = peer
             return Post(handle, state)
 
     def state(self, handle: Any) -> str:
@@ -210,10 +238,15 @@ class NixlAgent:
         with self._lock:
             try:
                 handle.release()
-                return True
             except Exception as exc:
                 log.warning("NIXL could not release transfer handle %r yet: %s", handle, exc)
                 return False
+            peer = self._request_peer.pop(id(handle), None)
+            if peer is not None:
+                self._alive[peer] -= 1
+                if not self._alive[peer]:
+                    del self._alive[peer]
+            return True
 
     def _release_quietly(self, handle: Any) -> None:
         try:

@@ -463,9 +463,12 @@ class Inbound:
         return bool(self.grant or self.ok or self.no)
 
     def note(self, transfer_id: str) -> bytes:
-        message = encode_note("credit", t=transfer_id, grant=self.grant, ok=self.ok, no=self.no)
+        """What is owed, as a ``credit`` note; owed still until ``sent()``: a note that could
+        not be sent (etcd has not delivered the sender's metadata yet) goes with the next."""
+        return encode_note("credit", t=transfer_id, grant=self.grant, ok=self.ok, no=self.no)
+
+    def sent(self) -> None:
         self.grant, self.ok, self.no = [], [], []
-        return message
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,13 +8,25 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.nixl import NixlBackend
-from kvxfer.backends.nixl_packed import ARENA_EXTRA, ArenaInfo, encode_note, rows_from_runs, runs_of
+from kvxfer.backends.nixl_agent import PeerUnknown
+from kvxfer.backends.nixl_packed import (
+    ARENA_EXTRA,
+    NOTE_PREFIX,
+    ArenaInfo,
+    PackedJob,
+    decode_note,
+    encode_note,
+    rows_from_runs,
+    runs_of,
+)
 from kvxfer.contract import (
     CacheKind,
     Cancelled,
@@ -491,8 +503,6 @@ def test_auto_default_on_host_packs_only_very_small_descriptors(made: list[NixlB
 def test_notes_decode_within_bounds() -> None:
     # A credit note round-trips; a note of nested arrays (8 wide, 6 deep: 300 KB of one-byte
     # empty arrays, some 19 MB as Python lists) is refused by name before it is built.
-    from kvxfer.backends.nixl_packed import NOTE_PREFIX, decode_note
-
     note = decode_note(encode_note("credit", t="x", grant=[1, 2], ok=[0], no=[]))
     assert note == {"k": "credit", "t": "x", "grant": [1, 2], "ok": [0], "no": []}
     bomb = b"\x90"
@@ -500,3 +510,107 @@ def test_notes_decode_within_bounds() -> None:
         bomb = b"\x98" + bomb * 8
     with pytest.raises(ValueError, match="more than 4 arrays and maps"):
         decode_note(NOTE_PREFIX + b"\x82\xa1k\xa6credit\xa1t" + bomb)
+
+
+def test_a_credit_note_that_could_not_be_sent_stays_owed_and_goes_with_the_next(
+        made: list[NixlBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    # With etcd a fetcher may owe a note to a sender whose metadata its agent does not hold
+    # (PeerUnknown). What the note said (its grant here) must go with the next one: a note
+    # cleared before a failed send lost the grant, and the sender waited for slots until its
+    # deadline. The fetcher's agent refuses its first two credit notes.
+    pub, pmem = _backend(made, "P", packed="always", deadline_s=3.0)
+    fet, fmem = _backend(made, "F", packed="always")
+    refused: list[dict[str, Any]] = []
+    notify = fet._agent.notify
+
+    def flaky(peer: str, message: bytes) -> None:
+        if message.startswith(NOTE_PREFIX) and decode_note(message)["k"] == "credit" and len(refused) < 2:
+            refused.append(decode_note(message))
+            raise PeerUnknown(f"agent {peer!r} is not loaded")
+        notify(peer, message)
+
+    monkeypatch.setattr(fet._agent, "notify", flaky)
+    pview, fview = _view(pmem, "owed", 60, 120), _view(fmem, "owed", 60, 121)
+    payload = _fill(pmem, pview, 122)
+    _sentinel(fmem, fview)
+    _, _, mine, theirs = _push(pub, pview, fet, fview)
+    assert isinstance(mine, Delivered) and isinstance(theirs, Delivered) and theirs.all_delivered, (mine, theirs)
+    assert len(refused) == 2 and refused[0]["grant"], refused
+    assert refused[1]["grant"] == refused[0]["grant"], "the refused note was not sent again"
+    for pg, fg in zip(pview.groups, fview.groups):
+        assert fmem.read(fg.region.name, fg.slots) == payload[pg.layer_group]
+    assert settle(lambda: _landing_slots_free(fet))
+
+
+def test_a_bad_grant_does_not_drop_the_acknowledgements_of_its_note() -> None:
+    # A credit note whose grant names a slot outside the peer's arena fails the push, but its
+    # ok and no still count: the chunk the peer scattered is proven, and the job finishes now
+    # instead of waiting until its deadline for acknowledgements it already received.
+    remote = ArenaInfo(1 << 20, 4 * 4096, 4096, MemoryKind.HOST, 0)  # 4 slots
+    hint = SimpleNamespace(agent="peer", transfer_id="t")
+    job = PackedJob(TrackedAttempt(label="bad-grant"), None, hint, "WRITE", [None] * 3,  # type: ignore[arg-type]
+                    time.monotonic() + 60, remote=remote, requested=True)
+    job.next_chunk, job.written = 2, {0, 1}
+    job.on_credit([2, 4], [0], [1])
+    assert job.failure is not None and "outside its arena" in job.failure, job.failure
+    assert job.done == [0] and not job.written and not job.credits
+    assert job.finished
+
+
+def test_a_withdrawn_transfer_forgets_the_slots_granted_to_it_ahead(made: list[NixlBackend]) -> None:
+    # The fetcher grants 4 slots ahead, then its wait is cancelled before the publisher
+    # publishes. Asked to withdraw, the publisher forgets those credits (they are the
+    # fetcher's again once it answers): kept, they would sit in its table until evicted.
+    push = _fetch_ahead(made, "withdrawn", 130)
+    key = (push.fet.name, push.fhint.transfer_id)
+    assert key in push.pub._early_credits
+    push.waiting.cancel()
+    assert settle(push.waiting.quiesced), "the withdrawal was not answered"
+    assert isinstance(push.waiting.poll(), Cancelled)
+    assert key not in push.pub._early_credits, "the withdrawn transfer's early credits were kept"
+    assert settle(lambda: _landing_slots_free(push.fet))
+    with pytest.raises(InvalidSubmission, match="withdrew"):
+        push.pub.publish(push.pview, push.fhint)
+
+
+def test_a_packed_push_failing_with_writes_in_flight_quiesces_only_once_they_ended(
+        made: list[NixlBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the unpacked rule (test_nixl_backend's in-flight deadline test): UCX over TCP, and a
+    # fetcher whose worker stops progressing once it granted slots, so the publisher's packed
+    # WRITEs stay in flight past its deadline. The push fails at the deadline but quiesces only
+    # once NIXL ended them (a released WRITE still lands).
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    row, rows, slot = 64 << 10, 256, 1 << 20
+    ends = []
+    for name, deadline in (("P", 0.5), ("F", 30.0)):
+        memory = host_rows(((name, row, rows),))
+        backend = NixlBackend(mode=TransferMode.PUSH, packed="always", arena_bytes=8 * slot,
+                              packed_chunk_bytes=slot, deadline_s=deadline)
+        backend.register(memory.regions)
+        made.append(backend)
+        ends.append((backend, memory))
+    (pub, pmem), (fet, fmem) = ends
+    pview, fview = _view(pmem, "inflight", rows, 140), _view(fmem, "inflight", rows, 141)
+    gate = threading.Event()
+    step = fet._step
+
+    def stalled() -> bool:
+        if fet.stats().credits_granted:
+            gate.wait()
+        return step()
+
+    monkeypatch.setattr(fet, "_step", stalled)
+    try:
+        fhint = fet.describe(fview)
+        waiting = fet.fetch(fview, pub.describe(pview))
+        sending = pub.publish(pview, fhint)
+        assert settle(lambda: sending.poll() is not None, 10.0)
+        outcome = sending.poll()
+        assert isinstance(outcome, Failed) and "timeout" in outcome.reason, outcome
+        assert pub.path_of(sending) == "packed"
+        time.sleep(0.3)
+        assert not sending.quiesced(), "quiesced while its WRITEs were still in flight"
+    finally:
+        gate.set()
+    assert sending.wait(20.0), "never quiesced once the fetcher progressed"
+    assert waiting.wait(20.0)

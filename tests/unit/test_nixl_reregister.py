@@ -1,0 +1,157 @@
+"""A NIXL peer whose metadata changes while our requests to it are in flight: one that
+registered more memory (its newer metadata is loaded over what we hold, the requests go on),
+and one that restarted under the same name (loaded again only once they ended). Two agents
+in this process over UCX/TCP, where a WRITE stays in flight while its target's worker is
+not progressed."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.nixl import NixlBackend
+from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, TokenRange, TransferMode, View
+from kvxfer.testing.memory import HostRows
+from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.waiting import settle
+
+ROW = 1 << 20
+ROWS = 32
+_GATES: list[threading.Event] = []  # stalled progress threads, all released at a test's end
+
+
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[NixlBackend]]:
+    monkeypatch.setenv("UCX_TLS", "tcp")  # before any agent starts: UCX reads it then
+    backends: list[NixlBackend] = []
+    yield backends
+    for gate in _GATES:
+        gate.set()
+    _GATES.clear()
+    for b in backends:
+        assert b.shutdown() == frozenset(), "an attempt was left unquiesced"
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
+
+
+def _backend(made: list[NixlBackend], memory: HostRows, **options: object) -> NixlBackend:
+    backend = NixlBackend(mode=TransferMode.PUSH, packed="never", chunk_bytes=8 * ROW, window=2,
+                          deadline_s=30.0, **options)  # type: ignore[arg-type]
+    backend.register(memory.regions)
+    made.append(backend)
+    return backend
+
+
+def _view(memory: HostRows, region: str, request: str) -> View:
+    target = next(r for r in memory.regions if r.name == region)
+    ordinals = np.arange(ROWS, dtype=np.int64)
+    return View(request, TokenRange(0, ROWS * 16),
+                (LayerGroupRows("g0", CacheKind.PAGED, target, ordinals, ordinals),), b"L")
+
+
+def _stall(backend: NixlBackend) -> threading.Event:
+    """Stop ``backend``'s progress thread (so its UCX worker) until the event is set: a WRITE
+    to it over TCP stays in flight meanwhile."""
+    gate = threading.Event()
+    _GATES.append(gate)
+    step: Callable[[], bool] = backend._step
+    backend._step = lambda: gate.wait() and step()  # type: ignore[method-assign]
+    return gate
+
+
+def _in_flight(pub: NixlBackend) -> bool:
+    return any(j.inflight for j in pub._active)
+
+
+def _filled(memory: HostRows, region: str, value: int) -> None:
+    memory.buffers[region].array.fill(value)
+
+
+def test_a_peer_that_registers_more_memory_keeps_our_requests_in_flight_to_it(made: list[NixlBackend]) -> None:
+    # The fetcher registers a second region while the publisher's WRITEs to its first are in
+    # flight; its next hint carries new metadata. Loading it must leave the peer's loaded state
+    # alone: both pushes land (dropping the peer first failed the first one by name, "NIXL
+    # reported an error", its WRITEs cut off), and a hint with the older metadata still works.
+    pmem = host_rows((("P0", ROW, ROWS), ("P1", ROW, ROWS), ("P2", ROW, ROWS)))
+    fmem, more = host_rows((("F0", ROW, ROWS), ("F2", ROW, ROWS))), host_rows((("F1", ROW, ROWS),))
+    pub = _backend(made, pmem)
+    fet = NixlBackend(mode=TransferMode.PUSH, packed="never")
+    made.append(fet)
+    fet.register(fmem.regions)
+    for name, value in (("P0", 1), ("P1", 2), ("P2", 3)):
+        _filled(pmem, name, value)
+    first = _view(pmem, "P0", "first"), _view(fmem, "F0", "first")
+    old_hint = fet.describe(first[1])
+    gate = _stall(fet)
+    waiting = [fet.fetch(first[1], pub.describe(first[0]))]
+    sending = [pub.publish(first[0], old_hint)]
+    assert settle(lambda: _in_flight(pub)), "no WRITE stayed in flight"
+
+    fet.register(more.regions)
+    second = _view(pmem, "P1", "second"), _view(more, "F1", "second")
+    new_hint = fet.describe(second[1])
+    assert new_hint.endpoint != old_hint.endpoint, "registering did not change the metadata"
+    waiting.append(fet.fetch(second[1], pub.describe(second[0])))
+    sending.append(pub.publish(second[0], new_hint))  # loads the new metadata
+    time.sleep(0.2)
+    assert sending[0].poll() is None, f"the push in flight ended at the reload: {sending[0].poll()}"
+    gate.set()
+    # A hint described before the registration (older metadata) still reaches the fetcher.
+    third = _view(pmem, "P2", "third"), _view(fmem, "F2", "third")
+    stale = dataclasses.replace(fet.describe(third[1]), endpoint=old_hint.endpoint)
+    waiting.append(fet.fetch(third[1], pub.describe(third[0])))
+    sending.append(pub.publish(third[0], stale))
+    for attempt in sending + waiting:
+        assert attempt.wait(30.0), "an attempt did not conclude and quiesce"
+        outcome = attempt.poll()
+        assert isinstance(outcome, Delivered) and outcome.all_delivered, outcome
+    assert (fmem.buffers["F0"].array == 1).all() and (more.buffers["F1"].array == 2).all()
+    assert (fmem.buffers["F2"].array == 3).all()
+
+
+def test_a_restarted_peer_is_loaded_again_only_once_our_requests_to_its_previous_run_ended(
+        made: list[NixlBackend]) -> None:
+    # Another agent of the same name (a restarted peer: its connection info differs) while a
+    # push to the first is in flight: the push to the new one fails by name rather than cut
+    # the requests in flight; once those ended, the new one is loaded and reached.
+    pmem = host_rows((("P0", ROW, ROWS), ("P1", ROW, ROWS)))
+    before, after = host_rows((("A0", ROW, ROWS),)), host_rows((("B0", ROW, ROWS),))
+    pub = _backend(made, pmem)
+    name = f"restarted-{time.monotonic_ns()}"
+    old = NixlBackend(name=name, mode=TransferMode.PUSH, packed="never")
+    made.append(old)
+    old.register(before.regions)
+    _filled(pmem, "P0", 4)
+    _filled(pmem, "P1", 5)
+    first = _view(pmem, "P0", "first"), _view(before, "A0", "first")
+    gate = _stall(old)
+    hint = old.describe(first[1])
+    waiting = old.fetch(first[1], pub.describe(first[0]))
+    sending = pub.publish(first[0], hint)
+    assert settle(lambda: _in_flight(pub)), "no WRITE stayed in flight"
+
+    new = NixlBackend(name=name, mode=TransferMode.PUSH, packed="never")
+    made.append(new)
+    new.register(after.regions)
+    second = _view(pmem, "P1", "second"), _view(after, "B0", "second")
+    pub.describe(second[0])
+    refused = pub.publish(second[0], new.describe(second[1]))
+    assert refused.wait(5.0)
+    outcome = refused.poll()
+    assert isinstance(outcome, Failed) and "restarted" in outcome.reason and outcome.rows_delivered == 0, outcome
+    gate.set()
+    for attempt in (sending, waiting):
+        assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+    assert (before.buffers["A0"].array == 4).all()
+
+    third = _view(pmem, "P1", "third"), _view(after, "B0", "third")
+    hint = new.describe(third[1])
+    waiting = new.fetch(third[1], pub.describe(third[0]))
+    sending = pub.publish(third[0], hint)
+    for attempt in (sending, waiting):
+        assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+    assert (after.buffers["B0"].array == 5).all()
