@@ -347,27 +347,30 @@ class IpcBackend(Backend):
         memory, and everything the backend holds is given back."""
         self._released = True
         # A submission that passed the closed check on another thread just before shutdown
-        # finishes its launch first, so its job is in _in_flight and its event in hand here.
+        # finishes its launch first, so its job is in _in_flight and its event in hand here;
+        # none starts after (_closed is set). Not held below: finishing a job may find its
+        # peer gone, and _on_peer_gone takes this lock.
         with self._launch_lock:
-            try:
-                self._native.stream_synchronize(self._stream)
-                stream_ok = True
-            except self._native.CopyError as exc:
-                log.error("IPC backend %s: stream failed at shutdown: %s", self.name, exc)
-                stream_ok = False
-            while self._in_flight:
-                self._finish(self._in_flight.popleft(), None if stream_ok else "the copy stream failed")
-            with self._map_lock:
-                still_mapped = self._mappings.close_all()
-            if still_mapped:
-                log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, still_mapped)
-            while self._events:
-                self._drop_event(self._events.pop())
-            if self._ring is not None:
-                self._ring.close()  # a peer's store into it after this lands in its own mapping only
-            if stream_ok:
-                self._native.stream_destroy(self._stream)
-            self._channel.close()
+            pass
+        try:
+            self._native.stream_synchronize(self._stream)
+            stream_ok = True
+        except self._native.CopyError as exc:
+            log.error("IPC backend %s: stream failed at shutdown: %s", self.name, exc)
+            stream_ok = False
+        while self._in_flight:
+            self._finish(self._in_flight.popleft(), None if stream_ok else "the copy stream failed")
+        with self._map_lock:
+            still_mapped = self._mappings.close_all()
+        if still_mapped:
+            log.error("IPC backend %s: %d mappings still in use at shutdown, left open", self.name, still_mapped)
+        while self._events:
+            self._drop_event(self._events.pop())
+        if self._ring is not None:
+            self._ring.close()  # a peer's store into it after this lands in its own mapping only
+        if stream_ok:
+            self._native.stream_destroy(self._stream)
+        self._channel.close()
 
     # --- submission (the owner's thread) ----------------------------------------------
     def _refuse_if_closed(self) -> None:

@@ -62,6 +62,21 @@ def _refused(name: str, exc: BaseException) -> Exception:
     return PeerGone(f"cannot connect to agent {name!r}: {exc}")
 
 
+_SERDES_AGENT = b"nixlSerDes|Agent"
+
+
+def _metadata_agent(metadata: bytes) -> str | None:
+    """The agent name NIXL's serialized metadata opens with (its nixlSerDes layout: a tag, a
+    little-endian 8-byte length, the name), or None where it does not read as such."""
+    start = len(_SERDES_AGENT) + 8
+    if not metadata.startswith(_SERDES_AGENT) or len(metadata) < start:
+        return None
+    size = int.from_bytes(metadata[len(_SERDES_AGENT):start], "little")
+    if size > len(metadata) - start:
+        return None
+    return metadata[start:start + size].decode("utf-8", "replace")
+
+
 def _is_disconnect(exc: BaseException) -> bool:
     return type(exc).__name__ == "nixlRemoteDisconnectError" or "REMOTE_DISCONNECT" in str(exc)
 
@@ -146,6 +161,11 @@ class NixlAgent:
                 except Exception as exc:
                     if known is None or type(exc).__name__ != "nixlNotAllowedError":
                         raise _refused(name, exc) from None
+                    if _metadata_agent(metadata) != name:
+                        # Another agent's refusal: a restart of ``name`` it is not, and the
+                        # peer we know under that name stays loaded.
+                        raise ValueError(f"hint names agent {name!r} but its metadata is agent "
+                                         f"{_metadata_agent(metadata)!r}: {exc}") from None
                     loaded = self._load_restarted(name, metadata)
                 loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
                 if loaded_name != name:

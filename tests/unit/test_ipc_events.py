@@ -196,3 +196,26 @@ def test_events_of_copies_in_flight_when_the_stream_fails_at_shutdown_are_destro
         assert len(ends.events.created) == 1 and ends.events.destroyed == ends.events.created, ends.events
     finally:
         host_cuda.stream_destroy(stream)  # shutdown left the failed stream to us
+
+
+def test_shutdown_finishing_a_copy_whose_peer_died_does_not_hang(
+        ends: Ends, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A copy outlives shutdown's grace and its peer dies meanwhile: shutdown waits for the
+    # copy, then finds the peer gone when it sends the record. That must end shutdown, with
+    # the attempt concluded and quiesced, not block it (the peer-gone path takes the launch
+    # lock, which shutdown must not be holding then).
+    import threading
+
+    monkeypatch.setenv(host_cuda.DELAY_ENV, "2.0")  # this process only: the child started already
+    lv, pv, _, _ = _views(ends, 1, "orphan")
+    hint = ends.peer.describe(pv)
+    ends.peer.start("fetch", pv, ends.local.describe(lv))
+    attempt = ends.local.publish(lv, hint)
+    ends.peer.kill()
+    left: list[frozenset[object]] = []
+    closer = threading.Thread(target=lambda: left.append(ends.local.shutdown()), daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "shutdown hung finishing a copy whose peer had died"
+    assert left == [frozenset()]
+    assert attempt.poll() is not None and attempt.quiesced()

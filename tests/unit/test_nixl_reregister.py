@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 
 from kvxfer.backends.nixl import NixlBackend
-from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, TokenRange, TransferMode, View
+from kvxfer.contract import (
+    CacheKind,
+    Delivered,
+    Failed,
+    InvalidSubmission,
+    LayerGroupRows,
+    TokenRange,
+    TransferMode,
+    View,
+)
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.waiting import settle
@@ -155,3 +164,48 @@ def test_a_restarted_peer_is_loaded_again_only_once_our_requests_to_its_previous
     for attempt in (sending, waiting):
         assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
     assert (after.buffers["B0"].array == 5).all()
+
+
+def test_a_hint_naming_one_peer_with_a_restarted_others_metadata_leaves_the_first_alone(
+        made: list[NixlBackend]) -> None:
+    # NIXL refuses a restarted agent B's metadata (B's connection changed). Under a hint that
+    # says agent A, that refusal is no restart of A: the publish is refused naming both, and A,
+    # whose fetch waits on our notes, stays loaded and reachable.
+    pmem = host_rows((("P0", ROW, ROWS), ("P1", ROW, ROWS)))
+    amem, bmem, b2mem = (host_rows(((n, ROW, ROWS),)) for n in ("A0", "B0", "C0"))
+    pub = _backend(made, pmem)
+    a = NixlBackend(mode=TransferMode.PUSH, packed="never")
+    b_name = f"b-{time.monotonic_ns()}"
+    b = NixlBackend(name=b_name, mode=TransferMode.PUSH, packed="never")
+    made.extend([a, b])
+    a.register(amem.regions)
+    b.register(bmem.regions)
+    _filled(pmem, "P0", 6)
+    for target, mem, region in ((a, amem, "A0"), (b, bmem, "B0")):
+        views = _view(pmem, "P0", f"to-{region}"), _view(mem, region, f"to-{region}")
+        hint = target.describe(views[1])
+        waiting = target.fetch(views[1], pub.describe(views[0]))
+        sending = pub.publish(views[0], hint)
+        for attempt in (sending, waiting):
+            assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+    assert b.shutdown() == frozenset()
+    made.remove(b)
+    b2 = NixlBackend(name=b_name, mode=TransferMode.PUSH, packed="never")
+    made.append(b2)
+    b2.register(b2mem.regions)
+    views = _view(pmem, "P1", "mislabelled"), _view(amem, "A0", "mislabelled")
+    hint = a.describe(views[1])
+    wrong = dataclasses.replace(hint, endpoint=b2.describe(_view(b2mem, "C0", "b2")).endpoint)
+    pub.describe(views[0])
+    with pytest.raises(InvalidSubmission) as refused:
+        pub.publish(views[0], wrong)
+    assert b_name in str(refused.value) and a.name in str(refused.value), refused.value
+    assert pub._agent.knows(a.name), "the mislabelled hint dropped the peer it named"
+    _filled(pmem, "P1", 7)
+    again = _view(pmem, "P1", "again"), _view(amem, "A0", "again")
+    hint = a.describe(again[1])
+    waiting = a.fetch(again[1], pub.describe(again[0]))
+    sending = pub.publish(again[0], hint)
+    for attempt in (sending, waiting):
+        assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+    assert (amem.buffers["A0"].array == 7).all()
