@@ -294,7 +294,7 @@ def test_page_locking_lets_other_python_threads_run() -> None:
     import time
 
     cuda = native.cuda_module()
-    buf = np.ones(1 << 30, dtype=np.uint8)  # touched: page locking then walks 1 GiB of present pages
+    buf = np.ones(4 << 30, dtype=np.uint8)  # touched: page locking then walks 4 GiB of present pages
     ticks = [0]
     inside = threading.Event()
     done = threading.Event()
@@ -322,7 +322,7 @@ def test_page_locking_lets_other_python_threads_run() -> None:
         t.join()
     cuda.host_unregister(0, buf.ctypes.data)
     if took < 0.05:
-        pytest.skip(f"page locking 1 GiB took {took * 1e3:.1f} ms here, too short to tell")
+        pytest.skip(f"page locking 4 GiB took {took * 1e3:.1f} ms here, too short to tell")
     # Holding the lock, the counting thread would get at most one switch interval (5 ms) in
     # before the call; released, it counts for most of the call (two threads share the lock
     # only while the main one runs Python, which it does not inside the call).
