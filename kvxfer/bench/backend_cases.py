@@ -294,6 +294,10 @@ class BackendCase:
                 return seen - t0
 
             timing = time_runs(run, self.config.repetition)
+            # Fresh bytes, one more transfer, then the check: equal rows after the timed runs
+            # alone would only prove that the warm-up moved the (unchanged) source.
+            memory.fill_source("prefill", self.config.seed + point.rows + 1)
+            run()
             verified = memory.rows_equal("prefill", "decode")
             paths = self._paths(ends)
         finally:
@@ -316,11 +320,16 @@ class BackendCase:
                 self._settle(ap, ad, point.total_rows)
                 if i >= sweep.warmup:
                     samples.append(seen - t0)
+            memory.fill_source("prefill", self.config.seed + 1)  # as in throughput: fresh bytes, once more
+            _, _, ap, ad = self._one(ends, vp, vd, push)
+            self._settle(ap, ad, point.total_rows)
             verified = memory.rows_equal("prefill", "decode")
         finally:
             self._teardown(ends)
+        if not verified:
+            raise RuntimeError("decode rows differ from prefill rows after the latency samples")
         return latency_measurement(Timing(tuple(samples)), {
-            **ends.facts, "verified": verified,
+            **ends.facts, "verified": True,
             "measured": ("publish" if point.direction == "push" else "fetch") + " call to decode outcome visible"})
 
     def overhead(self, point: Point, sweep: OverheadSweep) -> Measurement:

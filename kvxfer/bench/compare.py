@@ -27,7 +27,7 @@ class Change:
     old: float | None
     new: float | None
     change: float | None   # relative, signed so that negative is worse
-    verdict: str           # regression | improvement | same | lost | new
+    verdict: str           # regression | improvement | same | lost | incomparable | new
 
 
 def _value(result: BenchResult, f: Figure, metric: str, relative: bool) -> float | None:
@@ -57,9 +57,12 @@ def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relativ
         g = new_by_id.get(f.id)
         for metric, higher in METRICS[f.mode]:
             before = _value(old, f, metric, relative)
-            if before is None:
-                continue
             name = "vs copy" if relative and metric == "gbps_best" else metric
+            if before is None:
+                # Not comparable as asked (no reference in the old run): said, never skipped
+                # silently, so "no regression" cannot come from comparing nothing.
+                out.append(Change(f.id, f"{name} (no reference in the old run)", None, None, None, "incomparable"))
+                continue
             if g is None or not g.ok:
                 why = "missing" if g is None else f"{g.status}: {g.reason}"
                 out.append(Change(f.id, f"{name} ({why})", before, None, None, "lost"))
@@ -71,9 +74,12 @@ def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relativ
             rel = _relative(before, after, higher)
             verdict = "regression" if rel < -threshold else "improvement" if rel > threshold else "same"
             out.append(Change(f.id, name, before, after, rel, verdict))
+    old_ok = {f.id for f in old.figures if f.ok}
     for g in new.figures:
         if g.ok and g.id not in old_ids:
             out.append(Change(g.id, "-", None, None, None, "new"))
+        elif g.ok and g.id not in old_ok:
+            out.append(Change(g.id, "- (failed or skipped in the old run)", None, None, None, "new"))
     return out
 
 
@@ -85,14 +91,16 @@ def _relative(before: float, after: float, higher: bool) -> float:
 
 
 def regressions(changes: list[Change]) -> list[Change]:
-    return [c for c in changes if c.verdict in ("regression", "lost")]
+    return [c for c in changes if c.verdict in ("regression", "lost", "incomparable")]
 
 
 def _figure_value(metric: str, value: float | None) -> str:
     if value is None:
         return "-"
-    if metric.endswith("_s") or metric.endswith("_s_median"):
-        return f"{value * 1e6:.1f} µs" if value < 1e-3 or "per_row" not in metric else f"{value * 1e9:.0f} ns"
+    if metric.startswith("per_row"):
+        return f"{value * 1e9:.0f} ns"  # host overhead per row: tens of ns, not µs
+    if metric.endswith("_s"):
+        return f"{value * 1e6:.1f} µs"
     return f"{value:.2f}"
 
 
@@ -100,7 +108,7 @@ def render(changes: list[Change], threshold: float, show_all: bool = False) -> s
     from kvxfer.bench.report import text_table
 
     shown = [c for c in changes if show_all or c.verdict != "same"]
-    rows = [[c.verdict.upper() if c.verdict in ("regression", "lost") else c.verdict, c.figure, c.metric,
+    rows = [[c.verdict.upper() if c.verdict in ("regression", "lost", "incomparable") else c.verdict, c.figure, c.metric,
              _figure_value(c.metric, c.old), _figure_value(c.metric, c.new),
              "-" if c.change is None else f"{c.change:+.1%}"] for c in shown]
     bad = regressions(changes)

@@ -124,6 +124,11 @@ class IpcKernel:
                                  stream=stream, device=p)
 
         timing = time_runs(cuda_timed(copy, p), self.config.repetition)
+        # Fresh source bytes and one more copy before the check: the timed copies moved an
+        # unchanged source, which the warm-up alone would have put in place.
+        src.random_(0, 256)
+        copy()
+        torch.cuda.synchronize(p)
         verified = self._verify(torch, src, span, point, picks, peer)
         where = f" on cuda:{p}, the mapping on cuda:{dev} (peer access)" if p != dev else ""
         return Measurement(

@@ -7,6 +7,7 @@ machine, so a ratio says how close the transport gets to what the memory system 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -140,14 +141,43 @@ class LocalRows(LocalCopy):
             timing = time_runs(cuda_timed(copy, p), self.config.repetition)
         else:
             timing = time_runs(copy, self.config.repetition)
+        self._check_rows(point, src, dst, span, src_slots, dst_slots, copy)
         info = native.info()
         how = ("kvxfer._native " + ("CUDA kernel" if device else "host memcpy")) if info.compiled else "numpy/torch fallback"
         if device and self.config.two_devices:
             how += f" on cuda:{p} writing cuda:{d} (peer access)"
         return Measurement(
             {"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},
-            {"how": how, "calls": point.groups, **({"devices": [p, d]} if device else {})},
+            {"how": how, "calls": point.groups, "verified": True, **({"devices": [p, d]} if device else {})},
         )
+
+    def _check_rows(self, point: Point, src: Any, dst: Any, span: int, src_slots: list[np.ndarray],
+                    dst_slots: list[np.ndarray], copy: Callable[[], None]) -> None:
+        """Fresh source bytes, one more copy, then every destination row against its source
+        row: the timed copies moved an unchanged source, which the warm-up alone would have
+        put in place."""
+        row = point.row_bytes
+        if isinstance(src, np.ndarray):
+            src[:span * point.groups] = np.random.default_rng(self.config.seed + 3).integers(
+                0, 256, span * point.groups, dtype=np.uint8)
+            copy()
+            rows_of = [(src[g * span:(g + 1) * span].reshape(-1, row), dst[g * span:(g + 1) * span].reshape(-1, row))
+                       for g in range(point.groups)]
+            same = all(np.array_equal(s[ss], d[ds]) for (s, d), ss, ds in zip(rows_of, src_slots, dst_slots))
+        else:
+            import torch
+
+            src[:span * point.groups].random_(0, 256)
+            copy()
+            torch.cuda.synchronize(src.device)
+            torch.cuda.synchronize(dst.device)
+            same = True
+            for g in range(point.groups):
+                s = src[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(src_slots[g]).to(src.device)]
+                d = dst[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(dst_slots[g]).to(dst.device)]
+                same = same and torch.equal(s.cpu(), d.cpu())
+        if not same:
+            raise RuntimeError("destination rows differ from the source rows after the timed copies")
 
 
 SPECS = [

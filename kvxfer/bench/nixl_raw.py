@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import time
 import zlib
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -275,7 +276,7 @@ class _RawCase:
         """(local offsets, remote offsets, bytes per descriptor), offsets from each buffer's base."""
         raise NotImplementedError
 
-    def _prepare(self, point: Point) -> tuple[NixlPair, Any, str, dict[str, Any], Any]:
+    def _prepare(self, point: Point) -> tuple[NixlPair, Any, str, dict[str, Any], Callable[[int], Any]]:
         local_off, remote_off, length = self.descriptors(point)
         if local_off.size > self.config.max_descriptors:
             raise Skip(f"{local_off.size} descriptors exceed the run's limit of {self.config.max_descriptors} "
@@ -285,28 +286,39 @@ class _RawCase:
         t0 = time.perf_counter()
         handle = pair.handle(op, pair.local.address + local_off, pair.remote_address + remote_off, length)
         prep = time.perf_counter() - t0
-        check = pair.verify(op, local_off, remote_off, length, self.config.seed + point.rows)
+        def stamp(seed: int) -> Any:
+            return pair.verify(op, local_off, remote_off, length, seed)
+
         facts = {"descriptors": int(local_off.size), "descriptor_bytes": int(length), "prep_s": prep,
                  "op": op, "processes": 2, "memory_type": _mem_type(point.memory)}
         if point.memory == "device":
             facts["devices"] = list(self.config.devices)
-        return pair, handle, op, facts, check
+        return pair, handle, op, facts, stamp
+
+    def _checked_run(self, pair: NixlPair, handle: Any, stamp: Callable[[int], Any], seed: int) -> bool:
+        """Fresh bytes at the source, one more transfer, then the check: the timed transfers
+        moved an unchanged source, which the warm-up alone would have put in place."""
+        check = stamp(seed)
+        pair.run(handle)
+        return bool(check())
 
     def throughput(self, point: Point) -> Measurement:
-        pair, handle, _op, facts, check = self._prepare(point)
+        pair, handle, _op, facts, stamp = self._prepare(point)
         try:
+            stamp(self.config.seed + point.rows)
             timing = time_runs(lambda: pair.run(handle), self.config.repetition)
+            facts["verified"] = self._checked_run(pair, handle, stamp, self.config.seed + point.rows + 1)
         finally:
             pair.release(handle)
-        facts["verified"] = check()
         if not facts["verified"]:
             raise RuntimeError("bytes at the destination do not match the source after the timed runs")
         return Measurement({"seconds_best": timing.best, "seconds_median": timing.median,
                             "reps": len(timing.samples)}, facts)
 
     def latency(self, point: Point, sweep: LatencySweep) -> Measurement:
-        pair, handle, _op, facts, check = self._prepare(point)
+        pair, handle, _op, facts, stamp = self._prepare(point)
         try:
+            stamp(self.config.seed + point.rows)
             for _ in range(sweep.warmup):
                 pair.run(handle)
             samples = []
@@ -314,9 +326,11 @@ class _RawCase:
                 t0 = time.perf_counter()
                 pair.run(handle)
                 samples.append(time.perf_counter() - t0)
+            facts["verified"] = self._checked_run(pair, handle, stamp, self.config.seed + point.rows + 1)
         finally:
             pair.release(handle)
-        facts["verified"] = check()
+        if not facts["verified"]:
+            raise RuntimeError("bytes at the destination do not match the source after the latency samples")
         facts["measured"] = "post to local completion (the target is not notified)"
         return latency_measurement(Timing(tuple(samples)), facts)
 

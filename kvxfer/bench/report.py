@@ -70,8 +70,8 @@ def overhead_rows(result: BenchResult) -> tuple[list[str], list[list[str]]]:
 
 
 def target_rows(targets: Sequence[TargetRow]) -> tuple[list[str], list[list[str]]]:
-    head = ["target", "threshold", "case", "measured", "status"]
-    return head, [[t.target, t.threshold, t.case, t.measured, t.status.upper() if t.status != "not measured"
+    head = ["target", "threshold", "case", "figure", "measured", "status"]
+    return head, [[t.target, t.threshold, t.case, t.shape, t.measured, t.status.upper() if t.status != "not measured"
                    else t.status] for t in targets]
 
 
@@ -124,6 +124,8 @@ def _machine_line(result: BenchResult) -> str:
         peer = "" if access is None else (", peer access" if access else ", no peer access")
         gpu = f", {m['gpu_count']} GPUs {m['gpu']}{peer}"
     vers = ", ".join(f"{k} {v[k]}" for k in ("python", "numpy", "torch", "nixl", "ucx") if v.get(k))
+    if v.get("kvxfer_revision"):
+        vers += f", kvxfer at {v['kvxfer_revision']}"
     load = ""
     if m.get("loadavg_1m_before") is not None:
         load = f"; load average {m['loadavg_1m_before']} before, {m.get('loadavg_1m_after')} after"

@@ -200,10 +200,27 @@ def ucx_version() -> str | None:
     return None
 
 
+def source_revision() -> str | None:
+    """The git commit the kvxfer package was imported from, "+dirty" when its tree has local
+    changes; None outside a checkout (an installed wheel) or without git."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+dirty" if dirty else head or None
+
+
 def versions() -> dict[str, Any]:
     from kvxfer import __version__
 
-    out: dict[str, Any] = {"kvxfer": __version__, "python": platform.python_version(), "numpy": _dist_version("numpy"),
+    out: dict[str, Any] = {"kvxfer": __version__, "kvxfer_revision": source_revision(),
+                           "python": platform.python_version(), "numpy": _dist_version("numpy"),
                            "torch": _dist_version("torch"), "nixl": _dist_version("nixl"), "ucx": ucx_version(),
                            "cuda": None}
     try:

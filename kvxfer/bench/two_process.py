@@ -158,14 +158,20 @@ class TwoProcessCase:
                 local.register(memory.regions)
             v_local = _view(memory.regions, local_slots, point.rows)
             v_peer = _view(peer.regions, peer_slots, point.rows)
-            rng = np.random.default_rng(self.config.seed + point.rows)
-            source = [rng.integers(0, 256, size=point.rows * point.row_bytes, dtype=np.uint8).tobytes()
-                      for _ in range(point.groups)]
-            for g in range(point.groups):
-                if push:
-                    memory.write(memory.regions[g].name, local_slots[g], source[g])
-                else:
-                    peer.write(peer.regions[g].name, peer_slots[g], source[g])
+            def stamp(seed: int) -> list[bytes]:
+                """Random bytes into the source rows (this end's for a push, the peer's for a pull)."""
+                assert peer is not None
+                rng = np.random.default_rng(seed)
+                data = [rng.integers(0, 256, size=point.rows * point.row_bytes, dtype=np.uint8).tobytes()
+                        for _ in range(point.groups)]
+                for g in range(point.groups):
+                    if push:
+                        memory.write(memory.regions[g].name, local_slots[g], data[g])
+                    else:
+                        peer.write(peer.regions[g].name, peer_slots[g], data[g])
+                return data
+
+            stamp(self.config.seed + point.rows)
             op_peer = "fetch" if push else "publish"
 
             def run() -> float:
@@ -191,6 +197,10 @@ class TwoProcessCase:
                 return seen - t0
 
             timing = time_runs(run, self.config.repetition)
+            # Fresh bytes and one more transfer before the check: the timed runs moved an
+            # unchanged source, which the warm-up alone would have put in place.
+            source = stamp(self.config.seed + point.rows + 1)
+            run()
             for g in range(point.groups):
                 got = (peer.read(peer.regions[g].name, peer_slots[g]) if push
                        else memory.read(memory.regions[g].name, local_slots[g]))

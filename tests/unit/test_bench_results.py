@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer.bench import cli
-from kvxfer.bench.compare import compare, regressions, render
+from kvxfer.bench.compare import _figure_value, compare, regressions, render
 from kvxfer.bench.references import ratio
 from kvxfer.bench.report import markdown_table, render_markdown, render_text, text_table
 from kvxfer.bench.results import SCHEMA_VERSION, BenchResult, Figure, ResultError, load, write
@@ -58,7 +58,7 @@ def test_gbps_and_ratios_to_same_run_references() -> None:
 
 def test_json_round_trip_keeps_every_figure(tmp_path: Path) -> None:
     skipped = Figure("throughput", "ipc", "backend", {"memory": "device", "total_bytes": 1}, "skipped", "no CUDA")
-    lat = Figure("latency", "loopback", "backend", _LAT_KEY, "ok", "",
+    lat = Figure("latency", "nixl", "backend", _LAT_KEY, "ok", "",
                  {"p50_s": 5e-5, "p99_s": 1e-4, "min_s": 4e-5, "samples": 100.0})
     result = _result(*_refs(), _tp("loopback", 0.016), skipped, lat)
     path = tmp_path / "r.json"
@@ -148,8 +148,8 @@ def test_markdown_table_escapes_pipes() -> None:
 def test_reports_show_ratios_targets_and_skips() -> None:
     skipped = Figure("throughput", "ipc", "backend", {"memory": "device", "total_bytes": 1}, "skipped",
                      "kvxfer.backends.ipc does not exist yet")
-    over = Figure("overhead", "loopback", "backend", {"rows": 100000, "groups": 1, "row_bytes": 256,
-                                                      "total_bytes": 25600000}, "ok", "",
+    over = Figure("overhead", "nixl", "backend", {"rows": 100000, "groups": 1, "row_bytes": 256,
+                                                  "total_bytes": 25600000}, "ok", "",
                   {"per_row_s_best": 1.5e-6, "per_row_s_median": 2e-6, "publish_per_row_s": 1e-6,
                    "decode_per_row_s": 1e-6, "samples": 5.0})
     result = _result(*_refs(), _tp("loopback", 0.016), skipped, over)
@@ -235,3 +235,38 @@ def test_two_gpu_runs_are_judged_against_the_peer_copy() -> None:
     with pytest.raises(ValueError, match="different GPUs"):
         compare(same, result)
     assert compare(result, result) is not None
+
+
+def test_targets_judge_the_transports_they_speak_of() -> None:
+    # The same-node targets judge the IPC cases only (the NIXL paths have the packed target),
+    # and the small-request and overhead targets judge transports, not the loopback oracle.
+    # Each judged row names its figure (direction, row size, bytes).
+    big = {"memory": "device", "rows": 4096, "total_bytes": 256 * M}
+    ipc = _tp("ipc", 0.001, **big)
+    packed = _tp("nixl_2p_packed", 0.01, direction="pull", **big)
+    lat = Figure("latency", "loopback", "backend", _LAT_KEY, "ok", "", {"p50_s": 5e-5, "p99_s": 1e-4, "min_s": 4e-5,
+                                                                         "samples": 100.0})
+    over = Figure("overhead", "loopback", "backend", {"rows": 100000, "groups": 1, "row_bytes": 256,
+                                                      "total_bytes": 25600000}, "ok", "",
+                  {"per_row_s_best": 1e-8, "per_row_s_median": 1e-8, "publish_per_row_s": 1e-8,
+                   "decode_per_row_s": 1e-8, "samples": 5.0})
+    d2d = Figure("throughput", "local_copy", "reference", {"memory": "device", "total_bytes": 256 * M}, "ok", "",
+                 {"seconds_best": 0.000134, "seconds_median": 0.00014, "reps": 10.0})
+    rows = evaluate(_result(d2d, ipc, packed, lat, over))
+    same_node = [r for r in rows if r.target.startswith("same node GPU")]
+    assert [r.case for r in same_node] == ["ipc"] and same_node[0].shape == "push, scattered, 64 KiB rows, 256 MiB"
+    assert all(r.status == "not measured" for r in rows if r.target.startswith(("small request", "submission")))
+
+
+def test_relative_compare_without_an_old_reference_is_not_a_pass() -> None:
+    # An OLD run with no local copy cannot give ratios: each such figure is "incomparable" and
+    # counts against the comparison, where it used to be skipped and "no regression" printed.
+    # A figure that failed in OLD and works in NEW is listed, and overhead prints in ns.
+    old = _result(_tp("loopback", 0.010), dataclasses.replace(_tp("nixl", 0.01), status="error", reason="boom"))
+    new = _result(*_refs(), _tp("loopback", 0.010), _tp("nixl", 0.01))
+    changes = compare(old, new, relative=True)
+    loop = [c for c in changes if "loopback" in c.figure]
+    assert [c.verdict for c in loop] == ["incomparable"] and regressions(changes)
+    assert any(c.verdict == "new" and "/nixl/" in c.figure and "old run" in c.metric for c in changes)
+    assert "no regression" not in render(changes, 0.1)
+    assert _figure_value("per_row_s_median", 2.5e-8) == "25 ns"

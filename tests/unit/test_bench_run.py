@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def test_tiny_loopback_sweep_end_to_end() -> None:
     assert lat["samples"] == 5 and lat["min_s"] <= lat["p50_s"] <= lat["p99_s"]
     assert by_mode["overhead"][0].metrics["per_row_s_median"] > 0
     assert result.machine["cores"] and result.versions["numpy"]
+    if shutil.which("git") and (Path(__file__).resolve().parents[2] / ".git").exists():
+        assert result.versions["kvxfer_revision"]  # run from a checkout: the commit the figures belong to
     # references are measured twice (first and last) and keep the faster pass
     refs = [f for f in by_mode["throughput"] if f.case == "local_copy"]
     for f in refs:
@@ -170,3 +173,32 @@ def test_time_limit_and_interrupt_still_return_every_figure() -> None:
     reasons = [(f.case, f.status, f.reason) for f in result.figures]
     assert reasons[0] == ("ctrl_c", "skipped", "interrupted while measuring")
     assert all(r == "not run: the run was interrupted" for _, _, r in reasons[1:]) and len(reasons) > 1
+
+
+def test_a_backend_that_copies_only_its_first_transfer_fails_verification(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Equal rows after the timed runs prove nothing by themselves: the warm-up put the same,
+    # unchanged source in place. The check stamps fresh bytes and moves them once more, so a
+    # transport that stops moving bytes after its first transfer is an error figure, not a
+    # verified one.
+    from kvxfer.backends.loopback import LoopbackBackend
+
+    real = LoopbackBackend._copy_runs
+    calls = {"n": 0}
+
+    def first_only(job, src_base, dst_base, row_bytes, src, dst):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return real(job, src_base, dst_base, row_bytes, src, dst) if calls["n"] == 1 else len(src)
+
+    def reset(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] = 0  # every figure starts from a fresh pair: its first transfer copies
+        return real_setup(*args, **kwargs)
+
+    from kvxfer.bench import backend_cases
+
+    real_setup = backend_cases.BackendCase._setup
+    monkeypatch.setattr(LoopbackBackend, "_copy_runs", staticmethod(first_only))
+    monkeypatch.setattr(backend_cases.BackendCase, "_setup", reset)
+    result = run(dataclasses.replace(_tiny(("loopback",)), overhead=None))
+    judged = [f for f in result.figures if f.case == "loopback" and f.mode in ("throughput", "latency")]
+    assert judged and all(f.status == "error" and "differ" in (f.reason or "") for f in judged), [
+        (f.id, f.status, f.reason) for f in judged]
