@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,12 +30,14 @@ import torch
 
 from kvxfer.engine import colocated_generate, synthetic_prompts
 from kvxfer.router.http import HttpError, request_text, stream_json
+from kvxfer.router.router import stream_gap_s
 from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
     ARENA_HELP,
     add_model_args,
     arena_mib,
+    check_model_args,
     check_visible,
     model_args_list,
     model_from_args,
@@ -92,7 +97,12 @@ class Progress:
 
 async def run_workload(router_url: str, prompts: list[list[int]], expected: list[list[int]], max_new: int,
                        concurrency: int, timeout: float, progress: Progress) -> list[Result]:
+    """Send every prompt through the router whose ``--timeout`` is ``timeout``."""
     sem = asyncio.Semaphore(concurrency)
+    # The router may wait on its workers longer than ``timeout`` between two events (after
+    # a stalled transfer the decode worker answers only after its own deadline): a client
+    # giving up at ``timeout`` would report "no event" instead of the failure or recompute.
+    idle = stream_gap_s(timeout)
 
     async def one(i: int) -> Result:
         async with sem:
@@ -103,7 +113,7 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
             error = None
             try:
                 async for event in stream_json(router_url, "/generate", {"request": f"pair-{i}", "prompt": prompts[i],
-                                                                          "max_new_tokens": max_new}, timeout, timeout):
+                                                                          "max_new_tokens": max_new}, timeout, idle):
                     if event.get("event") == "token":
                         if ttft is None:
                             ttft = time.perf_counter() - start  # as the client sees it
@@ -122,6 +132,19 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
     return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
 
+_URL = re.compile(r"https?://(?:\[[0-9a-fA-F:]*\]|[\w.-]+)(?::\d+)?")
+_REQUEST_ID = re.compile(r"\b(?:r[0-9a-f]{12}-\d+(?:-local\d+)?(?:#local)?|pair-\d+)\b")
+_NUMBER = re.compile(r"(?<![\w.])(?<!HTTP )\d+(?:\.\d+)?(?![\w.])")
+
+
+def failure_kind(error: str) -> str:
+    """What went wrong, without where or to which request: an error with its worker's URL,
+    request ids and counts replaced, so one cause on several workers is one line of the report.
+    HTTP statuses stay (a 409 refusal is not a 500)."""
+    text = _REQUEST_ID.sub("<request>", _URL.sub("<worker>", error))
+    return _NUMBER.sub("N", text)[:160]
+
+
 def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> dict[str, Any]:
     ok = [r for r in results if r.matched]
     transfers = [r.transfer for r in results if r.transfer]
@@ -131,7 +154,7 @@ def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> d
     failures: dict[str, int] = {}
     for r in results:
         if r.error is not None:
-            failures[r.error.split(":")[0][:60]] = failures.get(r.error.split(":")[0][:60], 0) + 1
+            failures[failure_kind(r.error)] = failures.get(failure_kind(r.error), 0) + 1
         elif not r.matched:
             failures["tokens differ from colocated generation"] = failures.get(
                 "tokens differ from colocated generation", 0) + 1
@@ -224,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selection", default="round_robin", choices=["round_robin", "least_outstanding"])
     p.add_argument("--on-failure", default="fail", choices=["fail", "recompute"])
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks per worker")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call or stream event")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="the router's and workers' seconds per call, transfer or stream event (the pair waits "
+                        "for the router as long as the router itself may wait on them)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--json", default="", metavar="PATH", help="write the report as JSON")
     p.add_argument("--log-dir", default="", help="worker and router logs (default: a temporary directory)")
@@ -250,8 +275,31 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.nixl_arena_mib is not None and args.backend != "nixl":
         parser.error(f"--nixl-arena-mib applies to --backend nixl only, not {args.backend}")
     for flag in ("timeout", "startup_timeout"):
-        if not getattr(args, flag) > 0:
-            parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+        if not 0 < getattr(args, flag) < float("inf"):
+            parser.error(f"--{flag.replace('_', '-')} must be positive and finite, got {getattr(args, flag)}")
+    if args.json:
+        # Checked now: the report is written only after the whole run.
+        target = Path(args.json)
+        if not target.parent.is_dir():
+            parser.error(f"--json {args.json}: directory {target.parent} does not exist")
+        if target.is_dir():
+            parser.error(f"--json {args.json} is a directory; give a file path")
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            parser.error(f"--json {args.json}: directory {target.parent} is not writable")
+
+
+def prompt_range(parser: argparse.ArgumentParser, args: argparse.Namespace, max_positions: int
+                 ) -> tuple[int, str | None]:
+    """The longest prompt the model holds with ``--max-new-tokens`` after it, and a note when
+    that is shorter than ``--max-len``; a usage error when even ``--min-len`` does not fit."""
+    longest = min(args.max_len, max_positions - args.max_new_tokens)
+    if longest < args.min_len:
+        parser.error(f"the model holds {max_positions} positions: prompts of at least --min-len "
+                     f"{args.min_len} plus --max-new-tokens {args.max_new_tokens} do not fit")
+    if longest == args.max_len:
+        return longest, None
+    return longest, (f"--max-len {args.max_len} capped to {longest}: the model holds {max_positions} positions "
+                     f"and each completion takes --max-new-tokens {args.max_new_tokens}")
 
 
 def role_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, str]:
@@ -304,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    check_model_args(parser, args)
     prefill_device, decode_device = role_devices(parser, args)
     torch.set_num_threads(1)
     model = model_from_args(args)
-    longest = min(args.max_len, model.config.max_positions - args.max_new_tokens)
-    if longest < args.min_len:
-        parser.error(f"the model holds {model.config.max_positions} positions: prompts of at least --min-len "
-                     f"{args.min_len} plus --max-new-tokens {args.max_new_tokens} do not fit")
+    longest, capped = prompt_range(parser, args, model.config.max_positions)
+    if capped:
+        print(f"kvxfer pair: {capped}", file=sys.stderr, flush=True)
     prompts = synthetic_prompts(args.requests, args.min_len, longest, model.config.vocab_size, args.prompt_seed)
     requested_mode, lanes = args.mode, None
     if args.backend == "nixl" and args.mode == "pull":
@@ -323,8 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         except PullOverTcp as exc:
             print(f"kvxfer pair: {exc}", file=sys.stderr)
             return 2
-        except (RuntimeError, OSError, EOFError) as exc:
-            print(f"kvxfer pair: could not probe the NIXL lanes ({exc}); refusing to run pull unchecked",
+        except (RuntimeError, OSError, EOFError, subprocess.TimeoutExpired) as exc:
+            why = (f"a probe process did not exit within {exc.timeout:g} s"
+                   if isinstance(exc, subprocess.TimeoutExpired) else str(exc))
+            print(f"kvxfer pair: could not probe the NIXL lanes ({why}); refusing to run pull unchecked",
                   file=sys.stderr)
             return 2
         if warning:
@@ -338,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
               "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                    "pull": list(lanes.pull)},
               "lender": args.lender, "requests": args.requests,
-              "prompt_lengths": [args.min_len, args.max_len], "max_new_tokens": args.max_new_tokens,
+              "prompt_lengths": [args.min_len, longest], "max_len_requested": args.max_len,
+              "max_new_tokens": args.max_new_tokens,
               "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
               "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
               "model": f"{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"

@@ -44,6 +44,29 @@ WORKER_SETTLE_S = 15.0
 """A decode worker's waits after a fetch's deadline: cancel grace (5 s) plus quiescence (10 s)."""
 
 
+def stream_gap_s(timeout_s: float) -> float:
+    """The longest ``Router.stream`` (and so the router's HTTP /generate stream) can go
+    without an item, for a router whose ``timeout_s`` is given: a client that gives up
+    sooner reports its own timeout instead of the failure, or the recompute, the router
+    was waiting to send. Every wait below is one of the router's own timers
+    (kvxfer.router.http bounds a connect, a response head, a body and each stream event
+    separately); the sum is the longest chain between two items.
+
+    The longest chain starts after the first token: the publish stalls, the decode worker
+    resumes the request after its fetch's deadline (resume, token 0 sent again, token 1),
+    dies before token 1, and another decode worker prefills it again (resume, a token).
+    Before the first token, the reserve and prefill calls (3 waits) and the same two
+    decode workers make a shorter chain; after the last token, the publish outcome
+    (one wait) is shorter still."""
+    t = timeout_s
+    event = t + WORKER_SETTLE_S  # a decode worker's event (Router._generate)
+    opening = 2 * t              # a stream's connect and response head
+    publish = opening + t        # /publish up to its "published" event
+    resumed = opening + 3 * event
+    elsewhere = opening + 2 * event
+    return publish + resumed + elsewhere
+
+
 @dataclass(frozen=True)
 class Token:
     index: int
@@ -138,6 +161,8 @@ class Router:
                  probe_interval_s: float = 1.0) -> None:
         if not decode:
             raise ValueError("a router needs at least one decode worker")
+        if not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
         if on_failure not in POLICIES:
@@ -154,7 +179,7 @@ class Router:
         # Workers key everything by request id, and several routers may share a worker: the
         # tag keeps this router's keys apart from another's, the counter apart from its own.
         self._tag = uuid.uuid4().hex[:12]
-        self._background: set[asyncio.Task[None]] = set()  # aborts of requests whose client left
+        self._background: set[asyncio.Task[None]] = set()  # aborts nobody waits for (see _abort_later)
         self._metrics()
 
     # --- selection ---------------------------------------------------------------------------
@@ -265,6 +290,9 @@ class Router:
             raise
         if isinstance(prefilled, BaseException):
             self._down(p, prefilled)
+            # A worker's handler runs on after its client gave up (a timeout here), so the
+            # prefill may still be made there: drop it then, not when it expires (hold_s).
+            self._abort_later(p, {"request": run.key})
         else:
             tok = run.token(0, int(prefilled["token"]))
             if tok is not None:
@@ -274,10 +302,14 @@ class Router:
                     # The client left before hint D went to the prefill worker: nothing can
                     # write into the reservation, so both ends drop it now (rows reusable)
                     # rather than the decode end quarantining it when it expires.
-                    self._abandon(run.key, p, d if not isinstance(reserved, BaseException) else None)
+                    self._abandon(run.key, p, d)
                     raise
         if isinstance(reserved, BaseException):
             self._down(d, reserved)
+            # The reservation may still be made after our timer fired, as the prefill above.
+            # Hint D never reached us, so no prefill worker can write into its rows: they
+            # are reusable. In the background: this worker just failed to answer in time.
+            self._abort_later(d, {"request": run.key, "rows_safe": True})
             if not isinstance(prefilled, BaseException):
                 await self._quiet(request_json(p.url, "POST", "/abort", {"request": run.key}, t))
             async for tok in self._after_decode_loss(run, d, f"reserve on {d.url} failed: {reserved}"):
@@ -414,16 +446,29 @@ class Router:
         except HttpError:
             pass
 
-    def _abandon(self, key: str, p: _Endpoint, d: _Endpoint | None) -> None:
+    def _abandon(self, key: str, p: _Endpoint, d: _Endpoint) -> None:
         """Drop a request's prefill and reservation in the background: called where the
         request's own task is being closed and can await nothing more."""
-        calls = [request_json(p.url, "POST", "/abort", {"request": key}, self.timeout_s)]
-        if d is not None:
-            calls.append(request_json(d.url, "POST", "/abort", {"request": key, "rows_safe": True}, self.timeout_s))
-        for call in calls:
-            task = asyncio.get_running_loop().create_task(self._quiet(call))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        self._abort_later(p, {"request": key})
+        self._abort_later(d, {"request": key, "rows_safe": True})
+
+    def _abort_later(self, e: _Endpoint, body: dict[str, Any]) -> None:
+        """POST /abort to ``e`` in the background, quietly: the worker may be down, and then
+        its sweeper (or its restart) drops what the abort would have."""
+        call = request_json(e.url, "POST", "/abort", body, self.timeout_s)
+        task = asyncio.get_running_loop().create_task(self._quiet(call))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Give the background aborts ``connect_timeout_s`` to land, then cancel the rest
+        (a worker's sweeper drops what they did not reach). The router stays usable."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self.connect_timeout_s)
+        left = list(self._background)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     # --- metrics --------------------------------------------------------------------------------
     def _metrics(self) -> None:

@@ -84,7 +84,8 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
                   "pid": os.getpid()}, args.port_file, ready_fd)
         await stop.wait()
     finally:
-        await server.close()
+        await server.close()  # closes the streams still open: their requests' aborts start now
+        await router.close()
         if args.json:
             Path(args.json).write_text(json.dumps({"role": "router", "metrics": router.metrics.snapshot()},
                                                   indent=2) + "\n")
@@ -108,8 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse numbers that cannot work, by flag, before anything starts (exit 2)."""
+    if not 0 < args.timeout < float("inf"):
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be 0 to 65535, got {args.port}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_numbers(parser, args)
     if not args.decode:
         print("kvxfer router: at least one --decode URL is required", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@
     POST /reserve  {request, prompt, max_new_tokens} -> {"hint": ...}               (decode)
     POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, rows_safe?}
                                       -> NDJSON: resume {...}, token {index, token}..., done | error   (decode)
-    POST /abort    {request, rows_safe?} -> {"dropped": "held" | "reserved" | null}
+    POST /abort    {request, rows_safe?} -> {"dropped": "held" | "reserved" | "starting" | null}
+                                      ("starting": its /prefill or /reserve still runs, and drops what it makes)
 
 Streams end with an event holding ``"final": true``; a stream cut before it means the
 worker went away. Status 400 (malformed) and 409 (refused: a contract rejection, a lease or
@@ -27,10 +28,10 @@ from kvxfer.lender import LeaseError
 from kvxfer.pool import PoolExhausted, UnknownRequest
 from kvxfer.router.http import BadRequest, Request, Response
 from kvxfer.wire import WireError
-from kvxfer.worker.core import Worker
+from kvxfer.worker.core import Aborted, Worker
 
 log = logging.getLogger(__name__)
-NOTHING_ESCAPED = (InvalidSubmission, SubmissionRejected, LeaseError, PoolExhausted, UnknownRequest)
+NOTHING_ESCAPED = (InvalidSubmission, SubmissionRejected, LeaseError, PoolExhausted, UnknownRequest, Aborted)
 """Refusals that promise no submission happened (answered 409); anything else is 500."""
 
 

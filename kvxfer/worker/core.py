@@ -92,6 +92,11 @@ class WorkerConfig:
                              f"with {self.backend!r}")
 
 
+class Aborted(KvxferError):
+    """A /prefill or /reserve whose request was aborted while it ran: what it made is dropped
+    and nothing was submitted (the HTTP API answers 409)."""
+
+
 def reason_label(outcome: Outcome | None, reason: str = "") -> str:
     """A short, bounded label for metrics (the full reason goes to logs and responses)."""
     if isinstance(outcome, Cancelled):
@@ -157,9 +162,13 @@ class Worker:
         self.backend: Backend | None = None
         self._held: dict[str, _Held] = {}
         self._reserved: dict[str, _Reserved] = {}
-        # Ids whose prefill, reservation or local generation is being set up (across awaits):
-        # a second call with one of them is refused at once instead of failing in the pool.
-        self._starting: set[str] = set()
+        # Ids whose prefill, reservation or local generation is being set up (across awaits),
+        # and which of the three: a second call with one of them is refused at once instead
+        # of failing in the pool, and an abort can reach a prefill or reservation being made.
+        self._starting: dict[str, str] = {}
+        # Ids aborted while their /prefill or /reserve ran: dropped as soon as it is made.
+        # Each entry goes when its call ends, so the set holds only calls in progress.
+        self._aborted: set[str] = set()
         self._quarantined: list[Lease] = []
         self._quarantined_count = 0
         self._active = 0
@@ -352,11 +361,15 @@ class Worker:
         if rid in self._held or rid in self._starting:
             raise BadRequest(f"request {rid!r} is already held here")
         start = time.perf_counter()
-        self._starting.add(rid)
+        self._starting[rid] = "prefill"
         try:
             first = await self._run(self._prefill_sync, rid, prompt)
         finally:
-            self._starting.discard(rid)
+            self._starting.pop(rid, None)
+            aborted = self._took_abort(rid)
+        if aborted:
+            await self._run(self._free, rid)
+            raise Aborted(f"request {rid!r} was aborted while it was prefilled; its blocks are freed")
         seconds = time.perf_counter() - start
         self.m_prefill.observe(seconds)
         self.m_tokens.inc()
@@ -449,11 +462,16 @@ class Worker:
         max_new = _positive(body, "max_new_tokens")
         if rid in self._reserved or rid in self._starting:
             raise BadRequest(f"request {rid!r} is already reserved here")
-        self._starting.add(rid)
+        self._starting[rid] = "reserve"
         try:
             hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new)
         finally:
-            self._starting.discard(rid)
+            self._starting.pop(rid, None)
+            aborted = self._took_abort(rid)
+        if aborted:
+            # Hint D is in this answer, which nobody will read: no peer can write these rows.
+            await self._run(self._release_and_free, lease, rid)
+            raise Aborted(f"request {rid!r} was aborted while it was reserved; its rows are released")
         self._reserved[rid] = _Reserved(prompt, max_new, lease, view, time.monotonic())
         return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows, "reused_tokens": reused}
 
@@ -495,7 +513,18 @@ class Worker:
             del self._reserved[rid]
             await self._run(self._drop_reservation, rid, reserved, rows_safe)
             return {"request": rid, "dropped": "reserved"}
+        if self._starting.get(rid) in ("prefill", "reserve"):
+            # Its call is still running here (queued behind the engine thread, say) and goes
+            # on after its caller gave up on it: the caller will never use what it makes.
+            self._aborted.add(rid)
+            return {"request": rid, "dropped": "starting"}
         return {"request": rid, "dropped": None}
+
+    def _took_abort(self, rid: str) -> bool:
+        """Whether an abort came for ``rid`` while its /prefill or /reserve ran (and forget it)."""
+        aborted = rid in self._aborted
+        self._aborted.discard(rid)
+        return aborted
 
     def _drop_reservation(self, rid: str, reserved: _Reserved, rows_safe: bool) -> None:
         if rows_safe:
@@ -546,7 +575,7 @@ class Worker:
         own = reserved  # the reservation this stream took over; others under this id are not ours
         owned = reserved is not None  # the pool request ``name`` is ours to finish
         if reserved is None:
-            self._starting.add(rid)
+            self._starting[rid] = "generate"
         try:
             transfer: dict[str, Any] | None = None
             if reserved is not None and hint_p is not None:
@@ -574,7 +603,7 @@ class Worker:
             if reserved is None:
                 await self._run(self._allocate_local, name, prompt, max_new)
                 owned = True
-            self._starting.discard(rid)
+            self._starting.pop(rid, None)
             position = await self._run(self._usable, name, n)
             if position < n and transfer is not None and policy == "fail":
                 yield {"event": "error", "final": True, "transfer": transfer,
@@ -606,7 +635,7 @@ class Worker:
         finally:
             try:
                 if own is None:
-                    self._starting.discard(rid)
+                    self._starting.pop(rid, None)
                 elif self._reserved.get(rid) is own:
                     del self._reserved[rid]
                 if owned:

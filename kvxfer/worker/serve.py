@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -91,15 +92,34 @@ def resolve_device(name: str, flag: str = "--device") -> str:
     return str(device)
 
 
+MODEL_FLAGS = {"vocab_size": "--vocab", "hidden": "--hidden", "layers": "--layers", "heads": "--heads",
+               "kv_heads": "--kv-heads", "head_dim": "--head-dim", "intermediate": "--intermediate",
+               "block_tokens": "--block-tokens", "dtype": "--dtype", "seed": "--seed"}
+"""ModelConfig's fields as add_model_args spells them."""
+_FIELD = re.compile(r"\b(?:ModelConfig\.)?(" + "|".join(MODEL_FLAGS) + r")\b")
+
+
+def _model_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The ModelConfig fields the flags set; with a checkpoint, its config.json sets the shape."""
+    fields = {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in MODEL_FLAGS.items()}
+    return {k: fields[k] for k in ("block_tokens", "dtype")} if args.checkpoint else fields
+
+
+def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error (exit 2) naming the flags when they make no model: ModelConfig's own
+    rules, its field names put back as the flags that set them."""
+    try:
+        ModelConfig(**_model_fields(args))  # type: ignore[arg-type]
+    except ValueError as exc:
+        parser.error(_FIELD.sub(lambda m: MODEL_FLAGS[m.group(1)], str(exc).replace("ModelConfig: ", "")))
+
+
 def model_from_args(args: argparse.Namespace) -> LlamaModel:
     device = resolve_device(args.device)
     if args.checkpoint:
         config, weights = load_checkpoint(args.checkpoint, dtype=args.dtype, block_tokens=args.block_tokens)
         return LlamaModel(config, weights, device=device)
-    return LlamaModel(ModelConfig(
-        vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        head_dim=args.head_dim, intermediate=args.intermediate, block_tokens=args.block_tokens, dtype=args.dtype,
-        seed=args.seed), device=device)
+    return LlamaModel(ModelConfig(**_model_fields(args)), device=device)  # type: ignore[arg-type]
 
 
 def model_args_list(args: argparse.Namespace, device: str = "") -> list[str]:
@@ -211,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.busy_poll and args.backend != "ipc":
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     check_numbers(parser, args)
+    check_model_args(parser, args)
     try:
         device = parse_device(args.device)
         check_visible(device)

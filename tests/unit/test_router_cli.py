@@ -1,0 +1,41 @@
+"""`kvxfer router` refuses numbers that cannot work, by flag, before it serves (exit 2): a
+negative --timeout used to be accepted, and --port 99999 ended in an OverflowError traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.router import Router, serve
+
+
+@pytest.fixture
+def never_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal comes before the router takes stdout or serves: either would be a bug here."""
+    def reached(*args: object) -> None:
+        raise AssertionError("the router went on to serve")
+
+    monkeypatch.setattr(serve, "reserve_stdout", reached)
+    monkeypatch.setattr(serve, "serve_router", reached)
+
+
+@pytest.mark.usefixtures("never_serves")
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--timeout", "-5"], "--timeout must be a positive number of seconds, got -5.0"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--timeout", "inf"], "--timeout must be a positive number of seconds, got inf"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
+    (["--port", "99999"], "--port must be 0 to 65535, got 99999"),
+    (["--port", "-1"], "--port must be 0 to 65535, got -1"),
+])
+def test_router_refuses_numbers_that_cannot_work_by_flag(flags: list[str], words: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--decode", "http://127.0.0.1:1", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_an_embedded_router_refuses_a_timeout_that_cannot_work() -> None:
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+            Router([], ["http://127.0.0.1:1"], timeout_s=bad)

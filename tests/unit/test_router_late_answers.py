@@ -1,0 +1,112 @@
+"""A worker that answers /reserve or /prefill after the router's timeout: a worker's handler
+runs on after its client gave up, so the reservation or prefill is still made there. The
+router aborts it, and the worker drops it, as soon as it is made: nothing stays held until
+``hold_s``, and a reservation whose hint D never reached a prefill worker is released, not
+quarantined (the sweeper used to quarantine such rows for good)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from test_router import cluster, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
+
+from kvxfer.router import Router
+from kvxfer.router.http import HttpServer, Request, Response, request_text
+from kvxfer.worker.app import make_handler
+from kvxfer.worker.core import Worker
+
+TIMEOUT_S = 0.5
+
+
+def _answers_late(inner: Any, path: str) -> Any:
+    """A worker's HTTP handler that does ``path``'s work at once but answers after the router's timeout."""
+    async def handler(request: Request) -> Response:
+        response = await inner(request)
+        if request.path.strip("/") == path:
+            await asyncio.sleep(TIMEOUT_S * 3)
+        return response
+    return handler
+
+
+async def _settled(worker: Worker) -> None:
+    """Until the worker's /prefill and /reserve calls have ended (their answers may go nowhere)."""
+    for _ in range(500):
+        if not worker._starting:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"calls still starting: {worker._starting}")
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("late", ["queued", "answer"])
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_call_answered_after_the_routers_timeout_leaves_nothing_held(role: str, late: str, policy: str) -> None:
+    # queued: the worker's engine thread is busy, so the call waits there past the timeout
+    # and the abort comes while it is being made; answer: it is made at once and its answer
+    # is late, so the abort finds it made.
+    path = "reserve" if role == "decode" else "prefill"
+    prompt = list(range(1, 15))  # 14 tokens: 4 blocks of 4
+
+    async def main() -> None:
+        async with cluster(1, 2) as c:
+            urls = {"prefill": list(c.prefill), "decode": list(c.decode)}
+            slow = c.workers[urls[role][0]]
+            gate = threading.Event()
+            front = None
+            try:
+                if late == "queued":
+                    slow._exec.submit(gate.wait, 30)  # the engine thread: one job at a time
+                else:
+                    front = HttpServer(_answers_late(make_handler(slow), path))
+                    urls[role][0] = f"http://127.0.0.1:{await front.start()}"
+                router = Router(urls["prefill"], urls["decode"][:1] if policy == "fail" else urls["decode"],
+                                on_failure=policy, timeout_s=TIMEOUT_S)
+                done = await router.generate(prompt, 3)
+                await router.close()  # the aborts it sent in the background have landed
+                gate.set()
+                await _settled(slow)
+            finally:
+                gate.set()
+                if front is not None:
+                    await front.close()
+            what = f"{path} on {urls[role][0]} failed"
+            assert any(what in e for e in done.events) or (done.error is not None and what in done.error), done
+            assert f"no response within {TIMEOUT_S}s" in (done.error or "".join(done.events))
+            if policy == "recompute":
+                assert done.ok and list(done.tokens) == oracle(prompt, 3), (done.error, done.events)
+            else:
+                assert not done.ok
+            for url, worker in c.workers.items():  # the slow worker and every other
+                assert worker._held == {} and worker._reserved == {} and worker._aborted == set(), url
+                assert worker.pool is not None and worker.pool.requests == (), (url, worker.pool.requests)
+                text = await request_text(url, "/metrics")
+                assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url, text)
+
+    asyncio.run(main())
+
+
+def test_an_abort_of_a_call_in_progress_is_forgotten_when_the_call_fails() -> None:
+    # The abort marks the call; a call that then fails on its own must not leave the mark
+    # behind (the set would grow, and a later call of that id would be dropped).
+    async def main() -> None:
+        async with cluster(0, 1) as c:
+            worker = c.workers[c.decode[0]]
+            gate = threading.Event()
+            worker._exec.submit(gate.wait, 30)
+            try:
+                too_long = worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 10_000})
+                call = asyncio.ensure_future(too_long)
+                await asyncio.sleep(0.05)
+                assert (await worker.abort({"request": "x"}))["dropped"] == "starting"
+            finally:
+                gate.set()
+            with pytest.raises(Exception, match="over max_positions"):
+                await call
+            assert worker._aborted == set() and worker._starting == {}
+            await worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 2})  # the id is free
+            assert (await worker.abort({"request": "x", "rows_safe": True}))["dropped"] == "reserved"
+
+    asyncio.run(main())
