@@ -392,13 +392,17 @@ class PagedKVPool:
         Call ``commit`` once every layer of the tokens is written.
         """
         n = int(k.shape[0])
+        kt, vt = self.layer_kv(group, layer)
+        want = (n, *kt.shape[2:])  # torch would broadcast a smaller shape into every token silently
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"write_kv: k and v must be [n, kv_heads, head_dim] = {list(want)} for group {group!r}, "
+                             f"got k {list(k.shape)} and v {list(v.shape)}")
         blocks, offsets = self.slots_for(request, group, np.arange(start, start + n))
         alloc = self._alloc[group]
         what = f"request {request!r}: tokens [{start}, {start + n}) of group {group!r}"
         if (alloc.pins[blocks] > 0).any():
             raise ValueError(f"{what} lie in blocks a lease holds")
         alloc.claim_for_write(np.unique(blocks), what)
-        kt, vt = self.layer_kv(group, layer)
         b = torch.from_numpy(blocks).to(kt.device)
         o = torch.from_numpy(offsets).to(kt.device)
         kt[b, o] = k.to(device=kt.device, dtype=kt.dtype)

@@ -573,6 +573,7 @@ class Worker:
         n = len(prompt)
         name = rid
         own = reserved  # the reservation this stream took over; others under this id are not ours
+        suspect = False  # the delivered rows proved wrong: freed, not kept for prefix reuse
         owned = reserved is not None  # the pool request ``name`` is ours to finish
         if reserved is None:
             self._starting[rid] = "generate"
@@ -619,6 +620,8 @@ class Worker:
                 self.m_recomputed.inc(n - position)
                 self.m_tokens.inc()
                 if first is not None and local != first:
+                    # The rows that arrived are suspect: never name them for reuse (_finish).
+                    suspect = True
                     yield {"event": "error", "final": True,
                            "error": f"recomputed first token {local} differs from the prefill worker's {first}"}
                     return
@@ -639,7 +642,7 @@ class Worker:
                 elif self._reserved.get(rid) is own:
                     del self._reserved[rid]
                 if owned:
-                    await self._run(self._finish, name, prompt)
+                    await self._run(self._finish, name, prompt, not suspect)
             finally:
                 self._active -= 1  # last: "no active stream" means its clean-up is done
 
@@ -687,11 +690,13 @@ class Worker:
         bounds = self.lender.readiness(name)
         return min(bounds.usable_until, n) if bounds is not None else 0
 
-    def _finish(self, name: str, prompt: list[int]) -> None:
+    def _finish(self, name: str, prompt: list[int], shareable: bool = True) -> None:
+        """Free the request; with the prefix cache on and ``shareable``, its full prompt
+        blocks stay named for later requests with that prefix."""
         assert self.pool is not None
         if not self.pool.has(name):
             return
-        if self.config.prefix_cache and self._usable(name, len(prompt)) >= len(prompt):
+        if shareable and self.config.prefix_cache and self._usable(name, len(prompt)) >= len(prompt):
             self.pool.commit(name, len(prompt), token_ids=prompt)  # full prompt blocks become shareable
         self.pool.free(name)
 

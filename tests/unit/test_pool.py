@@ -255,3 +255,15 @@ def test_writing_into_a_named_block_once_exclusive_unnames_it() -> None:
     # block 1 no longer holds what its name stands for: a third request shares block 0 only
     assert pool.allocate("c", 8, ids) == 4
 
+
+
+def test_write_kv_refuses_k_or_v_of_the_wrong_shape() -> None:
+    # torch would broadcast [n, 1, 1] into every head and dimension and write it silently.
+    pool = make((FULL,))
+    pool.allocate("a", 4)
+    good = torch.randn(4, 2, 8)
+    for k, v in ((torch.randn(4, 1, 1), good), (good, torch.randn(1, 1, 1)), (torch.randn(4, 2, 4), good)):
+        with pytest.raises(ValueError, match=r"\[n, kv_heads, head_dim\] = \[4, 2, 8\]"):
+            pool.write_kv("a", "full", 0, 0, k, v)
+    assert torch.count_nonzero(pool.layer_kv("full", 0)[0]) == 0  # nothing written
+    pool.write_kv("a", "full", 0, 0, good, good)

@@ -453,3 +453,28 @@ def test_without_prefill_workers_a_lost_decode_worker_is_replaced_and_bad_input_
                 await server.close()
 
     asyncio.run(main())
+
+
+def test_rows_caught_wrong_by_the_recomputed_first_token_are_not_kept_for_prefix_reuse() -> None:
+    # Part of the prompt arrives, the decode worker recomputes the rest, and its first token
+    # differs from the prefill worker's: the rows that arrived are wrong (here, a prefill
+    # worker with other weights stands for corrupt rows). The request fails, and those blocks
+    # must not be named for reuse: a later request with the same prompt on that worker used
+    # to reuse them and answer wrong tokens with no error.
+    prompt = synthetic_prompts(1, 30, 30, CFG.vocab_size, seed=4)[0]
+
+    async def scenario() -> tuple[Completion, Completion]:
+        async with cluster() as c:
+            pw, dw = c.workers[c.prefill[0]], c.workers[c.decode[0]]
+            pw.model = LlamaModel(CFG.with_(seed=1))
+            backend(pw).fail_after_rows = 2
+            first = await Router(c.prefill, c.decode, on_failure="recompute").generate(prompt, 5)
+            assert dw.pool is not None
+            cached = sum(g.get("cached", 0) for g in dw.pool.stats().values())
+            assert cached == 0, f"{cached} blocks of the failed request are kept for reuse"
+            again = await Router([], c.decode, on_failure="recompute").generate(prompt, 5)
+            return first, again
+
+    first, again = asyncio.run(scenario())
+    assert not first.ok and "differs from the prefill worker's" in (first.error or ""), first.error
+    assert again.ok and list(again.tokens) == oracle(prompt, 5), (list(again.tokens), oracle(prompt, 5))
