@@ -11,8 +11,9 @@ them for ``pytest.mark.parametrize``::
         check(make_my_pair, mode)
 
 The kit runs the local backend both as publisher and as fetcher, and asserts what a lease
-holder relies on: destination bytes, exact masks, named rejections that touch nothing,
-conclusion and quiescence without polling, honest partial delivery and shutdown sets.
+holder relies on: destination bytes, exact masks, named rejections that touch nothing and
+tell the peer nothing, a peer's hint moving bytes once, conclusion and quiescence without
+polling, honest partial delivery and shutdown sets.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kvxfer.contract import (
 from kvxfer.testing.memory import RowMemory
 
 TIMEOUT = 15.0
+REFUSAL_GRACE = 0.4  # how long a peer waits, during a refusal, for news it must not get
 Index = npt.NDArray[np.int64]
 
 
@@ -261,6 +263,7 @@ class _Run:
     local_attempt: Attempt
     waker: _Waker
     peer_handle: int
+    peer_hint: Hint
 
 
 def _start(pair: Pair, plan: _Plan, local_op: str) -> _Run:
@@ -272,7 +275,7 @@ def _start(pair: Pair, plan: _Plan, local_op: str) -> _Run:
     submit = pair.local.fetch if local_op == "fetch" else pair.local.publish
     attempt = submit(plan.local_view, peer_hint, waker)
     waker.bind(attempt)
-    return _Run(attempt, waker, handle)
+    return _Run(attempt, waker, handle, peer_hint)
 
 
 def _finish(pair: Pair, run: _Run) -> tuple[Outcome, Outcome | None]:
@@ -428,9 +431,29 @@ def check_layout_mismatch_refused(make_pair: PairFactory, mode: TransferMode) ->
             pair.close()
 
 
-def _expect_refusal(pair: Pair, plan: _Plan, local_op: str, local_is_source: bool, view: View, hint: Hint) -> None:
+def _expect_refusal(pair: Pair, plan: _Plan, local_op: str, local_is_source: bool, view: View, hint: Hint,
+                    what: str = "a bad submission", warm: bool = True) -> None:
+    """``local_op`` of ``view`` with ``hint`` raises InvalidSubmission and lets nothing escape:
+    no row at either end changes, wake never runs, no attempt is left behind, and the peer is
+    told nothing. The last is only observable while the peer has an attempt for this
+    transfer running, so when the local end is the active one the peer's passive attempt (its
+    fetch in push, its publish in pull) waits during the refusal and must not conclude. (When
+    the local end is passive the peer would be the active end, which moves bytes whatever
+    this end does; it is not started.) ``warm=False``: the ends have moved rows together
+    already, and the caller's rows are kept as they are."""
+    local_active = (local_op == "publish") == (pair.mode is TransferMode.PUSH)
+    peer_op = "fetch" if local_op == "publish" else "publish"
+    if local_active and warm:
+        # A transfer first, so that the two ends know each other: an end that has never
+        # reached its peer could not tell it anything, nor answer its withdrawal below (a
+        # NIXL end answers only peers whose metadata it loaded).
+        earlier = _plan(pair, f"{plan.local_view.request}-warm", rows=4, seed=99)
+        _fill(pair, earlier, local_is_source)
+        _finish(pair, _start(pair, earlier, local_op))
+        _fill(pair, plan, local_is_source)
     before_local = {n: pair.local_memory.read(lr.name, plan.local_slots[n]) for n, lr, _ in _groups(pair)}
     before_peer = {n: pair.peer.read(pr.name, plan.peer_slots[n]) for n, _, pr in _groups(pair)}
+    handle = pair.peer.start(peer_op, plan.peer_view, pair.local.describe(plan.local_view)) if local_active else None
     try:
         pair.local.describe(view)
     except InvalidSubmission:
@@ -442,18 +465,68 @@ def _expect_refusal(pair: Pair, plan: _Plan, local_op: str, local_is_source: boo
     except InvalidSubmission:
         pass
     else:
-        raise AssertionError(f"{local_op} of a bad submission returned {attempt!r} instead of raising InvalidSubmission")
-    time.sleep(0.05)
+        raise AssertionError(f"{local_op} of {what} returned {attempt!r} instead of raising InvalidSubmission")
+    if handle is None:
+        time.sleep(0.05)
+    else:
+        # Anything the refusing end sent about this transfer would reach the waiting peer well
+        # within the grace (the other checks see whole transfers conclude in less).
+        told, _ = pair.peer.result(handle, REFUSAL_GRACE)
+        assert told is None, f"refusing {what} told the peer: its waiting {peer_op} concluded {told!r}"
     assert not waker.seen, "a refused submission called wake"
     for when in ("just after the refusal", "once this end shut down"):
         for n, lr, pr in _groups(pair):
             assert pair.local_memory.read(lr.name, plan.local_slots[n]) == before_local[n], \
-                f"refusal touched local rows ({when})"
-            assert pair.peer.read(pr.name, plan.peer_slots[n]) == before_peer[n], f"refusal touched peer rows ({when})"
+                f"refusal of {what} touched local rows ({when})"
+            assert pair.peer.read(pr.name, plan.peer_slots[n]) == before_peer[n], \
+                f"refusal of {what} touched peer rows ({when})"
         if when == "just after the refusal":
+            if handle is not None:
+                # Withdrawn while this end is up to answer, so that the check ends quiesced;
+                # withdrawn by the peer itself, so any other ending came from the refusing end.
+                pair.peer.cancel(handle)
+                outcome, quiet = pair.peer.result(handle, TIMEOUT)
+                assert outcome is not None and quiet, "the peer's withdrawn wait did not conclude and quiesce"
+                assert isinstance(outcome, Cancelled) and not outcome.by_peer, \
+                    f"the peer's withdrawn {peer_op} ended {outcome!r}: the refusing end told it something"
             # Whatever a backend might still do later, it has done once it has shut down.
             assert pair.local.shutdown() == frozenset(), "a refused submission left an attempt behind"
     assert not waker.seen, "a refused submission called wake"
+
+
+def check_hint_used_once(make_pair: PairFactory, mode: TransferMode) -> None:
+    """A peer's hint moves bytes once: after a transfer, the active end's second submission
+    with the same hint (a replay, or a retry after the peer reused its rows) is refused with
+    InvalidSubmission and the destination keeps the first transfer's bytes."""
+    local_op = "publish" if mode is TransferMode.PUSH else "fetch"  # the end that moves bytes
+    local_is_source = local_op == "publish"
+    pair = make_pair(mode)
+    try:
+        plan = _plan(pair, f"once-{local_op}", rows=8, seed=15)
+        _fill(pair, plan, local_is_source)
+        run = _start(pair, plan, local_op)
+        outcome, peer_outcome = _finish(pair, run)
+        assert isinstance(outcome, Delivered) and isinstance(peer_outcome, Delivered), (outcome, peer_outcome)
+        first = {name: _dest_rows(pair, plan, local_is_source, name) for name, _, _ in _groups(pair)}
+        for name, region, _ in _groups(pair):
+            assert first[name] == _source_rows(plan, name, region.slot_bytes), f"first transfer: group {name} differs"
+        # New source bytes, so that a replay that moved rows would show at the destination.
+        for name, local_region, peer_region in _groups(pair):
+            fresh = bytes(b ^ 0xFF for b in plan.payload[name])
+            if local_is_source:
+                pair.local_memory.write(local_region.name, plan.local_slots[name], fresh)
+            else:
+                pair.peer.write(peer_region.name, plan.peer_slots[name], fresh)
+        # The peer has described its rows again (as it would to reuse them): its new
+        # transfer, not the replayed one, is what may write or read them now.
+        pair.peer.describe(plan.peer_view)
+        _expect_refusal(pair, plan, local_op, local_is_source, plan.local_view, run.peer_hint,
+                        what="a replayed hint", warm=False)
+        for name, _, _ in _groups(pair):
+            assert _dest_rows(pair, plan, local_is_source, name) == first[name], \
+                f"a replayed hint overwrote group {name} at the destination"
+    finally:
+        pair.close()
 
 
 def check_missing_counterpart_false(make_pair: PairFactory, mode: TransferMode) -> None:
@@ -620,6 +693,7 @@ CHECKS: tuple[Callable[[PairFactory, TransferMode], None], ...] = (
     check_unknown_slot_refused,
     check_overlapping_fetch_refused,
     check_layout_mismatch_refused,
+    check_hint_used_once,
     check_missing_counterpart_false,
     check_only_requested_rows_move,
     check_partial_failure_exact,
