@@ -1,8 +1,39 @@
-"""Shared test set-up: GPU tests skip cleanly without CUDA."""
+"""Shared test set-up: GPU tests skip cleanly without CUDA, and no test module leaves a
+backend's thread or a child process running behind it."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Iterator
+
 import pytest
+
+from kvxfer.worker.procs import children_of
+
+# Backends' progress threads (kvxfer.backends.*): each backend's shutdown() ends its own.
+_BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-")
+_SETTLE_S = 10.0  # a process killed at a module's end may take a moment to be reaped
+
+
+@pytest.fixture(autouse=True, scope="module")
+def nothing_outlives_its_module() -> Iterator[None]:
+    """Checked per module (module-scoped fixtures keep peers across a module's tests): the
+    threads and processes its tests started have ended once its fixtures are torn down."""
+    threads = {t.ident for t in threading.enumerate()}
+    children = set(children_of(os.getpid()))
+    yield
+    deadline = time.monotonic() + _SETTLE_S
+    while True:
+        left = [t.name for t in threading.enumerate()
+                if t.ident not in threads and t.is_alive() and t.name.startswith(_BACKEND_THREADS)]
+        procs = [pid for pid in children_of(os.getpid()) if pid not in children]
+        if not (left or procs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"backend threads still running after the module's tests: {left}"
+    assert not procs, f"child processes still running after the module's tests: {procs}"
 
 
 def _cuda_available() -> bool:

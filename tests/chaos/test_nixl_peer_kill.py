@@ -10,8 +10,9 @@ worker handling traffic it already received (stopped by dropping the peer's endp
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -21,13 +22,15 @@ from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, TokenR
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
+from kvxfer.testing.waiting import settle
 from kvxfer.wire import decode_hint, encode_hint
 
 ROW = 16 << 10
 ROWS = 96
 CHUNK_ROWS = 4
 PAUSE = 0.04            # between chunk posts: about 1 s for the whole transfer
-KILL_AFTER = 0.35
+STALL = 3600.0          # a peer's pause after its first chunk: it never finishes before the kill
+PROGRESS = 15.0         # seconds for a first chunk to be proven or to land (a loaded 2-core VM)
 BOUND = 5.0             # seconds from the kill to a concluded, quiesced attempt
 LOCAL = (("A", ROW, 128), ("B", ROW, 128))
 PEER = (("PA", ROW, 128), ("PB", ROW, 128))
@@ -78,6 +81,29 @@ def _start(local: NixlBackend, peer: SubprocessPeer, local_view: View, peer_view
     return (local.fetch if local_op == "fetch" else local.publish)(local_view, peer_hint)
 
 
+def _hold_once_proven(backend: NixlBackend) -> tuple[threading.Event, threading.Event]:
+    """Stop ``backend``'s progress thread at its first step after a chunk of its active job is
+    proven, until the returned gate is set: (held, gate). It posts and concludes nothing
+    meanwhile, so the kill lands after that chunk and before the last, whatever the load."""
+    held, gate = threading.Event(), threading.Event()
+    step: Callable[[], bool] = backend._step
+
+    def stepping() -> bool:
+        if not gate.is_set() and any(job.done for job in list(backend._active)):
+            held.set()
+            gate.wait()
+        return step()
+
+    backend._step = stepping  # type: ignore[method-assign]
+    return held, gate
+
+
+def _landed(read: Callable[[str, np.ndarray], bytes], view: View) -> bool:
+    """The first chunk of a group of ``view`` (chunks go in view order) no longer holds zeros:
+    rows of random bytes landed there."""
+    return any(any(read(g.region.name, g.slots[:CHUNK_ROWS])) for g in view.groups)
+
+
 def _chunk_prefix(mask: np.ndarray) -> int:
     """Rows proven delivered must be whole chunks from the start of the group (posting order)."""
     n = int(mask.sum())
@@ -91,6 +117,7 @@ def test_kill_peer_while_we_move_rows(mode: TransferMode) -> None:
     """We are the active end (push publisher / pull fetcher); the peer dies mid-way."""
     local_op = "publish" if mode is TransferMode.PUSH else "fetch"
     local, memory = _local(mode, pause=PAUSE)
+    held, gate = _hold_once_proven(local)
     peer = _child(mode)
     try:
         local_view, peer_view = _views(memory, peer, f"kill-active-{mode.value}")
@@ -102,9 +129,10 @@ def test_kill_peer_while_we_move_rows(mode: TransferMode) -> None:
                 peer.write(pg.region.name, pg.slots, payload[g.layer_group])
                 memory.write(g.region.name, g.slots, b"\x00" * len(payload[g.layer_group]))
         attempt = _start(local, peer, local_view, peer_view, local_op)
-        time.sleep(KILL_AFTER)
+        assert held.wait(PROGRESS), "no chunk was proven"
         peer.kill()
         killed = time.monotonic()
+        gate.set()
         assert attempt.wait(BOUND), f"no outcome and quiescence within {BOUND}s of the kill"
         outcome = attempt.poll()
         assert isinstance(outcome, Failed), outcome
@@ -120,6 +148,7 @@ def test_kill_peer_while_we_move_rows(mode: TransferMode) -> None:
         assert attempt.quiesced()
         assert local.shutdown() == frozenset(), "an attempt was left unquiesced"
     finally:
+        gate.set()
         peer.kill()
         local.shutdown()
 
@@ -127,14 +156,23 @@ def test_kill_peer_while_we_move_rows(mode: TransferMode) -> None:
 @pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
 def test_kill_peer_while_it_moves_rows(mode: TransferMode) -> None:
     """We wait passively (push fetcher / pull publisher); the active peer dies mid-way. No record
-    ever comes, so nothing is proven: every row is False, and the heartbeat ends the wait."""
+    ever comes, so nothing is proven: every row is False, and the heartbeat ends the wait.
+    The peer posts its first chunk, then pauses for longer than the test: killed once that
+    chunk landed, it dies mid-way whatever the load."""
     local_op = "fetch" if mode is TransferMode.PUSH else "publish"
     local, memory = _local(mode)
-    peer = _child(mode, pause=PAUSE)
+    peer = _child(mode, pause=STALL)
     try:
         local_view, peer_view = _views(memory, peer, f"kill-passive-{mode.value}")
+        payload = _payload(local_view)
+        source, dest = (peer, memory) if local_op == "fetch" else (memory, peer)
+        for lg, pg in zip(local_view.groups, peer_view.groups):  # random bytes in, zeros where they go
+            sg, dg = (pg, lg) if source is peer else (lg, pg)
+            source.write(sg.region.name, sg.slots, payload[lg.layer_group])
+            dest.write(dg.region.name, dg.slots, b"\x00" * len(payload[lg.layer_group]))
         attempt = _start(local, peer, local_view, peer_view, local_op)
-        time.sleep(KILL_AFTER)
+        dest_view = local_view if dest is memory else peer_view
+        assert settle(lambda: _landed(dest.read, dest_view), PROGRESS), "no row landed"
         assert attempt.poll() is None, "the transfer ended before the kill"
         peer.kill()
         assert attempt.wait(BOUND), f"no outcome and quiescence within {BOUND}s of the kill"
@@ -151,13 +189,17 @@ def test_restarted_peer_with_the_same_name_is_added_again() -> None:
     mode = TransferMode.PUSH
     local, memory = _local(mode)
     name = f"chaos-restart-{time.monotonic_ns()}"
-    peer = _child(mode, pause=PAUSE, name=name)
+    peer = _child(mode, pause=STALL, name=name)  # never past its first chunk: the kill lands mid-way
     try:
         local_view, peer_view = _views(memory, peer, "restart-1")
         stale_local, stale_peer = _views(memory, peer, "restart-stale")
         stale_hint = decode_hint(peer.describe_bytes(stale_peer))
+        first = _payload(peer_view)
+        for g, lg in zip(peer_view.groups, local_view.groups):
+            peer.write(g.region.name, g.slots, first[g.layer_group])
+            memory.write(lg.region.name, lg.slots, b"\x00" * len(first[g.layer_group]))
         attempt = _start(local, peer, local_view, peer_view, "fetch")
-        time.sleep(KILL_AFTER)
+        assert settle(lambda: _landed(memory.read, local_view), PROGRESS), "no row landed"
         peer.kill()
         assert attempt.wait(BOUND) and isinstance(attempt.poll(), Failed)
         local.describe(stale_local)  # a hint of the dead process: refused at once, nothing posted

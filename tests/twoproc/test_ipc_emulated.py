@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from kvxfer.contract import Cancelled, Delivered, Failed, TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.conformance import CHECKS
 from kvxfer.testing.ipc_scenarios import close_all, dead_peers_fail_by_name, large_rows_byte_exact, views
+from kvxfer.testing.waiting import settle
 
 DELAY = host_cuda.DELAY_ENV  # deferred mode: copies land this long after queueing
 
@@ -40,27 +40,56 @@ def test_dead_peers_fail_by_name_emulated() -> None:
 
 
 def test_peer_dying_mid_copy_keeps_its_mapping_until_the_copy_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(DELAY, "0.4")  # the copy is still queued when the peer dies
+    # Deferred mode, and once ``holding`` is set every copy queued on a stream (not stream 0:
+    # DeviceRows' own) waits for ``copy_may_run``: the copy is still in flight when the peer
+    # dies, however slow we are.
+    monkeypatch.setenv(DELAY, "0.001")
+    holding, copying, copy_may_run = threading.Event(), threading.Event(), threading.Event()
+    real_enqueue = host_cuda._enqueue
+
+    def held_enqueue(stream, fn):  # type: ignore[no-untyped-def]
+        if stream == 0 or not holding.is_set():
+            return real_enqueue(stream, fn)
+
+        def held() -> None:
+            copying.set()
+            copy_may_run.wait(15)
+            fn()
+
+        return real_enqueue(stream, held)
+
+    monkeypatch.setattr(host_cuda, "_enqueue", held_enqueue)  # this process only: the publisher
     peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))
     memory = DeviceRows((("L0", 256, 64),), cuda=host_cuda)
     local = IpcBackend("local", TransferMode.PUSH, cuda=host_cuda)
     try:
         local.register(memory.regions)
+        # A first push connects us to the peer: its socket is watched from then on, so its
+        # death is seen at once, not only when a record to it cannot be sent.
+        lv, pv, _, _ = views(memory.regions[0], peer.regions[0], 8, 0, "first")
+        hint = peer.describe(pv)
+        handle = peer.start("fetch", pv, local.describe(lv))
+        first = local.publish(lv, hint)
+        assert first.wait(10) and isinstance(first.poll(), Delivered), first.poll()
+        assert isinstance(peer.result(handle, 10)[0], Delivered)
+        assert settle(lambda: hint.endpoint in local._channel._outbound), "not connected to the peer"
+        holding.set()
         lv, pv, _, _ = views(memory.regions[0], peer.regions[0], 8, 1)
         hint = peer.describe(pv)
         peer.start("fetch", pv, local.describe(lv))
         attempt = local.publish(lv, hint)
+        assert copying.wait(10), "the copy never reached its stream"
         peer.kill()
-        time.sleep(0.15)  # the progress thread sees the peer go while the copy is in flight
+        # The progress thread sees the peer go while the copy is in flight.
+        assert settle(lambda: local._gone, 10.0), "the peer's death was not seen"
         assert attempt.poll() is None and len(local._mappings) == 1, "closed under a running copy"
+        copy_may_run.set()
         assert attempt.wait(15)
         outcome = attempt.poll()
         assert isinstance(outcome, Failed) and "gone" in outcome.reason, outcome
-        deadline = time.monotonic() + 5
-        while len(local._mappings) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(local._mappings) == 0
+        assert settle(lambda: len(local._mappings) == 0)
     finally:
+        copy_may_run.set()
         close_all(local, [peer], memory)
 
 

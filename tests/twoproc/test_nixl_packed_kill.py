@@ -6,7 +6,9 @@ acknowledgements) and we receive packed (the sender dies; our rows are those we 
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ ROW = 16 << 10
 ROWS = 96               # per group
 CHUNK_ROWS = 4
 PAUSE = 0.03            # between packed chunks: about 1.5 s for the whole transfer
-KILL_AFTER = 0.4
+PROGRESS = 15.0         # seconds for a first chunk to be proven (a loaded 2-core VM)
 BOUND = 5.0
 PACKED = {"packed": "always", "packed_chunk_bytes": CHUNK_ROWS * ROW, "arena_bytes": 8 * CHUNK_ROWS * ROW,
           "deadline_s": 20.0, "heartbeat_s": 0.1}
@@ -39,6 +41,25 @@ def _views(memory: HostRows, peer: SubprocessPeer, request: str) -> tuple[View, 
                for i, r in enumerate(peer.regions))
     tokens = TokenRange(0, ROWS * 16)
     return View(request, tokens, lg, b"kill"), View(request, tokens, pg, b"kill")
+
+
+def _hold_when(backend: NixlBackend, ready: Callable[[], object]) -> tuple[threading.Event, threading.Event]:
+    """Stop ``backend``'s progress thread at the first step where ``ready()`` holds, until the
+    returned gate is set: (held, gate). Sending, it posts nothing more and takes no
+    acknowledgement; receiving, it scatters, grants and concludes nothing: either way the
+    push cannot end, so the kill lands after a proven chunk and before the last, whatever the
+    load."""
+    held, gate = threading.Event(), threading.Event()
+    step: Callable[[], bool] = backend._step
+
+    def stepping() -> bool:
+        if not gate.is_set() and ready():
+            held.set()
+            gate.wait()
+        return step()
+
+    backend._step = stepping  # type: ignore[method-assign]
+    return held, gate
 
 
 def _whole_chunks(masks: list[np.ndarray]) -> int:
@@ -59,6 +80,10 @@ def test_kill_peer_mid_packed_push(we: str) -> None:
     pause = PAUSE if we == "send" else 0.0
     local = NixlBackend(mode=TransferMode.PUSH, chunk_pause_s=pause, **PACKED)  # type: ignore[arg-type]
     local.register(memory.regions)
+    if we == "send":  # a chunk the receiver acknowledged
+        held, gate = _hold_when(local, lambda: any(job.done for job in list(local._active)))
+    else:  # a chunk we scattered
+        held, gate = _hold_when(local, lambda: local.stats().chunks_scattered > 0)
     peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
                           {"mode": "push", "buffers": PEER, "chunk_pause_s": PAUSE if we == "receive" else 0.0,
                            **PACKED})
@@ -76,10 +101,11 @@ def test_kill_peer_mid_packed_push(we: str) -> None:
         peer_hint = decode_hint(peer.describe_bytes(pview))
         peer.start_bytes("fetch" if we == "send" else "publish", pview, local_hint)
         attempt = (local.publish if we == "send" else local.fetch)(lview, peer_hint)
-        time.sleep(KILL_AFTER)
+        assert held.wait(PROGRESS), "no chunk was proven"
         assert attempt.poll() is None, "the transfer ended before the kill"
         peer.kill()
         killed = time.monotonic()
+        gate.set()
         assert attempt.wait(BOUND), f"no outcome and quiescence within {BOUND}s of the kill"
         assert time.monotonic() - killed < BOUND
         outcome = attempt.poll()
@@ -95,6 +121,7 @@ def test_kill_peer_mid_packed_push(we: str) -> None:
                 assert got[n * ROW:] == b"\x00" * ((ROWS - n) * ROW)
         assert local.shutdown() == frozenset(), "an attempt was left unquiesced"
     finally:
+        gate.set()
         peer.kill()
         peer.close()
         local.shutdown()

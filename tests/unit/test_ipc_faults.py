@@ -80,18 +80,29 @@ def test_connect_tells_nobody_there_from_not_now() -> None:
 
 
 _SHORTAGE = r"""
-import json, os, time
+import errno, json, os
 from kvxfer.backends.ipc import IpcBackend
+from kvxfer.backends.ipc_channel import PeerBusy
 from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.ipc_scenarios import views
+from kvxfer.testing.waiting import settle
 peer = ChildPeer(PeerSpec(TransferMode.PUSH, emulated=True))  # the publisher, in another process
 mem = DeviceRows((("D0", 256, 64),), cuda=host_cuda)
 d = IpcBackend("dec", TransferMode.PUSH, cuda=host_cuda)
 d.register(mem.regions)
 dv, pv, ds, _ = views(mem.regions[0], peer.regions[0], 8, 1, "r1")
 hint_p = peer.describe(pv); hint_d = d.describe(dv)
+refused = []  # errno of each connection the progress thread could not open
+connect = d._channel.connect
+def recording(endpoint):
+    try:
+        return connect(endpoint)
+    except PeerBusy as exc:
+        refused.append(exc.errno)
+        raise
+d._channel.connect = recording
 held = []
 try:
     while True:
@@ -99,7 +110,7 @@ try:
 except OSError:
     pass
 waiting = d.fetch(dv, hint_p)  # its progress thread connects to the peer now, with no descriptor left
-time.sleep(0.3)
+settle(lambda: refused, 30.0)  # until it tried: the test checks it was told EMFILE
 for fd in held:
     os.close(fd)
 alive = d._thread.is_alive()
@@ -107,23 +118,25 @@ early = repr(waiting.poll())
 handle = peer.start("publish", pv, hint_d)
 ok = waiting.wait(15.0)
 mine, _ = peer.result(handle, 15.0)
-print(json.dumps({"alive": alive, "early": early, "ok": ok, "theirs": repr(waiting.poll()),
+print(json.dumps({"refused": errno.errorcode.get(refused[0], refused[0]) if refused else None,
+                  "alive": alive, "early": early, "ok": ok, "theirs": repr(waiting.poll()),
                   "mine": type(mine).__name__, "left": len(d.shutdown())}))
 peer.close(); mem.close()
 """
 
 
 def test_a_moment_without_descriptors_neither_kills_the_thread_nor_fails_the_wait() -> None:
-    # In a child process (it uses up every descriptor for a moment): the fetch's connection
-    # to its peer fails with EMFILE. Before, the progress thread died of it and every attempt
-    # hung; now the wait stays open, connects once descriptors are back, and the push lands.
+    # In a child process (it uses up every descriptor, until the fetch's connection to its
+    # peer has failed with EMFILE: the child records the refusal). Before, the progress thread
+    # died of it and every attempt hung; now the wait stays open, connects once descriptors
+    # are back, and the push lands.
     out = subprocess.run([sys.executable, "-c", _SHORTAGE], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["theirs"].startswith("Delivered"), (result, out.stderr[-2000:])
     result["theirs"] = "Delivered"
-    assert result == {"alive": True, "early": "None", "ok": True, "theirs": "Delivered", "mine": "Delivered",
-                      "left": 0}, (result, out.stderr[-2000:])
+    assert result == {"refused": "EMFILE", "alive": True, "early": "None", "ok": True, "theirs": "Delivered",
+                      "mine": "Delivered", "left": 0}, (result, out.stderr[-2000:])
 
 
 def test_withdrawn_transfers_and_early_records_are_bounded(
@@ -167,11 +180,14 @@ def test_a_shutdown_whose_join_timed_out_is_finished_by_the_next(monkeypatch: py
         lv, dv, _, _ = views(mem_a.regions[0], mem_d.regions[0], 4, 1, "slow")
         d.describe(dv)
         waiting = d.fetch(dv, a.describe(lv), wake=wake)
-        time.sleep(0.1)  # its progress thread has connected to the peer
+        # Its progress thread has connected to the peer.
+        assert settle(lambda: all(w.watching for w in list(d._passive.values()))), "the wait never connected"
         engine.acquire()
-        threading.Timer(2.0, engine.release).start()  # after the shutdown's 1 s grace and its join
-        assert d.shutdown() == {waiting} and d._thread.is_alive()  # the join timed out: the thread is in wake()
-        assert os.path.exists(d._channel.path)
+        try:
+            assert d.shutdown() == {waiting} and d._thread.is_alive()  # the join timed out: the thread is in wake()
+            assert os.path.exists(d._channel.path)
+        finally:
+            engine.release()  # only once the first shutdown returned, however long it took
         assert settle(lambda: not d._thread.is_alive())
         assert d.shutdown() == {waiting} and not waiting.quiesced()
         assert not os.path.exists(d._channel.path), "the second shutdown did not give the channel back"
@@ -188,7 +204,7 @@ def test_a_peer_slow_to_read_delays_frames_and_is_not_taken_for_gone(monkeypatch
     # peer is not dropped, and once it reads, every frame arrives whole and in order.
     import kvxfer.backends.ipc_channel as ipc_channel
 
-    monkeypatch.setattr(ipc_channel, "SEND_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ipc_channel, "SEND_TIMEOUT_S", 1.0)  # the first send waits it out
     channel = Channel("c")
     folder = tempfile.mkdtemp(prefix="kvxfer-test-")
     path = os.path.join(folder, "slow.sock")
@@ -200,9 +216,11 @@ def test_a_peer_slow_to_read_delays_frames_and_is_not_taken_for_gone(monkeypatch
         started = time.monotonic()
         assert channel.send(path.encode(), frames[0])
         assert time.monotonic() - started >= 1.0  # waited the timeout once
+        # Later sends queue at once: with a long timeout now, waiting it again would show.
+        monkeypatch.setattr(ipc_channel, "SEND_TIMEOUT_S", 60.0)
         quick = time.monotonic()
         assert channel.send(path.encode(), frames[1]) and channel.send(path.encode(), frames[2])
-        assert time.monotonic() - quick < 0.5  # queued, without waiting the timeout again
+        assert time.monotonic() - quick < 30.0  # queued, without waiting the timeout again
         assert path.encode() in channel._outbound, "a slow peer was taken for gone"
         peer, _ = listener.accept()
         got = bytearray()

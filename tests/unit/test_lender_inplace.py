@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -154,7 +156,16 @@ def test_release_waits_for_tracked_attempt_to_quiesce() -> None:
     fill(p, "r", 8)
     d.allocate("r", 0)
     read, write = lp.lend_read("r", (0, 8)), ld.lend_write("r", (0, 8))
-    lnk = link(lp, ld, TransferMode.PUSH, delay_s=0.3)
+    lnk = link(lp, ld, TransferMode.PUSH)
+    # The publisher's copy waits for ``copy_may_run``: the fetch stays unquiesced meanwhile.
+    copy_may_run = threading.Event()
+    copy_runs = lnk.prefill._copy_runs
+
+    def held_copy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        copy_may_run.wait(10)
+        return copy_runs(*args, **kwargs)
+
+    lnk.prefill._copy_runs = held_copy  # type: ignore[method-assign]
     try:
         vp, vd = read.view(), write.view()
         hd, hp = lnk.decode.describe(vd), lnk.prefill.describe(vp)
@@ -164,10 +175,12 @@ def test_release_waits_for_tracked_attempt_to_quiesce() -> None:
         assert d.stats()["full"]["pinned"] == 2  # the fetch may still be written into
         with pytest.raises(LenderBusy, match="1 attempts not quiesced"):
             ld.shutdown()
+        copy_may_run.set()
         assert fet.wait(5) and pub.wait(5)
         ld.readiness("r")  # any call drives deferred releases
         assert d.stats()["full"]["pinned"] == 0
     finally:
+        copy_may_run.set()
         read.release()
         lnk.close()
 

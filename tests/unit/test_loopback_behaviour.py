@@ -25,6 +25,7 @@ from kvxfer.contract import (
 from kvxfer.testing import conformance
 from kvxfer.testing.memory import HostBuffer, HostRows
 from kvxfer.testing.pairs import loopback_pair as make_pair
+from kvxfer.testing.waiting import settle
 
 
 def _view(buf: HostBuffer, slots: list[int], request: str = "q") -> View:
@@ -71,6 +72,13 @@ def test_peer_leaving_fails_waiters() -> None:
     a.shutdown()
 
 
+def _handled_so_far(backend: LoopbackBackend, marker: str) -> bool:
+    """Deliver a record for a transfer nobody waits on (``backend`` stashes it): once it is
+    stashed, every record delivered before it was handled too (the inbox is in order)."""
+    backend._fabric.deliver(backend.name, CompletionRecord(marker, "b", "q", RecordStatus.DELIVERED, []))
+    return settle(lambda: marker in backend._stashed)
+
+
 def test_stale_and_foreign_records_ignored() -> None:
     a, b, ba, bb = _two(delay_s=0.0)
     fabric_deliver = a._fabric.deliver
@@ -82,7 +90,7 @@ def test_stale_and_foreign_records_ignored() -> None:
         # A record from a stranger for our transfer id is ignored.
         fabric_deliver("a", CompletionRecord(hint_a.transfer_id, "mallory", "q", RecordStatus.DELIVERED,
                                              [np.ones(2, bool)]))
-        time.sleep(0.1)
+        assert _handled_so_far(a, "marker-1")
         assert attempt.poll() is None
         bb.array[[2, 3]] = 7
         b.publish(vb, hint_a)
@@ -91,7 +99,7 @@ def test_stale_and_foreign_records_ignored() -> None:
         # A replay of the real record after conclusion changes nothing.
         fabric_deliver("a", CompletionRecord(hint_a.transfer_id, "b", "q", RecordStatus.FAILED, [np.zeros(2, bool)],
                                              "replayed"))
-        time.sleep(0.1)
+        assert _handled_so_far(a, "marker-2")
         assert attempt.poll() is first
         assert (ba.array[[0, 1]] == 7).all()
     finally:
@@ -208,6 +216,8 @@ def test_a_used_hint_and_a_swapped_view_are_refused() -> None:
         b.describe(vb)
         with pytest.raises(InvalidSubmission, match="was used already"):
             b.publish(vb, hint_a)
+        # A negative, with nothing to wait for (a refused publish queues nothing): give a copy
+        # that went ahead anyway a moment to show.
         time.sleep(0.05)
         assert (ba.array[[0, 1]] == 0).all()  # nothing moved
         a.describe(_view(ba, [0, 1], "r"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -29,18 +29,46 @@ from kvxfer.contract import (
 )
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.waiting import settle
 
 ROW = 2048
 ROWS = 24
+_GATES: list[threading.Event] = []  # held progress threads, all released at a test's end
 
 
 @pytest.fixture
 def made() -> Iterator[list[NixlBackend]]:
     backends: list[NixlBackend] = []
     yield backends
+    for gate in _GATES:  # also when the test failed while one was held: shutdown joins the thread
+        gate.set()
+    _GATES.clear()
     for b in backends:
         b.shutdown()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
+
+
+def _hold_when(backend: NixlBackend, ready: Callable[[], object]) -> tuple[threading.Event, threading.Event]:
+    """Stop ``backend``'s progress thread at the first step where ``ready()`` holds, until
+    the returned gate is set: (held, gate). Meanwhile it posts, checks and concludes nothing,
+    so the test acts (cancel, kill) at a point it observed instead of after a sleep."""
+    held, gate = threading.Event(), threading.Event()
+    _GATES.append(gate)
+    step: Callable[[], bool] = backend._step
+
+    def stepping() -> bool:
+        if not gate.is_set() and ready():
+            held.set()
+            gate.wait()
+        return step()
+
+    backend._step = stepping  # type: ignore[method-assign]
+    return held, gate
+
+
+def _proven(backend: NixlBackend) -> bool:
+    """Some chunk of the backend's active job is proven delivered (read on its progress thread)."""
+    return any(job.done for job in list(backend._active))
 
 
 def _backend(made: list[NixlBackend], mode: TransferMode, name: str, **options: object) -> tuple[NixlBackend, HostRows]:
@@ -73,14 +101,16 @@ def test_passive_deadline_fails_and_stays_unquiesced_until_the_peer_withdraws(ma
     fview, pview = _view(fmem, "deadline", 1), _view(pmem, "deadline", 2)
     fhint = fetcher.describe(fview)
     attempt = fetcher.fetch(fview, publisher.describe(pview))
-    time.sleep(1.0)
+    assert settle(lambda: attempt.poll() is not None), "the 0.3 s deadline never ended the wait"
     outcome = attempt.poll()
     assert isinstance(outcome, Failed) and outcome.reason.startswith("timeout after 0.3s"), outcome
     assert outcome.rows_delivered == 0
     # The publisher never had our metadata, so it could not confirm: we must not claim quiescence.
     assert not attempt.quiesced()
-    # Its publish is refused (and tells us nothing); it loaded our metadata on the way, so the
-    # withdrawal we ask again every heartbeat is now answered, and the wait quiesces.
+    # Our withdrawal reaches the publisher (it needs only our knowing its metadata)...
+    assert settle(lambda: (fetcher.name, fhint.transfer_id) in publisher._revoked), "no withdrawal arrived"
+    # ...so its publish is refused (and tells us nothing); it loaded our metadata on the way, so
+    # the withdrawal we ask again every heartbeat is now answered, and the wait quiesces.
     with pytest.raises(InvalidSubmission, match="withdrew"):
         publisher.publish(pview, fhint)
     assert attempt.wait(5.0), "the withdrawal was not answered once the publisher could"
@@ -108,12 +138,15 @@ def test_cancel_mid_way_stops_new_chunks_and_both_ends_agree(made: list[NixlBack
     active_op = "publish" if mode is TransferMode.PUSH else "fetch"
     a, amem = _backend(made, mode, "A", chunk_bytes=2 * ROW, chunk_pause_s=0.05)
     b, bmem = _backend(made, mode, "B")
+    # The active end stops once a chunk is proven: it cannot finish before the cancel lands.
+    held, gate = _hold_when(a, lambda: _proven(a))
     aview, bview = _view(amem, "cancel", 6), _view(bmem, "cancel", 7)
     ahint, bhint = a.describe(aview), b.describe(bview)
     passive = (b.fetch if active_op == "publish" else b.publish)(bview, ahint)
     active = (a.publish if active_op == "publish" else a.fetch)(aview, bhint)
-    time.sleep(0.2)
+    assert held.wait(10.0), "no chunk was proven"
     active.cancel()
+    gate.set()
     assert active.wait(5.0) and passive.wait(5.0)
     mine, theirs = active.poll(), passive.poll()
     assert isinstance(mine, Cancelled) and not mine.by_peer
@@ -146,7 +179,8 @@ def test_record_before_fetch_is_stashed(made: list[NixlBackend]) -> None:
     fhint, phint = fet.describe(fview), pub.describe(pview)
     published = pub.publish(pview, fhint)
     assert published.wait(5.0) and isinstance(published.poll(), Delivered)
-    time.sleep(0.1)  # the record reaches the fetcher before its fetch() exists
+    # The record reaches the fetcher before its fetch() exists.
+    assert settle(lambda: fhint.transfer_id in fet._stashed, 10.0), "the record was not stashed"
     attempt = fet.fetch(fview, phint)
     assert attempt.wait(2.0) and isinstance(attempt.poll(), Delivered) and attempt.poll().all_delivered
     for g in fview.groups:
@@ -189,10 +223,7 @@ def test_a_stashed_record_concludes_on_the_progress_thread_not_inside_fetch(made
     fhint, phint = fet.describe(fview), pub.describe(pview)
     published = pub.publish(pview, fhint)
     assert published.wait(5.0) and isinstance(published.poll(), Delivered)
-    give_up = time.monotonic() + 10.0
-    while fhint.transfer_id not in fet._stashed and time.monotonic() < give_up:  # the record is here first
-        time.sleep(0.005)
-    assert fhint.transfer_id in fet._stashed
+    assert settle(lambda: fhint.transfer_id in fet._stashed, 10.0), "the record is not here first"
     woken_on: list[threading.Thread] = []
     attempt = fet.fetch(fview, phint, wake=lambda: woken_on.append(threading.current_thread()))
     assert attempt.wait(5.0) and isinstance(attempt.poll(), Delivered)
@@ -288,21 +319,18 @@ def test_a_request_still_in_flight_at_the_deadline_is_waited_for_before_quiescen
 
     pv, fv = whole(pmem), whole(fmem)
     hint_p, hint_f = pub.describe(pv), fet.describe(fv)
-    gate = threading.Event()
-    step = pub._step
-    monkeypatch.setattr(pub, "_step", lambda: gate.wait() and step())  # a publisher busy elsewhere
+    _, gate = _hold_when(pub, lambda: True)  # a publisher busy elsewhere; the fixture releases it on failure
     publishing = pub.publish(pv, hint_f)
     fetching = fet.fetch(fv, hint_p)
-    end = time.monotonic() + 10
-    while fetching.poll() is None and time.monotonic() < end:
-        time.sleep(0.01)
+    assert settle(lambda: fetching.poll() is not None, 10.0)
     outcome = fetching.poll()
     assert isinstance(outcome, Failed) and "timeout" in outcome.reason, outcome
+    # A negative: nothing signals "did not quiesce", so give a wrong quiescence a moment to show.
     time.sleep(0.3)
     assert not fetching.quiesced(), "quiesced while its READs were still in flight"
     gate.set()
     assert fetching.wait(20.0), "never quiesced once the publisher progressed"
     landed = fmem.buffers["F0"].array.copy()
-    time.sleep(0.5)
+    time.sleep(0.5)  # a negative again: bytes that would land late are given time to
     assert np.array_equal(fmem.buffers["F0"].array, landed), "bytes landed after the fetch quiesced"
     assert publishing.wait(20.0)

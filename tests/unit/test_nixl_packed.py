@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -47,15 +47,37 @@ from kvxfer.testing.waiting import settle
 ROW = 4096
 SLOTS = 256
 SENTINEL = 0xA5
+_GATES: list[threading.Event] = []  # held progress threads, all released at a test's end
 
 
 @pytest.fixture
 def made() -> Iterator[list[NixlBackend]]:
     backends: list[NixlBackend] = []
     yield backends
+    for gate in _GATES:  # also when the test failed while one was held: shutdown joins the thread
+        gate.set()
+    _GATES.clear()
     for b in backends:
         assert b.shutdown() == frozenset(), "an attempt was left unquiesced"
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
+
+
+def _hold_when(backend: NixlBackend, ready: Callable[[], object]) -> tuple[threading.Event, threading.Event]:
+    """Stop ``backend``'s progress thread at the first step where ``ready()`` holds, until
+    the returned gate is set: (held, gate). Meanwhile it sends, scatters, grants and concludes
+    nothing, so the test cancels at a point it observed instead of after a sleep."""
+    held, gate = threading.Event(), threading.Event()
+    _GATES.append(gate)
+    step: Callable[[], bool] = backend._step
+
+    def stepping() -> bool:
+        if not gate.is_set() and ready():
+            held.set()
+            gate.wait()
+        return step()
+
+    backend._step = stepping  # type: ignore[method-assign]
+    return held, gate
 
 
 def _backend(made: list[NixlBackend], name: str, row: int = ROW, **options: object) -> tuple[NixlBackend, HostRows]:
@@ -160,14 +182,17 @@ def test_injected_fault_mid_way_masks_exact(made: list[NixlBackend], limit: int)
 def test_cancel_mid_way_both_ends_report_the_scattered_chunks(made: list[NixlBackend]) -> None:
     pub, pmem = _backend(made, "P", packed="always", chunk_pause_s=0.05)
     fet, fmem = _backend(made, "F", packed="always")
+    # The sender stops once a chunk is acknowledged: it cannot finish before the cancel lands.
+    held, gate = _hold_when(pub, lambda: any(job.done for job in list(pub._active)))
     pview, fview = _view(pmem, "cancel", 200, 9), _view(fmem, "cancel", 200, 10)
     payload = _fill(pmem, pview, 11)
     _sentinel(fmem, fview)
     fhint = fet.describe(fview)
     waiting = fet.fetch(fview, pub.describe(pview))
     sending = pub.publish(pview, fhint)
-    time.sleep(0.2)
+    assert held.wait(10.0), "no chunk was acknowledged"
     sending.cancel()
+    gate.set()
     assert sending.wait(10.0) and waiting.wait(10.0)
     mine, theirs = sending.poll(), waiting.poll()
     assert isinstance(mine, Cancelled) and isinstance(theirs, Cancelled) and theirs.by_peer, (mine, theirs)
@@ -191,14 +216,18 @@ def test_fetcher_cancel_mid_way_later_chunks_dropped_unscattered(made: list[Nixl
     opts = {"packed": "always", "arena_bytes": 32 << 10, "packed_chunk_bytes": 8 << 10, "poll_s": 0.002}
     pub, pmem = _backend(made, "P", **opts)
     fet, fmem = _backend(made, "F", **opts)
+    # The receiver stops once it scattered a chunk (it grants no slot and concludes nothing
+    # meanwhile, so the push cannot end before the cancel lands).
+    held, gate = _hold_when(fet, lambda: fet.stats().chunks_scattered > 0)
     pview, fview = _view(pmem, "fcancel", 200, 15), _view(fmem, "fcancel", 200, 16)
     payload = _fill(pmem, pview, 17)
     _sentinel(fmem, fview)
     fhint = fet.describe(fview)
     waiting = fet.fetch(fview, pub.describe(pview))
     sending = pub.publish(pview, fhint)
-    time.sleep(0.1)
+    assert held.wait(10.0), "no chunk was scattered"
     waiting.cancel()
+    gate.set()
     assert sending.wait(10.0) and waiting.wait(10.0)
     mine, theirs = sending.poll(), waiting.poll()
     assert isinstance(theirs, Cancelled) and not theirs.by_peer, theirs
@@ -354,7 +383,7 @@ def test_slots_granted_ahead_hold_at_most_half_the_landing_slots(made: list[Nixl
         hints.append(fet.describe(fview))
         waits.append(fet.fetch(fview, pub.describe(pview)))
     assert settle(lambda: fet.stats().credits_ahead == 4)
-    time.sleep(0.05)
+    time.sleep(0.05)  # a negative: nothing signals "granted no more", so give a wrong grant a moment
     assert fet.stats().credits_ahead == 4, "more than half the landing slots were granted ahead"
     sends = [pub.publish(pview, hint) for (pview, _, _), hint in zip(pairs, hints)]
     for sending, waiting, (pview, fview, payload) in zip(sends, waits, pairs):
@@ -377,7 +406,7 @@ def test_no_slots_ahead_for_a_sender_never_heard_from_and_its_withdrawal_is_aske
     pview, fview = _view(pmem, "gone", 100, 1), _view(fmem, "gone", 100, 2)
     fhint = fet.describe(fview)
     waiting = fet.fetch(fview, pub.describe(pview))
-    time.sleep(0.3)
+    time.sleep(0.3)  # a negative: nothing signals "granted nothing ahead", so give a wrong grant time
     assert fet.stats().credits_ahead == 0 and _landing_slots_free(fet)
     waiting.cancel()
     assert settle(lambda: waiting.poll() is not None)
@@ -407,12 +436,25 @@ def test_malformed_chunk_note_fails_the_wait_by_name_and_frees_every_slot(made: 
     grant = list(pub._early_credits.values())[0]
     good_s, good_l = runs_of(np.arange(0, 4, dtype=np.int64))
     bad_s, bad_l = np.array([2**63 - 1], dtype=np.int64).tobytes(), np.array([1], dtype=np.int64).tobytes()
-    with fet._agent._lock:  # both notes reach the fetcher's next step together
-        pub._agent.notify(fet.name, encode_note("chunk", t=fhint.transfer_id, c=0, s=grant[1], g=0, rs=good_s,
-                                                rl=good_l))
-        pub._agent.notify(fet.name, encode_note("chunk", t=fhint.transfer_id, c=1, s=grant[0], g=0, rs=bad_s,
-                                                rl=bad_l))
-        time.sleep(0.2)
+    # Both notes reach the fetcher's next step together: its agent hands over what arrived
+    # only once both chunk notes are in, whenever each arrives.
+    notifications, together = fet._agent.notifications, threading.Event()
+    kept: dict[str, list[bytes]] = {}
+
+    def both_or_none() -> dict[str, list[bytes]]:
+        if together.is_set():
+            return notifications()
+        for sender, messages in notifications().items():
+            kept.setdefault(sender, []).extend(messages)
+        if sum(m.startswith(NOTE_PREFIX) and decode_note(m)["k"] == "chunk" for m in kept.get(pub.name, [])) < 2:
+            return {}
+        together.set()
+        return dict(kept)
+
+    fet._agent.notifications = both_or_none  # type: ignore[method-assign]
+    pub._agent.notify(fet.name, encode_note("chunk", t=fhint.transfer_id, c=0, s=grant[1], g=0, rs=good_s, rl=good_l))
+    pub._agent.notify(fet.name, encode_note("chunk", t=fhint.transfer_id, c=1, s=grant[0], g=0, rs=bad_s, rl=bad_l))
+    assert together.wait(10.0), "the two chunk notes did not both arrive"
     assert settle(lambda: waiting.poll() is not None)
     outcome = waiting.poll()
     assert isinstance(outcome, Failed) and "packed chunk 1" in outcome.reason, outcome
@@ -608,7 +650,7 @@ def test_a_packed_push_failing_with_writes_in_flight_quiesces_only_once_they_end
         outcome = sending.poll()
         assert isinstance(outcome, Failed) and "timeout" in outcome.reason, outcome
         assert pub.path_of(sending) == "packed"
-        time.sleep(0.3)
+        time.sleep(0.3)  # a negative: nothing signals "did not quiesce", so give a wrong quiescence time
         assert not sending.quiesced(), "quiesced while its WRITEs were still in flight"
     finally:
         gate.set()
