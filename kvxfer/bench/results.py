@@ -202,11 +202,16 @@ def ucx_version() -> str | None:
 
 def source_revision() -> str | None:
     """The git commit the kvxfer package was imported from, "+dirty" when its tree has local
-    changes; None outside a checkout (an installed wheel) or without git."""
+    changes; None outside a checkout (an installed wheel, a copy the checkout does not
+    track) or without git."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
     try:
+        # A copy of the package inside some other checkout (an untracked folder) is not
+        # that checkout's code: its commit would be a wrong answer, so none is given.
+        subprocess.run(["git", "-C", here, "ls-files", "--error-unmatch", os.path.basename(__file__)],
+                       capture_output=True, timeout=5, check=True)
         head = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
                               timeout=5, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
