@@ -384,6 +384,9 @@ class Router:
                         run.events.append(f"decode {d.url} resumed at {event['position']} and recomputed "
                                           f"{event['recompute_tokens']} prompt tokens")
                 elif kind == "error":
+                    # Under policy fail the worker's error is where the transfer's figures come.
+                    if event.get("transfer") and run.transfer is None:
+                        run.transfer = TransferFigures.from_event(event["transfer"])
                     raise _Failure(f"decode {d.url}: {event.get('error')}", dead=False)
         except HttpError as exc:
             if exc.status == 400:  # the worker is fine: it named what is wrong with the request
