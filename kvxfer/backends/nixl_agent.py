@@ -112,7 +112,7 @@ class NixlAgent:
         self._registered: list[Any] = []
         self._peers: dict[str, set[bytes]] = {}  # remote agent name -> metadata versions loaded
         self._alive: dict[str, int] = {}  # remote agent name -> our requests to it not released yet
-        self._request_peer: dict[int, str] = {}  # id of such a request's handle -> its peer
+        self._request_peer: dict[Any, str] = {}  # such a request's handle (kept, so never reused) -> its peer
         self._metadata = self._agent.get_agent_metadata()
         if self.use_etcd:
             self._agent.send_local_metadata()
@@ -241,7 +241,7 @@ class NixlAgent:
                 self._release_quietly(handle)
                 raise XferError(f"NIXL could not post a {op} to {peer!r}")
             self._alive[peer] = self._alive.get(peer, 0) + 1
-            self._request_peer[id(handle)] = peer
+            self._request_peer[handle] = peer
             return Post(handle, state)
 
     def state(self, handle: Any) -> str:
@@ -261,7 +261,7 @@ class NixlAgent:
             except Exception as exc:
                 log.warning("NIXL could not release transfer handle %r yet: %s", handle, exc)
                 return False
-            peer = self._request_peer.pop(id(handle), None)
+            peer = self._request_peer.pop(handle, None)
             if peer is not None:
                 self._alive[peer] -= 1
                 if not self._alive[peer]:

@@ -27,7 +27,7 @@ from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
 from kvxfer.bench.nixl_raw import latency_measurement
-from kvxfer.bench.timing import Timing, time_runs
+from kvxfer.bench.timing import Timing, check_fresh_bytes, time_runs
 from kvxfer.contract import (
     Attempt,
     Backend,
@@ -276,6 +276,13 @@ class BackendCase:
         seen = watch.wait_outcome()
         return t0, seen, ap, ad
 
+    @staticmethod
+    def _stamp(memory: _Memory) -> Callable[[int], Callable[[], bool]]:
+        def stamp(seed: int) -> Callable[[], bool]:
+            memory.fill_source("prefill", seed)
+            return lambda: memory.rows_equal("prefill", "decode")
+        return stamp
+
     def _settle(self, ap: Attempt, ad: Attempt, rows: int) -> None:
         outcome = wait_settled(ad, "decode attempt")
         wait_settled(ap, "prefill attempt")
@@ -294,16 +301,10 @@ class BackendCase:
                 return seen - t0
 
             timing = time_runs(run, self.config.repetition)
-            # Fresh bytes, one more transfer, then the check: equal rows after the timed runs
-            # alone would only prove that the warm-up moved the (unchanged) source.
-            memory.fill_source("prefill", self.config.seed + point.rows + 1)
-            run()
-            verified = memory.rows_equal("prefill", "decode")
+            check_fresh_bytes(self._stamp(memory), run, "decode rows")
             paths = self._paths(ends)
         finally:
             self._teardown(ends)
-        if not verified:
-            raise RuntimeError("decode rows differ from prefill rows after the timed runs")
         return Measurement({"seconds_best": timing.best, "seconds_median": timing.median,
                             "reps": len(timing.samples)},
                            {**ends.facts, **paths, "verified": True,
@@ -320,14 +321,14 @@ class BackendCase:
                 self._settle(ap, ad, point.total_rows)
                 if i >= sweep.warmup:
                     samples.append(seen - t0)
-            memory.fill_source("prefill", self.config.seed + 1)  # as in throughput: fresh bytes, once more
-            _, _, ap, ad = self._one(ends, vp, vd, push)
-            self._settle(ap, ad, point.total_rows)
-            verified = memory.rows_equal("prefill", "decode")
+
+            def once() -> None:
+                _, _, ap, ad = self._one(ends, vp, vd, push)
+                self._settle(ap, ad, point.total_rows)
+
+            check_fresh_bytes(self._stamp(memory), once, "decode rows")
         finally:
             self._teardown(ends)
-        if not verified:
-            raise RuntimeError("decode rows differ from prefill rows after the latency samples")
         return latency_measurement(Timing(tuple(samples)), {
             **ends.facts, "verified": True,
             "measured": ("publish" if point.direction == "push" else "fetch") + " call to decode outcome visible"})

@@ -56,6 +56,8 @@ def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relativ
             continue
         g = new_by_id.get(f.id)
         for metric, higher in METRICS[f.mode]:
+            if relative and metric == "gbps_best" and f.case == "local_copy":
+                continue  # the reference itself: the ratios below divide by it, on both sides
             before = _value(old, f, metric, relative)
             name = "vs copy" if relative and metric == "gbps_best" else metric
             if before is None:

@@ -12,6 +12,7 @@ that landed are read back through the mapping and compared with the source.
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
-from kvxfer.bench.timing import cuda_timed, time_runs
+from kvxfer.bench.timing import check_fresh_bytes, cuda_timed, time_runs
 from kvxfer.contract import MemoryKind
 
 _ANSWER_S = 120.0
@@ -124,12 +125,17 @@ class IpcKernel:
                                  stream=stream, device=p)
 
         timing = time_runs(cuda_timed(copy, p), self.config.repetition)
-        # Fresh source bytes and one more copy before the check: the timed copies moved an
-        # unchanged source, which the warm-up alone would have put in place.
-        src.random_(0, 256)
-        copy()
-        torch.cuda.synchronize(p)
-        verified = self._verify(torch, src, span, point, picks, peer)
+
+        def fresh(seed: int) -> Callable[[], bool]:
+            src.random_(0, 256, generator=torch.Generator(device=src.device).manual_seed(seed))
+            return lambda: self._verify(torch, src, span, point, picks, peer)
+
+        def copied() -> None:
+            copy()
+            torch.cuda.synchronize(p)
+
+        check_fresh_bytes(fresh, copied, "rows read back through the mapping")
+        verified = True
         where = f" on cuda:{p}, the mapping on cuda:{dev} (peer access)" if p != dev else ""
         return Measurement(
             {"seconds_best": timing.best, "seconds_median": timing.median, "reps": len(timing.samples)},

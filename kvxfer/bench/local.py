@@ -15,7 +15,7 @@ import numpy as np
 from kvxfer.bench.cases import CaseSpec, Measurement, Role, Skip
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
-from kvxfer.bench.timing import Timing, cuda_timed, time_runs
+from kvxfer.bench.timing import Timing, check_fresh_bytes, cuda_timed, time_runs
 
 
 class LocalCopy:
@@ -141,7 +141,7 @@ class LocalRows(LocalCopy):
             timing = time_runs(cuda_timed(copy, p), self.config.repetition)
         else:
             timing = time_runs(copy, self.config.repetition)
-        self._check_rows(point, src, dst, span, src_slots, dst_slots, copy)
+        self._check_rows(point, src, dst, span, src_slots, dst_slots, copy)  # raises on a mismatch
         info = native.info()
         how = ("kvxfer._native " + ("CUDA kernel" if device else "host memcpy")) if info.compiled else "numpy/torch fallback"
         if device and self.config.two_devices:
@@ -151,34 +151,32 @@ class LocalRows(LocalCopy):
             {"how": how, "calls": point.groups, "verified": True, **({"devices": [p, d]} if device else {})},
         )
 
-    def _check_rows(self, point: Point, src: Any, dst: Any, span: int, src_slots: list[np.ndarray],
+    @staticmethod
+    def _check_rows(point: Point, src: Any, dst: Any, span: int, src_slots: list[np.ndarray],
                     dst_slots: list[np.ndarray], copy: Callable[[], None]) -> None:
-        """Fresh source bytes, one more copy, then every destination row against its source
-        row: the timed copies moved an unchanged source, which the warm-up alone would have
-        put in place."""
-        row = point.row_bytes
-        if isinstance(src, np.ndarray):
-            src[:span * point.groups] = np.random.default_rng(self.config.seed + 3).integers(
-                0, 256, span * point.groups, dtype=np.uint8)
-            copy()
-            rows_of = [(src[g * span:(g + 1) * span].reshape(-1, row), dst[g * span:(g + 1) * span].reshape(-1, row))
-                       for g in range(point.groups)]
-            same = all(np.array_equal(s[ss], d[ds]) for (s, d), ss, ds in zip(rows_of, src_slots, dst_slots))
-        else:
+        """Every destination row against its source row, after fresh bytes moved once more."""
+        row, n = point.row_bytes, span * point.groups
+
+        def fresh(seed: int) -> Callable[[], bool]:
+            if isinstance(src, np.ndarray):
+                src[:n] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+                return lambda: all(np.array_equal(src[g * span:(g + 1) * span].reshape(-1, row)[src_slots[g]],
+                                                  dst[g * span:(g + 1) * span].reshape(-1, row)[dst_slots[g]])
+                                   for g in range(point.groups))
             import torch
 
-            src[:span * point.groups].random_(0, 256)
-            copy()
-            torch.cuda.synchronize(src.device)
-            torch.cuda.synchronize(dst.device)
-            same = True
-            for g in range(point.groups):
-                s = src[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(src_slots[g]).to(src.device)]
-                d = dst[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(dst_slots[g]).to(dst.device)]
-                same = same and torch.equal(s.cpu(), d.cpu())
-        if not same:
-            raise RuntimeError("destination rows differ from the source rows after the timed copies")
+            src[:n].random_(0, 256, generator=torch.Generator(device=src.device).manual_seed(seed))
 
+            def same() -> bool:
+                torch.cuda.synchronize(src.device)
+                torch.cuda.synchronize(dst.device)
+                return all(torch.equal(
+                    src[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(src_slots[g]).to(src.device)].cpu(),
+                    dst[g * span:(g + 1) * span].view(-1, row)[torch.from_numpy(dst_slots[g]).to(dst.device)].cpu())
+                    for g in range(point.groups))
+            return same
+
+        check_fresh_bytes(fresh, copy, "local rows")
 
 SPECS = [
     CaseSpec(

@@ -32,7 +32,7 @@ import numpy as np
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope, hold_until_run_end
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, layer_major_addresses, pool_slots, row_addresses
-from kvxfer.bench.timing import Timing, time_runs
+from kvxfer.bench.timing import Timing, check_fresh_bytes, time_runs
 
 _SAMPLED_ROWS = 16
 _REPLY_TIMEOUT_S = 120.0
@@ -295,23 +295,15 @@ class _RawCase:
             facts["devices"] = list(self.config.devices)
         return pair, handle, op, facts, stamp
 
-    def _checked_run(self, pair: NixlPair, handle: Any, stamp: Callable[[int], Any], seed: int) -> bool:
-        """Fresh bytes at the source, one more transfer, then the check: the timed transfers
-        moved an unchanged source, which the warm-up alone would have put in place."""
-        check = stamp(seed)
-        pair.run(handle)
-        return bool(check())
-
     def throughput(self, point: Point) -> Measurement:
         pair, handle, _op, facts, stamp = self._prepare(point)
         try:
             stamp(self.config.seed + point.rows)
             timing = time_runs(lambda: pair.run(handle), self.config.repetition)
-            facts["verified"] = self._checked_run(pair, handle, stamp, self.config.seed + point.rows + 1)
+            check_fresh_bytes(stamp, lambda: pair.run(handle), "bytes at the destination")
+            facts["verified"] = True
         finally:
             pair.release(handle)
-        if not facts["verified"]:
-            raise RuntimeError("bytes at the destination do not match the source after the timed runs")
         return Measurement({"seconds_best": timing.best, "seconds_median": timing.median,
                             "reps": len(timing.samples)}, facts)
 
@@ -326,11 +318,10 @@ class _RawCase:
                 t0 = time.perf_counter()
                 pair.run(handle)
                 samples.append(time.perf_counter() - t0)
-            facts["verified"] = self._checked_run(pair, handle, stamp, self.config.seed + point.rows + 1)
+            check_fresh_bytes(stamp, lambda: pair.run(handle), "bytes at the destination")
+            facts["verified"] = True
         finally:
             pair.release(handle)
-        if not facts["verified"]:
-            raise RuntimeError("bytes at the destination do not match the source after the latency samples")
         facts["measured"] = "post to local completion (the target is not notified)"
         return latency_measurement(Timing(tuple(samples)), facts)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,3 +77,17 @@ def time_runs(run: Callable[[], float | None], rep: Repetition, *, setup: Callab
         samples.append(float(own) if own is not None else elapsed)
         spent += elapsed
     return Timing(tuple(samples))
+
+
+_FRESH_SEEDS = itertools.count(1 << 20)  # no two checks of a process stamp the same bytes
+
+
+def check_fresh_bytes(stamp: Callable[[int], Callable[[], bool]], move: Callable[[], object], what: str) -> None:
+    """After a case's timed runs: stamp source bytes no earlier check stamped (``stamp(seed)``
+    returns the check of the destination), ``move`` them once more, untimed, and check. Equal
+    bytes after the timed runs alone would prove only the warm-up: every timed run moved the
+    same, unchanged source, so a transport that stopped moving bytes would pass."""
+    check = stamp(next(_FRESH_SEEDS))
+    move()
+    if not check():
+        raise RuntimeError(f"{what}: destination bytes differ from the source after the timed runs")

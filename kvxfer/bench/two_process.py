@@ -27,7 +27,7 @@ from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, d
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
 from kvxfer.bench.nixl_raw import latency_measurement
-from kvxfer.bench.timing import Timing, time_runs
+from kvxfer.bench.timing import Timing, check_fresh_bytes, time_runs
 from kvxfer.contract import Backend, CacheKind, LayerGroupRows, SlotRegion, TokenRange, TransferMode, View
 
 _LATENCY_VERIFY_BYTES = 512 << 20  # decode rows a latency sweep fills before comparing them
@@ -197,15 +197,18 @@ class TwoProcessCase:
                 return seen - t0
 
             timing = time_runs(run, self.config.repetition)
-            # Fresh bytes and one more transfer before the check: the timed runs moved an
-            # unchanged source, which the warm-up alone would have put in place.
-            source = stamp(self.config.seed + point.rows + 1)
-            run()
-            for g in range(point.groups):
-                got = (peer.read(peer.regions[g].name, peer_slots[g]) if push
-                       else memory.read(memory.regions[g].name, local_slots[g]))
-                if got != source[g]:
-                    raise RuntimeError(f"group {g}: destination rows differ from the source after the timed runs")
+
+            def fresh(seed: int) -> Callable[[], bool]:
+                source = stamp(seed)
+
+                def landed() -> bool:
+                    assert peer is not None
+                    return all((peer.read(peer.regions[g].name, peer_slots[g]) if push
+                                else memory.read(memory.regions[g].name, local_slots[g])) == source[g]
+                               for g in range(point.groups))
+                return landed
+
+            check_fresh_bytes(fresh, run, "destination rows")
         finally:
             left = len(local.shutdown()) if local is not None else 0
             if peer is not None and self._peers.get((mode, point.memory)) is not peer:

@@ -285,8 +285,11 @@ class Router:
         try:
             reserved, prefilled = await asyncio.gather(reserve, prefill, return_exceptions=True)
         except asyncio.CancelledError:
+            # The caller gave up (cancelled, or a server closing its streams): both calls may
+            # still complete at their workers, whose handlers run on; hint D never left.
             reserve.cancel()
             prefill.cancel()
+            self._abandon(run.key, p, d)
             raise
         if isinstance(prefilled, BaseException):
             self._down(p, prefilled)

@@ -6,15 +6,14 @@ acknowledgements) and we receive packed (the sender dies; our rows are those we 
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import CacheKind, Failed, LayerGroupRows, TokenRange, TransferMode, View
+from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.subprocess_peer import SubprocessPeer
@@ -43,25 +42,6 @@ def _views(memory: HostRows, peer: SubprocessPeer, request: str) -> tuple[View, 
     return View(request, tokens, lg, b"kill"), View(request, tokens, pg, b"kill")
 
 
-def _hold_when(backend: NixlBackend, ready: Callable[[], object]) -> tuple[threading.Event, threading.Event]:
-    """Stop ``backend``'s progress thread at the first step where ``ready()`` holds, until the
-    returned gate is set: (held, gate). Sending, it posts nothing more and takes no
-    acknowledgement; receiving, it scatters, grants and concludes nothing: either way the
-    push cannot end, so the kill lands after a proven chunk and before the last, whatever the
-    load."""
-    held, gate = threading.Event(), threading.Event()
-    step: Callable[[], bool] = backend._step
-
-    def stepping() -> bool:
-        if not gate.is_set() and ready():
-            held.set()
-            gate.wait()
-        return step()
-
-    backend._step = stepping  # type: ignore[method-assign]
-    return held, gate
-
-
 def _whole_chunks(masks: list[np.ndarray]) -> int:
     """Proven rows are whole chunks in posting order: a prefix of group 0, then of group 1."""
     counts = []
@@ -81,9 +61,9 @@ def test_kill_peer_mid_packed_push(we: str) -> None:
     local = NixlBackend(mode=TransferMode.PUSH, chunk_pause_s=pause, **PACKED)  # type: ignore[arg-type]
     local.register(memory.regions)
     if we == "send":  # a chunk the receiver acknowledged
-        held, gate = _hold_when(local, lambda: any(job.done for job in list(local._active)))
+        held, gate = hold_progress(local, ready=lambda: any(job.done for job in list(local._active)))
     else:  # a chunk we scattered
-        held, gate = _hold_when(local, lambda: local.stats().chunks_scattered > 0)
+        held, gate = hold_progress(local, ready=lambda: local.stats().chunks_scattered > 0)
     peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend",
                           {"mode": "push", "buffers": PEER, "chunk_pause_s": PAUSE if we == "receive" else 0.0,
                            **PACKED})

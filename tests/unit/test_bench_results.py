@@ -270,3 +270,7 @@ def test_relative_compare_without_an_old_reference_is_not_a_pass() -> None:
     assert any(c.verdict == "new" and "/nixl/" in c.figure and "old run" in c.metric for c in changes)
     assert "no regression" not in render(changes, 0.1)
     assert _figure_value("per_row_s_median", 2.5e-8) == "25 ns"
+    # A run compared with itself has no regression, its local copy included (the reference
+    # of the ratios, not a figure to divide by itself).
+    same = _result(*_refs(), _tp("loopback", 0.010), _tp("nixl", 0.01))
+    assert not regressions(compare(same, same, relative=True))

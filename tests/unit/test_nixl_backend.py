@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,6 +27,7 @@ from kvxfer.contract import (
     TransferMode,
     View,
 )
+from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.waiting import settle
@@ -46,24 +47,6 @@ def made() -> Iterator[list[NixlBackend]]:
     for b in backends:
         b.shutdown()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
-
-
-def _hold_when(backend: NixlBackend, ready: Callable[[], object]) -> tuple[threading.Event, threading.Event]:
-    """Stop ``backend``'s progress thread at the first step where ``ready()`` holds, until
-    the returned gate is set: (held, gate). Meanwhile it posts, checks and concludes nothing,
-    so the test acts (cancel, kill) at a point it observed instead of after a sleep."""
-    held, gate = threading.Event(), threading.Event()
-    _GATES.append(gate)
-    step: Callable[[], bool] = backend._step
-
-    def stepping() -> bool:
-        if not gate.is_set() and ready():
-            held.set()
-            gate.wait()
-        return step()
-
-    backend._step = stepping  # type: ignore[method-assign]
-    return held, gate
 
 
 def _proven(backend: NixlBackend) -> bool:
@@ -139,7 +122,7 @@ def test_cancel_mid_way_stops_new_chunks_and_both_ends_agree(made: list[NixlBack
     a, amem = _backend(made, mode, "A", chunk_bytes=2 * ROW, chunk_pause_s=0.05)
     b, bmem = _backend(made, mode, "B")
     # The active end stops once a chunk is proven: it cannot finish before the cancel lands.
-    held, gate = _hold_when(a, lambda: _proven(a))
+    held, gate = hold_progress(a, gates=_GATES, ready=lambda: _proven(a))
     aview, bview = _view(amem, "cancel", 6), _view(bmem, "cancel", 7)
     ahint, bhint = a.describe(aview), b.describe(bview)
     passive = (b.fetch if active_op == "publish" else b.publish)(bview, ahint)
@@ -319,7 +302,7 @@ def test_a_request_still_in_flight_at_the_deadline_is_waited_for_before_quiescen
 
     pv, fv = whole(pmem), whole(fmem)
     hint_p, hint_f = pub.describe(pv), fet.describe(fv)
-    _, gate = _hold_when(pub, lambda: True)  # a publisher busy elsewhere; the fixture releases it on failure
+    _, gate = hold_progress(pub, gates=_GATES, ready=lambda: True)  # a publisher busy elsewhere; the fixture releases it on failure
     publishing = pub.publish(pv, hint_f)
     fetching = fet.fetch(fv, hint_p)
     assert settle(lambda: fetching.poll() is not None, 10.0)

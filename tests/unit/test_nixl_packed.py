@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -40,6 +40,7 @@ from kvxfer.contract import (
     TransferMode,
     View,
 )
+from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.waiting import settle
@@ -60,24 +61,6 @@ def made() -> Iterator[list[NixlBackend]]:
     for b in backends:
         assert b.shutdown() == frozenset(), "an attempt was left unquiesced"
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
-
-
-def _hold_when(backend: NixlBackend, ready: Callable[[], object]) -> tuple[threading.Event, threading.Event]:
-    """Stop ``backend``'s progress thread at the first step where ``ready()`` holds, until
-    the returned gate is set: (held, gate). Meanwhile it sends, scatters, grants and concludes
-    nothing, so the test cancels at a point it observed instead of after a sleep."""
-    held, gate = threading.Event(), threading.Event()
-    _GATES.append(gate)
-    step: Callable[[], bool] = backend._step
-
-    def stepping() -> bool:
-        if not gate.is_set() and ready():
-            held.set()
-            gate.wait()
-        return step()
-
-    backend._step = stepping  # type: ignore[method-assign]
-    return held, gate
 
 
 def _backend(made: list[NixlBackend], name: str, row: int = ROW, **options: object) -> tuple[NixlBackend, HostRows]:
@@ -183,7 +166,7 @@ def test_cancel_mid_way_both_ends_report_the_scattered_chunks(made: list[NixlBac
     pub, pmem = _backend(made, "P", packed="always", chunk_pause_s=0.05)
     fet, fmem = _backend(made, "F", packed="always")
     # The sender stops once a chunk is acknowledged: it cannot finish before the cancel lands.
-    held, gate = _hold_when(pub, lambda: any(job.done for job in list(pub._active)))
+    held, gate = hold_progress(pub, gates=_GATES, ready=lambda: any(job.done for job in list(pub._active)))
     pview, fview = _view(pmem, "cancel", 200, 9), _view(fmem, "cancel", 200, 10)
     payload = _fill(pmem, pview, 11)
     _sentinel(fmem, fview)
@@ -218,7 +201,7 @@ def test_fetcher_cancel_mid_way_later_chunks_dropped_unscattered(made: list[Nixl
     fet, fmem = _backend(made, "F", **opts)
     # The receiver stops once it scattered a chunk (it grants no slot and concludes nothing
     # meanwhile, so the push cannot end before the cancel lands).
-    held, gate = _hold_when(fet, lambda: fet.stats().chunks_scattered > 0)
+    held, gate = hold_progress(fet, gates=_GATES, ready=lambda: fet.stats().chunks_scattered > 0)
     pview, fview = _view(pmem, "fcancel", 200, 15), _view(fmem, "fcancel", 200, 16)
     payload = _fill(pmem, pview, 17)
     _sentinel(fmem, fview)

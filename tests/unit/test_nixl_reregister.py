@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,6 +25,7 @@ from kvxfer.contract import (
     TransferMode,
     View,
 )
+from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.waiting import settle
@@ -62,16 +63,6 @@ def _view(memory: HostRows, region: str, request: str) -> View:
                 (LayerGroupRows("g0", CacheKind.PAGED, target, ordinals, ordinals),), b"L")
 
 
-def _stall(backend: NixlBackend) -> threading.Event:
-    """Stop ``backend``'s progress thread (so its UCX worker) until the event is set: a WRITE
-    to it over TCP stays in flight meanwhile."""
-    gate = threading.Event()
-    _GATES.append(gate)
-    step: Callable[[], bool] = backend._step
-    backend._step = lambda: gate.wait() and step()  # type: ignore[method-assign]
-    return gate
-
-
 def _in_flight(pub: NixlBackend) -> bool:
     return any(j.inflight for j in pub._active)
 
@@ -95,7 +86,7 @@ def test_a_peer_that_registers_more_memory_keeps_our_requests_in_flight_to_it(ma
         _filled(pmem, name, value)
     first = _view(pmem, "P0", "first"), _view(fmem, "F0", "first")
     old_hint = fet.describe(first[1])
-    gate = _stall(fet)
+    _, gate = hold_progress(fet, gates=_GATES)  # its UCX worker too: a WRITE to it stays in flight
     waiting = [fet.fetch(first[1], pub.describe(first[0]))]
     sending = [pub.publish(first[0], old_hint)]
     assert settle(lambda: _in_flight(pub)), "no WRITE stayed in flight"
@@ -137,7 +128,7 @@ def test_a_restarted_peer_is_loaded_again_only_once_our_requests_to_its_previous
     _filled(pmem, "P0", 4)
     _filled(pmem, "P1", 5)
     first = _view(pmem, "P0", "first"), _view(before, "A0", "first")
-    gate = _stall(old)
+    _, gate = hold_progress(old, gates=_GATES)
     hint = old.describe(first[1])
     waiting = old.fetch(first[1], pub.describe(first[0]))
     sending = pub.publish(first[0], hint)

@@ -110,3 +110,39 @@ def test_an_abort_of_a_call_in_progress_is_forgotten_when_the_call_fails() -> No
             assert (await worker.abort({"request": "x", "rows_safe": True}))["dropped"] == "reserved"
 
     asyncio.run(main())
+
+
+def test_a_request_cancelled_while_its_reserve_and_prefill_run_leaves_nothing_held() -> None:
+    # An embedder cancels the request (a wait_for, a server closing its streams) while both
+    # calls are still being made at their workers: they complete there regardless, and the
+    # router's aborts drop them as soon as they are made.
+    prompt = list(range(1, 15))
+
+    async def main() -> None:
+        async with cluster(1, 1) as c:
+            workers = list(c.workers.values())
+            gates = [threading.Event() for _ in workers]
+            for worker, gate in zip(workers, gates):
+                worker._exec.submit(gate.wait, 30)  # both engine threads busy: the calls queue
+            router = Router(list(c.prefill), list(c.decode), timeout_s=5.0)
+            try:
+                task = asyncio.ensure_future(router.generate(prompt, 3))
+                for _ in range(500):  # until both calls wait at their workers
+                    if all(w._starting for w in workers):
+                        break
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await router.close()  # the aborts it sent in the background have landed
+            finally:
+                for gate in gates:
+                    gate.set()
+            for url, worker in c.workers.items():
+                await _settled(worker)
+                assert worker._held == {} and worker._reserved == {} and worker._aborted == set(), url
+                assert worker.pool is not None and worker.pool.requests == (), (url, worker.pool.requests)
+                text = await request_text(url, "/metrics")
+                assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url, text)
+
+    asyncio.run(main())
