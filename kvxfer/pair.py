@@ -30,7 +30,7 @@ import torch
 
 from kvxfer.engine import colocated_generate, synthetic_prompts
 from kvxfer.router.http import HttpError, request_text, stream_json
-from kvxfer.router.router import stream_gap_s
+from kvxfer.router.serve import KEEPALIVE_S
 from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
@@ -95,14 +95,18 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
+ROUTER_SILENCE_S = 6 * KEEPALIVE_S
+"""How long the pair's client waits for any event of the router (a token, or its keepalive)."""
+
+
 async def run_workload(router_url: str, prompts: list[list[int]], expected: list[list[int]], max_new: int,
                        concurrency: int, timeout: float, progress: Progress) -> list[Result]:
     """Send every prompt through the router whose ``--timeout`` is ``timeout``."""
     sem = asyncio.Semaphore(concurrency)
-    # The router may wait on its workers longer than ``timeout`` between two events (after
-    # a stalled transfer the decode worker answers only after its own deadline): a client
-    # giving up at ``timeout`` would report "no event" instead of the failure or recompute.
-    idle = stream_gap_s(timeout)
+    # The router may wait on its workers for minutes between two tokens (a stalled transfer,
+    # then a recompute elsewhere) and ends such a wait itself; meanwhile it sends a "waiting"
+    # event every KEEPALIVE_S, so only a router silent for several of those has hung.
+    idle = ROUTER_SILENCE_S
 
     async def one(i: int) -> Result:
         async with sem:
@@ -248,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-failure", default="fail", choices=["fail", "recompute"])
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks per worker")
     p.add_argument("--timeout", type=float, default=60.0,
-                   help="the router's and workers' seconds per call, transfer or stream event (the pair waits "
-                        "for the router as long as the router itself may wait on them)")
+                   help="the router's and workers' seconds per call, transfer or stream event (the pair "
+                        "waits for the router's events, keepalives included, up to 30 s each)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--json", default="", metavar="PATH", help="write the report as JSON")
     p.add_argument("--log-dir", default="", help="worker and router logs (default: a temporary directory)")

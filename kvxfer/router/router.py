@@ -44,29 +44,6 @@ WORKER_SETTLE_S = 15.0
 """A decode worker's waits after a fetch's deadline: cancel grace (5 s) plus quiescence (10 s)."""
 
 
-def stream_gap_s(timeout_s: float) -> float:
-    """The longest ``Router.stream`` (and so the router's HTTP /generate stream) can go
-    without an item, for a router whose ``timeout_s`` is given: a client that gives up
-    sooner reports its own timeout instead of the failure, or the recompute, the router
-    was waiting to send. Every wait below is one of the router's own timers
-    (kvxfer.router.http bounds a connect, a response head, a body and each stream event
-    separately); the sum is the longest chain between two items.
-
-    The longest chain starts after the first token: the publish stalls, the decode worker
-    resumes the request after its fetch's deadline (resume, token 0 sent again, token 1),
-    dies before token 1, and another decode worker prefills it again (resume, a token).
-    Before the first token, the reserve and prefill calls (3 waits) and the same two
-    decode workers make a shorter chain; after the last token, the publish outcome
-    (one wait) is shorter still."""
-    t = timeout_s
-    event = t + WORKER_SETTLE_S  # a decode worker's event (Router._generate)
-    opening = 2 * t              # a stream's connect and response head
-    publish = opening + t        # /publish up to its "published" event
-    resumed = opening + 3 * event
-    elsewhere = opening + 2 * event
-    return publish + resumed + elsewhere
-
-
 @dataclass(frozen=True)
 class Token:
     index: int

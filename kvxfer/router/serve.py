@@ -3,6 +3,7 @@
     POST /generate {"prompt": [ids], "max_new_tokens": N, "request"?: str}
          -> NDJSON: {"event": "token", "index", "token", "at_s"} ... then
             {"event": "done", "final": true, "completion": {...}}  (completion.error set on failure)
+            and {"event": "waiting"} whenever KEEPALIVE_S passed without another event
          "request" comes back as completion.request; the workers see the router's own id instead
     GET  /metrics  -> Prometheus text (router metrics)
     GET  /health   -> {"status": "ok", "workers": {url: reachable}}
@@ -33,7 +34,14 @@ def completion_json(c: Completion) -> dict[str, Any]:
     return dataclasses.asdict(c)
 
 
-def make_handler(router: Router):  # type: ignore[no-untyped-def]
+KEEPALIVE_S = 5.0
+"""The longest a /generate stream stays silent: the router may wait on its workers for
+minutes between two tokens (a stalled transfer, then a recompute elsewhere), and its own
+timers end that wait with the failure or the recompute. The "waiting" events let a client
+tell such a wait from a router that hung, with a short silence limit of its own."""
+
+
+def make_handler(router: Router, keepalive_s: float = KEEPALIVE_S):  # type: ignore[no-untyped-def]
     async def handle(request: Request) -> Response:
         path = request.path.strip("/")
         if request.method == "GET" and path == "metrics":
@@ -50,22 +58,40 @@ def make_handler(router: Router):  # type: ignore[no-untyped-def]
             if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
                 raise BadRequest("'max_new_tokens' must be a positive integer")
             rid = body.get("request")
-            return Response.ndjson(_events(router, prompt, max_new, rid if isinstance(rid, str) else None))
+            return Response.ndjson(_events(router, prompt, max_new, rid if isinstance(rid, str) else None,
+                                           keepalive_s))
         return Response.json({"error": f"no {request.method} /{path}"}, 404)
     return handle
 
 
-async def _events(router: Router, prompt: list[int], max_new: int, rid: str | None
+async def _events(router: Router, prompt: list[int], max_new: int, rid: str | None, keepalive_s: float
                   ) -> AsyncGenerator[dict[str, Any], None]:
     stream = router.stream(prompt, max_new, rid)
+    pending: asyncio.Future[Any] | None = None
     try:
-        async for item in stream:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(stream.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+            if not done:
+                yield {"event": "waiting"}  # writing it also shows whether the client is still there
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
             if isinstance(item, Completion):
                 yield {"event": "done", "final": True, "completion": completion_json(item)}
             else:
                 yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
     finally:
-        await stream.aclose()  # a client that went away stops its request's worker calls now
+        # A client that went away stops its request's worker calls now: the item being
+        # awaited is cancelled inside the router's stream (which aborts what it started).
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await stream.aclose()
 
 
 async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
