@@ -36,7 +36,10 @@ async def serve_requests(prefill_url: str, decode_url: str, prompts: list[list[i
                 return item
         raise AssertionError("the router always ends a stream with a Completion")
 
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await router.close()  # lets the aborts it sends in the background (after a failure) land
 
 
 def main() -> int:

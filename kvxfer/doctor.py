@@ -183,6 +183,11 @@ def probe(memory: str, nbytes: int, reps: int, timeout: float,
         t_parent.sendall((1).to_bytes(8, "little") + b"x")
         for proc in procs:
             proc.wait(timeout=timeout)
+    except BaseException as exc:
+        # The probes' own output says why (a crash, a hang): the folder stays, named here.
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"kvxfer doctor: the {memory} probe's logs are in {work}")
+        raise
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -30,6 +30,7 @@ import torch
 
 from kvxfer.engine import colocated_generate, synthetic_prompts
 from kvxfer.router.http import HttpError, request_text, stream_json
+from kvxfer.router.router import KEY_PATTERN
 from kvxfer.router.serve import KEEPALIVE_S
 from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
@@ -137,7 +138,7 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
 
 
 _URL = re.compile(r"https?://(?:\[[0-9a-fA-F:]*\]|[\w.-]+)(?::\d+)?")
-_REQUEST_ID = re.compile(r"\b(?:r[0-9a-f]{12}-\d+(?:-local\d+)?(?:#local)?|pair-\d+)\b")
+_REQUEST_ID = re.compile(rf"\b(?:{KEY_PATTERN}(?:-local\d+)?(?:#local)?|pair-\d+)\b")
 _NUMBER = re.compile(r"(?<![\w.])(?<!HTTP )\d+(?:\.\d+)?(?![\w.])")
 
 
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, OSError, EOFError, subprocess.TimeoutExpired) as exc:
             why = (f"a probe process did not exit within {exc.timeout:g} s"
                    if isinstance(exc, subprocess.TimeoutExpired) else str(exc))
+            why = "; ".join([why, *getattr(exc, "__notes__", [])])  # where the probes' logs are
             print(f"kvxfer pair: could not probe the NIXL lanes ({why}); refusing to run pull unchecked",
                   file=sys.stderr)
             return 2

@@ -96,7 +96,7 @@ SMALL_REQUEST = Target(
     "small request (32 rows, 2 MiB): publish → decode outcome", "p50 ≤ 100 µs, p99 ≤ 300 µs",
     lambda f: f.mode == "latency" and f.case in BACKENDS and f.key.get("rows") == 32
     and f.key.get("row_bytes") == 64 * K and f.key.get("direction") == "push", _latency_judge,
-    "a latency sweep with 32 rows of 64 KiB")
+    "a latency sweep of a transport (nixl, ipc) with 32 rows of 64 KiB")
 
 TARGETS = (
     Target("same node GPU→GPU, ≥256 MiB scattered, 4–64 KiB rows", "≥ 85% of D2D",

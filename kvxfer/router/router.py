@@ -6,6 +6,7 @@
         if isinstance(item, Token): ...       # index, token, seconds since the request began
         else: completion = item               # the last item: a Completion (tokens, figures, error)
     completion = await router.generate(prompt_ids, 32)   # the same, collected
+    await router.close()   # before the loop ends: lets the aborts it sent in the background land
 
 A ``request`` id given to ``stream``/``generate`` is the client's: it comes back as
 ``Completion.request`` and goes to no worker. The workers see an id the router makes per
@@ -42,6 +43,11 @@ SELECTIONS = ("round_robin", "least_outstanding")
 POLICIES = ("fail", "recompute")
 WORKER_SETTLE_S = 15.0
 """A decode worker's waits after a fetch's deadline: cancel grace (5 s) plus quiescence (10 s)."""
+
+
+KEY_PATTERN = r"r[0-9a-f]{12}-\d+"
+"""The shape of the ids the router gives the workers (``Router._key``), for tools that read
+them out of reasons and logs."""
 
 
 @dataclass(frozen=True)
@@ -291,7 +297,7 @@ class Router:
             # are reusable. In the background: this worker just failed to answer in time.
             self._abort_later(d, {"request": run.key, "rows_safe": True})
             if not isinstance(prefilled, BaseException):
-                await self._quiet(request_json(p.url, "POST", "/abort", {"request": run.key}, t))
+                await self._abort(p, {"request": run.key})
             async for tok in self._after_decode_loss(run, d, f"reserve on {d.url} failed: {reserved}"):
                 yield tok
             return
@@ -378,8 +384,7 @@ class Router:
                                   rows_safe: bool) -> AsyncIterator[Token]:
         run.events.append(what)
         if self.on_failure == "fail":
-            await self._quiet(request_json(d.url, "POST", "/abort", {"request": run.key, "rows_safe": rows_safe},
-                                           self.timeout_s))
+            await self._abort(d, {"request": run.key, "rows_safe": rows_safe})
             raise _Failure(f"{what} (policy fail)", dead=False)
         run.path = "local"
         body = {"request": run.key, "on_failure": "recompute", "rows_safe": rows_safe, "timeout_s": self.timeout_s}
@@ -435,11 +440,14 @@ class Router:
         self._abort_later(p, {"request": key})
         self._abort_later(d, {"request": key, "rows_safe": True})
 
+    async def _abort(self, e: _Endpoint, body: dict[str, Any]) -> None:
+        """POST /abort to ``e``, quietly: the worker may be down, and then its sweeper (or
+        its restart) drops what the abort would have."""
+        await self._quiet(request_json(e.url, "POST", "/abort", body, self.timeout_s))
+
     def _abort_later(self, e: _Endpoint, body: dict[str, Any]) -> None:
-        """POST /abort to ``e`` in the background, quietly: the worker may be down, and then
-        its sweeper (or its restart) drops what the abort would have."""
-        call = request_json(e.url, "POST", "/abort", body, self.timeout_s)
-        task = asyncio.get_running_loop().create_task(self._quiet(call))
+        """``_abort`` in the background, for a caller that can await nothing more."""
+        task = asyncio.get_running_loop().create_task(self._abort(e, body))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

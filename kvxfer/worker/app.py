@@ -12,7 +12,7 @@
 
 Streams end with an event holding ``"final": true``; a stream cut before it means the
 worker went away. Status 400 (malformed) and 409 (refused: a contract rejection, a lease or
-pool refusal) promise that nothing was submitted; 500 promises nothing (rule 3 of the
+pool refusal, or a /prefill or /reserve aborted while it ran) promise that nothing was submitted; 500 promises nothing (rule 3 of the
 backend contract: memory access may have escaped). ``rows_safe`` tells the decode worker
 that the prefill side cannot write into a reservation, so its rows may be reused.
 """

@@ -365,8 +365,7 @@ class Worker:
         try:
             first = await self._run(self._prefill_sync, rid, prompt)
         finally:
-            self._starting.pop(rid, None)
-            aborted = self._took_abort(rid)
+            aborted = self._end_start(rid)
         if aborted:
             await self._run(self._free, rid)
             raise Aborted(f"request {rid!r} was aborted while it was prefilled; its blocks are freed")
@@ -466,10 +465,10 @@ class Worker:
         try:
             hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new)
         finally:
-            self._starting.pop(rid, None)
-            aborted = self._took_abort(rid)
+            aborted = self._end_start(rid)
         if aborted:
-            # Hint D is in this answer, which nobody will read: no peer can write these rows.
+            # Hint D would be in this answer, which a 409 replaces: it is never sent, so no
+            # peer can write these rows.
             await self._run(self._release_and_free, lease, rid)
             raise Aborted(f"request {rid!r} was aborted while it was reserved; its rows are released")
         self._reserved[rid] = _Reserved(prompt, max_new, lease, view, time.monotonic())
@@ -520,8 +519,10 @@ class Worker:
             return {"request": rid, "dropped": "starting"}
         return {"request": rid, "dropped": None}
 
-    def _took_abort(self, rid: str) -> bool:
-        """Whether an abort came for ``rid`` while its /prefill or /reserve ran (and forget it)."""
+    def _end_start(self, rid: str) -> bool:
+        """End a /prefill's or /reserve's set-up of ``rid``: whether an abort came meanwhile
+        (then what it made is dropped by the caller), forgetting the abort either way."""
+        self._starting.pop(rid, None)
         aborted = rid in self._aborted
         self._aborted.discard(rid)
         return aborted
