@@ -8,7 +8,8 @@
     POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, rows_safe?}
                                       -> NDJSON: resume {...}, token {index, token}..., done | error   (decode)
     POST /abort    {request, rows_safe?} -> {"dropped": "held" | "reserved" | "starting" | null}
-                                      ("starting": its /prefill or /reserve still runs, and drops what it makes)
+                                      ("starting": its /prefill or /reserve still runs, and drops what it makes;
+                                       null: nothing here yet, and a /prefill or /reserve of it within hold_s is refused)
 
 Streams end with an event holding ``"final": true``; a stream cut before it means the
 worker went away. Status 400 (malformed) and 409 (refused: a contract rejection, a lease or

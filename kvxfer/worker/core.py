@@ -27,6 +27,7 @@ import base64
 import functools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvxfer.backends.loopback import LoopbackFabric
+from kvxfer.backends.transfers import put_bounded
 from kvxfer.contract import (
     Attempt,
     Backend,
@@ -57,6 +59,7 @@ from kvxfer.wire import decode_hint, encode_hint
 from kvxfer.worker.backends import make_backend
 
 log = logging.getLogger(__name__)
+_EARLY_ABORTS_KEPT = 4096  # aborts of ids not seen yet: bounded, whoever sends them
 T = TypeVar("T")
 ROLES = ("prefill", "decode")
 POLICIES = ("fail", "recompute")
@@ -169,6 +172,10 @@ class Worker:
         # Ids aborted while their /prefill or /reserve ran: dropped as soon as it is made.
         # Each entry goes when its call ends, so the set holds only calls in progress.
         self._aborted: set[str] = set()
+        # Ids aborted before their /prefill or /reserve arrived here (the router's timer fired
+        # while the call waited to be read): that call, if it comes within hold_s, is refused
+        # at once, as it would otherwise hold what it makes until hold_s and then quarantine it.
+        self._aborted_early: OrderedDict[str, float] = OrderedDict()
         self._quarantined: list[Lease] = []
         self._quarantined_count = 0
         self._active = 0
@@ -360,6 +367,7 @@ class Worker:
         rid, prompt = _request_id(body), _prompt(body, self.config.model)
         if rid in self._held or rid in self._starting:
             raise BadRequest(f"request {rid!r} is already held here")
+        self._refuse_if_aborted_early(rid)
         start = time.perf_counter()
         self._starting[rid] = "prefill"
         try:
@@ -461,6 +469,7 @@ class Worker:
         max_new = _positive(body, "max_new_tokens")
         if rid in self._reserved or rid in self._starting:
             raise BadRequest(f"request {rid!r} is already reserved here")
+        self._refuse_if_aborted_early(rid)
         self._starting[rid] = "reserve"
         try:
             hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new)
@@ -517,7 +526,13 @@ class Worker:
             # on after its caller gave up on it: the caller will never use what it makes.
             self._aborted.add(rid)
             return {"request": rid, "dropped": "starting"}
+        put_bounded(self._aborted_early, rid, time.monotonic(), _EARLY_ABORTS_KEPT)
         return {"request": rid, "dropped": None}
+
+    def _refuse_if_aborted_early(self, rid: str) -> None:
+        since = self._aborted_early.pop(rid, None)
+        if since is not None and time.monotonic() - since <= self.config.hold_s:
+            raise Aborted(f"request {rid!r} was aborted before this call arrived; nothing is made")
 
     def _end_start(self, rid: str) -> bool:
         """End a /prefill's or /reserve's set-up of ``rid``: whether an abort came meanwhile

@@ -146,3 +146,28 @@ def test_a_request_cancelled_while_its_reserve_and_prefill_run_leaves_nothing_he
                 assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url, text)
 
     asyncio.run(main())
+
+
+def test_an_abort_that_arrives_before_its_call_refuses_the_call() -> None:
+    # The router's timer fired while its /reserve still waited to be read: the abort reaches
+    # the worker first. The call, when it arrives, is refused (409) and makes nothing, where
+    # it used to hold a reservation nobody would use until hold_s, then quarantine its rows.
+    from kvxfer.worker.core import Aborted
+
+    async def main() -> None:
+        async with cluster(1, 1) as c:
+            decode, prefill = c.workers[c.decode[0]], c.workers[c.prefill[0]]
+            assert (await decode.abort({"request": "early", "rows_safe": True}))["dropped"] is None
+            assert (await prefill.abort({"request": "early"}))["dropped"] is None
+            with pytest.raises(Aborted, match="aborted before this call arrived"):
+                await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2})
+            with pytest.raises(Aborted, match="aborted before this call arrived"):
+                await prefill.prefill({"request": "early", "prompt": [1, 2, 3]})
+            for worker in (decode, prefill):
+                assert worker._reserved == {} and worker._held == {} and worker._aborted_early == {}
+                assert worker.pool is not None and worker.pool.requests == ()
+            # The refusal used the abort up: the id can be used again.
+            await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2})
+            assert (await decode.abort({"request": "early", "rows_safe": True}))["dropped"] == "reserved"
+
+    asyncio.run(main())
