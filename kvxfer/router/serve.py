@@ -86,11 +86,17 @@ async def _events(router: Router, prompt: list[int], max_new: int, rid: str | No
             else:
                 yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
     finally:
-        # A client that went away stops its request's worker calls now: the item being
-        # awaited is cancelled inside the router's stream (which aborts what it started).
         if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
+            # A client that went away: the router's stream runs on to its next item and is
+            # closed there, at a yield, where every worker call it made can be settled (a
+            # publish in flight, say, has no clean way back from a cancel). Its own timers
+            # bound the wait. Only the server's shutdown cancels it mid-call.
+            try:
+                await asyncio.wait({pending})
+            except asyncio.CancelledError:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+                raise
         await stream.aclose()
 
 

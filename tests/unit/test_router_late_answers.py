@@ -171,3 +171,50 @@ def test_an_abort_that_arrives_before_its_call_refuses_the_call() -> None:
             assert (await decode.abort({"request": "early", "rows_safe": True}))["dropped"] == "reserved"
 
     asyncio.run(main())
+
+
+def test_a_client_that_leaves_while_the_router_waits_for_publish_costs_no_rows() -> None:
+    # The router's stream sends keepalives while /publish is slow (the prefill engine busy),
+    # and the client leaves at one. The request is closed at the router's next item, where
+    # its worker calls settle: no reservation is left to expire and be quarantined (hint D
+    # had reached the prefill worker, so an abort could only have quarantined the rows).
+    from kvxfer.router.http import stream_json
+    from kvxfer.router.serve import make_handler as router_handler
+
+    def slow_publish(inner: Any) -> Any:
+        async def handler(request: Request) -> Response:
+            if request.path.strip("/") == "publish":
+                await asyncio.sleep(1.0)
+            return await inner(request)
+        return handler
+
+    async def main() -> None:
+        async with cluster(1, 1, hold_s=3.0) as c:  # longer than the slow publish, short for a test
+            front = HttpServer(slow_publish(make_handler(c.workers[c.prefill[0]])))
+            router = Router([f"http://127.0.0.1:{await front.start()}"], c.decode, timeout_s=5.0)
+            server = HttpServer(router_handler(router, keepalive_s=0.2))
+            url = f"http://127.0.0.1:{await server.start()}"
+            try:
+                seen = []
+                events = stream_json(url, "/generate", {"prompt": list(range(1, 15)), "max_new_tokens": 3}, 5, 5)
+                async for event in events:
+                    seen.append(event["event"])
+                    if event["event"] == "waiting":
+                        break
+                await events.aclose()
+                assert seen == ["token", "waiting"], seen
+                for worker in c.workers.values():  # settled, and past hold_s for the sweeper
+                    for _ in range(400):
+                        if not (worker._held or worker._reserved or worker._active):
+                            break
+                        await asyncio.sleep(0.01)
+                await asyncio.sleep(3.5)  # past hold_s: an unclaimed reservation would be quarantined by now
+            finally:
+                await server.close()
+                await router.close()
+                await front.close()
+            for url_ in c.workers:
+                text = await request_text(url_, "/metrics")
+                assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url_, text)
+
+    asyncio.run(main())
