@@ -67,6 +67,15 @@ def _in_flight(pub: NixlBackend) -> bool:
     return any(j.inflight for j in pub._active)
 
 
+def _push(pub: NixlBackend, target: NixlBackend, views: tuple[View, View]) -> None:
+    """One push from ``pub`` into ``target`` (its view second), both ends Delivered."""
+    hint = target.describe(views[1])
+    waiting = target.fetch(views[1], pub.describe(views[0]))
+    sending = pub.publish(views[0], hint)
+    for attempt in (sending, waiting):
+        assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+
+
 def _filled(memory: HostRows, region: str, value: int) -> None:
     memory.buffers[region].array.fill(value)
 
@@ -148,12 +157,7 @@ def test_a_restarted_peer_is_loaded_again_only_once_our_requests_to_its_previous
         assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
     assert (before.buffers["A0"].array == 4).all()
 
-    third = _view(pmem, "P1", "third"), _view(after, "B0", "third")
-    hint = new.describe(third[1])
-    waiting = new.fetch(third[1], pub.describe(third[0]))
-    sending = pub.publish(third[0], hint)
-    for attempt in (sending, waiting):
-        assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+    _push(pub, new, (_view(pmem, "P1", "third"), _view(after, "B0", "third")))
     assert (after.buffers["B0"].array == 5).all()
 
 
@@ -173,12 +177,7 @@ def test_a_hint_naming_one_peer_with_a_restarted_others_metadata_leaves_the_firs
     b.register(bmem.regions)
     _filled(pmem, "P0", 6)
     for target, mem, region in ((a, amem, "A0"), (b, bmem, "B0")):
-        views = _view(pmem, "P0", f"to-{region}"), _view(mem, region, f"to-{region}")
-        hint = target.describe(views[1])
-        waiting = target.fetch(views[1], pub.describe(views[0]))
-        sending = pub.publish(views[0], hint)
-        for attempt in (sending, waiting):
-            assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+        _push(pub, target, (_view(pmem, "P0", f"to-{region}"), _view(mem, region, f"to-{region}")))
     assert b.shutdown() == frozenset()
     made.remove(b)
     b2 = NixlBackend(name=b_name, mode=TransferMode.PUSH, packed="never")
@@ -193,10 +192,5 @@ def test_a_hint_naming_one_peer_with_a_restarted_others_metadata_leaves_the_firs
     assert b_name in str(refused.value) and a.name in str(refused.value), refused.value
     assert pub._agent.knows(a.name), "the mislabelled hint dropped the peer it named"
     _filled(pmem, "P1", 7)
-    again = _view(pmem, "P1", "again"), _view(amem, "A0", "again")
-    hint = a.describe(again[1])
-    waiting = a.fetch(again[1], pub.describe(again[0]))
-    sending = pub.publish(again[0], hint)
-    for attempt in (sending, waiting):
-        assert attempt.wait(30.0) and isinstance(attempt.poll(), Delivered), attempt.poll()
+    _push(pub, a, (_view(pmem, "P1", "again"), _view(amem, "A0", "again")))
     assert (amem.buffers["A0"].array == 7).all()
