@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _FRAME = struct.Struct(">I")
 MAX_FRAME = 64 << 20
+CHANNEL_DIR_PREFIX = "kvxfer-ipc-"  # each channel's private temp folder, holding its socket
 SEND_TIMEOUT_S = 5.0
 # connect() errors that say "not now" (a full listen backlog, no descriptor left here), not
 # "nobody is there".
@@ -64,7 +65,7 @@ class Channel:
 
     def __init__(self, name: str) -> None:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40]
-        self._dir = tempfile.mkdtemp(prefix="kvxfer-ipc-")
+        self._dir = tempfile.mkdtemp(prefix=CHANNEL_DIR_PREFIX)
         self.path = os.path.join(self._dir, f"{safe}.sock")
         self.endpoint = self.path.encode()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer import native
+from kvxfer.backends.ipc_channel import CHANNEL_DIR_PREFIX
 from kvxfer.contract import (
     CacheKind,
     Hint,
@@ -200,6 +203,7 @@ class ChildPeer(PeerEnd):
         self._proc.start()
         child.close()
         self._timeout = timeout_s
+        self._socket_dir = ""
         self.regions = self._reply()
         self.last_visible_ns: int | None = None
 
@@ -217,7 +221,9 @@ class ChildPeer(PeerEnd):
         return self._reply()
 
     def describe(self, view: View) -> Hint:
-        return self._call("describe", view)  # type: ignore[no-any-return]
+        hint: Hint = self._call("describe", view)
+        self._socket_dir = os.path.dirname(os.fsdecode(hint.endpoint))  # the child's channel folder
+        return hint
 
     def start(self, op: str, view: View, hint: Hint) -> int:
         return self._call("start", op, view, hint)  # type: ignore[no-any-return]
@@ -271,6 +277,9 @@ class ChildPeer(PeerEnd):
             self._proc.kill()
         self._proc.join(10.0)
         self._conn.close()
+        # A killed child cannot remove its channel's folder; a clean close already did.
+        if self._socket_dir and os.path.basename(self._socket_dir).startswith(CHANNEL_DIR_PREFIX):
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 def ipc_pair(mode: TransferMode, *, device: int = 0, peer_device: int | None = None, deadline_s: float = 10.0,
