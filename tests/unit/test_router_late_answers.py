@@ -40,6 +40,16 @@ async def _settled(worker: Worker) -> None:
     raise AssertionError(f"calls still starting: {worker._starting}")
 
 
+async def _nothing_held(workers: dict[str, Worker]) -> None:
+    """Every worker holds no prefill, reservation, abort mark, pool request, lease or
+    quarantined row (each worker's own metrics, as an operator would read them)."""
+    for url, worker in workers.items():
+        assert worker._held == {} and worker._reserved == {} and worker._aborted == set(), url
+        assert worker.pool is not None and worker.pool.requests == (), (url, worker.pool.requests)
+        text = await request_text(url, "/metrics")
+        assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url, text)
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 @pytest.mark.parametrize("late", ["queued", "answer"])
 @pytest.mark.parametrize("role", ["decode", "prefill"])
@@ -79,11 +89,7 @@ def test_a_call_answered_after_the_routers_timeout_leaves_nothing_held(role: str
                 assert done.ok and list(done.tokens) == oracle(prompt, 3), (done.error, done.events)
             else:
                 assert not done.ok
-            for url, worker in c.workers.items():  # the slow worker and every other
-                assert worker._held == {} and worker._reserved == {} and worker._aborted == set(), url
-                assert worker.pool is not None and worker.pool.requests == (), (url, worker.pool.requests)
-                text = await request_text(url, "/metrics")
-                assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url, text)
+            await _nothing_held(c.workers)  # the slow worker and every other
 
     asyncio.run(main())
 
@@ -138,12 +144,9 @@ def test_a_request_cancelled_while_its_reserve_and_prefill_run_leaves_nothing_he
             finally:
                 for gate in gates:
                     gate.set()
-            for url, worker in c.workers.items():
+            for worker in c.workers.values():
                 await _settled(worker)
-                assert worker._held == {} and worker._reserved == {} and worker._aborted == set(), url
-                assert worker.pool is not None and worker.pool.requests == (), (url, worker.pool.requests)
-                text = await request_text(url, "/metrics")
-                assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url, text)
+            await _nothing_held(c.workers)
 
     asyncio.run(main())
 
@@ -213,8 +216,6 @@ def test_a_client_that_leaves_while_the_router_waits_for_publish_costs_no_rows()
                 await server.close()
                 await router.close()
                 await front.close()
-            for url_ in c.workers:
-                text = await request_text(url_, "/metrics")
-                assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url_, text)
+            await _nothing_held(c.workers)
 
     asyncio.run(main())
