@@ -68,7 +68,7 @@ from kvxfer.backends.ipc_channel import Channel, PeerBusy
 from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
 from kvxfer.backends.matching import GroupMatch, check_submission, match_rows
 from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import OwnTransfers, hint_groups, put_bounded
+from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups, put_bounded
 from kvxfer.contract import (
     Backend,
     Cancelled,
@@ -80,6 +80,7 @@ from kvxfer.contract import (
     InvalidSubmission,
     KvxferError,
     MemoryKind,
+    Peer,
     RecordStatus,
     SlotRegion,
     SubmissionRejected,
@@ -199,6 +200,7 @@ class IpcBackend(Backend):
         device: int = 0,
         key: bytes | None = None,
         deadline_s: float = 30.0,
+        hint_ttl_s: float = DEFAULT_HINT_TTL_S,
         fail_after_rows: int | None = None,
         dead_peer_grace_s: float = 0.5,
         busy_poll: bool = False,
@@ -236,7 +238,7 @@ class IpcBackend(Backend):
         self._regions = RegionTable(frozenset({MemoryKind.DEVICE}))
         self._exports: dict[str, Export] = {}
         self._peer_export_cache: dict[bytes, Export] = {}  # packed export -> Export (hints repeat them)
-        self._own = OwnTransfers()
+        self._hint_ttl_s = hint_ttl_s
         self._closed = False
         self._jobs_lock = threading.Lock()
         self._launch_lock = threading.Lock()  # launches enter the stream and _in_flight in one order
@@ -258,6 +260,7 @@ class IpcBackend(Backend):
         self._stream = self._native.stream_create(device)
         self._channel = Channel(f"{name}-{os.getpid()}-{secrets.token_hex(3)}")
         self.name = self._channel.path  # the agent name is the socket path: records can be answered
+        self._own = OwnTransfers(self.name, self._hint_ttl_s)
         self._mappings = Mappings(self._native, device)
         self._bell_opener = BellOpener(cuda, device)
         self._peer_bell_paths: dict[bytes, str] = {}  # EXTRA_BELL past its slot -> the ring's path, checked
@@ -277,13 +280,11 @@ class IpcBackend(Backend):
             modes=frozenset({TransferMode.PUSH, TransferMode.PULL}),
         )
 
-    def register(self, regions: Iterable[SlotRegion]) -> None:
+    def register(self, regions: Iterable[SlotRegion]) -> tuple[SlotRegion, ...]:
         self._refuse_if_closed()
-        batch = list(regions)
+        batch, skipped = self._regions.reachable(regions)
         exports: dict[str, Export] = {}
         for region in batch:
-            if not isinstance(region, SlotRegion) or region.memory_kind is not MemoryKind.DEVICE:
-                continue  # RegionTable.add refuses it by name below
             if region.device_id != self.device:
                 raise InvalidSubmission(f"region {region.name!r} is on device {region.device_id}, "
                                         f"this backend runs on device {self.device}")
@@ -299,10 +300,17 @@ class IpcBackend(Backend):
         added = self._regions.add(batch)
         for region in added:
             self._exports[region.name] = exports[region.name]
+        return skipped
 
-    def describe(self, view: View) -> Hint:
+    @property
+    def peer(self) -> Peer:
+        return self._own.peer
+
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
         self._refuse_if_closed()
-        self._regions.check_view(view, for_fetch=False)
+        # As a fetch checks it: the hint exposes these rows, in push mode to a one-sided WRITE
+        # that no later refusal can take back.
+        self._regions.check_view(view, for_fetch=True)
         names = dict.fromkeys(g.region.name for g in view.groups)
         extras = ((EXTRA_NODE, self._node),) + tuple((EXTRA_PREFIX + n, self._exports[n].pack()) for n in names)
         transfer_id = self._own.mint(view)
@@ -315,6 +323,7 @@ class IpcBackend(Backend):
             backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
             transfer_id=transfer_id, layout=view.layout, groups=hint_groups(view),
             endpoint=self._channel.endpoint, extras=extras,
+            run=self._own.peer.run, audience=audience, expires_ms=self._own.expiry(),
         )
 
     def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
@@ -380,6 +389,7 @@ class IpcBackend(Backend):
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         self._refuse_if_closed()
         check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=fetching)
+        self._own.check_for_us(hint)
         if not hint.endpoint:
             raise InvalidSubmission("the peer's hint has no endpoint (socket path)")
         if hint.extra(EXTRA_NODE) != self._node:
@@ -395,12 +405,12 @@ class IpcBackend(Backend):
             with self._launch_lock:
                 with self._jobs_lock:
                     self._refuse_if_closed()
-                    self._own.check_unused(hint.agent, hint.transfer_id)
+                    self._own.check_usable(hint)
                     if (hint.agent, hint.transfer_id) in self._revoked:
                         raise InvalidSubmission(
                             f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): "
                             "describe again")
-                    self._own.use(hint.agent, hint.transfer_id)
+                    self._own.use(hint)
                 self._launch(job)
                 self._in_flight.append(job)
             if job.launched and job.failure is None:

@@ -30,6 +30,7 @@ from kvxfer.contract import (
     LayerGroupRows,
     MemoryKind,
     Outcome,
+    Peer,
     SlotRegion,
     TokenRange,
     TransferMode,
@@ -151,7 +152,7 @@ def _serve(conn: Connection, spec: PeerSpec) -> None:
 def _handle(cmd: str, args: list[Any], backend: Any, memory: DeviceRows, attempts: dict[int, Any],
             visible: dict[int, int]) -> Any:
     if cmd == "describe":
-        return backend.describe(args[0])
+        return backend.describe(*args)
     if cmd == "start":
         op, view, hint = args
         handle = len(attempts) + 1
@@ -220,8 +221,8 @@ class ChildPeer(PeerEnd):
         self._conn.send(msg)
         return self._reply()
 
-    def describe(self, view: View) -> Hint:
-        hint: Hint = self._call("describe", view)
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
+        hint: Hint = self._call("describe", view, audience)
         self._socket_dir = os.path.dirname(os.fsdecode(hint.endpoint))  # the child's channel folder
         return hint
 

@@ -20,7 +20,7 @@ import numpy as np
 from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
 from kvxfer.backends.matching import GroupMatch, check_submission, coalesce, match_rows
 from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import OwnTransfers, hint_groups
+from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups
 from kvxfer.contract import (
     Backend,
     Cancelled,
@@ -31,6 +31,7 @@ from kvxfer.contract import (
     Hint,
     InvalidSubmission,
     MemoryKind,
+    Peer,
     RecordStatus,
     SlotRegion,
     SubmissionRejected,
@@ -120,6 +121,7 @@ class LoopbackBackend(Backend):
         fail_after_rows: int | None = None,
         delay_s: float = 0.0,
         deadline_s: float = 30.0,
+        hint_ttl_s: float = DEFAULT_HINT_TTL_S,
     ) -> None:
         self.name = name
         self.mode = mode
@@ -128,7 +130,7 @@ class LoopbackBackend(Backend):
         self.deadline_s = deadline_s
         self._fabric = fabric
         self._regions = RegionTable(frozenset({MemoryKind.HOST}))
-        self._own = OwnTransfers()
+        self._own = OwnTransfers(name, hint_ttl_s)
         self._closed = False
         self._active: list[_Active] = []
         self._passive: dict[str, _Passive] = {}  # by this end's transfer id
@@ -150,16 +152,25 @@ class LoopbackBackend(Backend):
             modes=frozenset({TransferMode.PUSH, TransferMode.PULL}),
         )
 
-    def register(self, regions: Iterable[SlotRegion]) -> None:
+    def register(self, regions: Iterable[SlotRegion]) -> tuple[SlotRegion, ...]:
         self._refuse_if_closed()
-        self._regions.add(regions)
+        batch, skipped = self._regions.reachable(regions)
+        self._regions.add(batch)
+        return skipped
 
-    def describe(self, view: View) -> Hint:
+    @property
+    def peer(self) -> Peer:
+        return self._own.peer
+
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
         self._refuse_if_closed()
-        self._regions.check_view(view, for_fetch=False)
+        # As a fetch checks it: the hint exposes these rows, in push mode to a one-sided WRITE
+        # that no later refusal can take back.
+        self._regions.check_view(view, for_fetch=True)
         return Hint(
             backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
             transfer_id=self._own.mint(view), layout=view.layout, groups=hint_groups(view),
+            run=self._own.peer.run, audience=audience, expires_ms=self._own.expiry(),
         )
 
     def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
@@ -194,6 +205,7 @@ class LoopbackBackend(Backend):
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         self._refuse_if_closed()
         check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=fetching)
+        self._own.check_for_us(hint)
         own_id = self._own.lookup(view)
         active = fetching == (self.mode is TransferMode.PULL)
         now = time.monotonic()
@@ -205,9 +217,9 @@ class LoopbackBackend(Backend):
                           not_before=now + self.delay_s)
             with self._jobs_lock:
                 self._refuse_if_closed()
-                self._own.check_unused(hint.agent, hint.transfer_id)
+                self._own.check_usable(hint)
                 self._refuse_if_revoked(hint)
-                self._own.use(hint.agent, hint.transfer_id)
+                self._own.use(hint)
                 self._active.append(job)
         else:
             attempt = TrackedAttempt(wake, self._on_cancel, label)

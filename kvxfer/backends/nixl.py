@@ -93,7 +93,7 @@ from kvxfer.backends.nixl_packed import (
 )
 from kvxfer.backends.nixl_plan import ChunkBytes, count_descriptors, plan_chunks
 from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import OwnTransfers, hint_groups, put_bounded
+from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups, put_bounded
 from kvxfer.contract import (
     Backend,
     Cancelled,
@@ -104,6 +104,7 @@ from kvxfer.contract import (
     Hint,
     InvalidSubmission,
     MemoryKind,
+    Peer,
     RecordStatus,
     SlotRegion,
     SubmissionRejected,
@@ -188,6 +189,7 @@ class NixlBackend(Backend):
         mode: TransferMode = TransferMode.PUSH,
         *,
         deadline_s: float = 30.0,
+        hint_ttl_s: float = DEFAULT_HINT_TTL_S,
         chunk_bytes: int | ChunkBytes | None = None,
         window: int = 4,
         heartbeat_s: float = 0.25,
@@ -247,7 +249,7 @@ class NixlBackend(Backend):
             kinds = kinds - {MemoryKind.DEVICE}
         self._kinds = frozenset(kinds)
         self._regions = RegionTable(self._kinds)
-        self._own = OwnTransfers()
+        self._own = OwnTransfers(self.name, hint_ttl_s)
         self._closed = False
         self._lock = threading.Lock()  # guards the job tables below
         self._active: list[ActiveJob] = []
@@ -279,9 +281,10 @@ class NixlBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(memory_kinds=self._kinds, modes=frozenset({TransferMode.PUSH, TransferMode.PULL}))
 
-    def register(self, regions: Iterable[SlotRegion]) -> None:
+    def register(self, regions: Iterable[SlotRegion]) -> tuple[SlotRegion, ...]:
         self._refuse_if_closed()
-        added = self._regions.add(regions)
+        batch, skipped = self._regions.reachable(regions)
+        added = self._regions.add(batch)
         if added:
             if self._arena is None and self.arena_bytes != 0:
                 first = added[0]
@@ -292,6 +295,7 @@ class NixlBackend(Backend):
                 self._arena = Arena(size, slot, first.memory_kind, first.device_id)
                 added = [*added, self._arena.region(f"kvxfer-arena-{self.name}")]
             self._agent.register(added)
+        return skipped
 
     def stats(self) -> NixlStats:
         with self._lock:
@@ -308,13 +312,19 @@ class NixlBackend(Backend):
             for key, value in deltas.items():
                 self._counts[key] += value
 
-    def describe(self, view: View) -> Hint:
+    @property
+    def peer(self) -> Peer:
+        return self._own.peer
+
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
         self._refuse_if_closed()
-        self._regions.check_view(view, for_fetch=False)
+        # As a fetch checks it: the hint exposes these rows, in push mode to a one-sided WRITE
+        # that no later refusal can take back.
+        self._regions.check_view(view, for_fetch=True)
         return Hint(
             backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
             transfer_id=self._own.mint(view), layout=view.layout, groups=hint_groups(view),
-            endpoint=self._agent.metadata,
+            endpoint=self._agent.metadata, run=self._own.peer.run, audience=audience, expires_ms=self._own.expiry(),
             extras=((ARENA_EXTRA, self._arena.info.pack()),) if self._arena is not None else (),
         )
 
@@ -369,6 +379,7 @@ class NixlBackend(Backend):
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         self._refuse_if_closed()
         check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=fetching)
+        self._own.check_for_us(hint)
         if hint.agent == self.name:
             raise InvalidSubmission(f"hint names this backend's own agent {self.name!r}")
         own_id = self._own.lookup(view)
@@ -390,7 +401,7 @@ class NixlBackend(Backend):
         with self._lock:
             self._refuse_if_closed()
             if active:
-                self._own.check_unused(hint.agent, hint.transfer_id)
+                self._own.check_usable(hint)
                 if (hint.agent, hint.transfer_id) in self._revoked:
                     # Refused, and the peer is told nothing here: it asks again every heartbeat
                     # until answered, and now that we hold its metadata the next ask is.
@@ -429,7 +440,7 @@ class NixlBackend(Backend):
                         self._counts["chunks_posted_inline"] += job.next_chunk
                     self._counts["unpacked_submissions"] += 1
                     self._paths[attempt] = "unpacked"
-                self._own.use(hint.agent, hint.transfer_id)
+                self._own.use(hint)
                 self._active.append(job)
             else:
                 wait = PassiveWait(attempt, view, hint, own_id, deadline)

@@ -17,8 +17,19 @@ class RegionTable:
         self._reachable = reachable
         self._regions: dict[str, SlotRegion] = {}
 
+    def reachable(self, regions: Iterable[SlotRegion]) -> tuple[list[SlotRegion], tuple[SlotRegion, ...]]:
+        """The regions of a memory kind this backend reaches, and those it does not (which
+        register() skips and returns, as the contract says)."""
+        batch = list(regions)
+        for region in batch:
+            if not isinstance(region, SlotRegion):
+                raise TypeError(f"register() takes SlotRegion items, got {type(region).__name__}")
+        return ([r for r in batch if r.memory_kind in self._reachable],
+                tuple(r for r in batch if r.memory_kind not in self._reachable))
+
     def add(self, regions: Iterable[SlotRegion]) -> list[SlotRegion]:
-        """Validate all, then add all: a refused batch registers nothing."""
+        """Validate all, then add all: a refused batch registers nothing. Pass only regions
+        of reachable kinds (``reachable``); any other is refused here."""
         batch = list(regions)
         for i, region in enumerate(batch):
             if not isinstance(region, SlotRegion):
@@ -48,7 +59,8 @@ class RegionTable:
 
     def check_view(self, view: View, *, for_fetch: bool) -> None:
         """Raise InvalidSubmission for rows in no registered region, out of range, with
-        repeated ordinals, or (for a fetch, whose rows are written) overlapping rows."""
+        repeated ordinals, or (for a fetch, whose rows are written, and for describe(), whose
+        hint may expose them to a write) overlapping rows."""
         if not isinstance(view, View):
             raise InvalidSubmission(f"expected a View, got {type(view).__name__}")
         for group in view.groups:
@@ -81,4 +93,5 @@ class RegionTable:
                 else:
                     distinct = all_distinct(np.concatenate([g.slots for g in parts]))
                 if not distinct:
-                    raise InvalidSubmission(f"fetch writes region {name!r} slots more than once (overlapping rows)")
+                    raise InvalidSubmission(f"the view names region {name!r} slots more than once (overlapping rows: "
+                                           "a fetch would write one slot twice)")

@@ -1,18 +1,35 @@
-"""Transfer ids: each describe() mints a fresh one, so completion records match one attempt."""
+"""Transfer ids and hint lifetimes: each describe() mints a fresh id, so completion records
+match one attempt, and stamps who may use the hint and until when; each submission checks
+that a peer's hint is for this backend, unexpired and unused."""
 
 from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
-from kvxfer.contract import HintGroup, InvalidSubmission, View
+from kvxfer.contract import Hint, HintGroup, InvalidSubmission, Peer, SubmissionRejected, View
 
 _RETIRED_KEPT = 65536
+DEFAULT_HINT_TTL_S = 120.0
+"""How long a hint may be used after describe(): long enough for a prefill to run between a
+decode end's describe() and the prefill end's publish(), short enough to bound how long a
+backend must remember the hints it used."""
+MAX_HINT_TTL_S = 3600.0
+"""No backend makes, or accepts, a hint that lives longer: a used hint is remembered until it
+expires, so a far-off expiry (a forged hint, or clocks far apart) would be kept for ever."""
+_USED_LIVE_CAP = 1 << 20
+"""Used hints not yet expired, at most: past this a submission is refused, never a used hint
+forgotten (forgetting one would let its replay through)."""
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def put_bounded(table: OrderedDict[Any, Any], key: Hashable, value: Any, kept: int) -> None:
@@ -60,14 +77,24 @@ class OwnTransfers:
     fetch()/publish() of a view use the id of that view's latest describe(), and only for
     the rows that describe() showed the peer; once the attempt exists the id is consumed,
     and a record naming a retired id is stale. A peer's hint moves bytes once: a second
-    submission with it (a replay, or a retry after the peer reused its rows) is refused.
+    submission with it (a replay, or a retry after the peer reused its rows) is refused, and
+    so is a hint bound to another peer or past its expiry. A used hint is remembered until
+    it expires, however many transfers follow.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, agent: str, ttl_s: float = DEFAULT_HINT_TTL_S) -> None:
+        if not 0 < ttl_s <= MAX_HINT_TTL_S:
+            raise ValueError(f"hint_ttl_s must lie in (0, {MAX_HINT_TTL_S:g}] seconds, got {ttl_s!r}")
+        self.peer = Peer(agent, secrets.token_hex(8))
+        self.ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
         self._by_view: OrderedDict[tuple[str, int, int], tuple[str, View]] = OrderedDict()
         self._retired: OrderedDict[str, None] = OrderedDict()
-        self._used: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._used: OrderedDict[tuple[str, str], int] = OrderedDict()  # -> the hint's expiry (ms)
+
+    def expiry(self) -> int:
+        """The expiry to stamp on a hint described now."""
+        return wall_ms() + self.ttl_ms
 
     @staticmethod
     def _key(view: View) -> tuple[str, int, int]:
@@ -96,17 +123,58 @@ class OwnTransfers:
                 "than the one described; describe it again and send the new hint")
         return transfer_id
 
-    def check_unused(self, agent: str, transfer_id: str) -> None:
-        """InvalidSubmission when this end already acted on the peer's transfer."""
-        with self._lock:
-            used = (agent, transfer_id) in self._used
-        if used:
-            raise InvalidSubmission(f"peer {agent!r}'s transfer {transfer_id} was used already: a hint moves bytes "
-                                    "once; the peer must describe again")
+    def check_for_us(self, hint: Hint) -> None:
+        """InvalidSubmission when ``hint`` is bound to another peer or has expired."""
+        audience = hint.audience
+        if audience is not None and audience != self.peer:
+            if audience.agent == self.peer.agent:
+                raise InvalidSubmission(
+                    f"hint for transfer {hint.transfer_id} is bound to run {audience.run} of agent {audience.agent!r}; "
+                    f"this is run {self.peer.run} (the agent restarted since the hint was made): the peer must "
+                    "describe again for this run")
+            raise InvalidSubmission(
+                f"hint for transfer {hint.transfer_id} is bound to {audience}, not to this backend {self.peer}: "
+                "only the peer it was made for may use it")
+        now = wall_ms()
+        if hint.expires_ms == 0:
+            raise InvalidSubmission(f"hint for transfer {hint.transfer_id} carries no expiry: the peer must describe "
+                                    "again (hints from this kvxfer always expire)")
+        if now > hint.expires_ms:
+            raise InvalidSubmission(f"hint for transfer {hint.transfer_id} expired {(now - hint.expires_ms) / 1000:.1f}s "
+                                    "ago: the peer must describe again")
+        if hint.expires_ms - now > MAX_HINT_TTL_S * 1000:
+            raise InvalidSubmission(
+                f"hint for transfer {hint.transfer_id} expires {(hint.expires_ms - now) / 1000:.0f}s from now, over "
+                f"the {MAX_HINT_TTL_S:g}s any hint may live: a forged hint, or clocks far apart")
 
-    def use(self, agent: str, transfer_id: str) -> None:
+    def check_usable(self, hint: Hint) -> None:
+        """check_for_us, and InvalidSubmission when this end already acted on the peer's
+        transfer (SubmissionRejected when too many used hints are still live to take one more)."""
         with self._lock:
-            put_bounded(self._used, (agent, transfer_id), None, _RETIRED_KEPT)
+            self._forget_expired()
+        self.check_for_us(hint)
+        with self._lock:
+            used = (hint.agent, hint.transfer_id) in self._used
+            full = len(self._used) >= _USED_LIVE_CAP
+        if used:
+            raise InvalidSubmission(f"peer {hint.agent!r}'s transfer {hint.transfer_id} was used already: a hint "
+                                    "moves bytes once; the peer must describe again")
+        if full:
+            raise SubmissionRejected(f"{_USED_LIVE_CAP} used hints have not expired yet; retry later")
+
+    def use(self, hint: Hint) -> None:
+        """Remember ``hint`` as used until it expires (check_usable came first)."""
+        with self._lock:
+            self._used[(hint.agent, hint.transfer_id)] = hint.expires_ms
+
+    def _forget_expired(self) -> None:
+        now = wall_ms()
+        used = self._used
+        while used:
+            key, expires = next(iter(used.items()))
+            if expires >= now:
+                break
+            del used[key]
 
     def consume(self, view: View, transfer_id: str) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ lender and no torch, so that anything can build on it.
 from kvxfer.contract.arrays import BoolArray, IndexArray, constant_mask
 from kvxfer.contract.backend import Attempt, Backend, Capabilities, WakeFn
 from kvxfer.contract.errors import InvalidSubmission, KvxferError, SubmissionRejected
-from kvxfer.contract.hint import Hint, HintGroup, TransferMode
+from kvxfer.contract.hint import Hint, HintGroup, Peer, TransferMode
 from kvxfer.contract.memory import MemoryKind, SlotRegion
 from kvxfer.contract.outcome import Cancelled, Delivered, Failed, Outcome, check_masks, freeze_mask
 from kvxfer.contract.record import CompletionRecord, RecordStatus
@@ -16,6 +16,6 @@ from kvxfer.contract.rows import CacheKind, LayerGroupRows, TokenRange, View
 __all__ = [
     "Attempt", "Backend", "CompletionRecord", "RecordStatus", "BoolArray", "constant_mask", "CacheKind", "Cancelled", "Capabilities", "Delivered",
     "Failed", "Hint", "HintGroup", "IndexArray", "InvalidSubmission", "KvxferError",
-    "LayerGroupRows", "MemoryKind", "Outcome", "SlotRegion", "SubmissionRejected",
+    "LayerGroupRows", "MemoryKind", "Outcome", "Peer", "SlotRegion", "SubmissionRejected",
     "TokenRange", "TransferMode", "View", "WakeFn", "check_masks", "freeze_mask",
 ]

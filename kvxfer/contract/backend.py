@@ -10,6 +10,8 @@ Rules every backend keeps (``kvxfer.testing.conformance`` checks them):
 4. One instance serves one lender's domain. Its methods are called from one call
    sequence (the owner's thread); its own threads only read views.
 5. A row is True in a mask only once its bytes are visible at the destination.
+6. A hint is used at most once, only by its audience (when it names one) and only before
+   it expires; anything else is refused with InvalidSubmission (see ``kvxfer.contract.hint``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import abc
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvxfer.contract.hint import Hint, TransferMode
+from kvxfer.contract.hint import Hint, Peer, TransferMode
 from kvxfer.contract.memory import MemoryKind, SlotRegion
 from kvxfer.contract.outcome import Outcome
 from kvxfer.contract.rows import View
@@ -64,13 +66,25 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 
+    @property
     @abc.abstractmethod
-    def register(self, regions: Iterable[SlotRegion]) -> None:
-        """Register regions whose memory kind this backend reaches; refuse the rest."""
+    def peer(self) -> Peer:
+        """This backend as peers see it: its agent and its run (fresh per instance)."""
 
     @abc.abstractmethod
-    def describe(self, view: View) -> Hint:
-        """The local end of ``view``, for the peer, with a fresh transfer id."""
+    def register(self, regions: Iterable[SlotRegion]) -> tuple[SlotRegion, ...]:
+        """Register the regions whose memory kind this backend reaches, and return the ones
+        it skipped for their kind (empty when it took them all). InvalidSubmission for a
+        region it cannot take for another reason (overlapping one it holds, a name reused
+        for another span), and then none of the batch is registered."""
+
+    @abc.abstractmethod
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
+        """The local end of ``view``, for the peer, with a fresh transfer id and an expiry.
+
+        ``audience``: the one peer that may use the hint (any other refuses it). Bind every
+        hint that exposes rows to a one-sided access, as a decode end's hint in push mode
+        does, to the peer it is meant for; an unbound hint may be used once by any peer."""
 
     @abc.abstractmethod
     def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> Attempt:

@@ -5,6 +5,17 @@ what the peer needs to reach this end's rows (agent, endpoint, region bases, slo
 ordinals), the layout identity both ends must share, the transfer mode and backend kind
 both ends must agree on, and a fresh transfer id that matches completion records to one
 attempt.
+
+A hint is also a capability: in push mode whoever holds the decode end's hint can WRITE
+into its rows. So it names who made it (``agent`` and ``run``, a ``Peer``), may name the
+one peer allowed to use it (``audience``), and says until when it may be used
+(``expires_ms``, wall-clock milliseconds since the epoch). A backend refuses, by name and
+before touching anything, a hint bound to another peer (or to an earlier run of its own
+agent: a restarted process is another peer), a hint past its expiry, and a hint it used
+already; it remembers used hints until they expire, so that none is ever used twice. Once
+the bound peer has used a hint, no honest backend will use it again, and the rows it
+exposed may be reused. Ends on different hosts need clocks within a few seconds of each
+other (NTP), far below any sensible lifetime.
 """
 
 from __future__ import annotations
@@ -95,6 +106,22 @@ class HintGroup:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """One backend instance: its agent name and its run, a fresh id each time a backend is
+    made, so that a restarted process under the same agent name is another peer."""
+
+    agent: str
+    run: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.agent, str) or not self.agent or not isinstance(self.run, str) or not self.run:
+            raise ValueError(f"Peer needs a non-empty agent and run, got {self.agent!r}, {self.run!r}")
+
+    def __str__(self) -> str:
+        return f"{self.agent!r} (run {self.run})"
+
+
+@dataclass(frozen=True)
 class Hint:
     """The other end of one transfer, as it described itself."""
 
@@ -108,6 +135,9 @@ class Hint:
     endpoint: bytes = b""
     extras: tuple[tuple[str, bytes], ...] = field(default=())
     mac: bytes | None = None
+    run: str = ""                  # the describing backend's run ("": unknown, as in hand-made hints)
+    audience: Peer | None = None   # the one peer that may use this hint (None: any peer, once)
+    expires_ms: int = 0            # wall clock, ms since the epoch; 0: none (refused by every backend)
 
     def __post_init__(self) -> None:
         for name in ("backend", "agent", "request", "transfer_id"):
@@ -118,6 +148,12 @@ class Hint:
             raise TypeError(f"Hint.mode must be a TransferMode, got {self.mode!r}")
         if not isinstance(self.layout, bytes) or not isinstance(self.endpoint, bytes):
             raise TypeError("Hint.layout and Hint.endpoint must be bytes")
+        if not isinstance(self.run, str):
+            raise TypeError(f"Hint.run must be a str, got {self.run!r}")
+        if self.audience is not None and not isinstance(self.audience, Peer):
+            raise TypeError(f"Hint.audience must be a Peer or None, got {self.audience!r}")
+        if isinstance(self.expires_ms, bool) or not isinstance(self.expires_ms, int) or not 0 <= self.expires_ms < 1 << 63:
+            raise ValueError(f"Hint.expires_ms must be an int in [0, 2**63), got {self.expires_ms!r}")
         groups = tuple(self.groups)
         if not all(isinstance(g, HintGroup) for g in groups):
             raise TypeError("Hint.groups must hold HintGroup items")
@@ -127,6 +163,11 @@ class Hint:
         extras = tuple((str(k), bytes(v)) for k, v in self.extras)
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "extras", extras)
+
+    @property
+    def peer(self) -> Peer | None:
+        """The backend that made this hint, or None when it did not say its run."""
+        return Peer(self.agent, self.run) if self.run else None
 
     def group(self, layer_group: str) -> HintGroup | None:
         for g in self.groups:

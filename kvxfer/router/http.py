@@ -21,6 +21,13 @@ from kvxfer.contract import KvxferError
 log = logging.getLogger(__name__)
 MAX_HEADER = 64 << 10
 MAX_BODY = 64 << 20
+READ_TIMEOUT_S = 10.0
+"""How long a client may take to send its request line, headers and body: a connection
+that sends nothing (or dribbles) is closed instead of held for good."""
+MAX_CONNECTIONS = 512
+"""Open connections a server holds at once; past this a new one is answered 503 and closed."""
+_DISCARD_BYTES = 16 << 20  # of a refused body, read and dropped so that the client sees our answer
+_DISCARD_S = 2.0
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
            413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 
@@ -48,10 +55,20 @@ class Request:
             return json.loads(self.body)
         except ValueError as exc:
             raise BadRequest(f"body is not JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest("body is not JSON this server reads: nested too deep") from None
 
 
 class BadRequest(KvxferError):
     """The client sent something malformed; answered with 400 and this message."""
+
+
+class _BodyRefused(BadRequest):
+    """Refused before its body was read: ``pending`` bytes of it may still be on the way."""
+
+    def __init__(self, message: str, pending: int) -> None:
+        super().__init__(message)
+        self.pending = pending
 
 
 @dataclass
@@ -101,7 +118,7 @@ async def _read_request(reader: asyncio.StreamReader) -> Request:
         raise BadRequest(f"Content-Length {raw_length[:40]!r} is not a byte count")
     length = int(raw_length)
     if length > MAX_BODY:
-        raise BadRequest(f"body of {length} bytes is over {MAX_BODY}")
+        raise _BodyRefused(f"body of {length} bytes is over the limit of {MAX_BODY}", length)
     body = await reader.readexactly(length) if length else b""
     return Request(method.upper(), path.split("?", 1)[0], headers, body)
 
@@ -117,8 +134,11 @@ def _head(status: int, content_type: str, length: int | None) -> bytes:
 class HttpServer:
     """Serves ``handler`` on 127.0.0.1 (port 0 = ephemeral; read ``port`` after ``start``)."""
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
+                 read_timeout_s: float = READ_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
         self._handler = handler
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
         self._host, self._port = host, port
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -148,11 +168,21 @@ class HttpServer:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
+        pending = 0  # bytes of a refused body the client may still be sending
         try:
             try:
-                request = await _read_request(reader)
+                if len(self._tasks) > self.max_connections:
+                    raise _Busy(f"over {self.max_connections} connections are open; retry later")
+                try:
+                    request = await asyncio.wait_for(_read_request(reader), self.read_timeout_s)
+                except asyncio.TimeoutError:
+                    return  # first: since 3.11 the builtin TimeoutError, an OSError
                 response = await self._handler(request)
+            except _Busy as exc:
+                pending = _DISCARD_BYTES  # its request is unread: drop it after answering
+                response = Response.json({"error": str(exc)}, 503)
             except BadRequest as exc:
+                pending = exc.pending if isinstance(exc, _BodyRefused) else 0
                 response = Response.json({"error": str(exc)}, 400)
             except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
                 return
@@ -174,6 +204,8 @@ class HttpServer:
                 finally:
                     await response.stream.aclose()
             await writer.drain()
+            if pending:
+                await _discard(reader, writer, pending)
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -184,6 +216,32 @@ class HttpServer:
                 pass
             if task is not None:
                 self._tasks.discard(task)
+
+
+class _Busy(KvxferError):
+    """Too many open connections: answered 503."""
+
+
+async def _discard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pending: int) -> None:
+    """After answering a refused body: say we are done writing, then read and drop what the
+    client still sends, a bounded amount for a bounded time. Closing with its bytes unread
+    would make the kernel reset the connection, and the client would see the reset, not the
+    answer."""
+    if writer.can_write_eof():
+        writer.write_eof()
+    left = min(pending, _DISCARD_BYTES)
+    end = asyncio.get_running_loop().time() + _DISCARD_S
+    while left > 0:
+        timeout = end - asyncio.get_running_loop().time()
+        if timeout <= 0:
+            return
+        try:
+            chunk = await asyncio.wait_for(reader.read(min(left, 1 << 20)), timeout)
+        except (asyncio.TimeoutError, ConnectionError):
+            return
+        if not chunk:
+            return
+        left -= len(chunk)
 
 
 async def _open(url: str, method: str, path: str, body: Any, timeout: float

@@ -99,6 +99,7 @@ class _Endpoint:
     outstanding: int = 0
     down_until: float = 0.0
     failures: int = 0
+    publisher: Any = None  # a prefill worker's {agent, run}, from its /health or /prefill
 
 
 class _Failure(Exception):
@@ -155,6 +156,7 @@ class Router:
         self.selection = selection
         self.on_failure = on_failure
         self.timeout_s = timeout_s
+        self._limits: tuple[int, int] | None = None  # the workers' model: vocabulary, positions
         self.connect_timeout_s = connect_timeout_s
         self.probe_interval_s = probe_interval_s
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
@@ -186,6 +188,7 @@ class Router:
         self.m_worker_failures.inc(role=endpoint.role, worker=endpoint.url)
         if isinstance(exc, HttpError) and exc.unreachable:
             endpoint.down_until = time.monotonic() + self.probe_interval_s
+            endpoint.publisher = None  # it may come back as another run: ask again
 
     # --- the public surface -------------------------------------------------------------------
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None) -> Completion:
@@ -228,12 +231,58 @@ class Router:
                 return e.url, False
         return dict(await asyncio.gather(*(one(e) for e in self.prefill + self.decode)))
 
+    async def check_input(self, prompt: Sequence[int], max_new_tokens: int) -> str | None:
+        """What is wrong with a request for the workers' model (ids past its vocabulary, more
+        tokens than its positions), or None; None too when no worker said its limits yet."""
+        limits = await self._model_limits()
+        if limits is None:
+            return None
+        vocab, positions = limits
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            return f"'prompt' token ids must lie in [0, {vocab}) for the workers' model"
+        need = len(prompt) + max_new_tokens - 1  # the prompt plus every fed-back token
+        if need > positions:
+            return (f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) needs {need} positions, "
+                    f"over the workers' model's {positions}")
+        return None
+
+    async def _model_limits(self) -> tuple[int, int] | None:
+        if self._limits is None:
+            for e in self.decode + self.prefill:
+                try:
+                    health = await request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
+                except HttpError:
+                    continue
+                limits = health.get("limits") if isinstance(health, dict) else None
+                if isinstance(limits, dict) and all(isinstance(limits.get(k), int)
+                                                    for k in ("vocab_size", "max_positions")):
+                    self._limits = (limits["vocab_size"], limits["max_positions"])
+                    break
+        return self._limits
+
+    async def _identify(self, p: _Endpoint) -> str | None:
+        """Learn a prefill worker's {agent, run}, which hint D is bound to; what went wrong, or None."""
+        try:
+            health = await request_json(p.url, "GET", "/health", timeout=self.connect_timeout_s)
+        except HttpError as exc:
+            self._down(p, exc)
+            return f"prefill worker {p.url}: {exc}"
+        p.publisher = health.get("publisher") if isinstance(health, dict) else None
+        return None if p.publisher is not None else f"prefill worker {p.url}: its /health names no publisher"
+
     # --- one request ---------------------------------------------------------------------------
     async def _serve(self, run: _Run) -> AsyncIterator[Token]:
         d = self._pick(self.decode)
         if d is None:
             raise _Failure("no decode worker is reachable", dead=True)
         p = self._pick(self.prefill)
+        unknown = await self._identify(p) if p is not None and p.publisher is None else None
+        if unknown is not None:
+            # Nothing of this request is held anywhere yet: go on as without a prefill worker.
+            if self.on_failure == "fail":
+                raise _Failure(unknown, dead=True)
+            run.events.append(unknown)
+            p = None
         if p is None:
             if self.on_failure == "fail":
                 raise _Failure("no prefill worker is reachable (policy fail)", dead=True)
@@ -259,8 +308,11 @@ class Router:
 
     async def _disaggregated(self, run: _Run, p: _Endpoint, d: _Endpoint) -> AsyncIterator[Token]:
         t = self.timeout_s
-        reserve = asyncio.create_task(request_json(
-            d.url, "POST", "/reserve", {"request": run.key, "prompt": run.prompt, "max_new_tokens": run.max_new}, t))
+        # Hint D is bound to the prefill worker's run: no other worker, nor a restart of it,
+        # may write into the reservation's rows with it.
+        bound = p.publisher
+        ask = {"request": run.key, "prompt": run.prompt, "max_new_tokens": run.max_new, "publisher": bound}
+        reserve = asyncio.create_task(request_json(d.url, "POST", "/reserve", ask, t))
         prefill = asyncio.create_task(request_json(p.url, "POST", "/prefill", {"request": run.key,
                                                                                  "prompt": run.prompt}, t))
         reserved: Any
@@ -290,6 +342,17 @@ class Router:
                     # rather than the decode end quarantining it when it expires.
                     self._abandon(run.key, p, d)
                     raise
+        if not isinstance(prefilled, BaseException) and not isinstance(reserved, BaseException) \
+                and prefilled.get("publisher") != bound:
+            # The prefill worker restarted since we learnt who it is: hint D, bound to its old
+            # run, would be refused. Hint D went nowhere, so the rows are safe to drop.
+            p.publisher = prefilled.get("publisher")
+            run.events.append(f"prefill worker {p.url} is another run now: reserved again for it")
+            await self._abort(d, {"request": run.key, "rows_safe": True})
+            try:
+                reserved = await request_json(d.url, "POST", "/reserve", {**ask, "publisher": p.publisher}, t)
+            except HttpError as exc:
+                reserved = exc
         if isinstance(reserved, BaseException):
             self._down(d, reserved)
             # The reservation may still be made after our timer fired, as the prefill above.

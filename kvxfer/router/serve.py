@@ -8,6 +8,9 @@
     GET  /metrics  -> Prometheus text (router metrics)
     GET  /health   -> {"status": "ok", "workers": {url: reachable}}
 
+A /generate the workers' model cannot serve (ids past its vocabulary, more tokens than its
+positions: the limits every worker's /health states) is answered 400, as is malformed JSON.
+
 Announces ``{"event": "ready", "port": N, ...}`` on stdout like ``kvxfer serve``.
 """
 
@@ -57,6 +60,9 @@ def make_handler(router: Router, keepalive_s: float = KEEPALIVE_S):  # type: ign
                 raise BadRequest("'prompt' must be a non-empty list of token ids")
             if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
                 raise BadRequest("'max_new_tokens' must be a positive integer")
+            problem = await router.check_input(prompt, max_new)
+            if problem is not None:
+                raise BadRequest(problem)
             rid = body.get("request")
             return Response.ndjson(_events(router, prompt, max_new, rid if isinstance(rid, str) else None,
                                            keepalive_s))

@@ -19,6 +19,7 @@ polling, honest partial delivery and shutdown sets.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 import threading
 import time
@@ -40,6 +41,7 @@ from kvxfer.contract import (
     LayerGroupRows,
     MemoryKind,
     Outcome,
+    Peer,
     SlotRegion,
     SubmissionRejected,
     TokenRange,
@@ -59,7 +61,7 @@ class PeerEnd(abc.ABC):
     regions: tuple[SlotRegion, ...]
 
     @abc.abstractmethod
-    def describe(self, view: View) -> Hint: ...
+    def describe(self, view: View, audience: Peer | None = None) -> Hint: ...
 
     @abc.abstractmethod
     def start(self, op: str, view: View, hint: Hint) -> int:
@@ -98,8 +100,8 @@ class InProcessPeer(PeerEnd):
         self._inject = inject
         self._attempts: dict[int, Attempt] = {}
 
-    def describe(self, view: View) -> Hint:
-        return self.backend.describe(view)
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
+        return self.backend.describe(view, audience)
 
     def start(self, op: str, view: View, hint: Hint) -> int:
         attempt = self.backend.fetch(view, hint) if op == "fetch" else self.backend.publish(view, hint)
@@ -417,6 +419,59 @@ def check_overlapping_fetch_refused(make_pair: PairFactory, mode: TransferMode) 
         pair.close()
 
 
+def check_describe_refuses_what_a_submission_would(make_pair: PairFactory, mode: TransferMode) -> None:
+    """describe() refuses every view that fetch() or publish() would refuse (overlapping rows,
+    an unregistered region, a slot out of bounds), so that no hint ever exposes such rows: in
+    push mode the fetcher's hint lets the peer WRITE before the fetch itself is checked."""
+    pair = make_pair(mode)
+    try:
+        plan = _plan(pair, "describe-bad", rows=4, seed=23)
+        g = plan.local_view.groups[0]
+        overlapping = g.slots.copy()
+        overlapping[1] = overlapping[0]
+        stranger = SlotRegion("not-registered", g.region.address + g.region.nbytes * 64, g.region.slot_bytes,
+                              g.region.slots, g.region.memory_kind, g.region.device_id)
+        bad_groups = {
+            "overlapping rows": LayerGroupRows(g.layer_group, g.kind, g.region, overlapping, g.ordinals),
+            "an unregistered region": LayerGroupRows(g.layer_group, g.kind, stranger, g.slots, g.ordinals),
+            "a slot out of bounds": LayerGroupRows(g.layer_group, g.kind, g.region,
+                                                   g.slots + g.region.slots, g.ordinals),
+        }
+        for what, group in bad_groups.items():
+            bad = View(plan.local_view.request, plan.local_view.tokens, (group,) + plan.local_view.groups[1:],
+                       plan.local_view.layout)
+            try:
+                hint = pair.local.describe(bad)
+            except InvalidSubmission:
+                continue
+            raise AssertionError(f"describe() of a view with {what} returned a hint for transfer {hint.transfer_id}")
+    finally:
+        pair.close()
+
+
+def check_register_skips_unreachable_kinds(make_pair: PairFactory, mode: TransferMode) -> None:
+    """register() given a batch of mixed memory kinds registers those it reaches and returns
+    the others (by the seed's contract), and moving rows of the reachable ones still works."""
+    pair = make_pair(mode)
+    try:
+        reached = pair.local.capabilities.memory_kinds
+        far = 1 << 56  # far from any real allocation, so only its kind can decide
+        others = tuple(SlotRegion(f"unreachable-{kind.value}", far + i * (1 << 40), 4096, 4, kind)
+                       for i, kind in enumerate(MemoryKind) if kind not in reached)
+        skipped = pair.local.register(list(pair.local_regions) + list(others))
+        assert tuple(skipped) == others, f"register() of a mixed batch returned {skipped!r}, expected {others!r}"
+    finally:
+        pair.close()
+    check_round_trip_exact(lambda m: _registered_again(make_pair(m)), mode)
+
+
+def _registered_again(pair: Pair) -> Pair:
+    """``pair`` after its local end registered its own regions once more (taken as they are)."""
+    skipped = pair.local.register(pair.local_regions)
+    assert not skipped, f"register() skipped regions it had taken: {skipped!r}"
+    return pair
+
+
 def check_layout_mismatch_refused(make_pair: PairFactory, mode: TransferMode) -> None:
     """A peer of another layout identity is refused before any byte moves."""
     for local_op, local_is_source in _roles():
@@ -527,6 +582,44 @@ def check_hint_used_once(make_pair: PairFactory, mode: TransferMode) -> None:
                 f"a replayed hint overwrote group {name} at the destination"
     finally:
         pair.close()
+
+
+def check_hint_only_for_its_audience(make_pair: PairFactory, mode: TransferMode) -> None:
+    """A hint moves bytes only at the peer it is bound to, and only before it expires: the
+    active end takes a hint bound to itself, and refuses one bound to another peer, to an
+    earlier run of its own agent (a restart), or past its expiry, letting nothing escape."""
+    local_op = "publish" if mode is TransferMode.PUSH else "fetch"  # the end that moves bytes
+    local_is_source = local_op == "publish"
+    pair = make_pair(mode)
+    try:
+        plan = _plan(pair, f"bound-{local_op}", rows=6, seed=21)
+        _fill(pair, plan, local_is_source)
+        peer_op = "publish" if local_op == "fetch" else "fetch"
+        local_hint = pair.local.describe(plan.local_view)
+        bound = pair.peer.describe(plan.peer_view, pair.local.peer)
+        handle = pair.peer.start(peer_op, plan.peer_view, local_hint)
+        waker = _Waker()
+        attempt = (pair.local.fetch if local_op == "fetch" else pair.local.publish)(plan.local_view, bound, waker)
+        waker.bind(attempt)
+        _finish(pair, _Run(attempt, waker, handle, bound))
+        assert isinstance(attempt.poll(), Delivered), f"a hint bound to this end was not taken: {attempt.poll()!r}"
+    finally:
+        pair.close()
+    for what in ("a hint bound to another peer", "a hint bound to an earlier run of this agent", "an expired hint"):
+        pair = make_pair(mode)
+        try:
+            me = pair.local.peer
+            plan = _plan(pair, f"unbound-{local_op}", rows=6, seed=22)
+            _fill(pair, plan, local_is_source)
+            if what == "an expired hint":
+                hint = dataclasses.replace(pair.peer.describe(plan.peer_view, me),
+                                           expires_ms=time.time_ns() // 1_000_000 - 1000)
+            else:
+                stranger = Peer("a-stranger", "0" * 16) if "another" in what else Peer(me.agent, "an-earlier-run")
+                hint = pair.peer.describe(plan.peer_view, stranger)
+            _expect_refusal(pair, plan, local_op, local_is_source, plan.local_view, hint, what=what)
+        finally:
+            pair.close()
 
 
 def check_missing_counterpart_false(make_pair: PairFactory, mode: TransferMode) -> None:
@@ -692,8 +785,11 @@ CHECKS: tuple[Callable[[PairFactory, TransferMode], None], ...] = (
     check_unregistered_region_refused,
     check_unknown_slot_refused,
     check_overlapping_fetch_refused,
+    check_describe_refuses_what_a_submission_would,
+    check_register_skips_unreachable_kinds,
     check_layout_mismatch_refused,
     check_hint_used_once,
+    check_hint_only_for_its_audience,
     check_missing_counterpart_false,
     check_only_requested_rows_move,
     check_partial_failure_exact,

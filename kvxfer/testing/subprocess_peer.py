@@ -35,6 +35,7 @@ from kvxfer.contract import (
     InvalidSubmission,
     KvxferError,
     Outcome,
+    Peer,
     SlotRegion,
     SubmissionRejected,
     View,
@@ -135,12 +136,12 @@ class SubprocessPeer(PeerEnd):
         error = _ERRORS.get(reply[1], RuntimeError)
         raise error(reply[2])
 
-    def describe_bytes(self, view: View) -> bytes:
+    def describe_bytes(self, view: View, audience: Peer | None = None) -> bytes:
         """The child's hint for ``view``, as wire bytes."""
-        return bytes(self._call("describe", view))
+        return bytes(self._call("describe", view, audience))
 
-    def describe(self, view: View) -> Hint:
-        return decode_hint(self.describe_bytes(view))
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
+        return decode_hint(self.describe_bytes(view, audience))
 
     def start_bytes(self, op: str, view: View, hint: bytes) -> int:
         """Submit with hint bytes that the child decodes (its WireError comes back as such)."""
@@ -230,7 +231,7 @@ def _serve(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
             return
         try:
             if op == "describe":
-                value: Any = encode_hint(backend.describe(request[1]))
+                value: Any = encode_hint(backend.describe(request[1], request[2]))
             elif op == "start":
                 _, what, view, hint_bytes = request
                 hint = decode_hint(hint_bytes)

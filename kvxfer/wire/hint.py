@@ -5,6 +5,8 @@ Body (a msgpack map, str keys, every key required)::
     backend, agent, request, transfer_id: str (non-empty)    mode: "push" | "pull"
     layout: bin    endpoint: bin (up to 4 MiB: may be a NIXL agent's metadata)
     extras: array of [key: str (non-empty), value: bin] pairs, keys unique, order kept
+    run: str (may be empty)    audience: nil | [agent: str, run: str] (both non-empty)
+    expires_ms: uint (wall clock, ms since the epoch; 0 = none, which backends refuse)
     groups: array of maps {layer_group, region: str (non-empty); kind: "paged" | "state";
             memory_kind: "host" | "device"; address, slot_bytes, region_slots,
             device_id: uint; slots, ordinals: bin (little-endian int64, one per row)}
@@ -19,14 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer.contract import CacheKind, Hint, HintGroup, MemoryKind, TransferMode
+from kvxfer.contract import CacheKind, Hint, HintGroup, MemoryKind, Peer, TransferMode
 from kvxfer.wire.arrays import int64_from_bytes, int64_to_bytes
 from kvxfer.wire.envelope import Buffer, open_message, seal
 from kvxfer.wire.errors import WireError
 from kvxfer.wire.fields import Fields, check_str, describe
 from kvxfer.wire.limits import DEFAULT_LIMITS, Limits
 
-_HINT_KEYS = frozenset({"backend", "mode", "agent", "request", "transfer_id", "layout", "endpoint", "extras", "groups"})
+_HINT_KEYS = frozenset({"backend", "mode", "agent", "request", "transfer_id", "layout", "endpoint", "extras", "groups",
+                        "run", "audience", "expires_ms"})
 _GROUP_KEYS = frozenset({
     "layer_group", "kind", "region", "address", "slot_bytes", "region_slots", "memory_kind", "device_id",
     "slots", "ordinals",
@@ -43,6 +46,8 @@ def encode_hint(hint: Hint, key: bytes | None = None, *, limits: Limits = DEFAUL
         "backend": hint.backend, "mode": hint.mode.value, "agent": hint.agent, "request": hint.request,
         "transfer_id": hint.transfer_id, "layout": hint.layout, "endpoint": hint.endpoint,
         "extras": [[k, v] for k, v in hint.extras],
+        "run": hint.run, "expires_ms": hint.expires_ms,
+        "audience": None if hint.audience is None else [hint.audience.agent, hint.audience.run],
         "groups": [
             {
                 "layer_group": g.layer_group, "kind": g.kind.value, "region": g.region, "address": g.address,
@@ -59,8 +64,9 @@ def decode_hint(data: Buffer, key: bytes | None = None, *, limits: Limits = DEFA
     """The Hint in ``data``; WireError for anything malformed, oversized, of another version
     or type, unsigned while a key applies, or wrongly signed."""
     items = max(limits.groups, limits.extras, _MAP_FIELDS)
-    # The body map, the extras array and one pair per extra, the groups array and one map per group.
-    containers = 3 + limits.extras + limits.groups
+    # The body map, the extras array and one pair per extra, the groups array and one map per
+    # group, the audience pair.
+    containers = 4 + limits.extras + limits.groups
     body, mac = open_message(data, "hint", key, limits, max_items=items, max_containers=containers)
     f = Fields(body, "hint", _HINT_KEYS)
     text = limits.string_bytes
@@ -70,10 +76,24 @@ def decode_hint(data: Buffer, key: bytes | None = None, *, limits: Limits = DEFA
     endpoint = f.binary("endpoint", limits.endpoint_bytes)
     extras = _decode_extras(f.array("extras", limits.extras), limits)
     groups = tuple(_decode_group(g, i, limits) for i, g in enumerate(f.array("groups", limits.groups)))
+    run = f.text("run", text, empty=True)
+    expires_ms = f.uint("expires_ms")
+    audience = _decode_audience(body["audience"], text)
     try:
-        return Hint(mode=mode, layout=layout, groups=groups, endpoint=endpoint, extras=extras, mac=mac, **strings)
+        return Hint(mode=mode, layout=layout, groups=groups, endpoint=endpoint, extras=extras, mac=mac, run=run,
+                    audience=audience, expires_ms=expires_ms, **strings)
     except (TypeError, ValueError) as exc:  # e.g. a layer group named twice
         raise WireError(f"hint: {exc}") from None
+
+
+def _decode_audience(value: Any, max_bytes: int) -> Peer | None:
+    if value is None:
+        return None
+    if type(value) is not list or len(value) != 2 or any(type(v) is not str for v in value):
+        raise WireError(f"hint: field audience must be nil or an [agent, run] pair of str, got {describe(value)}")
+    for name, item in zip(("agent", "run"), value):
+        check_str(item, f"hint: field audience {name}", max_bytes)
+    return Peer(value[0], value[1])
 
 
 def _decode_extras(items: list[Any], limits: Limits) -> tuple[tuple[str, bytes], ...]:
@@ -115,6 +135,10 @@ def _check_sizes(hint: Hint, limits: Limits) -> None:
     """The decoder's limits, checked at the sender so that an oversized hint is named there."""
     for name in ("backend", "agent", "request", "transfer_id"):
         check_str(getattr(hint, name), f"hint: field {name}", limits.string_bytes)
+    check_str(hint.run, "hint: field run", limits.string_bytes, empty=True)
+    if hint.audience is not None:
+        check_str(hint.audience.agent, "hint: field audience agent", limits.string_bytes)
+        check_str(hint.audience.run, "hint: field audience run", limits.string_bytes)
     if len(hint.layout) > limits.layout_bytes:
         raise WireError(f"hint: field layout is {len(hint.layout)} bytes, the limit is {limits.layout_bytes}")
     if len(hint.endpoint) > limits.endpoint_bytes:

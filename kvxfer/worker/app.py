@@ -4,7 +4,9 @@
     GET  /metrics                     -> Prometheus text
     POST /prefill  {request, prompt}  -> {"token": first, "compute_s": ...}          (prefill)
     POST /publish  {request, hint}    -> NDJSON: published {hint}, transfer {...}     (prefill)
-    POST /reserve  {request, prompt, max_new_tokens} -> {"hint": ...}               (decode)
+    POST /reserve  {request, prompt, max_new_tokens, publisher} -> {"hint": ...}    (decode)
+                                      (publisher: the prefill worker's {agent, run}, from its /health or /prefill;
+                                       hint D is bound to it, and expires after hold_s)
     POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, rows_safe?}
                                       -> NDJSON: resume {...}, token {index, token}..., done | error   (decode)
     POST /abort    {request, rows_safe?} -> {"dropped": "held" | "reserved" | "starting" | null}

@@ -11,6 +11,7 @@ one of ``kvxfer.backends``.
 from __future__ import annotations
 
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
+from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.contract import Backend, TransferMode
 
 BACKENDS = ("nixl", "ipc", "loopback")
@@ -18,11 +19,12 @@ BACKENDS = ("nixl", "ipc", "loopback")
 
 def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
                  fabric: LoopbackFabric | None = None, device: int = 0, chunk_bytes: int | None = None,
-                 chunk_pause_s: float = 0.0, busy_poll: bool = False, arena_bytes: int | None = None) -> Backend:
+                 chunk_pause_s: float = 0.0, busy_poll: bool = False, arena_bytes: int | None = None,
+                 hint_ttl_s: float = DEFAULT_HINT_TTL_S) -> Backend:
     """``chunk_bytes``/``chunk_pause_s`` tune NIXL's submission chunks (a chunk is the unit
     that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way.
     ``arena_bytes`` (nixl only): the packed path's bounce arena (None: the backend's default,
-    0: none).
+    0: none). ``hint_ttl_s``: how long the hints it describes may be used.
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
     doorbell (``kvxfer.backends.ipc_bells``), for the lowest small-transfer latency."""
     if busy_poll and kind != "ipc":
@@ -33,14 +35,14 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
         from kvxfer.backends.nixl import NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
 
         return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s,
-                           chunk_bytes=chunk_bytes or None, arena_bytes=arena_bytes)
+                           chunk_bytes=chunk_bytes or None, arena_bytes=arena_bytes, hint_ttl_s=hint_ttl_s)
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 
-        return IpcBackend(name, mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll)
+        return IpcBackend(name, mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll, hint_ttl_s=hint_ttl_s)
     if kind == "loopback":
         if fabric is None:
             raise ValueError("the loopback backend connects backends of one process only: pass a LoopbackFabric "
                              "shared by in-process workers, or use --backend nixl between processes")
-        return LoopbackBackend(fabric, name, mode, deadline_s=deadline_s)
+        return LoopbackBackend(fabric, name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s)
     raise ValueError(f"unknown backend {kind!r}: choose one of {', '.join(BACKENDS)}")

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.backends.transfers import put_bounded
+from kvxfer.backends.transfers import MAX_HINT_TTL_S, put_bounded
 from kvxfer.contract import (
     Attempt,
     Backend,
@@ -46,6 +46,7 @@ from kvxfer.contract import (
     InvalidSubmission,
     KvxferError,
     Outcome,
+    Peer,
     SubmissionRejected,
     TransferMode,
     View,
@@ -205,8 +206,12 @@ class Worker:
                                     deadline_s=cfg.transfer_timeout_s, fabric=self._fabric,
                                     chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s,
                                     busy_poll=cfg.busy_poll, device=_cuda_index(self.pool),
-                                    arena_bytes=cfg.arena_bytes)
-        self.backend.register(self.lender.regions)
+                                    arena_bytes=cfg.arena_bytes, hint_ttl_s=min(cfg.hold_s, MAX_HINT_TTL_S))
+        skipped = self.backend.register(self.lender.regions)
+        if skipped:
+            raise RuntimeError(f"backend {cfg.backend!r} cannot reach the pool's "
+                               f"{', '.join(sorted({r.memory_kind.name for r in skipped}))} memory "
+                               f"({', '.join(r.name for r in skipped)}): use --lender staging or another backend")
 
     async def close(self) -> dict[str, int]:
         """Stop: release what is safe, shut the backend and lender down, stop the engine thread."""
@@ -291,7 +296,18 @@ class Worker:
         return {"status": "ok" if not self._closed else "closing", "role": self.role, "name": self.name,
                 "backend": self.config.backend, "mode": self.config.mode.value,
                 "scope": self.config.model.scope().hex()[:24], "active": self._active,
-                "held": len(self._held), "reserved": len(self._reserved)}
+                "held": len(self._held), "reserved": len(self._reserved), "publisher": self.publisher(),
+                "limits": {"vocab_size": self.config.model.vocab_size,
+                           "max_positions": self.config.model.max_positions}}
+
+    def publisher(self) -> dict[str, str] | None:
+        """This worker's backend as a peer ({agent, run}): a decode worker's /reserve binds
+        hint D to the prefill worker that will publish with it (the router learns it here
+        and from /prefill); None before start()."""
+        if self.backend is None:
+            return None
+        peer = self.backend.peer
+        return {"agent": peer.agent, "run": peer.run}
 
     def _metrics(self) -> None:
         r = self.metrics = Registry()
@@ -381,7 +397,8 @@ class Worker:
         self.m_prefill.observe(seconds)
         self.m_tokens.inc()
         self._held[rid] = _Held(prompt, first, time.monotonic())
-        return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt)}
+        return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt),
+                "publisher": self.publisher()}
 
     def _prefill_sync(self, rid: str, prompt: list[int]) -> int:
         assert self.pool is not None
@@ -418,7 +435,8 @@ class Worker:
             view = lease.view()
             if view is None:
                 raise RuntimeError(f"read lease of {rid!r} is not ready (staging copy pending)")
-            hint_p = encode_hint(self.backend.describe(view))
+            # Bound to the decode end that sent hint D: in pull mode hint P lets it READ these rows.
+            hint_p = encode_hint(self.backend.describe(view, hint_d.peer))
             submitted = time.perf_counter()
         except BaseException:
             lease.release()
@@ -467,12 +485,13 @@ class Worker:
         self._need("decode")
         rid, prompt = _request_id(body), _prompt(body, self.config.model)
         max_new = _positive(body, "max_new_tokens")
+        publisher = _peer(body, "publisher")
         if rid in self._reserved or rid in self._starting:
             raise BadRequest(f"request {rid!r} is already reserved here")
         self._refuse_if_aborted_early(rid)
         self._starting[rid] = "reserve"
         try:
-            hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new)
+            hint, lease, view, reused = await self._run(self._reserve_sync, rid, prompt, max_new, publisher)
         finally:
             aborted = self._end_start(rid)
         if aborted:
@@ -483,7 +502,8 @@ class Worker:
         self._reserved[rid] = _Reserved(prompt, max_new, lease, view, time.monotonic())
         return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows, "reused_tokens": reused}
 
-    def _reserve_sync(self, rid: str, prompt: list[int], max_new: int) -> tuple[bytes, Lease, View, int]:
+    def _reserve_sync(self, rid: str, prompt: list[int], max_new: int, publisher: Peer
+                      ) -> tuple[bytes, Lease, View, int]:
         assert self.pool is not None and self.lender is not None and self.backend is not None
         need = tokens_needed(len(prompt), max_new)
         if need > self.config.model.max_positions:
@@ -499,7 +519,9 @@ class Worker:
             view = lease.view()
             if view is None:
                 raise BadRequest("no staging slots free for this reservation now; retry later")
-            hint = encode_hint(self.backend.describe(view))
+            # Bound to one publisher: in push mode hint D lets its holder WRITE into these rows,
+            # which later hold a cached prefix; no other worker, nor a restart of this one, may.
+            hint = encode_hint(self.backend.describe(view, publisher))
         except BaseException:
             if lease is not None:
                 lease.release()  # no hint went out: nothing can touch these rows
@@ -785,6 +807,17 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"'{key}' must be true or false, got {value!r}")
     return value
+
+
+def _peer(body: dict[str, Any], key: str) -> Peer:
+    value = body.get(key)
+    agent = value.get("agent") if isinstance(value, dict) else None
+    run = value.get("run") if isinstance(value, dict) else None
+    if not isinstance(agent, str) or not agent or not isinstance(run, str) or not run \
+            or len(agent) > 1024 or len(run) > 256:
+        raise BadRequest(f"'{key}' must be the prefill worker's {{\"agent\": str, \"run\": str}}, as its /health "
+                         "and /prefill answer: hint D is bound to the one worker that publishes with it")
+    return Peer(agent, run)
 
 
 def _seconds(body: dict[str, Any], key: str, default: float) -> float:

@@ -5,6 +5,7 @@ test runs with the packed path forced on (pushes go packed) and off."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,6 @@ from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import (
     CacheKind,
     Delivered,
-    Hint,
     InvalidSubmission,
     LayerGroupRows,
     SlotRegion,
@@ -215,8 +215,7 @@ def test_hint_with_foreign_or_broken_metadata_refused(ends: Ends) -> None:
     local_view, peer_view, before_local, before_peer = _filled(ends, seed=8)
     hint = decode_hint(ends.peer.describe_bytes(peer_view))
     for endpoint, match in ((b"\x00" * 64, "refused the metadata"), (ends.local.describe(local_view).endpoint, "metadata")):
-        forged = Hint(hint.backend, hint.mode, hint.agent, hint.request, hint.transfer_id, hint.layout,
-                      hint.groups, endpoint=endpoint)
+        forged = dataclasses.replace(hint, endpoint=endpoint)
         ends.local.describe(local_view)
         with pytest.raises(InvalidSubmission, match=match):
             ends.local.fetch(local_view, forged)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+import kvxfer.backends.transfers as transfers
 from kvxfer.backends.matching import check_agreement, coalesce, match_rows
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
@@ -14,7 +17,9 @@ from kvxfer.contract import (
     InvalidSubmission,
     LayerGroupRows,
     MemoryKind,
+    Peer,
     SlotRegion,
+    SubmissionRejected,
     TokenRange,
     TransferMode,
     View,
@@ -116,7 +121,7 @@ def test_agreement_refusals_named() -> None:
 
 
 def test_transfer_ids_fresh_and_consumed() -> None:
-    own = OwnTransfers()
+    own = OwnTransfers("me")
     local, _ = _view_and_hint([0], [0])
     with pytest.raises(InvalidSubmission, match="no describe"):
         own.lookup(local)
@@ -127,3 +132,50 @@ def test_transfer_ids_fresh_and_consumed() -> None:
         own.lookup(local)
     own.retire(second)
     assert own.is_retired(second) and not own.is_retired(first)
+
+
+def test_a_hint_is_used_only_by_its_audience_before_it_expires_and_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    own = OwnTransfers("me", ttl_s=30.0)
+    _, unbound = _view_and_hint([0], [0])
+    fresh = dataclasses.replace(unbound, expires_ms=transfers.wall_ms() + 30_000)
+    cases = [
+        (dataclasses.replace(fresh, audience=Peer("someone-else", "r1")), "bound to 'someone-else'"),
+        (dataclasses.replace(fresh, audience=Peer("me", "an-earlier-run")), "bound to run an-earlier-run"),
+        (dataclasses.replace(fresh, expires_ms=0), "carries no expiry"),
+        (dataclasses.replace(fresh, expires_ms=transfers.wall_ms() - 1500), r"expired 1\.\ds ago"),
+        (dataclasses.replace(fresh, expires_ms=transfers.wall_ms() + 7_200_000), "over the 3600s any hint may live"),
+    ]
+    for hint, words in cases:
+        with pytest.raises(InvalidSubmission, match=words):
+            own.check_usable(hint)
+    mine = dataclasses.replace(fresh, audience=own.peer)
+    for hint in (mine, dataclasses.replace(fresh, transfer_id="t2")):  # bound to this run, or to nobody: once
+        own.check_usable(hint)
+        own.use(hint)
+        with pytest.raises(InvalidSubmission, match="used already"):
+            own.check_usable(hint)
+    # A used hint is remembered until it expires, however many others are used meanwhile;
+    # then it is forgotten, and refused as expired instead.
+    monkeypatch.setattr(transfers, "_RETIRED_KEPT", 2)
+    for i in range(10):
+        own.use(dataclasses.replace(fresh, transfer_id=f"other-{i}"))
+    with pytest.raises(InvalidSubmission, match="used already"):
+        own.check_usable(mine)
+    monkeypatch.setattr(transfers, "wall_ms", lambda: fresh.expires_ms + 1)
+    with pytest.raises(InvalidSubmission, match="expired"):
+        own.check_usable(mine)
+    assert len(own._used) == 0
+
+
+def test_hints_stop_being_remembered_only_by_refusing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfers, "_USED_LIVE_CAP", 3)
+    own = OwnTransfers("me")
+    _, hint = _view_and_hint([0], [0])
+    live = [dataclasses.replace(hint, transfer_id=f"t{i}", expires_ms=transfers.wall_ms() + 60_000) for i in range(4)]
+    for h in live[:3]:
+        own.check_usable(h)
+        own.use(h)
+    with pytest.raises(SubmissionRejected, match="have not expired yet"):
+        own.check_usable(live[3])
+    with pytest.raises(InvalidSubmission, match="used already"):
+        own.check_usable(live[0])

@@ -59,7 +59,7 @@ def test_hint_describes_only_the_other_end() -> None:
     # No field of a hint names local rows: everything is the describing end's own geometry.
     names = set(Hint.__dataclass_fields__)
     assert names == {"backend", "mode", "agent", "request", "transfer_id", "layout", "groups",
-                     "endpoint", "extras", "mac"}
+                     "endpoint", "extras", "mac", "run", "audience", "expires_ms"}
 
 
 def test_hint_slot_outside_region_refused() -> None:

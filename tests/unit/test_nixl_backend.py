@@ -170,12 +170,16 @@ def test_record_before_fetch_is_stashed(made: list[NixlBackend]) -> None:
         assert fmem.read(g.region.name, g.slots) == payload[g.layer_group]
 
 
-def test_device_memory_refused_without_cuda(made: list[NixlBackend]) -> None:
-    backend, _ = _backend(made, TransferMode.PUSH, "D")
+def test_device_memory_skipped_without_cuda(made: list[NixlBackend]) -> None:
+    backend, mem = _backend(made, TransferMode.PUSH, "D")
     if MemoryKind.DEVICE in backend.capabilities.memory_kinds:
         pytest.skip("this machine has CUDA")
-    with pytest.raises(InvalidSubmission, match="cannot reach"):
-        backend.register([SlotRegion("vram", 1 << 40, 4096, 4, MemoryKind.DEVICE)])
+    vram = SlotRegion("vram", 1 << 40, 4096, 4, MemoryKind.DEVICE)
+    assert backend.register([vram]) == (vram,)
+    g = _view(mem, "after-skip", 3).groups[0]
+    on_vram = View("after-skip", TokenRange(0, 16), (LayerGroupRows(g.layer_group, g.kind, vram, [0], [0]),), b"")
+    with pytest.raises(InvalidSubmission, match="'vram', which is not registered"):
+        backend.describe(on_vram)
 
 
 def test_hint_with_a_known_peers_metadata_under_another_name_leaves_that_peer_loaded(

@@ -4,6 +4,7 @@ choice of path, and the helpers' refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,6 @@ from kvxfer.contract import (
     Cancelled,
     Delivered,
     Failed,
-    Hint,
     InvalidSubmission,
     LayerGroupRows,
     MemoryKind,
@@ -470,8 +470,7 @@ def test_malformed_arena_extra_refused(made: list[NixlBackend]) -> None:
     pview, fview = _view(pmem, "bad", 8, 60), _view(fmem, "bad", 8, 61)
     good = fet.describe(fview)
     pub.describe(pview)
-    bad = Hint(good.backend, good.mode, good.agent, good.request, good.transfer_id, good.layout, good.groups,
-               good.endpoint, ((ARENA_EXTRA, b"short"),))
+    bad = dataclasses.replace(good, extras=((ARENA_EXTRA, b"short"),))
     with pytest.raises(InvalidSubmission, match="nixl.arena"):
         pub.publish(pview, bad)
 

@@ -269,7 +269,7 @@ def test_reservation_dropped_without_proof_is_quarantined() -> None:
             d = c.decode[0]
             for rid, safe in (("a", False), ("b", True)):
                 await request_json(d, "POST", "/reserve", {"request": rid, "prompt": list(range(10)),
-                                                          "max_new_tokens": 2})
+                                                          "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})
                 dropped = await request_json(d, "POST", "/abort", {"request": rid, "rows_safe": safe})
                 assert dropped["dropped"] == "reserved"
             text = await request_text(d, "/metrics")
@@ -407,7 +407,7 @@ def test_worker_ids_in_use_and_lengths_are_refused_before_anything_is_touched() 
         await prefill.start()
         try:
             stream = await worker.generate({"request": "X", "prompt": [1, 2, 3, 4, 5], "max_new_tokens": 3})
-            await worker.reserve({"request": "X", "prompt": list(range(1, 30)), "max_new_tokens": 3})
+            await worker.reserve({"request": "X", "prompt": list(range(1, 30)), "max_new_tokens": 3, "publisher": {"agent": "p", "run": "1"}})
             with pytest.raises(ValueError, match="already"):
                 async for _ in stream:
                     pass

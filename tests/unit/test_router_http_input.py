@@ -52,7 +52,7 @@ def test_worker_flags_and_timeouts_must_have_their_json_types() -> None:
         async with cluster(0, 1) as c:
             d = c.decode[0]
             await request_json(d, "POST", "/reserve", {"request": "a", "prompt": list(range(10)),
-                                                      "max_new_tokens": 2})
+                                                      "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})
             cases = [("/abort", {"request": "a", "rows_safe": "false"}, "'rows_safe' must be true or false"),
                      ("/generate", {"request": "a", "timeout_s": "soon"}, "'timeout_s' must be a positive number"),
                      ("/generate", {"request": "a", "timeout_s": -1}, "'timeout_s' must be a positive number"),

@@ -103,7 +103,7 @@ def test_an_abort_of_a_call_in_progress_is_forgotten_when_the_call_fails() -> No
             gate = threading.Event()
             worker._exec.submit(gate.wait, 30)
             try:
-                too_long = worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 10_000})
+                too_long = worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 10_000, "publisher": {"agent": "p", "run": "1"}})
                 call = asyncio.ensure_future(too_long)
                 await asyncio.sleep(0.05)
                 assert (await worker.abort({"request": "x"}))["dropped"] == "starting"
@@ -112,7 +112,7 @@ def test_an_abort_of_a_call_in_progress_is_forgotten_when_the_call_fails() -> No
             with pytest.raises(Exception, match="over max_positions"):
                 await call
             assert worker._aborted == set() and worker._starting == {}
-            await worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 2})  # the id is free
+            await worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})  # the id is free
             assert (await worker.abort({"request": "x", "rows_safe": True}))["dropped"] == "reserved"
 
     asyncio.run(main())
@@ -163,14 +163,14 @@ def test_an_abort_that_arrives_before_its_call_refuses_the_call() -> None:
             assert (await decode.abort({"request": "early", "rows_safe": True}))["dropped"] is None
             assert (await prefill.abort({"request": "early"}))["dropped"] is None
             with pytest.raises(Aborted, match="aborted before this call arrived"):
-                await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2})
+                await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})
             with pytest.raises(Aborted, match="aborted before this call arrived"):
                 await prefill.prefill({"request": "early", "prompt": [1, 2, 3]})
             for worker in (decode, prefill):
                 assert worker._reserved == {} and worker._held == {} and worker._aborted_early == {}
                 assert worker.pool is not None and worker.pool.requests == ()
             # The refusal used the abort up: the id can be used again.
-            await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2})
+            await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})
             assert (await decode.abort({"request": "early", "rows_safe": True}))["dropped"] == "reserved"
 
     asyncio.run(main())

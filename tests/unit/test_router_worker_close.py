@@ -78,8 +78,9 @@ def test_a_publish_that_raises_keeps_its_rows_out_of_reuse() -> None:
                 raise OSError("transport fell over mid-post")
 
             backend(c.workers[p]).publish = broken  # type: ignore[method-assign]
+            publisher = (await request_json(p, "GET", "/health"))["publisher"]
             hint = (await request_json(d, "POST", "/reserve", {"request": "a", "prompt": prompt,
-                                                              "max_new_tokens": 2}))["hint"]
+                                                              "max_new_tokens": 2, "publisher": publisher}))["hint"]
             await request_json(p, "POST", "/prefill", {"request": "a", "prompt": prompt})
             with pytest.raises(HttpError) as info:
                 await request_json(p, "POST", "/publish", {"request": "a", "hint": hint})

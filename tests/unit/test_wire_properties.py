@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.contract import CacheKind, CompletionRecord, Hint, HintGroup, MemoryKind, RecordStatus, TransferMode
+from kvxfer.contract import CacheKind, CompletionRecord, Hint, HintGroup, MemoryKind, Peer, RecordStatus, TransferMode
 from kvxfer.wire import (
     WireError,
     decode_blob,
@@ -62,6 +62,9 @@ def hints(draw: st.DrawFn) -> Hint:
         groups=tuple(draw(hint_groups(n)) for n in group_names),
         endpoint=draw(st.binary(max_size=64)),
         extras=tuple((k, draw(st.binary(max_size=16))) for k in extra_keys),
+        run=draw(st.one_of(st.just(""), names)),
+        audience=draw(st.one_of(st.none(), st.builds(Peer, names, names))),
+        expires_ms=draw(st.integers(0, 2**63 - 1)),
     )
 
 
