@@ -5,8 +5,12 @@ Rules every backend keeps (``kvxfer.testing.conformance`` checks them):
 1. Rows it does not recognize are refused with InvalidSubmission, never skipped.
 2. Conclusion and quiescence advance by themselves; nobody has to call ``poll()``.
 3. Any raise other than InvalidSubmission or SubmissionRejected means memory access may
-   have escaped: the lease holder keeps the lease until ``shutdown()`` returns a set
-   without that attempt.
+   have escaped, and no attempt will say when it ends: the lease holder keeps the lease
+   until ``shutdown()`` has returned an empty set (nothing the backend ever submitted can
+   touch memory any more), and only then may release it. An attempt that exists but is not
+   quiesced holds its memory through ``Lease.track``: release the lease, and the lender
+   reuses the rows once the attempt quiesces (by a late confirmation from the peer, the
+   peer proven dead, or its own requests ending), never before.
 4. One instance serves one lender's domain. Its methods are called from one call
    sequence (the owner's thread); its own threads only read views.
 5. A row is True in a mask only once its bytes are visible at the destination.

@@ -184,6 +184,11 @@ class Lender(abc.ABC):
         self._before_release(lease)
         self._progress()
 
+    def reclaim(self) -> None:
+        """Unpin released leases whose attempts have quiesced since (lending calls do this
+        too; a holder that lends nothing for a while calls it to get rows back)."""
+        self._progress()
+
     @property
     def open_leases(self) -> int:
         return len(self._leases)

@@ -177,8 +177,11 @@ class Worker:
         # while the call waited to be read): that call, if it comes within hold_s, is refused
         # at once, as it would otherwise hold what it makes until hold_s and then quarantine it.
         self._aborted_early: OrderedDict[str, float] = OrderedDict()
-        self._quarantined: list[Lease] = []
-        self._quarantined_count = 0
+        # Rows set aside because a peer may still touch them: leases kept open (no attempt can
+        # tell when access ends, until the backend's shutdown proves it), and released leases
+        # whose attempt has not quiesced yet (the lender reuses their rows once it does).
+        self._quarantined: list[tuple[Lease, int]] = []
+        self._settling: list[tuple[Attempt, int]] = []
         self._active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -232,6 +235,13 @@ class Worker:
         self._held.clear()
         self._torn_down = True  # from here on no job touches the pool (see _engine)
         unquiesced = len(self.backend.shutdown()) if self.backend is not None else 0
+        if unquiesced == 0:
+            # Rule 3: the backend proved that nothing it submitted can touch memory any more.
+            for lease, rows in self._quarantined:
+                lease.release()
+                self.m_reclaimed.inc(rows)
+            self._quarantined.clear()
+        self._reclaim()
         retained = 0
         if self.lender is not None:
             report = self.lender.shutdown(force=True)
@@ -323,7 +333,11 @@ class Worker:
         self.m_step = r.histogram("kvxfer_decode_step_seconds", "One decode step.")
         self.g_leases = r.gauge("kvxfer_open_leases", "Leases not yet released.")
         self.g_quarantined = r.gauge("kvxfer_quarantined_slots",
-                                     "Rows never reused again (a peer may still touch them).")
+                                     "Rows set aside now because a peer may still touch them.")
+        self.m_quarantined = r.counter("kvxfer_quarantined_slots_total",
+                                       "Rows set aside because a peer may still touch them.")
+        self.m_reclaimed = r.counter("kvxfer_reclaimed_slots_total",
+                                     "Set-aside rows given back once no peer could touch them.")
         self.g_blocks = r.gauge("kvxfer_pool_blocks", "Pool blocks by state.")
         self.g_active = r.gauge("kvxfer_worker_active_streams", "Publish or generate streams in progress.")
 
@@ -341,7 +355,8 @@ class Worker:
         out: dict[tuple[Any, tuple[tuple[str, str], ...]], float] = {}
         lender = self.lender
         out[(self.g_leases, ())] = float(lender.open_leases if lender is not None else 0)
-        rows = self._quarantined_count
+        self._reclaim()
+        rows = sum(n for _, n in self._quarantined) + sum(n for _, n in self._settling)
         if isinstance(lender, StagingLender):
             rows += sum(s.quarantined for s in lender.stats().regions.values())
         out[(self.g_quarantined, ())] = float(rows)
@@ -351,12 +366,32 @@ class Worker:
                     out[(self.g_blocks, (("group", group), ("state", state)))] = float(value)
         return out
 
-    def _quarantine(self, reserved: _Reserved) -> None:
-        self._quarantine_lease(reserved.lease, reserved.view)
+    def _quarantine(self, reserved: _Reserved, attempt: Attempt | None = None) -> None:
+        self._quarantine_lease(reserved.lease, reserved.view, attempt)
 
-    def _quarantine_lease(self, lease: Lease, view: View) -> None:
-        self._quarantined.append(lease)
-        self._quarantined_count += view.rows
+    def _quarantine_lease(self, lease: Lease, view: View, attempt: Attempt | None = None) -> None:
+        """Set the lease's rows aside: with the ``attempt`` that touches them, until it
+        quiesces (the lease is released and tracks it); without one, until the backend's
+        shutdown proves that nothing can touch them (rule 3). Engine thread with an attempt
+        (the lender is called)."""
+        self.m_quarantined.inc(view.rows)
+        if attempt is None:
+            self._quarantined.append((lease, view.rows))
+            return
+        lease.release()  # the lease tracks the attempt (submitters track what they submit)
+        self._settling.append((attempt, view.rows))
+
+    def _reclaim(self) -> None:
+        """Count the set-aside rows whose attempts quiesced as given back (the lender
+        unpins them: ``Lender.reclaim``). Engine thread."""
+        if not self._settling:
+            return
+        settled = [(a, n) for a, n in self._settling if a.quiesced()]
+        if settled:
+            self._settling = [(a, n) for a, n in self._settling if not a.quiesced()]
+            self.m_reclaimed.inc(sum(n for _, n in settled))
+            if self.lender is not None:
+                self.lender.reclaim()
 
     def _count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:
         status = _status(outcome)
@@ -697,8 +732,9 @@ class Worker:
         try:
             outcome = await self._settle(attempt, event, timeout)
         except RuntimeError:
-            # Never concluded: the lease stays open (quarantined); recompute elsewhere in the pool.
-            self._quarantine(reserved)
+            # Never concluded: its rows stay out of use until the attempt quiesces (a late
+            # confirmation, the peer proven dead); recompute elsewhere in the pool.
+            await self._run(self._quarantine, reserved, attempt)
             raise
         figures = self._count_transfer(reserved.view, outcome, time.perf_counter() - submitted)
         await self._run(self._arrive, reserved, outcome)
@@ -743,6 +779,7 @@ class Worker:
         """Drop prefills never published and reservations never generated, after hold_s."""
         while True:
             await asyncio.sleep(min(5.0, self.config.hold_s / 4))
+            await self._run(self._reclaim)
             now = time.monotonic()
             for rid, held in list(self._held.items()):
                 if not held.busy and now - held.since > self.config.hold_s:

@@ -36,8 +36,8 @@ class Stack:
     servers: dict[str, HttpServer] = field(default_factory=dict)
     workers: dict[str, Worker] = field(default_factory=dict)
 
-    async def add(self, role: str, name: str) -> str:
-        worker = Worker(WorkerConfig(role=role, model=CFG, num_blocks=128, backend="loopback", name=name,
+    async def add(self, role: str, name: str, num_blocks: int = 128) -> str:
+        worker = Worker(WorkerConfig(role=role, model=CFG, num_blocks=num_blocks, backend="loopback", name=name,
                                      transfer_timeout_s=5.0), model=MODEL, fabric=self.fabric)
         await worker.start()
         server = HttpServer(make_handler(worker))

@@ -413,7 +413,7 @@ def test_worker_ids_in_use_and_lengths_are_refused_before_anything_is_touched() 
                     pass
             assert "X" in worker._reserved and worker.pool is not None and worker.pool.has("X")
             assert (await worker.abort({"request": "X", "rows_safe": True}))["dropped"] == "reserved"
-            assert worker._quarantined_count == 0 and worker.lender is not None and worker.lender.open_leases == 0
+            assert worker._quarantined == [] and worker.lender is not None and worker.lender.open_leases == 0
 
             results = await asyncio.gather(*(prefill.prefill({"request": "same", "prompt": list(range(1, 30))})
                                              for _ in range(2)), return_exceptions=True)
