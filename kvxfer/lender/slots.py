@@ -1,4 +1,5 @@
-"""Staging slots of one region: contiguous runs granted first-fit, quarantine for good."""
+"""Staging slots of one region: contiguous runs granted first-fit, quarantined while a copy
+of unknown end may still touch them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ class SlotStats:
 
 
 class SlotRuns:
-    """``capacity`` slots; a grant is one contiguous run. Quarantined slots never return."""
+    """``capacity`` slots; a grant is one contiguous run. Quarantined slots return only by
+    ``unquarantine``, once nothing can touch them."""
 
     def __init__(self, name: str, capacity: int) -> None:
         if capacity <= 0:
@@ -59,6 +61,14 @@ class SlotRuns:
         """These slots may still be accessed by a copy we cannot account for: never reuse."""
         self._quarantined[start: start + n] = True
         self._free[start: start + n] = False
+
+    def unquarantine(self, start: int, n: int, granted: bool) -> None:
+        """Nothing can touch these slots any more: free again, or (``granted``: a lease still
+        holds them) free once that lease gives them back."""
+        run = slice(start, start + n)
+        self._quarantined[run] = False
+        if not granted:
+            self._free[run] = True
 
     def stats(self) -> SlotStats:
         _, lengths = self._runs()

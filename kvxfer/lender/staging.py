@@ -12,9 +12,11 @@ region per pool row region (pinned host memory when the pool is on CUDA), sized 
   ``mark_arrived`` copies only the marked rows to device pages, in one batch, and
   readiness counts them once that copy completes.
 - A copy whose completion cannot be established (it raised, or its event did) sets
-  ``lease.failure`` and quarantines its slots for good (the staging memory is then kept
-  even after the lender is gone); on CUDA the device pages it touched are retained too.
-  ``stats()`` shows capacity, free and quarantined slots.
+  ``lease.failure`` and quarantines its slots (the staging memory is then kept even after
+  the lender is gone); on CUDA the device pages it touched are retained too. They come back
+  as soon as nothing of the copy can still run: at once on the host, where copies run on the
+  calling thread, and on CUDA once the lender's copy stream synchronizes (never, if the
+  device context is broken). ``stats()`` shows capacity, free, quarantined and reclaimed slots.
 
 Progress is driven by the lender's calls (``view``, ``readiness``, ``release``, lends).
 """
@@ -45,6 +47,8 @@ class StagingStats:
     waiting: int
     copies_in_flight: int
     fetches: int  # concurrent full-size leases the capacity was sized for
+    reclaimed: int = 0  # slots quarantined after a failed copy and given back since
+    quarantined_total: int = 0  # slots ever quarantined after a failed copy
 
 
 @dataclass(eq=False)
@@ -100,8 +104,13 @@ class StagingLender(Lender):
         self._queue: deque[Lease] = deque()
         self._grants: dict[int, list[int]] = {}  # lease id -> run start per part
         self._copies: dict[int, _Copy] = {}
-        self._quarantined: set[int] = set()  # lease ids whose runs never come back
+        self._quarantined: set[int] = set()  # lease ids whose runs are quarantined
+        self._unsettled: dict[int, tuple[Lease, list[int]]] = {}  # failed copies not yet proven ended
+        self._broken = False  # the copy stream failed to synchronize: nothing more can be proven
+        self._reclaimed = 0
+        self._quarantined_total = 0
         self._faults = 0
+        self._faults_end_unknown = False
 
     @property
     def regions(self) -> tuple[SlotRegion, ...]:
@@ -109,11 +118,14 @@ class StagingLender(Lender):
 
     def stats(self) -> StagingStats:
         return StagingStats({n: s.stats() for n, s in self._slots.items()}, len(self._queue),
-                            len(self._copies), self.fetches)
+                            len(self._copies), self.fetches, self._reclaimed, self._quarantined_total)
 
-    def inject_copy_faults(self, count: int) -> None:
-        """Fault injection (tests, chaos): the next ``count`` copies raise mid-issue."""
+    def inject_copy_faults(self, count: int, *, end_unknown: bool = False) -> None:
+        """Fault injection (tests, chaos): the next ``count`` copies raise mid-issue.
+        ``end_unknown``: and their end cannot be proven either (as with a broken device
+        context), so their slots stay quarantined."""
         self._faults = count
+        self._faults_end_unknown = end_unknown
 
     # --- granting -------------------------------------------------------------------------
     def _make_view(self, lease: Lease) -> None:
@@ -171,6 +183,8 @@ class StagingLender(Lender):
         try:
             if self._faults > 0:
                 self._faults -= 1
+                if self._faults_end_unknown:
+                    self._broken = True
                 raise RuntimeError("injected staging copy fault")
             if self._cuda:
                 assert self._stream is not None
@@ -236,8 +250,10 @@ class StagingLender(Lender):
     def _copy_failed(self, lease: Lease, reason: str) -> None:
         lease.failure = reason
         self._quarantined.add(lease.id)
+        self._unsettled[lease.id] = (lease, list(self._grants[lease.id]))
         for part, start in zip(lease._parts, self._grants[lease.id]):
             self._slots[part.region.name].quarantine(start, part.blocks.size)
+            self._quarantined_total += part.blocks.size
         self._retain_buffers()
         if self._cuda:  # the device side of the copy may still run: keep its pages too
             for part in lease._parts:
@@ -251,8 +267,38 @@ class StagingLender(Lender):
 
     def _progress(self) -> None:
         self._poll_copies()
+        self._settle_failed()
         super()._progress()
         self._pump()
+
+    def _settle_failed(self) -> None:
+        """Give back the slots (and device pages) of failed copies once nothing of them can
+        still run."""
+        if not self._unsettled or not self._copies_ended():
+            return
+        for lease_id, (lease, starts) in list(self._unsettled.items()):
+            del self._unsettled[lease_id]
+            self._quarantined.discard(lease_id)
+            granted = lease_id in self._grants  # else the lease was unpinned while quarantined
+            for part, start in zip(lease._parts, starts):
+                self._slots[part.region.name].unquarantine(start, part.blocks.size, granted)
+                self._reclaimed += part.blocks.size
+                if self._cuda:
+                    self.pool.allocator(part.group).unretain(part.blocks)
+
+    def _copies_ended(self) -> bool:
+        """True once no copy issued so far can run: host copies run on the calling thread, so
+        one that raised has stopped; device copies have once the copy stream synchronizes."""
+        if self._broken:
+            return False
+        if self._stream is None:
+            return True
+        try:
+            self._stream.synchronize()
+        except Exception:  # a broken context: no proof now or later
+            self._broken = True
+            return False
+        return True
 
     def _before_release(self, lease: Lease) -> None:
         if lease in self._queue:
@@ -273,6 +319,7 @@ class StagingLender(Lender):
 
     def _retain_own(self, leases: list[Lease]) -> dict[str, np.ndarray]:
         kept: dict[str, list[np.ndarray]] = {}
+        self._unsettled.clear()  # shutdown's own _progress settled what it could: the rest stays
         for lease in leases:
             if lease in self._queue:
                 self._queue.remove(lease)

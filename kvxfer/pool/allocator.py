@@ -164,6 +164,12 @@ class BlockAllocator:
             self._forget_key(b)
             self._lru.pop(b, None)
 
+    def unretain(self, blocks: np.ndarray) -> None:
+        """``retain`` undone, once nothing can touch these blocks: they go back to their
+        request, or to the free list when no request or lease holds them."""
+        self.retained[blocks] = False
+        self._settle(blocks)
+
     def _settle(self, blocks: np.ndarray) -> None:
         idle = blocks[(self.refcount[blocks] == 0) & (self.pins[blocks] == 0)
                       & ~self.retained[blocks] & ~self._is_free[blocks]]

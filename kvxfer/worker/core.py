@@ -182,6 +182,7 @@ class Worker:
         # whose attempt has not quiesced yet (the lender reuses their rows once it does).
         self._quarantined: list[tuple[Lease, int]] = []
         self._settling: list[tuple[Attempt, int]] = []
+        self._staging_seen = (0, 0)  # the staging lender's quarantined and reclaimed totals, counted
         self._active = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -383,7 +384,14 @@ class Worker:
 
     def _reclaim(self) -> None:
         """Count the set-aside rows whose attempts quiesced as given back (the lender
-        unpins them: ``Lender.reclaim``). Engine thread."""
+        unpins them: ``Lender.reclaim``), and the staging slots a failed copy held until it
+        surely ended. Engine thread."""
+        if isinstance(self.lender, StagingLender):
+            stats = self.lender.stats()
+            seen = (stats.quarantined_total, stats.reclaimed)
+            self.m_quarantined.inc(seen[0] - self._staging_seen[0])
+            self.m_reclaimed.inc(seen[1] - self._staging_seen[1])
+            self._staging_seen = seen
         if not self._settling:
             return
         settled = [(a, n) for a, n in self._settling if a.quiesced()]

@@ -132,11 +132,11 @@ def test_staging_copy_waits_for_model_writes_on_the_current_stream() -> None:
     lease.release()
 
 
-def test_injected_copy_fault_on_cuda_quarantines_slots_and_retains_pages() -> None:
+def test_injected_copy_fault_on_cuda_of_unknown_end_quarantines_slots_and_retains_pages() -> None:
     pool = cuda_pool(groups=(FULL,))
     lender = StagingLender(pool, 64, 1, 1 << 24)
     fill(pool, "r", 64, seed=3)
-    lender.inject_copy_faults(1)
+    lender.inject_copy_faults(1, end_unknown=True)
     lease = lender.lend_read("r", (0, 64))
     assert lease.view() is None and lease.failure
     lease.release()
@@ -144,3 +144,25 @@ def test_injected_copy_fault_on_cuda_quarantines_slots_and_retains_pages() -> No
     assert pool.stats()["full"]["retained"] == 4
     torch.cuda.synchronize()
     np.testing.assert_array_equal(pool.allocator("full").retained[pool.block_table("r", "full")], True)
+
+
+def test_copy_fault_on_cuda_gives_slots_and_pages_back_once_the_copy_stream_synchronized() -> None:
+    # The copy raised after the lender's stream had work queued (a large copy just before):
+    # once that stream synchronizes nothing of it can run, and slots and pages come back.
+    pool = cuda_pool(groups=(FULL,))
+    lender = StagingLender(pool, 64, 1, 1 << 24)
+    fill(pool, "r", 64, seed=3)
+    warm = lender.lend_read("r", (0, 64))
+    wait_until(warm.view)
+    warm.release()
+    lender.inject_copy_faults(1)
+    lease = lender.lend_read("r", (0, 64))
+    assert lease.view() is None and lease.failure
+    stats = lender.stats()
+    assert (stats.regions["full"].quarantined, stats.reclaimed) == (0, 4)
+    assert pool.stats()["full"]["retained"] == 0
+    lease.release()
+    assert lender.stats().regions["full"].free == lender.stats().regions["full"].capacity
+    again = lender.lend_read("r", (0, 64))
+    assert wait_until(again.view) is not None
+    again.release()

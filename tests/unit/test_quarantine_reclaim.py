@@ -67,7 +67,7 @@ def test_a_hundred_faults_end_with_both_pools_whole() -> None:
                 assert list(c.tokens) == oracle(prompt, 3)
                 assert c.path != "disaggregated" or (c.transfer is not None and c.transfer.status != "delivered")
             # The slow kind's rows came back while the workers ran; the raising kind's wait for shutdown.
-            for url, worker in ((p, prefill), (d, decode)):
+            for url in (p, d):
                 text = await request_text(url, "/metrics")
                 set_aside = _metric(text, "kvxfer_quarantined_slots_total")
                 assert set_aside > 0 and _metric(text, "kvxfer_quarantined_slots") == set_aside, (url, text)

@@ -132,11 +132,30 @@ def test_fifo_grant_in_contiguous_runs_and_cancellation() -> None:
     f.release()
 
 
-def test_failed_copy_quarantines_slots_for_good() -> None:
+def test_failed_copy_slots_come_back_once_the_copy_has_surely_ended() -> None:
+    # On the host a copy runs on the calling thread: one that raised has stopped, so its
+    # slots return at the lender's next call, and the next lease may be granted them.
     p = pool()
     fill(p, "r", 16)
     lender = StagingLender(p, 16, 2, 1 << 20)  # 5 rows a fetch, 10 slots
     lender.inject_copy_faults(1)
+    bad = lender.lend_read("r", (0, 16))
+    assert bad.view() is None and "injected staging copy fault" in (bad.failure or "")
+    stats = lender.stats()
+    assert (stats.regions["full"].quarantined, stats.regions["full"].free, stats.reclaimed) == (0, 6, 4)
+    bad.release()
+    assert lender.stats().regions["full"].free == 10 and p.stats()["full"]["pinned"] == 0
+    good = lender.lend_read("r", (0, 16))
+    assert good.view() is not None and good.view().groups[0].slots.tolist() == [0, 1, 2, 3]
+    good.release()
+    assert lender.stats().regions["full"].free == 10
+
+
+def test_failed_copy_of_unknown_end_quarantines_slots_for_good() -> None:
+    p = pool()
+    fill(p, "r", 16)
+    lender = StagingLender(p, 16, 2, 1 << 20)  # 5 rows a fetch, 10 slots
+    lender.inject_copy_faults(1, end_unknown=True)
     bad = lender.lend_read("r", (0, 16))
     assert bad.view() is None and "injected staging copy fault" in (bad.failure or "")
     bad.release()
@@ -159,7 +178,7 @@ def test_failed_arrival_copy_counts_nothing() -> None:
     assert write.failure is not None and "to device failed" in write.failure
     write.release()
     assert lender.readiness("r") == ResumeBounds(0, 0)
-    assert lender.stats().regions["full"].quarantined == 4
+    assert lender.stats().regions["full"].quarantined == 0 and lender.stats().reclaimed == 4  # the copy ended
 
 
 def test_forced_shutdown_retains_staging_and_pages() -> None:
@@ -182,7 +201,7 @@ def test_quarantined_staging_memory_outlives_the_lender() -> None:
     p = pool()
     fill(p, "r", 16)
     lender = StagingLender(p, 16, 1, 1 << 20)
-    lender.inject_copy_faults(1)
+    lender.inject_copy_faults(1, end_unknown=True)
     bad = lender.lend_read("r", (0, 16))
     bad.release()
     assert lender.stats().regions["full"].quarantined == 4
@@ -209,7 +228,7 @@ def test_mark_arrived_after_forced_shutdown_is_refused_by_name() -> None:
 
 def test_a_lease_that_can_no_longer_fit_fails_instead_of_holding_up_the_queue() -> None:
     # 5 slots. A write lease holds 4; a 2-row read waits (strict FIFO), a 1-row read behind it.
-    # The write lease's arrival copy fails: its 4 slots are quarantined for good, so the
+    # The write lease's arrival copy fails, its end unknown: its 4 slots are quarantined for good, so the
     # 2-row read can never be granted. It fails by name, and the 1-row read behind it is
     # granted the last slot; a new 2-row lease is refused at once.
     p = pool()
@@ -220,7 +239,7 @@ def test_a_lease_that_can_no_longer_fit_fails_instead_of_holding_up_the_queue() 
     two = lender.lend_read("r", (0, 8))
     one = lender.lend_read("r", (12, 16))
     assert write.view() is not None and two.view() is None and one.view() is None
-    lender.inject_copy_faults(1)
+    lender.inject_copy_faults(1, end_unknown=True)
     write.mark_arrived(write.view().row_masks(True))
     assert write.failure is not None
     write.release()

@@ -41,7 +41,7 @@ def hint_groups(draw: st.DrawFn, name: str) -> HintGroup:
     slots = draw(st.lists(st.integers(0, region_slots - 1), min_size=rows, max_size=rows))
     ordinals = draw(st.lists(INT64, min_size=rows, max_size=rows, unique=True))
     # A valid region ends at or below 2**64: draw the size first, then an address that fits.
-    slot_bytes = draw(st.integers(1, 2**64 // region_slots))
+    slot_bytes = draw(st.integers(1, min(2**64 // region_slots, 2**64 - 1)))  # a uint64 on the wire
     address = draw(st.integers(0, 2**64 - slot_bytes * region_slots))
     return HintGroup(
         layer_group=name, kind=draw(st.sampled_from(CacheKind)), region=draw(names),
