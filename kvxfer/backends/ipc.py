@@ -332,6 +332,9 @@ class IpcBackend(Backend):
     def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
         return self._submit(view, hint, wake, fetching=False)
 
+    def withdraw(self, hint: Hint) -> bool:
+        return self._own.withdraw(hint)
+
     def shutdown(self) -> frozenset[TrackedAttempt]:
         with self._jobs_lock:
             first = not self._closed
@@ -410,7 +413,7 @@ class IpcBackend(Backend):
                         raise InvalidSubmission(
                             f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): "
                             "describe again")
-                    self._own.use(hint)
+                    self._own.use(hint, attempt)
                 self._launch(job)
                 self._in_flight.append(job)
             if job.launched and job.failure is None:

@@ -179,6 +179,9 @@ class LoopbackBackend(Backend):
     def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
         return self._submit(view, hint, wake, fetching=False)
 
+    def withdraw(self, hint: Hint) -> bool:
+        return self._own.withdraw(hint)
+
     def shutdown(self) -> frozenset[TrackedAttempt]:
         with self._jobs_lock:
             self._closed = True
@@ -219,7 +222,7 @@ class LoopbackBackend(Backend):
                 self._refuse_if_closed()
                 self._own.check_usable(hint)
                 self._refuse_if_revoked(hint)
-                self._own.use(hint)
+                self._own.use(hint, attempt)
                 self._active.append(job)
         else:
             attempt = TrackedAttempt(wake, self._on_cancel, label)

@@ -334,6 +334,9 @@ class NixlBackend(Backend):
     def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
         return self._submit(view, hint, wake, fetching=False)
 
+    def withdraw(self, hint: Hint) -> bool:
+        return self._own.withdraw(hint)
+
     def shutdown(self) -> frozenset[TrackedAttempt]:
         with self._lock:
             if self._closed and self._stop.is_set():
@@ -420,6 +423,7 @@ class NixlBackend(Backend):
                                          row_limit=row_limit)
                     job = PackedJob(attempt, view, hint, "WRITE", packed, deadline, injected=injected, ready=ready,
                                     remote=remote)
+                    self._own.use(hint, attempt)  # before anything is posted: withdraw() must see it
                     job.on_credit(ahead, [], [])
                     # Ask for arena slots now rather than on the progress thread's next step:
                     # the request's round trip is on this push's critical path.
@@ -432,6 +436,7 @@ class NixlBackend(Backend):
                                          coalesce_runs=self.coalesce)
                     job = ActiveJob(attempt, view, hint, "READ" if fetching else "WRITE", chunks, deadline,
                                     injected=injected, ready=ready)
+                    self._own.use(hint, attempt)  # before anything is posted: withdraw() must see it
                     if self._posts_inline(job):
                         # Before the job is in _active, so the progress thread cannot step it
                         # meanwhile; under our lock, so that shutdown() finds what was posted.
@@ -440,7 +445,6 @@ class NixlBackend(Backend):
                         self._counts["chunks_posted_inline"] += job.next_chunk
                     self._counts["unpacked_submissions"] += 1
                     self._paths[attempt] = "unpacked"
-                self._own.use(hint)
                 self._active.append(job)
             else:
                 wait = PassiveWait(attempt, view, hint, own_id, deadline)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.contract import Hint, HintGroup, InvalidSubmission, Peer, SubmissionRejected, View
+from kvxfer.contract import Attempt, Hint, HintGroup, InvalidSubmission, Peer, SubmissionRejected, View
 
 _RETIRED_KEPT = 65536
 DEFAULT_HINT_TTL_S = 120.0
@@ -90,7 +90,9 @@ class OwnTransfers:
         self._lock = threading.Lock()
         self._by_view: OrderedDict[tuple[str, int, int], tuple[str, View]] = OrderedDict()
         self._retired: OrderedDict[str, None] = OrderedDict()
-        self._used: OrderedDict[tuple[str, str], int] = OrderedDict()  # -> the hint's expiry (ms)
+        # Peers' hints this end acted on -> (the hint's expiry in ms, the attempt that used it,
+        # None once it quiesced): remembered until the hint expires.
+        self._used: OrderedDict[tuple[str, str], tuple[int, Attempt | None]] = OrderedDict()
 
     def expiry(self) -> int:
         """The expiry to stamp on a hint described now."""
@@ -162,16 +164,38 @@ class OwnTransfers:
         if full:
             raise SubmissionRejected(f"{_USED_LIVE_CAP} used hints have not expired yet; retry later")
 
-    def use(self, hint: Hint) -> None:
-        """Remember ``hint`` as used until it expires (check_usable came first)."""
+    def use(self, hint: Hint, attempt: Attempt) -> None:
+        """Remember ``hint`` as used by ``attempt`` until it expires (check_usable came
+        first). Call it before anything is posted: ``withdraw`` trusts it."""
         with self._lock:
-            self._used[(hint.agent, hint.transfer_id)] = hint.expires_ms
+            self._used[(hint.agent, hint.transfer_id)] = (hint.expires_ms, attempt)
+
+    def withdraw(self, hint: Hint) -> bool:
+        """``Backend.withdraw``: True when nothing of this end can reach the peer's rows
+        through ``hint`` any more, now or later: it was never used here (and now counts as
+        used, so it is refused from now on) or the attempt that used it has quiesced."""
+        key = (hint.agent, hint.transfer_id)
+        with self._lock:
+            self._forget_expired()
+            found = self._used.get(key)
+            if found is None:
+                # Kept until it expires (or a while, for a hint without one): a later
+                # submission with it is refused as used.
+                self._used[key] = (max(hint.expires_ms, wall_ms() + self.ttl_ms), None)
+                return True
+            expires, attempt = found
+            if attempt is None:
+                return True
+            if not attempt.quiesced():
+                return False
+            self._used[key] = (expires, None)  # no need to keep the attempt alive
+            return True
 
     def _forget_expired(self) -> None:
         now = wall_ms()
         used = self._used
         while used:
-            key, expires = next(iter(used.items()))
+            key, (expires, _) = next(iter(used.items()))
             if expires >= now:
                 break
             del used[key]

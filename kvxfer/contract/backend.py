@@ -99,5 +99,14 @@ class Backend(abc.ABC):
         """Make the rows of ``view`` available to (push: write into) the peer of ``hint``."""
 
     @abc.abstractmethod
+    def withdraw(self, hint: Hint) -> bool:
+        """Take back the peer's ``hint`` here: True when nothing of this backend can reach the
+        peer's rows through it any more, now or later (it never submitted with it, and from
+        now on refuses it as used; or its attempt with it has quiesced), False while an
+        attempt with it may still touch them or when that cannot be told (its submission
+        raised). On True the peer may reuse the rows it described: the control plane carries
+        the answer (a decode worker's reservation whose publish failed in an unknown way)."""
+
+    @abc.abstractmethod
     def shutdown(self) -> frozenset[Attempt]:
         """Stop taking work; return the attempts not proven quiesced."""

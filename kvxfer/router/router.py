@@ -45,6 +45,11 @@ WORKER_SETTLE_S = 15.0
 """A decode worker's waits after a fetch's deadline: cancel grace (5 s) plus quiescence (10 s)."""
 
 
+RECLAIM_S = 600.0
+"""How long the router keeps asking a prefill worker to take back a hint D whose publish
+failed in an unknown way (a timeout, a 500), so the decode worker can reuse its rows."""
+RECLAIM_POLL_S = 1.0
+
 KEY_PATTERN = r"r[0-9a-f]{12}-\d+"
 """The shape of the ids the router gives the workers (``Router._key``), for tools that read
 them out of reasons and logs."""
@@ -378,8 +383,14 @@ class Router:
         except (HttpError, StopAsyncIteration) as exc:
             await publish.aclose()
             self._down(p, exc)
-            async for tok in self._after_prefill_loss(run, p, d, f"publish on {p.url} failed: {exc}",
-                                                      _rows_safe(exc)):
+            safe = _rows_safe(exc)
+            if not safe:
+                # Nothing says whether the publisher wrote: ask it to take hint D back, and
+                # keep asking in the background until the decode worker may reuse the rows.
+                safe = await self._withdrawn(p, reserved["hint"])
+                if not safe:
+                    self._reclaim_later(p, d, run.key, reserved["hint"])
+            async for tok in self._after_prefill_loss(run, p, d, f"publish on {p.url} failed: {exc}", safe):
                 yield tok
             return
         outcome = asyncio.create_task(self._publish_outcome(publish))
@@ -511,6 +522,37 @@ class Router:
     def _abort_later(self, e: _Endpoint, body: dict[str, Any]) -> None:
         """``_abort`` in the background, for a caller that can await nothing more."""
         task = asyncio.get_running_loop().create_task(self._abort(e, body))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _withdrawn(self, p: _Endpoint, hint: str) -> bool:
+        """The prefill worker took hint D back: it can reach the decode rows no more."""
+        try:
+            answer = await request_json(p.url, "POST", "/withdraw", {"hint": hint}, self.connect_timeout_s)
+        except HttpError as exc:
+            # Gone (refused or cut): a dead process writes nothing more either.
+            return exc.unreachable and exc.status == 0
+        return isinstance(answer, dict) and answer.get("withdrawn") is True
+
+    def _reclaim_later(self, p: _Endpoint, d: _Endpoint, key: str, hint: str) -> None:
+        """Until the prefill worker takes hint D back (or is gone), then tell the decode
+        worker its set-aside reservation may be reused; gives up after RECLAIM_S."""
+        async def run() -> None:
+            end = time.monotonic() + RECLAIM_S
+            withdrawn = False
+            while time.monotonic() < end:
+                await asyncio.sleep(RECLAIM_POLL_S)
+                withdrawn = withdrawn or await self._withdrawn(p, hint)
+                if not withdrawn:
+                    continue
+                try:
+                    answer = await request_json(d.url, "POST", "/abort", {"request": key, "rows_safe": True},
+                                                self.timeout_s)
+                except HttpError:
+                    return  # the decode worker is gone or refuses: nothing to give back there
+                if isinstance(answer, dict) and answer.get("dropped") in ("quarantined", "reserved"):
+                    return
+        task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -622,6 +622,31 @@ def check_hint_only_for_its_audience(make_pair: PairFactory, mode: TransferMode)
             pair.close()
 
 
+def check_withdraw(make_pair: PairFactory, mode: TransferMode) -> None:
+    """withdraw() of a peer's hint: True once the attempt that used it has quiesced; True for
+    a hint never used, which is then refused as used, letting nothing escape."""
+    local_op = "publish" if mode is TransferMode.PUSH else "fetch"  # the end that moves bytes
+    local_is_source = local_op == "publish"
+    pair = make_pair(mode)
+    try:
+        plan = _plan(pair, f"withdraw-used-{local_op}", rows=6, seed=24)
+        _fill(pair, plan, local_is_source)
+        run = _start(pair, plan, local_op)
+        _finish(pair, run)
+        assert pair.local.withdraw(run.peer_hint), "withdraw() of a hint whose attempt quiesced returned False"
+    finally:
+        pair.close()
+    pair = make_pair(mode)
+    try:
+        plan = _plan(pair, f"withdraw-unused-{local_op}", rows=6, seed=25)
+        _fill(pair, plan, local_is_source)
+        hint = pair.peer.describe(plan.peer_view)
+        assert pair.local.withdraw(hint), "withdraw() of a hint never used returned False"
+        _expect_refusal(pair, plan, local_op, local_is_source, plan.local_view, hint, what="a withdrawn hint")
+    finally:
+        pair.close()
+
+
 def check_missing_counterpart_false(make_pair: PairFactory, mode: TransferMode) -> None:
     """Rows the peer does not have are False in the fetcher's masks, never guessed."""
     pair = make_pair(mode)
@@ -790,6 +815,7 @@ CHECKS: tuple[Callable[[PairFactory, TransferMode], None], ...] = (
     check_layout_mismatch_refused,
     check_hint_used_once,
     check_hint_only_for_its_audience,
+    check_withdraw,
     check_missing_counterpart_false,
     check_only_requested_rows_move,
     check_partial_failure_exact,

@@ -9,8 +9,11 @@
                                        hint D is bound to it, and expires after hold_s)
     POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, rows_safe?}
                                       -> NDJSON: resume {...}, token {index, token}..., done | error   (decode)
-    POST /abort    {request, rows_safe?} -> {"dropped": "held" | "reserved" | "starting" | null}
-                                      ("starting": its /prefill or /reserve still runs, and drops what it makes;
+    POST /withdraw {hint}             -> {"withdrawn": bool}   (the worker holding a hint D: true when it
+                                      can reach those rows no more, now or later; it refuses the hint from then on)
+    POST /abort    {request, rows_safe?} -> {"dropped": "held" | "reserved" | "quarantined" | "starting" | null}
+                                      ("quarantined", with rows_safe: a reservation set aside earlier is given back;
+                                       "starting": its /prefill or /reserve still runs, and drops what it makes;
                                        null: nothing here yet, and a /prefill or /reserve of it within hold_s is refused)
 
 Streams end with an event holding ``"final": true``; a stream cut before it means the
@@ -38,7 +41,7 @@ NOTHING_ESCAPED = (InvalidSubmission, SubmissionRejected, LeaseError, PoolExhaus
 """Refusals that promise no submission happened (answered 409); anything else is 500."""
 
 
-ENDPOINTS = frozenset({"health", "metrics", "prefill", "publish", "reserve", "generate", "abort"})
+ENDPOINTS = frozenset({"health", "metrics", "prefill", "publish", "reserve", "generate", "abort", "withdraw"})
 
 
 def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
@@ -81,6 +84,8 @@ async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
         return Response.json(await worker.reserve(body))
     if endpoint == "abort":
         return Response.json(await worker.abort(body))
+    if endpoint == "withdraw":
+        return Response.json(await worker.withdraw(body))
     if endpoint == "publish":
         return Response.ndjson(_guard(worker, await worker.publish(body)))
     if endpoint == "generate":

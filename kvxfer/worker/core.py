@@ -16,8 +16,12 @@ Flows (DESIGN.md section 5), the router carrying the opaque hint bytes:
   refuse (policy fail); then decode token by token, streaming.
 
 A reservation whose rows a peer may still write (no hint P came, and the prefill worker
-is not known dead) is quarantined: its lease is never released, so its blocks are never
-reused. That is the only safe answer when nobody can prove the peer stopped.
+is not known dead) is quarantined: its lease stays open, so its blocks are not reused,
+until the publisher proves it can reach them no more (its /withdraw; the router then aborts
+here with rows_safe). Without that proof they stay out of use for good: the only safe
+answer when nobody can prove the peer stopped. Rows whose attempt exists come back when it
+quiesces; those of a submission that raised, once the backend's shutdown proves nothing can
+touch them (rule 3 of the contract).
 """
 
 from __future__ import annotations
@@ -181,6 +185,9 @@ class Worker:
         # tell when access ends, until the backend's shutdown proves it), and released leases
         # whose attempt has not quiesced yet (the lender reuses their rows once it does).
         self._quarantined: list[tuple[Lease, int]] = []
+        # Of those, reservations whose hint D went out, by request id: an /abort with
+        # rows_safe (the router's proof, from the publisher's /withdraw) gives them back.
+        self._exposed: dict[str, tuple[Lease, int]] = {}
         self._settling: list[tuple[Attempt, int]] = []
         self._staging_seen = (0, 0)  # the staging lender's quarantined and reclaimed totals, counted
         self._active = 0
@@ -238,10 +245,14 @@ class Worker:
         unquiesced = len(self.backend.shutdown()) if self.backend is not None else 0
         if unquiesced == 0:
             # Rule 3: the backend proved that nothing it submitted can touch memory any more.
+            # Not the reservations whose hint D is out: a peer may still use that (over IPC
+            # a publisher maps our memory itself); they stay retained.
+            exposed = {id(lease) for lease, _ in self._exposed.values()}
             for lease, rows in self._quarantined:
-                lease.release()
-                self.m_reclaimed.inc(rows)
-            self._quarantined.clear()
+                if id(lease) not in exposed:
+                    lease.release()
+                    self.m_reclaimed.inc(rows)
+            self._quarantined = [(lease, rows) for lease, rows in self._quarantined if id(lease) in exposed]
         self._reclaim()
         retained = 0
         if self.lender is not None:
@@ -367,8 +378,23 @@ class Worker:
                     out[(self.g_blocks, (("group", group), ("state", state)))] = float(value)
         return out
 
-    def _quarantine(self, reserved: _Reserved, attempt: Attempt | None = None) -> None:
+    def _quarantine(self, reserved: _Reserved, attempt: Attempt | None = None, rid: str | None = None) -> None:
+        """A reservation's rows: with ``rid``, its hint D went out to a publisher that may
+        still use it, and an /abort of ``rid`` with rows_safe gives them back."""
         self._quarantine_lease(reserved.lease, reserved.view, attempt)
+        if rid is not None and attempt is None:
+            self._exposed[rid] = (reserved.lease, reserved.view.rows)
+
+    def _release_exposed(self, rid: str) -> bool:
+        """The publisher proved that hint D of ``rid`` can reach our rows no more. Engine thread."""
+        found = self._exposed.pop(rid, None)
+        if found is None:
+            return False
+        lease, rows = found
+        self._quarantined = [(q, n) for q, n in self._quarantined if q is not lease]
+        lease.release()
+        self.m_reclaimed.inc(rows)
+        return True
 
     def _quarantine_lease(self, lease: Lease, view: View, attempt: Attempt | None = None) -> None:
         """Set the lease's rows aside: with the ``attempt`` that touches them, until it
@@ -591,8 +617,20 @@ class Worker:
             # on after its caller gave up on it: the caller will never use what it makes.
             self._aborted.add(rid)
             return {"request": rid, "dropped": "starting"}
+        if rows_safe and rid in self._exposed:  # checked before any await: the tables above stay as seen
+            await self._run(self._release_exposed, rid)
+            return {"request": rid, "dropped": "quarantined"}
         put_bounded(self._aborted_early, rid, time.monotonic(), _EARLY_ABORTS_KEPT)
         return {"request": rid, "dropped": None}
+
+    async def withdraw(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Take back a decode worker's hint D here (``Backend.withdraw``): ``withdrawn`` true
+        means this worker can reach those rows through it no more, now or later, so the
+        decode worker may reuse them (the router then aborts there with rows_safe)."""
+        hint = _hint(body, "hint")
+        if self.backend is None or self._closed:
+            raise BadRequest("worker is shutting down")
+        return {"withdrawn": await self._run(self.backend.withdraw, hint)}
 
     def _refuse_if_aborted_early(self, rid: str) -> None:
         since = self._aborted_early.pop(rid, None)
@@ -611,7 +649,7 @@ class Worker:
         if rows_safe:
             reserved.lease.release()
         else:
-            self._quarantine(reserved)
+            self._quarantine(reserved, rid=rid)
         self._free(rid)
 
     async def generate(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvxfer.backends.transfers as transfers
+from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.matching import check_agreement, coalesce, match_rows
 from kvxfer.backends.regions import RegionTable
 from kvxfer.backends.transfers import OwnTransfers, hint_groups
@@ -151,14 +152,14 @@ def test_a_hint_is_used_only_by_its_audience_before_it_expires_and_once(monkeypa
     mine = dataclasses.replace(fresh, audience=own.peer)
     for hint in (mine, dataclasses.replace(fresh, transfer_id="t2")):  # bound to this run, or to nobody: once
         own.check_usable(hint)
-        own.use(hint)
+        own.use(hint, TrackedAttempt())
         with pytest.raises(InvalidSubmission, match="used already"):
             own.check_usable(hint)
     # A used hint is remembered until it expires, however many others are used meanwhile;
     # then it is forgotten, and refused as expired instead.
     monkeypatch.setattr(transfers, "_RETIRED_KEPT", 2)
     for i in range(10):
-        own.use(dataclasses.replace(fresh, transfer_id=f"other-{i}"))
+        own.use(dataclasses.replace(fresh, transfer_id=f"other-{i}"), TrackedAttempt())
     with pytest.raises(InvalidSubmission, match="used already"):
         own.check_usable(mine)
     monkeypatch.setattr(transfers, "wall_ms", lambda: fresh.expires_ms + 1)
@@ -174,8 +175,26 @@ def test_hints_stop_being_remembered_only_by_refusing_more(monkeypatch: pytest.M
     live = [dataclasses.replace(hint, transfer_id=f"t{i}", expires_ms=transfers.wall_ms() + 60_000) for i in range(4)]
     for h in live[:3]:
         own.check_usable(h)
-        own.use(h)
+        own.use(h, TrackedAttempt())
     with pytest.raises(SubmissionRejected, match="have not expired yet"):
         own.check_usable(live[3])
     with pytest.raises(InvalidSubmission, match="used already"):
         own.check_usable(live[0])
+
+
+def test_withdraw_says_whether_a_hint_can_still_reach_the_peers_rows() -> None:
+    own = OwnTransfers("me")
+    _, hint = _view_and_hint([0], [0])
+    never, used = (dataclasses.replace(hint, transfer_id=t, expires_ms=transfers.wall_ms() + 60_000)
+                   for t in ("never", "used"))
+    # Never used here: nothing can reach the rows, and from now on it is refused as used.
+    assert own.withdraw(never)
+    with pytest.raises(InvalidSubmission, match="used already"):
+        own.check_usable(never)
+    # Used by an attempt: not until that attempt has quiesced.
+    attempt = TrackedAttempt()
+    own.check_usable(used)
+    own.use(used, attempt)
+    assert not own.withdraw(used)
+    attempt.mark_quiesced()
+    assert own.withdraw(used) and own.withdraw(used)
