@@ -136,8 +136,8 @@ def bench_ipc_kernel(torch: Any, reps: int, row: int, total: int) -> list[dict[s
 def bench_latency(iters: int, rows: int = 32, row: int = 64 * KiB) -> dict[str, Any]:
     """publish() call -> the decode side's fetch outcome visible (its wake saw it), 32 x 64 KiB rows."""
     from kvxfer.backends.ipc import IpcBackend
-    from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
     from kvxfer.contract import CacheKind, Delivered, LayerGroupRows, TokenRange, TransferMode, View
+    from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
 
     slots = 4 * rows
     peer = ChildPeer(PeerSpec(TransferMode.PUSH, geometry=(("decode", row, slots),)))

@@ -35,7 +35,7 @@ import numpy as np
 
 import kvxfer.backends.ipc as ipc
 import kvxfer.backends.ipc_channel as ipc_channel
-import kvxfer.backends.ipc_pair as pair
+import kvxfer.testing.ipc_pairs as pair
 from kvxfer.bench.config import devices_argument
 
 STAMPS: list[tuple[str, int]] = []

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-import kvxfer.backends.ipc_pair as pair
+import kvxfer.testing.ipc_pairs as pair
 from kvxfer.bench.config import devices_argument
 
 

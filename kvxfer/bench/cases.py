@@ -26,7 +26,7 @@ class Requirement(enum.Enum):
     CUDA = "a CUDA device (torch.cuda.is_available())"
     NIXL = "the nixl package (nixl._api)"
     KVXFER_NIXL = "kvxfer.backends.nixl"
-    KVXFER_IPC = "kvxfer.backends.ipc and its two-process pair (ipc_pair)"
+    KVXFER_IPC = "kvxfer.backends.ipc and its two-process test pair (kvxfer.testing.ipc_pairs)"
     KVXFER_PACKED = "the packed NIXL path (kvxfer.backends.nixl with packed rows)"
     SUBPROCESS_PEER = "kvxfer.testing.subprocess_peer"
 
@@ -101,7 +101,7 @@ def requirement_missing(req: Requirement) -> str | None:
     if req is Requirement.KVXFER_NIXL:
         return None if _has_module("kvxfer.backends.nixl") else "kvxfer.backends.nixl does not exist yet"
     if req is Requirement.KVXFER_IPC:
-        missing = [m for m in ("kvxfer.backends.ipc", "kvxfer.backends.ipc_pair") if not _has_module(m)]
+        missing = [m for m in ("kvxfer.backends.ipc", "kvxfer.testing.ipc_pairs") if not _has_module(m)]
         if missing:
             return f"{' and '.join(missing)} do{'es' if len(missing) == 1 else ''} not exist yet"
         from kvxfer import native

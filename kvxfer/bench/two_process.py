@@ -2,7 +2,7 @@
 
 The active end (push: the publisher; pull: the fetcher) is a backend in this process; the
 passive end is the same kind of backend in a child process (``SubprocessPeer`` for NIXL
-over host memory, ``ipc_pair.ChildPeer`` for CUDA IPC), with its own rows. The figure
+over host memory, ``kvxfer.testing.ipc_pairs.ChildPeer`` for CUDA IPC), with its own rows. The figure
 runs from the call that moves bytes to the active end's outcome being visible here
 through its wake callback: a backend concludes only once its bytes are in place at the
 destination (NIXL: request DONE; IPC: the kernel's event), so this is the transfer. The
@@ -86,12 +86,12 @@ def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:
         return IpcBackend("bench", mode, device=device, busy_poll=busy_poll, doorbell=doorbell)
 
     def peer(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> Any:
-        from kvxfer.backends.ipc_pair import ChildPeer, PeerSpec
+        from kvxfer.testing.ipc_pairs import ChildPeer, PeerSpec
 
         return ChildPeer(PeerSpec(mode, geometry=geometry, device=device, busy_poll=busy_poll, doorbell=doorbell))
 
     def rows(geometry: Geometry, memory: str, device: int) -> Any:
-        from kvxfer.backends.ipc_pair import DeviceRows
+        from kvxfer.testing.ipc_pairs import DeviceRows
 
         return DeviceRows(geometry, device)
 
@@ -227,7 +227,7 @@ class TwoProcessCase:
     def latency(self, point: Point, sweep: LatencySweep) -> Measurement:
         """publish() call here -> the fetch outcome visible in the child (its wake callback
         stamps CLOCK_MONOTONIC, which both processes share). Push only: the decode end must
-        be the child, and only ``ipc_pair.ChildPeer`` reports when its outcome became visible.
+        be the child, and only ``kvxfer.testing.ipc_pairs.ChildPeer`` reports when its outcome became visible.
         Every sample's rows are compared byte for byte, a block of samples at a time (see below)."""
         if point.memory not in self.kind.memory:
             raise Skip(f"this pair runs over {' or '.join(self.kind.memory)} memory")

@@ -1,7 +1,7 @@
 """The CUDA calls IpcBackend makes, emulated over shared host memory: its control path
 (records, cancels, dead peers, masks, mappings) then runs in CI, where no GPU exists.
 
-Only what the backend and ``ipc_pair.DeviceRows`` call is here, with the same names and
+Only what the backend and ``kvxfer.testing.ipc_pairs.DeviceRows`` call is here, with the same names and
 signatures as ``kvxfer._native``. "Device memory" is a ``memfd`` mapped into this process;
 its IPC handle names the file descriptor through ``/proc/<pid>/fd/<n>`` and the file's inode
 (fd numbers are reused; a handle must never name another allocation), so that another

@@ -13,8 +13,8 @@ import numpy as np
 
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_bells import EXTRA_BELL
-from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, SlotRegion, TokenRange, TransferMode, View
+from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
 
 
 def views(local: SlotRegion, peer: SlotRegion, n: int, seed: int,

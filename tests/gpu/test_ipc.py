@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not native.info().cuda_usable, reason=f"kvxfer._native CUDA: {native.info().reason}"),
 ]
 
-from kvxfer.backends.ipc_pair import ipc_pair  # noqa: E402
+from kvxfer.testing.ipc_pairs import ipc_pair  # noqa: E402
 from kvxfer.testing.ipc_scenarios import (  # noqa: E402
     dead_peers_fail_by_name,
     doorbells_conclude_waits,

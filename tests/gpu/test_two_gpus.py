@@ -25,7 +25,7 @@ pytestmark = [
                               f"{': ' + native.info().reason if native.info().reason else ''})"),
 ]
 
-from kvxfer.backends.ipc_pair import ipc_pair  # noqa: E402
+from kvxfer.testing.ipc_pairs import ipc_pair  # noqa: E402
 from kvxfer.testing.ipc_scenarios import large_rows_byte_exact  # noqa: E402
 from kvxfer.testing.subprocess_peer import live_children  # noqa: E402
 

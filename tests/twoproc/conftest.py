@@ -16,5 +16,5 @@ def no_child_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
     if "keeps_child" in request.fixturenames:
         return  # a module-scoped child is checked when its fixture ends
     assert live_children() == [], "a test left a peer child process running"
-    left = [p for p in mp.active_children() if p.name == "kvxfer-ipc-peer"]  # ipc_pair.ChildPeer's
+    left = [p for p in mp.active_children() if p.name == "kvxfer-ipc-peer"]  # kvxfer.testing.ipc_pairs.ChildPeer
     assert not left, f"IPC peer processes left running: {left}"

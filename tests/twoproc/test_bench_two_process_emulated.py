@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.bench.config import LatencySweep, Point, Repetition, preset
 from kvxfer.bench.two_process import Kind, TwoProcessCase
 from kvxfer.testing import host_cuda
+from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
 
 
 def emulated_ipc_kind() -> Kind:

@@ -15,9 +15,9 @@ import pytest
 
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_bells import BELL_BYTES, BELL_WORDS, EXTRA_BELL, parse_bell
-from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import Delivered, Failed, Hint, InvalidSubmission, TransferMode
 from kvxfer.testing import host_cuda
+from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.testing.ipc_scenarios import close_all, doorbells_conclude_waits, views
 
 DELAY = host_cuda.DELAY_ENV  # deferred mode: copies land this long after queueing

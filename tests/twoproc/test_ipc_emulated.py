@@ -11,10 +11,10 @@ import threading
 import pytest
 
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec, ipc_pair
 from kvxfer.contract import Cancelled, Delivered, Failed, TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.conformance import CHECKS
+from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec, ipc_pair
 from kvxfer.testing.ipc_scenarios import close_all, dead_peers_fail_by_name, large_rows_byte_exact, views
 from kvxfer.testing.waiting import settle
 

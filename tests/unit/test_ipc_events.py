@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc_pair import LOCAL_GEOMETRY, ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, Outcome, TokenRange, TransferMode, View
 from kvxfer.testing import host_cuda
+from kvxfer.testing.ipc_pairs import LOCAL_GEOMETRY, ChildPeer, DeviceRows, PeerSpec
 from kvxfer.testing.ipc_scenarios import close_all
 
 PUSH = TransferMode.PUSH

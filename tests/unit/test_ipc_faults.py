@@ -19,9 +19,9 @@ import pytest
 import kvxfer.backends.ipc as ipc
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_channel import Channel, PeerBusy
-from kvxfer.backends.ipc_pair import DeviceRows
 from kvxfer.contract import Cancelled, InvalidSubmission, TransferMode
 from kvxfer.testing import host_cuda
+from kvxfer.testing.ipc_pairs import DeviceRows
 from kvxfer.testing.ipc_scenarios import views
 from kvxfer.testing.waiting import settle
 
@@ -83,7 +83,7 @@ _SHORTAGE = r"""
 import errno, json, os
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_channel import PeerBusy
-from kvxfer.backends.ipc_pair import ChildPeer, DeviceRows, PeerSpec
+from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.ipc_scenarios import views

@@ -225,9 +225,9 @@ def test_every_row_delivered_travels_as_a_token_and_anything_else_as_a_record(ke
     # partial records are decoded as before; a token without its wait waits for it; a token
     # nobody was given concludes nothing. Signed: the token comes from the key and the sender.
     from kvxfer.backends.ipc import DONE_PREFIX, EXTRA_DONE, IpcBackend
-    from kvxfer.backends.ipc_pair import DeviceRows
     from kvxfer.contract import Delivered, TransferMode
     from kvxfer.testing import host_cuda
+    from kvxfer.testing.ipc_pairs import DeviceRows
     from kvxfer.testing.ipc_scenarios import views
 
     d_mem = DeviceRows((("D", 64, 32),), cuda=host_cuda)
