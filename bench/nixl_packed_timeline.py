@@ -64,12 +64,12 @@ def _wrap(owner: Any, attr: str, end: str, after: Any = None, bracket: bool = Tr
 
 def install(end: str) -> None:
     """Stamp this process's NixlBackend ("S" the publisher, "R" the fetcher)."""
-    from kvxfer.backends import attempt, nixl, nixl_agent, nixl_packed
+    from kvxfer.backends import attempt, nixl, nixl_agent, nixl_notes, nixl_packed
 
     def kind(message: bytes) -> str:
-        if not message.startswith(nixl_packed.NOTE_PREFIX):
+        if not message.startswith(nixl_notes.NOTE_PREFIX):
             return "record"
-        note = nixl_packed.decode_note(message)
+        note = nixl_notes.decode_note(message)
         return note["k"] if note["k"] != "credit" else f"credit +{len(note['grant'])} ok{len(note['ok'])}"
 
     _wrap(nixl.NixlBackend, "publish", end)

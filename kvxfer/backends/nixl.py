@@ -75,17 +75,14 @@ from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
 from kvxfer.backends.matching import check_submission, match_rows
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, PeerUnknown
 from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_chunks
+from kvxfer.backends.nixl_notes import NOTE_PREFIX, Inbound, decode_note, ints
 from kvxfer.backends.nixl_packed import (
     ARENA_EXTRA,
-    NOTE_PREFIX,
     PREGRANT_SLOTS,
     Arena,
     ArenaInfo,
-    Inbound,
     Landing,
     PackedJob,
-    decode_note,
-    ints,
     plan_packed,
     request_slots,
     rows_from_runs,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, XferError
+from kvxfer.backends.nixl_notes import Inbound
 from kvxfer.contract import (
     BoolArray,
     Cancelled,
@@ -27,9 +28,6 @@ from kvxfer.contract import (
     View,
     constant_mask,
 )
-
-if TYPE_CHECKING:
-    from kvxfer.backends.nixl_packed import Inbound
 
 
 class Carried(Protocol):

@@ -163,11 +163,3 @@ def release_shared() -> None:
     """Close every shared resource, newest first; the runner calls this when a run ends."""
     while _SHARED_CLOSERS:
         _SHARED_CLOSERS.pop()()
-
-
-def registry() -> dict[str, CaseSpec]:
-    """Every known case, by name. Imports are lazy: a case's module loads only when it runs."""
-    from kvxfer.bench import backend_cases, ipc_kernel, local, nixl_raw, two_process
-
-    specs = [*local.SPECS, *nixl_raw.SPECS, *ipc_kernel.SPECS, *backend_cases.SPECS, *two_process.SPECS]
-    return {s.name: s for s in specs}

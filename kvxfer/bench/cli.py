@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvxfer.bench import plots, report, results, runner
-from kvxfer.bench.cases import Requirement, devices_missing, registry, requirement_missing, unmet
+from kvxfer.bench.cases import Requirement, devices_missing, requirement_missing, unmet
 from kvxfer.bench.compare import compare, regressions, render
 from kvxfer.bench.config import (
     PRESETS,
@@ -33,6 +33,7 @@ from kvxfer.bench.config import (
     preset,
 )
 from kvxfer.bench.progress import Progress
+from kvxfer.bench.registry import registry
 from kvxfer.bench.targets import evaluate
 
 

@@ -23,12 +23,12 @@ from kvxfer.bench.cases import (
     Role,
     Skip,
     devices_missing,
-    registry,
     release_shared,
     unmet,
 )
 from kvxfer.bench.config import BenchConfig, ConfigError, Point, format_size
 from kvxfer.bench.progress import Progress
+from kvxfer.bench.registry import registry
 from kvxfer.bench.results import BenchResult, Figure
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from kvxfer.bench import cli, evaluate, preset, render_text, run
-from kvxfer.bench.cases import CaseSpec, Requirement, Role, registry
+from kvxfer.bench.cases import CaseSpec, Requirement, Role
 from kvxfer.bench.config import ThroughputSweep
+from kvxfer.bench.registry import registry
 from kvxfer.bench.results import load
 
 

@@ -18,13 +18,11 @@ import pytest
 from kvxfer.backends.attempt import TrackedAttempt
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.backends.nixl_agent import PeerUnknown
+from kvxfer.backends.nixl_notes import NOTE_PREFIX, decode_note, encode_note
 from kvxfer.backends.nixl_packed import (
     ARENA_EXTRA,
-    NOTE_PREFIX,
     ArenaInfo,
     PackedJob,
-    decode_note,
-    encode_note,
     rows_from_runs,
     runs_of,
 )
