@@ -114,7 +114,7 @@ async def _read_request(reader: asyncio.StreamReader) -> Request:
             k, v = line.split(":", 1)
             headers[k.strip().lower()] = v.strip()
     raw_length = headers.get("content-length", "0") or "0"
-    if not raw_length.isdigit():
+    if not (raw_length.isascii() and raw_length.isdigit()):  # "²".isdigit() is True, int("²") fails
         raise BadRequest(f"Content-Length {raw_length[:40]!r} is not a byte count")
     length = int(raw_length)
     if length > MAX_BODY:

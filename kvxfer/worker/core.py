@@ -905,8 +905,9 @@ def _peer(body: dict[str, Any], key: str) -> Peer:
 
 def _seconds(body: dict[str, Any], key: str, default: float) -> float:
     value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise BadRequest(f"'{key}' must be a positive number of seconds, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        # Bounded, not just finite: an int past a float's range passes "< inf" and float() raises.
+        raise BadRequest(f"'{key}' must be a positive number of seconds below 1e9, got {str(value)[:40]}")
     return float(value)
 
 

@@ -47,6 +47,20 @@ def test_json_nested_too_deep_is_a_400_not_a_500() -> None:
     asyncio.run(main())
 
 
+def test_a_content_length_of_other_digits_is_a_400() -> None:
+    async def main() -> None:
+        server = HttpServer(_echo)
+        port = await server.start()
+        try:
+            head = "POST / HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\n".encode()  # "²".isdigit() is True
+            answer = await _raw(port, head)
+            assert answer.startswith(b"HTTP/1.1 400") and b"is not a byte count" in answer, answer[:200]
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
 def test_idle_connections_are_closed_after_the_read_timeout() -> None:
     async def main() -> None:
         server = HttpServer(_echo, read_timeout_s=0.5)

@@ -56,6 +56,8 @@ def test_worker_flags_and_timeouts_must_have_their_json_types() -> None:
             cases = [("/abort", {"request": "a", "rows_safe": "false"}, "'rows_safe' must be true or false"),
                      ("/generate", {"request": "a", "timeout_s": "soon"}, "'timeout_s' must be a positive number"),
                      ("/generate", {"request": "a", "timeout_s": -1}, "'timeout_s' must be a positive number"),
+                     # an int past a float's range was a 500 (OverflowError in float())
+                     ("/generate", {"request": "a", "timeout_s": 10**400}, "'timeout_s' must be a positive number"),
                      ("/generate", {"request": "a", "rows_safe": 1}, "'rows_safe' must be true or false")]
             for path, body, words in cases:
                 with pytest.raises(HttpError) as info:
