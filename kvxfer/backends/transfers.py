@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 from typing import Any
 
@@ -93,6 +93,9 @@ class OwnTransfers:
         # Peers' hints this end acted on -> (the hint's expiry in ms, the attempt that used it,
         # None once it quiesced): remembered until the hint expires.
         self._used: OrderedDict[tuple[str, str], tuple[int, Attempt | None]] = OrderedDict()
+        # Keys of used hints whose attempt is still held, oldest first: each use() lets go of
+        # a few that quiesced, so finished attempts are not kept for the hints' lifetime.
+        self._holding: deque[tuple[str, str]] = deque()
 
     def expiry(self) -> int:
         """The expiry to stamp on a hint described now."""
@@ -167,8 +170,19 @@ class OwnTransfers:
     def use(self, hint: Hint, attempt: Attempt) -> None:
         """Remember ``hint`` as used by ``attempt`` until it expires (check_usable came
         first). Call it before anything is posted: ``withdraw`` trusts it."""
+        key = (hint.agent, hint.transfer_id)
         with self._lock:
-            self._used[(hint.agent, hint.transfer_id)] = (hint.expires_ms, attempt)
+            self._used[key] = (hint.expires_ms, attempt)
+            self._holding.append(key)
+            for _ in range(min(2, len(self._holding))):
+                held = self._holding.popleft()
+                found = self._used.get(held)
+                if found is None or found[1] is None:
+                    continue
+                if found[1].quiesced():
+                    self._used[held] = (found[0], None)
+                else:
+                    self._holding.append(held)
 
     def withdraw(self, hint: Hint) -> bool:
         """``Backend.withdraw``: True when nothing of this end can reach the peer's rows

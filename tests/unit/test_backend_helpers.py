@@ -198,3 +198,26 @@ def test_withdraw_says_whether_a_hint_can_still_reach_the_peers_rows() -> None:
     assert not own.withdraw(used)
     attempt.mark_quiesced()
     assert own.withdraw(used) and own.withdraw(used)
+
+
+def test_used_hints_let_go_of_their_attempts_once_they_quiesced() -> None:
+    # A used hint is remembered until it expires, but not its finished attempt (with its view):
+    # a worker would otherwise keep every transfer's attempt for the hints' lifetime.
+    own = OwnTransfers("me")
+    _, hint = _view_and_hint([0], [0])
+    attempts = []
+    for i in range(300):
+        h = dataclasses.replace(hint, transfer_id=f"t{i}", expires_ms=transfers.wall_ms() + 60_000)
+        attempt = TrackedAttempt()
+        own.check_usable(h)
+        own.use(h, attempt)
+        attempt.mark_quiesced()
+        attempts.append(attempt)
+    held = sum(1 for _, a in own._used.values() if a is not None)
+    assert len(own._used) == 300 and held <= 2, held
+    running = TrackedAttempt()
+    h = dataclasses.replace(hint, transfer_id="running", expires_ms=transfers.wall_ms() + 60_000)
+    own.use(h, running)
+    for i in range(10):  # an attempt still running is kept, however many uses pass
+        own.use(dataclasses.replace(hint, transfer_id=f"u{i}", expires_ms=h.expires_ms), attempts[0])
+    assert own._used[(h.agent, "running")][1] is running and not own.withdraw(h)
