@@ -248,6 +248,7 @@ class NixlBackend(Backend):
         self._regions = RegionTable(self._kinds)
         self._own = OwnTransfers(self.name, hint_ttl_s)
         self._closed = False
+        self._agent_closed = False  # shutdown() dropped peers and registrations
         self._lock = threading.Lock()  # guards the job tables below
         self._active: list[ActiveJob] = []
         self._passive: dict[str, PassiveWait] = {}       # by this end's transfer id
@@ -335,9 +336,15 @@ class NixlBackend(Backend):
         return self._own.withdraw(hint)
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
+        """Stop taking work, cancel what runs, and return the attempts not proven quiesced.
+        Called again later, it first makes one progress step on the caller's thread (the
+        progress thread has exited): UCX moves what peers still send, and a confirmation that
+        came since is applied, so the set shrinks to empty once the peers have answered."""
         with self._lock:
-            if self._closed and self._stop.is_set():
-                return frozenset(a for a in self._all_attempts() if not a.quiesced())
+            again = self._closed and self._stop.is_set()
+        if again:
+            return self._shutdown_again()
+        with self._lock:
             self._closed = True
             active = list(self._active)
             passive = list(self._passive.values())
@@ -366,6 +373,21 @@ class NixlBackend(Backend):
         left = frozenset(a for a in self._all_attempts() if not a.quiesced())
         if not left:  # nothing can touch our regions any more: drop peers and registrations
             self._agent.close()
+            self._agent_closed = True
+        return left
+
+    def _shutdown_again(self) -> frozenset[TrackedAttempt]:
+        left = frozenset(a for a in self._all_attempts() if not a.quiesced())
+        if not left or self._thread.is_alive() or self._agent_closed:
+            return left
+        try:
+            self._step()  # the only caller now: the progress thread has exited
+        except Exception:
+            log.exception("nixl backend %s: a progress step after shutdown failed", self.name)
+        left = frozenset(a for a in self._all_attempts() if not a.quiesced())
+        if not left:
+            self._agent.close()
+            self._agent_closed = True
         return left
 
     def _all_attempts(self) -> list[TrackedAttempt]:

@@ -321,3 +321,25 @@ def test_a_request_still_in_flight_at_the_deadline_is_waited_for_before_quiescen
     time.sleep(0.5)  # a negative again: bytes that would land late are given time to
     assert np.array_equal(fmem.buffers["F0"].array, landed), "bytes landed after the fetch quiesced"
     assert publishing.wait(20.0)
+
+
+def test_a_confirmation_that_comes_after_shutdown_is_applied_by_a_later_shutdown(made: list[NixlBackend]) -> None:
+    # The decode end shuts down while its push wait is withdrawn but unconfirmed (the
+    # publisher's progress thread is held): shutdown() reports the wait. Later calls make a
+    # progress step each (UCX needs our side progressed to take the publisher's writes) and
+    # apply the publisher's answer once it comes: the set becomes empty.
+    pub, pmem = _backend(made, TransferMode.PUSH, "P")
+    fet, fmem = _backend(made, TransferMode.PUSH, "F")
+    pview, fview = _view(pmem, "late-confirm", 41), _view(fmem, "late-confirm", 42)
+    _fill(pmem, pview, 43)
+    hint_f, hint_p = fet.describe(fview), pub.describe(pview)
+    held, gate = hold_progress(pub, gates=_GATES)
+    publishing = pub.publish(pview, hint_f)
+    assert held.wait(10.0)
+    fetching = fet.fetch(fview, hint_p)
+    assert fet.shutdown() == frozenset({fetching}) and not fetching.quiesced()
+    assert not [t for t in threading.enumerate() if t.name == f"kvxfer-nixl-{fet.name}"]
+    gate.set()
+    assert settle(lambda: not fet.shutdown(), 20.0), "later shutdown() calls never applied the publisher's answer"
+    assert fetching.quiesced() and isinstance(fetching.poll(), Cancelled)
+    assert publishing.wait(20.0) and publishing.quiesced()
