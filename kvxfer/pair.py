@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from kvxfer.engine import colocated_generate, synthetic_prompts
-from kvxfer.router.http import HttpError, request_text, stream_json
 from kvxfer.router.router import KEY_PATTERN
 from kvxfer.router.serve import KEEPALIVE_S
+from kvxfer.serving.http import HttpError, request_text, stream_json
 from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (

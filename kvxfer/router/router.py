@@ -36,8 +36,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.router.http import HttpError, request_json, request_text, stream_json
-from kvxfer.router.metrics import Registry
+from kvxfer.serving.http import HttpError, request_json, request_text, stream_json
+from kvxfer.serving.metrics import Registry
 
 SELECTIONS = ("round_robin", "least_outstanding")
 POLICIES = ("fail", "recompute")

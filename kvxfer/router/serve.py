@@ -28,9 +28,9 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from kvxfer.router.http import BadRequest, HttpServer, Request, Response
 from kvxfer.router.router import POLICIES, SELECTIONS, Completion, Router
-from kvxfer.worker.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.http import BadRequest, HttpServer, Request, Response
 
 
 def completion_json(c: Completion) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 from kvxfer.contract import InvalidSubmission, SubmissionRejected
 from kvxfer.lender import LeaseError
 from kvxfer.pool import PoolExhausted, UnknownRequest
-from kvxfer.router.http import BadRequest, Request, Response
+from kvxfer.serving.http import BadRequest, Request, Response
 from kvxfer.wire import WireError
 from kvxfer.worker.core import Aborted, Worker
 

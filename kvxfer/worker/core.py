@@ -58,8 +58,8 @@ from kvxfer.contract import (
 from kvxfer.engine import LlamaModel, ModelConfig, tokens_needed
 from kvxfer.lender import InPlaceLender, Lease, Lender, StagingLender
 from kvxfer.pool import PagedKVPool
-from kvxfer.router.http import BadRequest
-from kvxfer.router.metrics import Registry
+from kvxfer.serving.http import BadRequest
+from kvxfer.serving.metrics import Registry
 from kvxfer.wire import decode_hint, encode_hint
 from kvxfer.worker.backends import make_backend
 

@@ -23,8 +23,8 @@ import torch
 
 from kvxfer.contract import TransferMode
 from kvxfer.engine import LlamaModel, ModelConfig, load_checkpoint
-from kvxfer.router.http import HttpServer
-from kvxfer.worker.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.http import HttpServer
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
 from kvxfer.worker.core import Worker, WorkerConfig

@@ -18,7 +18,7 @@ import torch
 
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
 from kvxfer.router import Completion, Router
-from kvxfer.router.http import request_json, request_text
+from kvxfer.serving.http import request_json, request_text
 from kvxfer.worker.procs import Child, ProcessGroup, children_of, port_open
 
 torch.set_num_threads(1)

@@ -21,7 +21,7 @@ from test_router import CFG, MODEL, oracle  # noqa: I001 - pytest puts tests/uni
 
 import kvxfer.backends.transfers as transfers
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.router.http import HttpError, HttpServer, request_json, stream_json
+from kvxfer.serving.http import HttpError, HttpServer, request_json, stream_json
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.core import Worker, WorkerConfig
 

@@ -9,9 +9,9 @@ import json
 
 from test_router import CFG, cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
-from kvxfer.router.http import MAX_BODY, HttpServer, Request, Response
 from kvxfer.router.router import Router
 from kvxfer.router.serve import make_handler as router_handler
+from kvxfer.serving.http import MAX_BODY, HttpServer, Request, Response
 
 
 async def _echo(request: Request) -> Response:

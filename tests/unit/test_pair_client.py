@@ -14,8 +14,8 @@ from test_router import CFG, backend, cluster, oracle  # noqa: I001 - pytest put
 from kvxfer import pair
 from kvxfer.engine import synthetic_prompts
 from kvxfer.router import Router
-from kvxfer.router.http import HttpServer, Request, Response
 from kvxfer.router.serve import make_handler as router_handler
+from kvxfer.serving.http import HttpServer, Request, Response
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

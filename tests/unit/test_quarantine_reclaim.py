@@ -27,7 +27,7 @@ from test_router import CFG, oracle
 import kvxfer.router.router as router_module
 from kvxfer.backends.loopback import LoopbackBackend
 from kvxfer.router import Router
-from kvxfer.router.http import Request, Response, request_text
+from kvxfer.serving.http import Request, Response, request_text
 from kvxfer.worker.core import Worker
 
 FAULTS = 100

@@ -16,7 +16,7 @@ import torch
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
 from kvxfer.router import Completion, Router, Token
-from kvxfer.router.http import HttpError, HttpServer, Request, Response, request_json, request_text
+from kvxfer.serving.http import HttpError, HttpServer, Request, Response, request_json, request_text
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.core import Worker, WorkerConfig
 
@@ -396,7 +396,7 @@ def test_worker_ids_in_use_and_lengths_are_refused_before_anything_is_touched() 
     # reservation stays whole (the stream's clean-up used to drop it and free its rows). Two
     # prefills of one id at once: the second is a 400, not a pool error (500). A local
     # /generate past max_positions is refused before it streams anything.
-    from kvxfer.router.http import BadRequest
+    from kvxfer.serving.http import BadRequest
 
     async def main() -> None:
         worker = Worker(WorkerConfig(role="decode", model=CFG, num_blocks=256, backend="loopback"), model=MODEL,

@@ -9,8 +9,8 @@ import pytest
 from test_router import cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
 from kvxfer.router import Router
-from kvxfer.router.http import HttpError, HttpServer, Request, Response, request_json, request_text
 from kvxfer.router.serve import make_handler as router_handler
+from kvxfer.serving.http import HttpError, HttpServer, Request, Response, request_json, request_text
 
 
 async def _raw(port: int, data: bytes) -> bytes:
@@ -114,7 +114,7 @@ def test_long_stream_events_bad_lines_and_an_idle_client_at_close() -> None:
     thousand rows) is read whole; a line that is not JSON is an HttpError, not a crash; and
     close() returns while an idle client holds a connection open (from Python 3.12
     wait_closed() waited for it)."""
-    from kvxfer.router.http import stream_json
+    from kvxfer.serving.http import stream_json
 
     big = "x" * (1 << 20)
 

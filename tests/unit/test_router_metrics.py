@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvxfer.router.metrics import Registry
+from kvxfer.serving.metrics import Registry
 
 
 def test_counters_gauges_and_cumulative_histograms_render_in_prometheus_text() -> None:
@@ -44,7 +44,7 @@ def test_worker_request_metric_labels_only_known_endpoints() -> None:
 
     from test_router import cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
-    from kvxfer.router.http import HttpError, request_json, request_text
+    from kvxfer.serving.http import HttpError, request_json, request_text
 
     async def main() -> str:
         async with cluster(1, 0) as c:

@@ -11,7 +11,7 @@ import pytest
 from test_router import CFG, cluster, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
 from kvxfer.router import Router
-from kvxfer.router.http import HttpServer, Request, Response
+from kvxfer.serving.http import HttpServer, Request, Response
 from kvxfer.worker.app import make_handler
 
 

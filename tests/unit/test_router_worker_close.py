@@ -67,7 +67,7 @@ def test_a_publish_that_raises_keeps_its_rows_out_of_reuse() -> None:
     have escaped. The read lease used to be released and the blocks freed for reuse."""
     from test_router import backend, cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
-    from kvxfer.router.http import HttpError, request_json, request_text
+    from kvxfer.serving.http import HttpError, request_json, request_text
 
     async def main() -> str:
         async with cluster(1, 1) as c:

@@ -14,7 +14,7 @@ from typing import TextIO
 
 import numpy as np
 
-from kvxfer.router.http import HttpError, request_json, request_text
+from kvxfer.serving.http import HttpError, request_json, request_text
 from kvxfer.worker.procs import Child, ProcessGroup
 
 PROGRESS_EVERY_S = 3.0

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.engine import ModelConfig
-from kvxfer.router.http import MAX_BODY, request_json
+from kvxfer.serving.http import MAX_BODY, request_json
 from kvxfer.testing.reliability.common import Progress, WorkerState, start_workers, worker_state
 from kvxfer.testing.reliability.fuzz_wire import MUTATIONS, Seed, any_value
 from kvxfer.worker.procs import Child, ProcessGroup
