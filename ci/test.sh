@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check kvxfer tests examples bench
 "$VENV/bin/mypy" --strict kvxfer/contract
+"$VENV/bin/lint-imports"  # the layers: pyproject.toml [tool.importlinter]
 # The examples are part of the contract with users: they must run as documented.
 log=$(mktemp)
 for example in examples/loopback_roundtrip.py examples/lender_tour.py examples/pair_local.py examples/router_embed.py examples/microbench.py; do
