@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxfer import native
+from kvxfer.contract import KvxferError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ _TRANSIENT = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.EMFI
                         errno.ENOMEM, errno.ETIMEDOUT})
 
 
-class PeerBusy(OSError):
+class PeerBusy(KvxferError, OSError):
     """The peer could not be reached just now, for a passing reason: try again later."""
 
 

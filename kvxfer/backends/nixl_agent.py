@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.contract import MemoryKind, SlotRegion
+from kvxfer.contract import KvxferError, MemoryKind, SlotRegion
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,15 @@ ETCD_ENV = "NIXL_ETCD_ENDPOINTS"
 _MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 
 
-class PeerGone(Exception):
+class PeerGone(KvxferError):
     """The peer's agent disconnected (NIXL_ERR_REMOTE_DISCONNECT) or cannot be reached."""
 
 
-class PeerUnknown(Exception):
+class PeerUnknown(KvxferError):
     """The peer's metadata is not loaded (yet: in etcd mode it may still arrive)."""
 
 
-class XferError(Exception):
+class XferError(KvxferError):
     """NIXL refused or failed a transfer request; the message says how."""
 
 

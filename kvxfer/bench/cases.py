@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
+from kvxfer.contract import KvxferError
 
 
 class Requirement(enum.Enum):
@@ -38,7 +39,7 @@ class Role(enum.Enum):
     BACKEND = "backend"        # kvxfer itself
 
 
-class Skip(Exception):
+class Skip(KvxferError):
     """This case cannot measure this point; the message says why."""
 
 

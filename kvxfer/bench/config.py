@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from kvxfer.contract import KvxferError
+
 DIRECTIONS = ("push", "pull")
 MEMORY_KINDS = ("host", "device")
 SLOT_PATTERNS = ("contiguous", "scattered")
@@ -22,7 +24,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-class ConfigError(ValueError):
+class ConfigError(KvxferError, ValueError):
     """A bench option is malformed or out of range; the message names the option."""
 
 

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvxfer.contract import KvxferError
+
 SCHEMA = "kvxfer-bench"
 SCHEMA_VERSION = 1
 MODES = ("throughput", "latency", "overhead")
 STATUSES = ("ok", "skipped", "error")
 
 
-class ResultError(ValueError):
+class ResultError(KvxferError, ValueError):
     """A results file is not a kvxfer bench result this version can read; the message says why."""
 
 

@@ -1,4 +1,39 @@
-"""Errors of the contract: one base for the package, two rejections that promise safety."""
+"""Errors of the contract: one base for the package, two rejections that promise safety.
+
+Every error kvxfer raises on purpose is a KvxferError. The tree (module in brackets; this
+module imports none of them, it only draws them):
+
+    KvxferError
+    ├── InvalidSubmission        the submission is wrong; nothing escaped          [contract]
+    ├── SubmissionRejected       not now (shut down, backpressure); nothing escaped [contract]
+    ├── WireError                a message is malformed, oversized or wrongly signed [wire]
+    ├── LeaseError               a lease or lender used wrongly                    [lender]
+    │   ├── LendingDisabled      the pool's reuse scope changed, or the lender shut down
+    │   └── LenderBusy           shutdown() while leases are open
+    ├── PoolExhausted            no free block for a request                       [pool]
+    ├── UnknownRequest           the pool holds no such request                    [pool]
+    ├── RowCopyError             a native row copy refused or failed               [native]
+    ├── IpcUnavailable           CUDA IPC cannot run here (and why)                [backends.ipc]
+    ├── PeerBusy                 an IPC peer is busy now; also an OSError          [backends.ipc_channel]
+    ├── PeerGone                 a NIXL peer disconnected                          [backends.nixl_agent]
+    ├── PeerUnknown              a NIXL peer's metadata is not loaded (yet)        [backends.nixl_agent]
+    ├── XferError                NIXL refused or failed a request                  [backends.nixl_agent]
+    ├── HttpError                an HTTP exchange failed (refused, cut, status)    [serving.http]
+    ├── BadRequest               a client sent something malformed: 400            [serving.http]
+    ├── Aborted                  a /prefill or /reserve aborted while it ran: 409  [worker.core]
+    ├── ProcessFailed            a launched worker or router did not come up       [worker.procs]
+    ├── PullOverTcp              a pull lane would run over TCP                    [worker.lanes]
+    ├── CheckpointError          a model checkpoint cannot be loaded               [engine.weights]
+    ├── ConfigError              a bench option is wrong; also a ValueError        [bench.config]
+    ├── ResultError              a bench result file is wrong; also a ValueError   [bench.results]
+    ├── Skip                     a bench case cannot run here (and why)            [bench.cases]
+    └── CopyError                the host stand-in for the native module's error   [testing.host_cuda]
+
+PeerBusy, PeerGone, PeerUnknown and XferError stay inside their backends, which turn them
+into outcomes or the two rejections. The compiled module's own ``kvxfer._native.CopyError``
+is not in the tree: ``kvxfer.native`` turns it into RowCopyError, and the IPC backend into
+outcomes.
+"""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer.contract import KvxferError
 from kvxfer.serving.http import HttpError, request_json, request_text, stream_json
 from kvxfer.serving.metrics import Registry
 
@@ -107,7 +108,7 @@ class _Endpoint:
     publisher: Any = None  # a prefill worker's {agent, run}, from its /health or /prefill
 
 
-class _Failure(Exception):
+class _Failure(KvxferError):
     def __init__(self, message: str, *, dead: bool) -> None:
         super().__init__(message)
         self.dead = dead

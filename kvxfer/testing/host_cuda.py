@@ -32,7 +32,7 @@ import numpy as np
 
 from kvxfer import native
 from kvxfer.backends.shm_map import map_shared, unmap
-from kvxfer.contract import MemoryKind
+from kvxfer.contract import KvxferError, MemoryKind
 
 HAS_CUDA = True
 DELAY_ENV = "KVXFER_HOST_CUDA_DELAY_S"  # seconds: deferred mode (see above); a spawned peer inherits it
@@ -40,7 +40,7 @@ HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 
 
 
-class CopyError(RuntimeError):
+class CopyError(KvxferError, RuntimeError):
     """As kvxfer._native.CopyError."""
 
 
