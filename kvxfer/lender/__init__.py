@@ -6,7 +6,7 @@
     backend.register(lender.regions)
     lease = lender.lend_write(req, (0, n))  # decode side: grows req, lends its empty rows
     view = lease.view()                     # None until ready (staging reads wait for a copy)
-    hint_d = backend.describe(view)         # ... exchange hints, fetch/publish ...
+    hint = backend.describe(view)           # ... exchange hints, fetch/publish ...
     lease.track(attempt)                    # release then waits for the attempt to quiesce
     lease.mark_arrived(outcome.masks)       # write leases, once
     lease.release()                         # every lease, idempotent

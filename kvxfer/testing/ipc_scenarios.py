@@ -53,16 +53,16 @@ def large_rows_byte_exact(mode: TransferMode, *, cuda: ModuleType | None, row_by
         local.register(memory.regions)
         lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], rows, 5, "big")
         payload = np.random.default_rng(6).integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
-        hint_p = peer.describe(pv)  # each end describes its view before the other submits
+        prefill_hint = peer.describe(pv)  # each end describes its view before the other submits
         if mode is TransferMode.PUSH:
             memory.write("L", ls, payload)
             peer.write("P", ps, b"\x5a" * (rows * row_bytes))
             handle = peer.start("fetch", pv, local.describe(lv))
-            attempt = local.publish(lv, hint_p)
+            attempt = local.publish(lv, prefill_hint)
         else:
             peer.write("P", ps, payload)
             handle = peer.start("publish", pv, local.describe(lv))
-            attempt = local.fetch(lv, hint_p)
+            attempt = local.fetch(lv, prefill_hint)
         assert attempt.wait(30), "the local attempt did not end"
         theirs, quiet = peer.result(handle, 30)
         for outcome in (attempt.poll(), theirs):
@@ -86,20 +86,20 @@ def dead_peers_fail_by_name(*, cuda: ModuleType | None) -> None:
         local.register(memory.regions)
         lv, pv, ls, _ = views(memory.regions[0], peer.regions[0], 8, 7)
         memory.write("L0", ls, bytes(range(256)) * 8)
-        hint_p = peer.describe(pv)
+        prefill_hint = peer.describe(pv)
         handle = peer.start("fetch", pv, local.describe(lv))
-        first = local.publish(lv, hint_p)
+        first = local.publish(lv, prefill_hint)
         assert first.wait(15) and isinstance(first.poll(), Delivered), first.poll()
         assert peer.result(handle, 15)[0] is not None
         assert len(local._mappings) == 1, "the mapping was not cached after use"
-        hint_p = peer.describe(pv)
+        prefill_hint = peer.describe(pv)
         peer.kill()
         deadline = time.monotonic() + 10
         while len(local._mappings) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(local._mappings) == 0, "the dead peer's mapping was not closed"
         local.describe(lv)
-        second = local.publish(lv, hint_p)
+        second = local.publish(lv, prefill_hint)
         assert second.wait(15)
         outcome = second.poll()
         assert isinstance(outcome, Failed) and "gone" in outcome.reason and not outcome.masks[0].any(), outcome

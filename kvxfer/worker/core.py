@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvxfer import wire
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.backends.transfers import MAX_HINT_TTL_S, put_bounded
 from kvxfer.contract import (
@@ -60,7 +61,6 @@ from kvxfer.lender import InPlaceLender, Lease, Lender, StagingLender
 from kvxfer.pool import PagedKVPool
 from kvxfer.serving.http import BadRequest
 from kvxfer.serving.metrics import Registry
-from kvxfer.wire import decode_hint, encode_hint
 from kvxfer.worker.backends import make_backend
 
 log = logging.getLogger(__name__)
@@ -484,19 +484,19 @@ class Worker:
         held = self._held.get(rid)
         if held is None or held.busy:
             raise BadRequest(f"request {rid!r} is not held here (never prefilled, already published, or expired)")
-        hint_d = _hint(body, "hint")
+        decode_hint = _hint(body, "hint")
         held.busy = True
         event, wake = self._waker()
         try:
-            lease, view, hint_p, attempt, submitted = await self._run(self._publish_sync, rid, len(held.prompt),
-                                                                      hint_d, wake)
+            lease, view, prefill_hint, attempt, submitted = await self._run(self._publish_sync, rid, len(held.prompt),
+                                                                      decode_hint, wake)
         except BaseException:
             self._held.pop(rid, None)
             await self._run(self._free, rid)
             raise
-        return self._publish_events(rid, lease, view, hint_p, attempt, submitted, event)
+        return self._publish_events(rid, lease, view, prefill_hint, attempt, submitted, event)
 
-    def _publish_sync(self, rid: str, n: int, hint_d: Any, wake: Callable[[], None]
+    def _publish_sync(self, rid: str, n: int, decode_hint: Any, wake: Callable[[], None]
                       ) -> tuple[Lease, View, bytes, Attempt, float]:
         assert self.lender is not None and self.backend is not None
         lease = self.lender.lend_read(rid, (0, n))
@@ -505,13 +505,13 @@ class Worker:
             if view is None:
                 raise RuntimeError(f"read lease of {rid!r} is not ready (staging copy pending)")
             # Bound to the decode end that sent hint D: in pull mode hint P lets it READ these rows.
-            hint_p = encode_hint(self.backend.describe(view, hint_d.peer))
+            prefill_hint = wire.encode_hint(self.backend.describe(view, decode_hint.peer))
             submitted = time.perf_counter()
         except BaseException:
             lease.release()
             raise
         try:
-            attempt = self.backend.publish(view, hint_d, wake)
+            attempt = self.backend.publish(view, decode_hint, wake)
         except (InvalidSubmission, SubmissionRejected):
             lease.release()  # the backend promises that nothing escaped
             raise
@@ -521,13 +521,13 @@ class Worker:
             self._quarantine_lease(lease, view)
             raise
         lease.track(attempt)
-        return lease, view, hint_p, attempt, submitted
+        return lease, view, prefill_hint, attempt, submitted
 
-    async def _publish_events(self, rid: str, lease: Lease, view: View, hint_p: bytes, attempt: Attempt,
+    async def _publish_events(self, rid: str, lease: Lease, view: View, prefill_hint: bytes, attempt: Attempt,
                               submitted: float, event: asyncio.Event) -> AsyncGenerator[dict[str, Any], None]:
         self._active += 1
         try:
-            yield {"event": "published", "hint": base64.b64encode(hint_p).decode(), "rows": view.rows}
+            yield {"event": "published", "hint": base64.b64encode(prefill_hint).decode(), "rows": view.rows}
             outcome = await self._settle(attempt, event, self.config.transfer_timeout_s)
             figures = self._count_transfer(view, outcome, time.perf_counter() - submitted)
             yield {"event": "transfer", "final": True, **figures}
@@ -590,7 +590,7 @@ class Worker:
                 raise BadRequest("no staging slots free for this reservation now; retry later")
             # Bound to one publisher: in push mode hint D lets its holder WRITE into these rows,
             # which later hold a cached prefix; no other worker, nor a restart of this one, may.
-            hint = encode_hint(self.backend.describe(view, publisher))
+            hint = wire.encode_hint(self.backend.describe(view, publisher))
         except BaseException:
             if lease is not None:
                 lease.release()  # no hint went out: nothing can touch these rows
@@ -664,13 +664,13 @@ class Worker:
         if reserved is not None:
             if reserved.busy:
                 raise BadRequest(f"request {rid!r} is already generating")
-            hint_p = _hint(body, "hint") if body.get("hint") else None
+            prefill_hint = _hint(body, "hint") if body.get("hint") else None
             first = body.get("first_token")
-            if hint_p is not None and (not isinstance(first, int) or isinstance(first, bool)
+            if prefill_hint is not None and (not isinstance(first, int) or isinstance(first, bool)
                                        or not 0 <= first < self.config.model.vocab_size):
                 raise BadRequest("generate with a hint needs first_token (the prefill worker's token id)")
             reserved.busy = True  # only once the call is known to be well formed
-            return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, hint_p, first, policy,
+            return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, prefill_hint, first, policy,
                                        timeout, rows_safe)
         prompt = _prompt(body, self.config.model)
         if body.get("hint"):
@@ -686,7 +686,7 @@ class Worker:
         return self._decode_events(rid, prompt, max_new, None, None, None, policy, timeout, True)
 
     async def _decode_events(self, rid: str, prompt: list[int], max_new: int, reserved: _Reserved | None,
-                             hint_p: Any, first: int | None, policy: str, timeout: float,
+                             prefill_hint: Any, first: int | None, policy: str, timeout: float,
                              rows_safe: bool) -> AsyncGenerator[dict[str, Any], None]:
         self._active += 1
         n = len(prompt)
@@ -698,9 +698,9 @@ class Worker:
             self._starting[rid] = "generate"
         try:
             transfer: dict[str, Any] | None = None
-            if reserved is not None and hint_p is not None:
+            if reserved is not None and prefill_hint is not None:
                 try:
-                    transfer = await self._fetch(rid, reserved, hint_p, timeout)
+                    transfer = await self._fetch(rid, reserved, prefill_hint, timeout)
                 except (KvxferError, RuntimeError) as exc:
                     # The fetch was refused or never settled; its rows stay out of use (see
                     # _fetch). Policy recompute: prefill the whole prompt in fresh blocks.
@@ -765,11 +765,11 @@ class Worker:
             finally:
                 self._active -= 1  # last: "no active stream" means its clean-up is done
 
-    async def _fetch(self, rid: str, reserved: _Reserved, hint_p: Any, timeout: float) -> dict[str, Any]:
+    async def _fetch(self, rid: str, reserved: _Reserved, prefill_hint: Any, timeout: float) -> dict[str, Any]:
         event, wake = self._waker()
         submitted = time.perf_counter()
         try:
-            attempt = await self._run(self._fetch_sync, reserved, hint_p, wake)
+            attempt = await self._run(self._fetch_sync, reserved, prefill_hint, wake)
         except BaseException:
             # Refused (e.g. a layout mismatch): no attempt watches the peer that holds hint D,
             # so nobody can prove it never writes here. Never reuse these rows.
@@ -790,9 +790,9 @@ class Worker:
             raise RuntimeError(f"request {rid!r}: the fetch attempt concluded but did not quiesce within 10s")
         return figures
 
-    def _fetch_sync(self, reserved: _Reserved, hint_p: Any, wake: Callable[[], None]) -> Attempt:
+    def _fetch_sync(self, reserved: _Reserved, prefill_hint: Any, wake: Callable[[], None]) -> Attempt:
         assert self.backend is not None
-        attempt = self.backend.fetch(reserved.view, hint_p, wake)
+        attempt = self.backend.fetch(reserved.view, prefill_hint, wake)
         reserved.lease.track(attempt)
         return attempt
 
@@ -919,4 +919,4 @@ def _hint(body: dict[str, Any], key: str) -> Any:
         data = base64.b64decode(raw, validate=True)
     except ValueError:
         raise BadRequest(f"'{key}' is not valid base64") from None
-    return decode_hint(data)  # WireError names what is wrong; the app answers 400
+    return wire.decode_hint(data)  # WireError names what is wrong; the app answers 400
