@@ -11,7 +11,7 @@ D2D reference moves each byte once. This script times, in one process and withou
   pipelined  the same three stages in chunks on three streams, overlapping one another.
 
 Indices are device-resident, so only the copies are timed. ``pipelined`` bounds the packed
-NIXL path from above on this machine: NIXL's WRITE is slower than a D2D copy (PERF.md) and
+NIXL path from above on this machine: NIXL's WRITE is slower than a D2D copy (docs/performance.md) and
 the path adds notifications between processes.
 
     python bench/bounce_ceiling.py [--row-bytes 65536] [--total-mib 256,1024] [--chunk-mib 32] [--json OUT]

@@ -14,7 +14,7 @@ backend's default) shows what the unpacked path's chunk size costs against the c
 ``--devices P,D`` (device memory) puts the publisher's rows and arena on CUDA device P and
 the fetcher's on D; the run then also times torch's copy from device P to device D of the
 same bytes (``device_copy``: D2D on one GPU, the peer copy across two), the reference
-PERF.md's packed target is a share of.
+the packed target (docs/performance.md) is a share of.
 
 Every figure is payload bytes over the time from the call that moves them to the moment they
 are proven at the destination: raw NIXL, post to DONE (busy-polled); NixlBackend, publish() to

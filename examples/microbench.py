@@ -1,7 +1,7 @@
 """A tiny transfer microbenchmark through kvxfer.bench's public API.
 
 Moves 64 KiB rows through the loopback backend, beside the local-copy reference measured
-in the same run, and prints the table with ratios and PERF.md's target rows. The full
+in the same run, and prints the table with ratios and the target rows of docs/performance.md. The full
 command is ``kvxfer bench`` (``--preset cpu``, ``--preset gpu``, ``--compare OLD NEW``).
 
     python examples/microbench.py [--json out.json]

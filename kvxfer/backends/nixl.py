@@ -8,7 +8,7 @@ attempt concludes so its read lease can end. Records name the receiver's transfe
 carry masks aligned with the receiver's hint groups; a record that arrives before its
 fetch() is stashed by transfer id.
 
-A progress thread owned by the backend posts the transfers (PERF.md: on host memory
+A progress thread owned by the backend posts the transfers (docs/performance.md: on host memory
 ``transfer()`` can block for seconds; only a push between device memory on both ends has
 its first chunks posted by publish() itself, ``post_inline``), checks transfer state,
 reads notifications, sends heartbeats to the peers of passive waits, enforces per-attempt
@@ -118,7 +118,7 @@ BACKEND_KIND = "nixl"
 HEARTBEAT = b""  # an empty notification: proves the peer is reachable, carries nothing
 IDLE_POLL_S = 0.01  # progress-thread pause with nothing pending (``poll_s`` while something is)
 # Arena geometry by memory kind when not given: (bytes, slot bytes). Half the slots gather,
-# half land. DEVICE: a notification round trip (~0.1-0.5 ms, PERF.md) is worth hundreds of
+# half land. DEVICE: a notification round trip (~0.1-0.5 ms, docs/performance.md) is worth hundreds of
 # MB at device speed, so slots are large and many MB are in flight per credit round. Across
 # two H200s a 1 GiB push of 64 KiB rows went 1.5x faster with 1 GiB in 64 MiB slots than with
 # 512 MiB in 32 MiB on two machines (bench/results/gpu2-h200x2-nixl-packed-2026-11-29l).
@@ -132,7 +132,7 @@ Path = Literal["packed", "unpacked"]
 # packed="auto" packs a push when its host-sized chunks (``ChunkBytes.host``, 16 MiB by
 # default) average at least this many descriptors (runs after coalescing) each. DEVICE:
 # every descriptor costs ~12 µs in UCX while the device gathers and scatters at TB/s
-# (PERF.md), so pack early. HOST: packing adds two memcpys to
+# (docs/performance.md), so pack early. HOST: packing adds two memcpys to
 # NIXL's one; measured on the 2-core CPU machine (bench/nixl_packed.py, 256 MiB of scattered
 # rows, two processes, best of 3-7 over several runs) packed was 2.2-2.9x unpacked at 4 KiB
 # rows, 0.8-1.1x at 16 KiB, 0.5-0.65x at 64 KiB, so with 16 MiB chunks only rows of about
@@ -224,7 +224,7 @@ class NixlBackend(Backend):
         # first ``window`` chunks (more, if some complete at once) posted by publish()
         # itself, sparing the progress thread's wake-up (about 0.2 ms on the GPU machine)
         # before the copy starts: there NIXL's transfer() only queues it. Host memory stays with the progress thread, as UCX may
-        # do the whole copy inside transfer() (PERF.md). True/False: always/never.
+        # do the whole copy inside transfer() (docs/performance.md). True/False: always/never.
         self.post_inline = post_inline
         self.poll_s = poll_s
         self.packed: PackedMode = packed
@@ -953,7 +953,7 @@ class NixlBackend(Backend):
                     wait.ask_again = now + self.heartbeat_s
 
     def _heartbeat(self) -> None:
-        """An idle peer's death is seen only when something is posted to it (PERF.md): so peers
+        """An idle peer's death is seen only when something is posted to it (docs/performance.md): so peers
         we wait on (passive waits, packed pushes waiting for credits) get an empty note."""
         now = time.monotonic()
         if now < self._next_heartbeat:

@@ -4,7 +4,7 @@ NIXL's Python agent is created with thread sync NONE unless a listener thread ru
 concurrent calls are unsafe: every call here takes one lock. The backend's progress thread
 makes almost all of them; the owner's thread only registers memory and loads peers'
 metadata at submit. A post is bounded by the backend's chunk size, so the lock is never
-held for long (PERF.md: with host memory UCX may do the whole copy inside ``transfer()``).
+held for long (docs/performance.md: with host memory UCX may do the whole copy inside ``transfer()``).
 
 Remote agents are kept by name together with the metadata they were loaded from. A peer's
 newer metadata (it registered more memory since) is loaded over what we hold: NIXL adds the

@@ -1,6 +1,6 @@
 """The packed NIXL path: many small rows cross as one WRITE of packed bytes per chunk.
 
-Why: each NIXL descriptor costs about 12 µs in UCX (PERF.md), so scattered small rows,
+Why: each NIXL descriptor costs about 12 µs in UCX (docs/performance.md), so scattered small rows,
 one descriptor each, cap a transfer near 5-8 GB/s. Packed, the publisher gathers a chunk
 of rows into a slot of its registered bounce arena, WRITEs it as one descriptor into a slot
 of the fetcher's arena, and the fetcher scatters it into its rows on its progress thread.
@@ -41,7 +41,7 @@ undercounts), so both ends report the same rows.
 
 Pull stays unpacked: packing a READ needs the publisher to gather first (a request, a
 gather, a notification, then the READ: a round trip more per chunk), and on one node NIXL's
-READ lane falls back to TCP (PERF.md: 0.5 GB/s) which packing cannot fix; the router sends
+READ lane falls back to TCP (docs/performance.md: 0.5 GB/s) which packing cannot fix; the router sends
 such transfers by push.
 """
 

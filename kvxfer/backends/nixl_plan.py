@@ -2,7 +2,7 @@
 
 A chunk is one NIXL transfer request: rows of one layer group (one memory kind on each
 end, as one descriptor list has one memory type), at most ``chunk_bytes`` of them, with
-runs that are contiguous on both ends coalesced into one descriptor (PERF.md: each
+runs that are contiguous on both ends coalesced into one descriptor (docs/performance.md: each
 descriptor costs about 12 µs in UCX). A chunk is the unit of proof: when its request is
 DONE, NIXL has flushed the endpoint, so every row of it is visible at the destination;
 a failure part-way reports exactly the rows of the chunks that completed.

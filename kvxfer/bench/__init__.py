@@ -1,7 +1,7 @@
 """Transfer microbenchmarks with baselines measured in the same run.
 
 Public API: ``preset(name)`` or a ``BenchConfig`` you build, ``run(config)`` for a
-``BenchResult``, ``evaluate(result)`` for PERF.md's target rows, ``render_text`` and
+``BenchResult``, ``evaluate(result)`` for the target rows of docs/performance.md, ``render_text`` and
 ``render_markdown`` for tables, ``compare(old, new)`` for regressions. The command line
 is ``kvxfer bench`` (``kvxfer.bench.cli``).
 """

@@ -150,7 +150,7 @@ def render_text(result: BenchResult, targets: Sequence[TargetRow]) -> str:
         head, rows = build(result)
         if rows:
             out += [title, text_table(head, rows), ""]
-    out += ["PERF.md targets", text_table(*target_rows(targets)), ""]
+    out += ["Targets (docs/performance.md)", text_table(*target_rows(targets)), ""]
     missing = not_measured(result)
     if missing:
         out += ["Not measured"] + [f"  {line}" for line in missing]
@@ -168,7 +168,7 @@ def render_markdown(result: BenchResult, targets: Sequence[TargetRow], json_name
         head, rows = build(result)
         if rows:
             out += [f"## {title}", "", markdown_table(head, rows), ""]
-    out += ["## PERF.md targets", "", markdown_table(*target_rows(targets)), ""]
+    out += ["## Targets (docs/performance.md)", "", markdown_table(*target_rows(targets)), ""]
     missing = not_measured(result)
     if missing:
         out += ["## Not measured", ""] + [f"- {line}" for line in missing] + [""]

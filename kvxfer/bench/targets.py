@@ -1,7 +1,7 @@
-"""PERF.md's targets (issue 8's across two GPUs) as pass/fail rows beside the figures of the same run.
+"""The targets of docs/performance.md (issue 8's across two GPUs) as pass/fail rows beside the figures of the same run.
 
 Each target selects the figures it speaks about; with none, its row says what would be
-needed ("not measured: ..."), never a pass. Thresholds are PERF.md's, verbatim.
+needed ("not measured: ..."), never a pass. Thresholds are docs/performance.md's, verbatim.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ TWO_GPU_TARGETS = (
            lambda f: f.case in IPC_CASES and _tp(f, "device", "scattered") and f.key["total_bytes"] >= 256 * M
            and 4 * K <= f.key["row_bytes"] <= 64 * K, _ratio_judge("local_copy", 0.85),
            "two CUDA devices (--devices 0,1) and the ipc cases"),
-    # PERF.md's packed target with the peer copy in D2D's place, as issue 8 did for IPC.
+    # the packed target (docs/performance.md) with the peer copy in D2D's place, as issue 8 did for IPC.
     Target("two GPUs, NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of the peer copy and ≥ 50× per-row NIXL",
            lambda f: _packed_64k(f), _packed_judge, "two CUDA devices (--devices 0,1) and nixl_2p_packed"),
     SMALL_REQUEST,  # now across the two GPUs
@@ -144,7 +144,7 @@ def _shape(f: Figure) -> str:
 
 
 def targets_for(result: BenchResult) -> tuple[Target, ...]:
-    """Issue 8's targets for a run across two GPUs, PERF.md's for everything else."""
+    """Issue 8's targets for a run across two GPUs, docs/performance.md's for everything else."""
     p, d = result.config.get("devices") or (0, 0)
     return TWO_GPU_TARGETS if p != d else TARGETS
 

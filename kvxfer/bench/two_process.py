@@ -1,4 +1,4 @@
-"""kvxfer backends with their two ends in two processes: the figures PERF.md targets.
+"""kvxfer backends with their two ends in two processes: the figures docs/performance.md sets targets for.
 
 The active end (push: the publisher; pull: the fetcher) is a backend in this process; the
 passive end is the same kind of backend in a child process (``SubprocessPeer`` for NIXL

@@ -1,6 +1,6 @@
 """Which UCX lane a NIXL pull would really use, and where to route it when that is TCP.
 
-PERF.md: on one node NIXL's READ silently falls back to TCP (0.5 GB/s on an H200, against
+docs/performance.md: on one node NIXL's READ silently falls back to TCP (0.5 GB/s on an H200, against
 1.2 TB/s for a WRITE). A pull must never run there silently: before the workers start,
 ``kvxfer pair`` probes the lanes with the doctor's two processes (a 1 MiB buffer, a few
 seconds) and, by policy, routes the pair to push, keeps pull with a loud warning, or stops.

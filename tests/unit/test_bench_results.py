@@ -160,7 +160,7 @@ def test_reports_show_ratios_targets_and_skips() -> None:
     assert "2000 ns/row" in text and "FAIL" in text  # overhead target: 2 µs > 1 µs
     assert "ipc: skipped: kvxfer.backends.ipc does not exist yet (1 figure)" in text
     md = render_markdown(result, targets, "r.json")
-    assert "## PERF.md targets" in md and "`r.json`" in md and "| loopback |" in md
+    assert "## Targets (docs/performance.md)" in md and "`r.json`" in md and "| loopback |" in md
 
 
 def test_targets_never_pass_without_figures() -> None:

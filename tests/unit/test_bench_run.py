@@ -103,7 +103,7 @@ def test_cli_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixt
                      "--out", str(tmp_path), "--no-progress"])
     assert code == 0
     out = capsys.readouterr()
-    assert "Throughput" in out.out and "PERF.md targets" in out.out
+    assert "Throughput" in out.out and "Targets (docs/performance.md)" in out.out
     json_files = list(tmp_path.glob("tiny-*.json"))
     md_files = list(tmp_path.glob("tiny-*.md"))
     assert len(json_files) == 1 and len(md_files) == 1
