@@ -20,6 +20,7 @@ module imports none of them, it only draws them):
     ├── XferError                NIXL refused or failed a request                  [backends.nixl_agent]
     ├── HttpError                an HTTP exchange failed (refused, cut, status)    [serving.http]
     ├── BadRequest               a client sent something malformed: 400            [serving.http]
+    ├── Refused                  a worker refuses a call as it stands: 400         [worker.core]
     ├── Aborted                  a /prefill or /reserve aborted while it ran: 409  [worker.core]
     ├── ProcessFailed            a launched worker or router did not come up       [worker.procs]
     ├── PullOverTcp              a pull lane would run over TCP                    [worker.lanes]

@@ -16,6 +16,10 @@
                                        "starting": its /prefill or /reserve still runs, and drops what it makes;
                                        null: nothing here yet, and a /prefill or /reserve of it within hold_s is refused)
 
+The worker (``kvxfer.worker.core``) knows no HTTP: this module parses each body into a typed
+call (``kvxfer.worker.calls``, BadRequest for what is malformed) and maps the worker's
+errors to statuses: Refused and BadRequest 400, the "nothing escaped" refusals 409.
+
 Streams end with an event holding ``"final": true``; a stream cut before it means the
 worker went away. Status 400 (malformed) and 409 (refused: a contract rejection, a lease or
 pool refusal, or a /prefill or /reserve aborted while it ran) promise that nothing was submitted; 500 promises nothing (rule 3 of the
@@ -34,7 +38,8 @@ from kvxfer.lender import LeaseError
 from kvxfer.pool import PoolExhausted, UnknownRequest
 from kvxfer.serving.http import BadRequest, Request, Response
 from kvxfer.wire import WireError
-from kvxfer.worker.core import Aborted, Worker
+from kvxfer.worker import calls
+from kvxfer.worker.core import Aborted, Refused, Worker
 
 log = logging.getLogger(__name__)
 NOTHING_ESCAPED = (InvalidSubmission, SubmissionRejected, LeaseError, PoolExhausted, UnknownRequest, Aborted)
@@ -53,7 +58,7 @@ def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
             response = await _route(worker, path, request)
             worker.m_requests.inc(endpoint=endpoint, result="ok" if response.status < 400 else "not_found")
             return response
-        except (BadRequest, WireError) as exc:
+        except (BadRequest, Refused, WireError) as exc:
             worker.m_requests.inc(endpoint=endpoint, result="bad_request")
             return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 400)
         except NOTHING_ESCAPED as exc:
@@ -78,18 +83,25 @@ async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
     body = request.json()
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
+    # The role first, as the worker would: a body for the other role's endpoint is refused by
+    # what the worker is, not by how the body fails to parse for this one.
+    model = worker.config.model
     if endpoint == "prefill":
-        return Response.json(await worker.prefill(body))
+        worker.need("prefill")
+        return Response.json(await worker.prefill(calls.prefill_call(body, model)))
     if endpoint == "reserve":
-        return Response.json(await worker.reserve(body))
+        worker.need("decode")
+        return Response.json(await worker.reserve(calls.reserve_call(body, model)))
     if endpoint == "abort":
-        return Response.json(await worker.abort(body))
+        return Response.json(await worker.abort(calls.abort_call(body)))
     if endpoint == "withdraw":
-        return Response.json(await worker.withdraw(body))
+        return Response.json(await worker.withdraw(calls.withdraw_call(body)))
     if endpoint == "publish":
-        return Response.ndjson(_guard(worker, await worker.publish(body)))
+        worker.need("prefill")
+        return Response.ndjson(_guard(worker, await worker.publish(calls.publish_call(body))))
     if endpoint == "generate":
-        return Response.ndjson(_guard(worker, await worker.generate(body)))
+        worker.need("decode")
+        return Response.ndjson(_guard(worker, await worker.generate(calls.generate_call(body, model))))
     return Response.json({"error": f"no POST /{endpoint}"}, 404)
 
 

@@ -59,15 +59,21 @@ from kvxfer.contract import (
 from kvxfer.engine import LlamaModel, ModelConfig, tokens_needed
 from kvxfer.lender import InPlaceLender, Lease, Lender, StagingLender
 from kvxfer.pool import PagedKVPool
-from kvxfer.serving.http import BadRequest
 from kvxfer.serving.metrics import Registry
 from kvxfer.worker.backends import make_backend
+from kvxfer.worker.calls import (
+    AbortCall,
+    GenerateCall,
+    PrefillCall,
+    PublishCall,
+    ReserveCall,
+    WithdrawCall,
+)
 
 log = logging.getLogger(__name__)
 _EARLY_ABORTS_KEPT = 4096  # aborts of ids not seen yet: bounded, whoever sends them
 T = TypeVar("T")
 ROLES = ("prefill", "decode")
-POLICIES = ("fail", "recompute")
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,12 @@ class WorkerConfig:
         if self.arena_bytes is not None and (self.backend != "nixl" or self.arena_bytes < 0):
             raise ValueError(f"arena_bytes applies to the nixl backend only and is >= 0, got {self.arena_bytes} "
                              f"with {self.backend!r}")
+
+
+class Refused(KvxferError):
+    """The worker refuses this call as it stands: the wrong role, an id already in use here, no
+    such held prefill or reservation, a completion past the model's positions, or shutting
+    down. Nothing was made or submitted (the HTTP API answers 400)."""
 
 
 class Aborted(KvxferError):
@@ -441,17 +453,18 @@ class Worker:
                 "bytes": nbytes, "seconds": seconds}
 
     # --- prefill -----------------------------------------------------------------------------
-    def _need(self, role: str) -> None:
+    def need(self, role: str) -> None:
+        """Refused unless this worker has ``role`` and is not shutting down."""
         if self.role != role:
-            raise BadRequest(f"this is a {self.role} worker; that endpoint belongs to a {role} worker")
+            raise Refused(f"this is a {self.role} worker; that endpoint belongs to a {role} worker")
         if self._closed:
-            raise BadRequest("worker is shutting down")
+            raise Refused("worker is shutting down")
 
-    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
-        self._need("prefill")
-        rid, prompt = _request_id(body), _prompt(body, self.config.model)
+    async def prefill(self, call: PrefillCall) -> dict[str, Any]:
+        self.need("prefill")
+        rid, prompt = call.request, call.prompt
         if rid in self._held or rid in self._starting:
-            raise BadRequest(f"request {rid!r} is already held here")
+            raise Refused(f"request {rid!r} is already held here")
         self._refuse_if_aborted_early(rid)
         start = time.perf_counter()
         self._starting[rid] = "prefill"
@@ -478,13 +491,13 @@ class Worker:
             self.pool.free(rid)
             raise
 
-    async def publish(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        self._need("prefill")
-        rid = _request_id(body)
+    async def publish(self, call: PublishCall) -> AsyncGenerator[dict[str, Any], None]:
+        self.need("prefill")
+        rid = call.request
         held = self._held.get(rid)
         if held is None or held.busy:
-            raise BadRequest(f"request {rid!r} is not held here (never prefilled, already published, or expired)")
-        decode_hint = _hint(body, "hint")
+            raise Refused(f"request {rid!r} is not held here (never prefilled, already published, or expired)")
+        decode_hint = call.decode_hint
         held.busy = True
         event, wake = self._waker()
         try:
@@ -550,13 +563,11 @@ class Worker:
             self.pool.free(rid)
 
     # --- decode ------------------------------------------------------------------------------
-    async def reserve(self, body: dict[str, Any]) -> dict[str, Any]:
-        self._need("decode")
-        rid, prompt = _request_id(body), _prompt(body, self.config.model)
-        max_new = _positive(body, "max_new_tokens")
-        publisher = _peer(body, "publisher")
+    async def reserve(self, call: ReserveCall) -> dict[str, Any]:
+        self.need("decode")
+        rid, prompt, max_new, publisher = call.request, call.prompt, call.max_new_tokens, call.publisher
         if rid in self._reserved or rid in self._starting:
-            raise BadRequest(f"request {rid!r} is already reserved here")
+            raise Refused(f"request {rid!r} is already reserved here")
         self._refuse_if_aborted_early(rid)
         self._starting[rid] = "reserve"
         try:
@@ -576,7 +587,7 @@ class Worker:
         assert self.pool is not None and self.lender is not None and self.backend is not None
         need = tokens_needed(len(prompt), max_new)
         if need > self.config.model.max_positions:
-            raise BadRequest(f"prompt plus completion is {need} tokens, over max_positions "
+            raise Refused(f"prompt plus completion is {need} tokens, over max_positions "
                              f"{self.config.model.max_positions}")
         # Share cached full blocks of the prompt except its last token: at least one row
         # always moves, so every request has a transfer whose outcome says it is complete.
@@ -587,7 +598,7 @@ class Worker:
             lease = self.lender.lend_write(rid, (0, len(prompt)))
             view = lease.view()
             if view is None:
-                raise BadRequest("no staging slots free for this reservation now; retry later")
+                raise Refused("no staging slots free for this reservation now; retry later")
             # Bound to one publisher: in push mode hint D lets its holder WRITE into these rows,
             # which later hold a cached prefix; no other worker, nor a restart of this one, may.
             hint = wire.encode_hint(self.backend.describe(view, publisher))
@@ -598,12 +609,11 @@ class Worker:
             raise
         return hint, lease, view, reused
 
-    async def abort(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def abort(self, call: AbortCall) -> dict[str, Any]:
         """Drop a held prefill or a decode reservation. ``rows_safe`` (decode): the prefill
         worker cannot write into the reserved rows (it never received hint D, refused it
         before submitting, or is dead), so they can be reused; otherwise they are quarantined."""
-        rid = _request_id(body)
-        rows_safe = _flag(body, "rows_safe")
+        rid, rows_safe = call.request, call.rows_safe
         if self._held.pop(rid, None) is not None:
             await self._run(self._free, rid)
             return {"request": rid, "dropped": "held"}
@@ -623,14 +633,13 @@ class Worker:
         put_bounded(self._aborted_early, rid, time.monotonic(), _EARLY_ABORTS_KEPT)
         return {"request": rid, "dropped": None}
 
-    async def withdraw(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def withdraw(self, call: WithdrawCall) -> dict[str, Any]:
         """Take back a decode worker's hint D here (``Backend.withdraw``): ``withdrawn`` true
         means this worker can reach those rows through it no more, now or later, so the
         decode worker may reuse them (the router then aborts there with rows_safe)."""
-        hint = _hint(body, "hint")
         if self.backend is None or self._closed:
-            raise BadRequest("worker is shutting down")
-        return {"withdrawn": await self._run(self.backend.withdraw, hint)}
+            raise Refused("worker is shutting down")
+        return {"withdrawn": await self._run(self.backend.withdraw, call.hint)}
 
     def _refuse_if_aborted_early(self, rid: str) -> None:
         since = self._aborted_early.pop(rid, None)
@@ -652,37 +661,30 @@ class Worker:
             self._quarantine(reserved, rid=rid)
         self._free(rid)
 
-    async def generate(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        self._need("decode")
-        rid = _request_id(body)
-        policy = body.get("on_failure", "fail")
-        if policy not in POLICIES:
-            raise BadRequest(f"on_failure must be one of {POLICIES}, got {policy!r}")
-        timeout = _seconds(body, "timeout_s", self.config.transfer_timeout_s)
-        rows_safe = _flag(body, "rows_safe")
+    async def generate(self, call: GenerateCall) -> AsyncGenerator[dict[str, Any], None]:
+        self.need("decode")
+        rid, policy, rows_safe = call.request, call.on_failure, call.rows_safe
+        timeout = call.timeout_s if call.timeout_s is not None else self.config.transfer_timeout_s
         reserved = self._reserved.get(rid)
         if reserved is not None:
             if reserved.busy:
-                raise BadRequest(f"request {rid!r} is already generating")
-            prefill_hint = _hint(body, "hint") if body.get("hint") else None
-            first = body.get("first_token")
-            if prefill_hint is not None and (not isinstance(first, int) or isinstance(first, bool)
-                                       or not 0 <= first < self.config.model.vocab_size):
-                raise BadRequest("generate with a hint needs first_token (the prefill worker's token id)")
+                raise Refused(f"request {rid!r} is already generating")
             reserved.busy = True  # only once the call is known to be well formed
-            return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, prefill_hint, first, policy,
-                                       timeout, rows_safe)
-        prompt = _prompt(body, self.config.model)
-        if body.get("hint"):
-            raise BadRequest(f"request {rid!r} has no reservation here: reserve before generating with a hint")
-        max_new = _positive(body, "max_new_tokens")
+            return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, call.prefill_hint,
+                                       call.first_token, policy, timeout, rows_safe)
+        if call.prefill_hint is not None:
+            raise Refused(f"request {rid!r} has no reservation here: reserve before generating with a hint")
+        if call.prompt is None or call.max_new_tokens is None:
+            raise Refused(f"request {rid!r} has no reservation here: generating without one needs 'prompt' and "
+                          "'max_new_tokens'")
+        prompt, max_new = call.prompt, call.max_new_tokens
         need = tokens_needed(len(prompt), max_new)
         if need > self.config.model.max_positions:
-            raise BadRequest(f"prompt plus completion is {need} tokens, over max_positions "
-                             f"{self.config.model.max_positions}")
+            raise Refused(f"prompt plus completion is {need} tokens, over max_positions "
+                          f"{self.config.model.max_positions}")
         assert self.pool is not None
         if rid in self._starting or self.pool.has(rid):
-            raise BadRequest(f"request {rid!r} is already in use here")
+            raise Refused(f"request {rid!r} is already in use here")
         return self._decode_events(rid, prompt, max_new, None, None, None, policy, timeout, True)
 
     async def _decode_events(self, rid: str, prompt: list[int], max_new: int, reserved: _Reserved | None,
@@ -855,68 +857,3 @@ def _nixl_name(role: str) -> str:
     from kvxfer.backends.nixl import unique_agent_name  # noqa: PLC0415
 
     return unique_agent_name(f"kvxfer-{role}")
-
-
-def _request_id(body: dict[str, Any]) -> str:
-    rid = body.get("request")
-    if not isinstance(rid, str) or not rid or len(rid) > 200 or "#" in rid:
-        raise BadRequest("'request' must be a non-empty string of at most 200 characters without '#'")
-    return rid
-
-
-def _prompt(body: dict[str, Any], model: ModelConfig) -> list[int]:
-    prompt = body.get("prompt")
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
-        raise BadRequest("'prompt' must be a non-empty list of token ids")
-    if min(prompt) < 0 or max(prompt) >= model.vocab_size:
-        raise BadRequest(f"'prompt' token ids must lie in [0, {model.vocab_size})")
-    if len(prompt) > model.max_positions:
-        raise BadRequest(f"'prompt' has {len(prompt)} tokens, over max_positions {model.max_positions}")
-    return prompt
-
-
-def _positive(body: dict[str, Any], key: str) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest(f"'{key}' must be a positive integer")
-    return value
-
-
-def _flag(body: dict[str, Any], key: str) -> bool:
-    """A JSON boolean (absent: false). A string such as "false" is refused, not read as true:
-    ``rows_safe`` true lets rows a peer may still write into be reused."""
-    value = body.get(key, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"'{key}' must be true or false, got {value!r}")
-    return value
-
-
-def _peer(body: dict[str, Any], key: str) -> Peer:
-    value = body.get(key)
-    agent = value.get("agent") if isinstance(value, dict) else None
-    run = value.get("run") if isinstance(value, dict) else None
-    if not isinstance(agent, str) or not agent or not isinstance(run, str) or not run \
-            or len(agent) > 1024 or len(run) > 256:
-        raise BadRequest(f"'{key}' must be the prefill worker's {{\"agent\": str, \"run\": str}}, as its /health "
-                         "and /prefill answer: hint D is bound to the one worker that publishes with it")
-    return Peer(agent, run)
-
-
-def _seconds(body: dict[str, Any], key: str, default: float) -> float:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        # Bounded, not just finite: an int past a float's range passes "< inf" and float() raises.
-        raise BadRequest(f"'{key}' must be a positive number of seconds below 1e9, got {str(value)[:40]}")
-    return float(value)
-
-
-def _hint(body: dict[str, Any], key: str) -> Any:
-    raw = body.get(key)
-    if not isinstance(raw, str):
-        raise BadRequest(f"'{key}' must be base64 of a msgpack hint")
-    try:
-        data = base64.b64decode(raw, validate=True)
-    except ValueError:
-        raise BadRequest(f"'{key}' is not valid base64") from None
-    return wire.decode_hint(data)  # WireError names what is wrong; the app answers 400

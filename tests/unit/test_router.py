@@ -206,12 +206,19 @@ def test_workers_refuse_malformed_calls_with_named_errors() -> None:
                 (p, "/prefill", {"request": "x", "prompt": [1, 999]}, "[0, 128)"),
                 (p, "/reserve", {"request": "x", "prompt": [1], "max_new_tokens": 2}, "this is a prefill worker"),
                 (d, "/reserve", {"request": "x", "prompt": [1], "max_new_tokens": 0}, "'max_new_tokens'"),
-                (p, "/publish", {"request": "never", "hint": "AAAA"}, "not held here"),
+                (p, "/publish", {"request": "never", "hint": "AAAA"}, "WireError"),  # malformed before unknown
             ]
             for url, path, body, words in cases:
                 with pytest.raises(HttpError) as info:
                     await request_json(url, "POST", path, body)
                 assert info.value.status == 400 and words in str(info.value), (path, str(info.value))
+            publisher = (await request_json(p, "GET", "/health"))["publisher"]
+            hint = (await request_json(d, "POST", "/reserve", {"request": "h", "prompt": [1, 2], "max_new_tokens": 2,
+                                                               "publisher": publisher}))["hint"]
+            with pytest.raises(HttpError, match="not held here") as info:
+                await request_json(p, "POST", "/publish", {"request": "never", "hint": hint})
+            assert info.value.status == 400
+            await request_json(d, "POST", "/abort", {"request": "h", "rows_safe": True})
             await request_json(p, "POST", "/prefill", {"request": "y", "prompt": [1, 2]})
             with pytest.raises(HttpError, match="WireError") as info:
                 await request_json(p, "POST", "/publish", {"request": "y", "hint": "AAAA"})
@@ -396,7 +403,9 @@ def test_worker_ids_in_use_and_lengths_are_refused_before_anything_is_touched() 
     # reservation stays whole (the stream's clean-up used to drop it and free its rows). Two
     # prefills of one id at once: the second is a 400, not a pool error (500). A local
     # /generate past max_positions is refused before it streams anything.
-    from kvxfer.serving.http import BadRequest
+    from kvxfer.contract import Peer
+    from kvxfer.worker.calls import AbortCall, GenerateCall, PrefillCall, ReserveCall
+    from kvxfer.worker.core import Refused
 
     async def main() -> None:
         worker = Worker(WorkerConfig(role="decode", model=CFG, num_blocks=256, backend="loopback"), model=MODEL,
@@ -406,23 +415,23 @@ def test_worker_ids_in_use_and_lengths_are_refused_before_anything_is_touched() 
                          fabric=LoopbackFabric())
         await prefill.start()
         try:
-            stream = await worker.generate({"request": "X", "prompt": [1, 2, 3, 4, 5], "max_new_tokens": 3})
-            await worker.reserve({"request": "X", "prompt": list(range(1, 30)), "max_new_tokens": 3, "publisher": {"agent": "p", "run": "1"}})
+            stream = await worker.generate(GenerateCall("X", prompt=[1, 2, 3, 4, 5], max_new_tokens=3))
+            await worker.reserve(ReserveCall("X", list(range(1, 30)), 3, Peer("p", "1")))
             with pytest.raises(ValueError, match="already"):
                 async for _ in stream:
                     pass
             assert "X" in worker._reserved and worker.pool is not None and worker.pool.has("X")
-            assert (await worker.abort({"request": "X", "rows_safe": True}))["dropped"] == "reserved"
+            assert (await worker.abort(AbortCall("X", rows_safe=True)))["dropped"] == "reserved"
             assert worker._quarantined == [] and worker.lender is not None and worker.lender.open_leases == 0
 
-            results = await asyncio.gather(*(prefill.prefill({"request": "same", "prompt": list(range(1, 30))})
+            results = await asyncio.gather(*(prefill.prefill(PrefillCall("same", list(range(1, 30))))
                                              for _ in range(2)), return_exceptions=True)
             assert sum(isinstance(r, dict) for r in results) == 1, results
-            assert any(isinstance(r, BadRequest) and "already held" in str(r) for r in results), results
+            assert any(isinstance(r, Refused) and "already held" in str(r) for r in results), results
 
             too_long = CFG.max_positions
-            with pytest.raises(BadRequest, match="over max_positions"):
-                await worker.generate({"request": "Y", "prompt": [1, 2, 3], "max_new_tokens": too_long})
+            with pytest.raises(Refused, match="over max_positions"):
+                await worker.generate(GenerateCall("Y", prompt=[1, 2, 3], max_new_tokens=too_long))
         finally:
             await worker.close()
             await prefill.close()

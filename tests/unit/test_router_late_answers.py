@@ -13,12 +13,15 @@ from typing import Any
 import pytest
 from test_router import cluster, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
+from kvxfer.contract import Peer
 from kvxfer.router import Router
 from kvxfer.serving.http import HttpServer, Request, Response, request_text
 from kvxfer.worker.app import make_handler
+from kvxfer.worker.calls import AbortCall, PrefillCall, ReserveCall
 from kvxfer.worker.core import Worker
 
 TIMEOUT_S = 0.5
+PUB = Peer("p", "1")  # a prefill worker's identity; no publish comes in these tests
 
 
 def _answers_late(inner: Any, path: str) -> Any:
@@ -103,17 +106,17 @@ def test_an_abort_of_a_call_in_progress_is_forgotten_when_the_call_fails() -> No
             gate = threading.Event()
             worker._exec.submit(gate.wait, 30)
             try:
-                too_long = worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 10_000, "publisher": {"agent": "p", "run": "1"}})
+                too_long = worker.reserve(ReserveCall("x", [1, 2, 3], 10_000, PUB))
                 call = asyncio.ensure_future(too_long)
                 await asyncio.sleep(0.05)
-                assert (await worker.abort({"request": "x"}))["dropped"] == "starting"
+                assert (await worker.abort(AbortCall("x")))["dropped"] == "starting"
             finally:
                 gate.set()
             with pytest.raises(Exception, match="over max_positions"):
                 await call
             assert worker._aborted == set() and worker._starting == {}
-            await worker.reserve({"request": "x", "prompt": [1, 2, 3], "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})  # the id is free
-            assert (await worker.abort({"request": "x", "rows_safe": True}))["dropped"] == "reserved"
+            await worker.reserve(ReserveCall("x", [1, 2, 3], 2, PUB))  # the id is free
+            assert (await worker.abort(AbortCall("x", rows_safe=True)))["dropped"] == "reserved"
 
     asyncio.run(main())
 
@@ -160,18 +163,18 @@ def test_an_abort_that_arrives_before_its_call_refuses_the_call() -> None:
     async def main() -> None:
         async with cluster(1, 1) as c:
             decode, prefill = c.workers[c.decode[0]], c.workers[c.prefill[0]]
-            assert (await decode.abort({"request": "early", "rows_safe": True}))["dropped"] is None
-            assert (await prefill.abort({"request": "early"}))["dropped"] is None
+            assert (await decode.abort(AbortCall("early", rows_safe=True)))["dropped"] is None
+            assert (await prefill.abort(AbortCall("early")))["dropped"] is None
             with pytest.raises(Aborted, match="aborted before this call arrived"):
-                await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})
+                await decode.reserve(ReserveCall("early", [1, 2, 3], 2, PUB))
             with pytest.raises(Aborted, match="aborted before this call arrived"):
-                await prefill.prefill({"request": "early", "prompt": [1, 2, 3]})
+                await prefill.prefill(PrefillCall("early", [1, 2, 3]))
             for worker in (decode, prefill):
                 assert worker._reserved == {} and worker._held == {} and worker._aborted_early == {}
                 assert worker.pool is not None and worker.pool.requests == ()
             # The refusal used the abort up: the id can be used again.
-            await decode.reserve({"request": "early", "prompt": [1, 2, 3], "max_new_tokens": 2, "publisher": {"agent": "p", "run": "1"}})
-            assert (await decode.abort({"request": "early", "rows_safe": True}))["dropped"] == "reserved"
+            await decode.reserve(ReserveCall("early", [1, 2, 3], 2, PUB))
+            assert (await decode.abort(AbortCall("early", rows_safe=True)))["dropped"] == "reserved"
 
     asyncio.run(main())
 

@@ -10,6 +10,7 @@ import torch
 
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig
+from kvxfer.worker.calls import GenerateCall
 from kvxfer.worker.core import Worker, WorkerConfig
 
 torch.set_num_threads(1)
@@ -39,7 +40,7 @@ def test_no_decode_step_runs_after_the_lender_was_shut_down() -> None:
 
         worker.lender.shutdown = record_shutdown  # type: ignore[method-assign]
         model.next_token = record_step  # type: ignore[method-assign]
-        streams = [await worker.generate({"request": f"r{i}", "prompt": list(range(1, 20)), "max_new_tokens": 100})
+        streams = [await worker.generate(GenerateCall(f"r{i}", prompt=list(range(1, 20)), max_new_tokens=100))
                    for i in range(2)]
         started = asyncio.Event()
 
