@@ -17,7 +17,7 @@
                                        null: nothing here yet, and a /prefill or /reserve of it within hold_s is refused)
 
 The worker (``kvxfer.worker.core``) knows no HTTP: this module parses each body into a typed
-call (``kvxfer.worker.calls``, BadRequest for what is malformed) and maps the worker's
+call (``kvxfer.worker.bodies``, BadRequest for what is malformed) and maps the worker's
 errors to statuses: Refused and BadRequest 400, the "nothing escaped" refusals 409.
 
 Streams end with an event holding ``"final": true``; a stream cut before it means the
@@ -38,7 +38,7 @@ from kvxfer.lender import LeaseError
 from kvxfer.pool import PoolExhausted, UnknownRequest
 from kvxfer.serving.http import BadRequest, Request, Response
 from kvxfer.wire import WireError
-from kvxfer.worker import calls
+from kvxfer.worker import bodies
 from kvxfer.worker.core import Aborted, Refused, Worker
 
 log = logging.getLogger(__name__)
@@ -88,20 +88,20 @@ async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
     model = worker.config.model
     if endpoint == "prefill":
         worker.need("prefill")
-        return Response.json(await worker.prefill(calls.prefill_call(body, model)))
+        return Response.json(await worker.prefill(bodies.prefill_call(body, model)))
     if endpoint == "reserve":
         worker.need("decode")
-        return Response.json(await worker.reserve(calls.reserve_call(body, model)))
+        return Response.json(await worker.reserve(bodies.reserve_call(body, model)))
     if endpoint == "abort":
-        return Response.json(await worker.abort(calls.abort_call(body)))
+        return Response.json(await worker.abort(bodies.abort_call(body)))
     if endpoint == "withdraw":
-        return Response.json(await worker.withdraw(calls.withdraw_call(body)))
+        return Response.json(await worker.withdraw(bodies.withdraw_call(body)))
     if endpoint == "publish":
         worker.need("prefill")
-        return Response.ndjson(_guard(worker, await worker.publish(calls.publish_call(body))))
+        return Response.ndjson(_guard(worker, await worker.publish(bodies.publish_call(body))))
     if endpoint == "generate":
         worker.need("decode")
-        return Response.ndjson(_guard(worker, await worker.generate(calls.generate_call(body, model))))
+        return Response.ndjson(_guard(worker, await worker.generate(bodies.generate_call(body, model))))
     return Response.json({"error": f"no POST /{endpoint}"}, 404)
 
 

@@ -84,10 +84,19 @@ def test_a_hundred_faults_end_with_both_pools_whole() -> None:
             assert calls == FAULTS
             # The decode worker holds nothing back: the raising publisher took every hint D
             # back, and the slow kind's rows came back as their waits quiesced.
+            end = time.monotonic() + 10.0
             text = await request_text(d, "/metrics")
+            while time.monotonic() < end and _metric(text, PINNED) != 0:
+                await asyncio.sleep(0.1)
+                text = await request_text(d, "/metrics")
             assert _metric(text, "kvxfer_quarantined_slots") == 0 and _metric(text, PINNED) == 0, text
-            # The prefill worker holds exactly the raising kind's read leases, until shutdown.
+            # The prefill worker holds exactly the raising kind's read leases, until shutdown, once
+            # the last slow publishes (posted 1 s after their submission) have ended.
+            end = time.monotonic() + 10.0
             text = await request_text(p, "/metrics")
+            while time.monotonic() < end and _metric(text, PINNED) != FAULTS // 2 * 3:
+                await asyncio.sleep(0.1)
+                text = await request_text(p, "/metrics")
             set_aside = _metric(text, "kvxfer_quarantined_slots_total")
             assert set_aside == FAULTS // 2 * 3 and _metric(text, "kvxfer_quarantined_slots") == set_aside, text
             assert _metric(text, "kvxfer_reclaimed_slots_total") == 0 and _metric(text, PINNED) == set_aside
