@@ -146,3 +146,31 @@ def test_a_hint_replayed_after_more_transfers_than_the_guard_once_kept_is_refuse
             assert refusal is not None and "409" in refusal and "used" in refusal, refusal
 
     asyncio.run(main())
+
+
+def test_the_router_reserves_again_for_a_prefill_worker_that_restarted_behind_its_url() -> None:
+    # The router learnt the prefill worker's run from /health; the worker then restarts behind
+    # the same address (a new run, same name). The next request's hint D, bound to the old run,
+    # would be refused at publish: the router sees the new run in /prefill's answer, drops the
+    # reservation (hint D went nowhere) and reserves again for the new run.
+    from kvxfer.router import Router
+
+    async def main() -> None:
+        async with stack() as s:
+            p, d = await s.add("prefill", "prefill0"), await s.add("decode", "decode0")
+            router = Router([p], [d])
+            first = await router.generate(PROMPT_A, NEW)
+            assert first.ok and list(first.tokens) == oracle(PROMPT_A, NEW)
+            old = s.workers[p]
+            fresh = Worker(WorkerConfig(role="prefill", model=CFG, num_blocks=128, backend="loopback",
+                                        name="prefill0-restarted", transfer_timeout_s=5.0), model=MODEL, fabric=s.fabric)
+            await fresh.start()
+            s.servers[p]._handler = make_handler(fresh)  # same address, another worker behind it
+            s.workers[p] = fresh
+            await old.close()
+            again = await router.generate(PROMPT_B, NEW)
+            assert again.ok and list(again.tokens) == oracle(PROMPT_B, NEW), again.error
+            assert again.path == "disaggregated" and any("another run now" in e for e in again.events), again.events
+            await router.close()
+
+    asyncio.run(main())
