@@ -40,9 +40,10 @@ write = lender_d.lend_write("req-1", (0, 100))    # grows decode's request, pins
 view_p, view_d = read.view(), write.view()
 assert view_p is not None and view_d is not None  # in place: ready at once
 
-hint_p, hint_d = prefill.describe(view_p), decode.describe(view_d)  # a router carries these
-fetch = decode.fetch(view_d, hint_p)
-publish = prefill.publish(view_p, hint_d)
+prefill_hint = prefill.describe(view_p, decode.peer)  # each bound to the one peer that may use it;
+decode_hint = decode.describe(view_d, prefill.peer)   # a router carries them
+fetch = decode.fetch(view_d, prefill_hint)
+publish = prefill.publish(view_p, decode_hint)
 read.track(publish)                                # release() waits for quiescence
 write.track(fetch)
 fetch.wait(10)
