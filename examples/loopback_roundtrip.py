@@ -43,9 +43,10 @@ def transfer(mode: TransferMode, fail_after: int | None = None) -> None:
     view_p, view_d = views(rng, p_mem, d_mem, "req-1")
 
     # Each end describes itself; a router would carry these hints as bytes.
-    hint_p, hint_d = prefill.describe(view_p), decode.describe(view_d)
-    fetch = decode.fetch(view_d, hint_p)
-    publish = prefill.publish(view_p, hint_d)
+    prefill_hint = prefill.describe(view_p, decode.peer)  # each bound to the one peer that may use it
+    decode_hint = decode.describe(view_d, prefill.peer)
+    fetch = decode.fetch(view_d, prefill_hint)
+    publish = prefill.publish(view_p, decode_hint)
     assert fetch.wait(10) and publish.wait(10), "transfer did not finish"
     outcome = fetch.poll()
     assert outcome is not None
