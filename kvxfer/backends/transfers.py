@@ -129,7 +129,10 @@ class OwnTransfers:
         return transfer_id
 
     def check_for_us(self, hint: Hint) -> None:
-        """InvalidSubmission when ``hint`` is bound to another peer or has expired."""
+        """InvalidSubmission when ``hint`` is bound to another peer or has expired (and the used
+        hints that expired are forgotten, whatever the answer)."""
+        with self._lock:
+            self._forget_expired()
         audience = hint.audience
         if audience is not None and audience != self.peer:
             if audience.agent == self.peer.agent:
@@ -153,11 +156,9 @@ class OwnTransfers:
                 f"the {MAX_HINT_TTL_S:g}s any hint may live: a forged hint, or clocks far apart")
 
     def check_usable(self, hint: Hint) -> None:
-        """check_for_us, and InvalidSubmission when this end already acted on the peer's
-        transfer (SubmissionRejected when too many used hints are still live to take one more)."""
-        with self._lock:
-            self._forget_expired()
-        self.check_for_us(hint)
+        """After ``check_for_us`` (each backend calls it first, for either side): InvalidSubmission
+        when this end already acted on the peer's transfer (SubmissionRejected when too many used
+        hints are still live to take one more)."""
         with self._lock:
             used = (hint.agent, hint.transfer_id) in self._used
             full = len(self._used) >= _USED_LIVE_CAP

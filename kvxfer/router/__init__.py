@@ -5,6 +5,7 @@
     completion = await router.generate(prompt_ids, max_new_tokens=32)
 """
 
-from kvxfer.router.router import POLICIES, SELECTIONS, Completion, Router, Token, TransferFigures
+from kvxfer.router.results import Completion, Token, TransferFigures
+from kvxfer.router.router import POLICIES, SELECTIONS, Router
 
 __all__ = ["POLICIES", "SELECTIONS", "Completion", "Router", "Token", "TransferFigures"]

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.router.results import Completion, Token, TransferFigures
 from kvxfer.serving.http import HttpError, request_json, request_text, stream_json
 from kvxfer.serving.metrics import Registry
 
@@ -54,48 +55,6 @@ RECLAIM_POLL_S = 1.0
 KEY_PATTERN = r"r[0-9a-f]{12}-\d+"
 """The shape of the ids the router gives the workers (``Router._key``), for tools that read
 them out of reasons and logs."""
-
-
-@dataclass(frozen=True)
-class Token:
-    index: int
-    token: int
-    at_s: float
-
-
-@dataclass(frozen=True)
-class TransferFigures:
-    status: str
-    rows: int
-    rows_delivered: int
-    bytes: int
-    seconds: float
-    reason: str = ""
-
-    @classmethod
-    def from_event(cls, event: dict[str, Any]) -> TransferFigures:
-        return cls(str(event["status"]), int(event["rows"]), int(event["rows_delivered"]), int(event["bytes"]),
-                   float(event["seconds"]), str(event.get("reason", "")))
-
-
-@dataclass(frozen=True)
-class Completion:
-    request: str
-    prompt_tokens: int
-    tokens: tuple[int, ...]
-    ttft_s: float | None
-    total_s: float
-    prefill: str | None
-    decode: str | None
-    transfer: TransferFigures | None
-    recomputed_tokens: int = 0
-    path: str = "disaggregated"  # "disaggregated" | "resumed" (partial transfer) | "local" (decode prefilled)
-    error: str | None = None
-    events: tuple[str, ...] = ()  # what went wrong on the way, even when recovered
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 @dataclass(eq=False)

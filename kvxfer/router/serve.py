@@ -28,7 +28,8 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from kvxfer.router.router import POLICIES, SELECTIONS, Completion, Router
+from kvxfer.router.results import Completion
+from kvxfer.router.router import POLICIES, SELECTIONS, Router
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import BadRequest, HttpServer, Request, Response
 

@@ -19,6 +19,7 @@ import pytest
 
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, TokenRange, TransferMode, View
+from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
@@ -82,20 +83,9 @@ def _start(local: NixlBackend, peer: SubprocessPeer, local_view: View, peer_view
 
 
 def _hold_once_proven(backend: NixlBackend) -> tuple[threading.Event, threading.Event]:
-    """Stop ``backend``'s progress thread at its first step after a chunk of its active job is
-    proven, until the returned gate is set: (held, gate). It posts and concludes nothing
-    meanwhile, so the kill lands after that chunk and before the last, whatever the load."""
-    held, gate = threading.Event(), threading.Event()
-    step: Callable[[], bool] = backend._step
-
-    def stepping() -> bool:
-        if not gate.is_set() and any(job.done for job in list(backend._active)):
-            held.set()
-            gate.wait()
-        return step()
-
-    backend._step = stepping  # type: ignore[method-assign]
-    return held, gate
+    """Hold the progress thread once a chunk of its active job is proven, until the returned
+    gate is set: the kill lands after that chunk and before the last, whatever the load."""
+    return hold_progress(backend, ready=lambda: any(job.done for job in list(backend._active)))
 
 
 def _landed(read: Callable[[str, np.ndarray], bytes], view: View) -> bool:

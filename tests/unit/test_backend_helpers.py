@@ -148,23 +148,23 @@ def test_a_hint_is_used_only_by_its_audience_before_it_expires_and_once(monkeypa
     ]
     for hint, words in cases:
         with pytest.raises(InvalidSubmission, match=words):
-            own.check_usable(hint)
+            _usable(own, hint)
     mine = dataclasses.replace(fresh, audience=own.peer)
     for hint in (mine, dataclasses.replace(fresh, transfer_id="t2")):  # bound to this run, or to nobody: once
-        own.check_usable(hint)
+        _usable(own, hint)
         own.use(hint, TrackedAttempt())
         with pytest.raises(InvalidSubmission, match="used already"):
-            own.check_usable(hint)
+            _usable(own, hint)
     # A used hint is remembered until it expires, however many others are used meanwhile;
     # then it is forgotten, and refused as expired instead.
     monkeypatch.setattr(transfers, "_RETIRED_KEPT", 2)
     for i in range(10):
         own.use(dataclasses.replace(fresh, transfer_id=f"other-{i}"), TrackedAttempt())
     with pytest.raises(InvalidSubmission, match="used already"):
-        own.check_usable(mine)
+        _usable(own, mine)
     monkeypatch.setattr(transfers, "wall_ms", lambda: fresh.expires_ms + 1)
     with pytest.raises(InvalidSubmission, match="expired"):
-        own.check_usable(mine)
+        _usable(own, mine)
     assert len(own._used) == 0
 
 
@@ -174,12 +174,12 @@ def test_hints_stop_being_remembered_only_by_refusing_more(monkeypatch: pytest.M
     _, hint = _view_and_hint([0], [0])
     live = [dataclasses.replace(hint, transfer_id=f"t{i}", expires_ms=transfers.wall_ms() + 60_000) for i in range(4)]
     for h in live[:3]:
-        own.check_usable(h)
+        _usable(own, h)
         own.use(h, TrackedAttempt())
     with pytest.raises(SubmissionRejected, match="have not expired yet"):
-        own.check_usable(live[3])
+        _usable(own, live[3])
     with pytest.raises(InvalidSubmission, match="used already"):
-        own.check_usable(live[0])
+        _usable(own, live[0])
 
 
 def test_withdraw_says_whether_a_hint_can_still_reach_the_peers_rows() -> None:
@@ -190,10 +190,10 @@ def test_withdraw_says_whether_a_hint_can_still_reach_the_peers_rows() -> None:
     # Never used here: nothing can reach the rows, and from now on it is refused as used.
     assert own.withdraw(never)
     with pytest.raises(InvalidSubmission, match="used already"):
-        own.check_usable(never)
+        _usable(own, never)
     # Used by an attempt: not until that attempt has quiesced.
     attempt = TrackedAttempt()
-    own.check_usable(used)
+    _usable(own, used)
     own.use(used, attempt)
     assert not own.withdraw(used)
     attempt.mark_quiesced()
@@ -209,7 +209,7 @@ def test_used_hints_let_go_of_their_attempts_once_they_quiesced() -> None:
     for i in range(300):
         h = dataclasses.replace(hint, transfer_id=f"t{i}", expires_ms=transfers.wall_ms() + 60_000)
         attempt = TrackedAttempt()
-        own.check_usable(h)
+        _usable(own, h)
         own.use(h, attempt)
         attempt.mark_quiesced()
         attempts.append(attempt)
@@ -221,3 +221,9 @@ def test_used_hints_let_go_of_their_attempts_once_they_quiesced() -> None:
     for i in range(10):  # an attempt still running is kept, however many uses pass
         own.use(dataclasses.replace(hint, transfer_id=f"u{i}", expires_ms=h.expires_ms), attempts[0])
     assert own._used[(h.agent, "running")][1] is running and not own.withdraw(h)
+
+
+def _usable(own: OwnTransfers, hint: Hint) -> None:
+    """What a backend's active end checks of a peer's hint, in its order."""
+    own.check_for_us(hint)
+    own.check_usable(hint)

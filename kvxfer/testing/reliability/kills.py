@@ -30,6 +30,7 @@ import numpy as np
 
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
+from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.reliability.common import Progress, max_ms, ms
@@ -105,22 +106,10 @@ def _views(memory: HostRows, peer: SubprocessPeer, request: str, rng: np.random.
 
 
 def _hold_once_proven(backend: NixlBackend, chunks: int) -> tuple[threading.Event, threading.Event]:
-    """As the chaos test, but after ``chunks`` chunks rather than the first: stop the progress
-    thread at its first step once that many chunks of its active job are proven, until the
-    gate is set. It posts and concludes nothing meanwhile, so the kill lands after them and
-    before the last chunk, whatever the load; varying ``chunks`` moves the kill over the
-    whole transfer, group boundary included."""
-    held, gate = threading.Event(), threading.Event()
-    step: Callable[[], bool] = backend._step
-
-    def stepping() -> bool:
-        if not gate.is_set() and any(len(job.done) >= chunks for job in list(backend._active)):
-            held.set()
-            gate.wait()
-        return step()
-
-    backend._step = stepping  # type: ignore[method-assign]
-    return held, gate
+    """Hold the progress thread once ``chunks`` chunks of its active job are proven, until the
+    gate is set (``kvxfer.testing.holds.hold_progress``): the kill lands after them and before
+    the last chunk, whatever the load; varying ``chunks`` moves it over the whole transfer."""
+    return hold_progress(backend, ready=lambda: any(len(job.done) >= chunks for job in list(backend._active)))
 
 
 def _landed(read: Callable[[str, np.ndarray], bytes], view: View) -> bool:
