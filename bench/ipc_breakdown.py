@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-import kvxfer.backends.ipc as ipc
+import kvxfer.backends.ipc.backend as ipc
 import kvxfer.backends.ipc_channel as ipc_channel
 import kvxfer.testing.ipc_pairs as pair
 from kvxfer.bench.config import devices_argument

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
-from kvxfer.backends.matching import GroupMatch, check_submission, coalesce, match_rows
-from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups
+from kvxfer.backends.common.attempt import TrackedAttempt, cancel_and_wait_quiet
+from kvxfer.backends.common.matching import GroupMatch, check_submission, coalesce, match_rows
+from kvxfer.backends.common.regions import RegionTable
+from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups
 from kvxfer.contract import (
     Backend,
     Cancelled,

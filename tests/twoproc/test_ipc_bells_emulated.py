@@ -169,7 +169,7 @@ def test_without_a_place_for_the_ring_the_waiter_uses_sockets_only(monkeypatch: 
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     import functools
 
-    import kvxfer.backends.ipc as ipc_module
+    import kvxfer.backends.ipc.backend as ipc_module
     from kvxfer.backends.ipc_bells import BellRing
 
     monkeypatch.setattr(ipc_module, "BellRing", functools.partial(BellRing, "/nonexistent/kvxfer-shm"))

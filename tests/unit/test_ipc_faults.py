@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-import kvxfer.backends.ipc as ipc
+import kvxfer.backends.ipc.backend as ipc
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_channel import Channel, PeerBusy
 from kvxfer.contract import Cancelled, InvalidSubmission, TransferMode

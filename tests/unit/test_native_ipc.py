@@ -112,7 +112,7 @@ def test_mappings_open_once_and_close_only_when_unused() -> None:
 
 
 def test_launch_mask_fill_marks_exactly_the_launched_rows() -> None:
-    from kvxfer.backends.ipc import _set_rows
+    from kvxfer.backends.ipc.backend import _set_rows
 
     rows = np.array([3, 0, 2, 1], dtype=np.int64)  # a permutation of every row
     full = np.zeros(4, dtype=np.bool_)
@@ -139,7 +139,7 @@ def test_ordinal_comparison_small_and_large(n: int) -> None:
 
 
 def test_launch_masks_are_read_only_and_shared_only_when_whole() -> None:
-    from kvxfer.backends.ipc import _mask_of
+    from kvxfer.backends.ipc.backend import _mask_of
 
     rows = np.array([2, 0, 1], dtype=np.int64)
     whole = _mask_of(3, rows, 3)
@@ -224,7 +224,7 @@ def test_every_row_delivered_travels_as_a_token_and_anything_else_as_a_record(ke
     # "DELIVERED, every row" is 20 bytes (DONE_PREFIX + a token the passive end can look up);
     # partial records are decoded as before; a token without its wait waits for it; a token
     # nobody was given concludes nothing. Signed: the token comes from the key and the sender.
-    from kvxfer.backends.ipc import DONE_PREFIX, EXTRA_DONE, IpcBackend
+    from kvxfer.backends.ipc.backend import DONE_PREFIX, EXTRA_DONE, IpcBackend
     from kvxfer.contract import Delivered, TransferMode
     from kvxfer.testing import host_cuda
     from kvxfer.testing.ipc_pairs import DeviceRows

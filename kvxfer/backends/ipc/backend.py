@@ -53,8 +53,11 @@ from types import ModuleType
 import numpy as np
 
 from kvxfer import native
-from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
-from kvxfer.backends.ipc_bells import (
+from kvxfer.backends.common.attempt import TrackedAttempt, cancel_and_wait_quiet
+from kvxfer.backends.common.matching import GroupMatch, check_submission, match_rows
+from kvxfer.backends.common.regions import RegionTable
+from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups, put_bounded
+from kvxfer.backends.ipc.bells import (
     BELL_WORDS,
     EXTRA_BELL,
     BellOpener,
@@ -64,11 +67,8 @@ from kvxfer.backends.ipc_bells import (
     bell_value,
     parse_bell,
 )
-from kvxfer.backends.ipc_channel import Channel, PeerBusy
-from kvxfer.backends.ipc_mappings import EXTRA_PREFIX, Export, Mapping, Mappings
-from kvxfer.backends.matching import GroupMatch, check_submission, match_rows
-from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups, put_bounded
+from kvxfer.backends.ipc.channel import Channel, PeerBusy
+from kvxfer.backends.ipc.mappings import EXTRA_PREFIX, Export, Mapping, Mappings
 from kvxfer.contract import (
     Backend,
     Cancelled,

@@ -71,12 +71,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvxfer.backends.attempt import TrackedAttempt, cancel_and_wait_quiet
-from kvxfer.backends.matching import check_submission, match_rows
-from kvxfer.backends.nixl_agent import NixlAgent, PeerGone, PeerUnknown
-from kvxfer.backends.nixl_jobs import ActiveJob, PassiveWait, conclusion, step_chunks
-from kvxfer.backends.nixl_notes import NOTE_PREFIX, Inbound, decode_note, ints
-from kvxfer.backends.nixl_packed import (
+from kvxfer.backends.common.attempt import TrackedAttempt, cancel_and_wait_quiet
+from kvxfer.backends.common.matching import check_submission, match_rows
+from kvxfer.backends.common.regions import RegionTable
+from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups, put_bounded
+from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown
+from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion, step_chunks
+from kvxfer.backends.nixl.notes import NOTE_PREFIX, Inbound, decode_note, ints
+from kvxfer.backends.nixl.packed import (
     ARENA_EXTRA,
     PREGRANT_SLOTS,
     Arena,
@@ -88,9 +90,7 @@ from kvxfer.backends.nixl_packed import (
     rows_from_runs,
     step_packed,
 )
-from kvxfer.backends.nixl_plan import ChunkBytes, count_descriptors, plan_chunks
-from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups, put_bounded
+from kvxfer.backends.nixl.plan import ChunkBytes, count_descriptors, plan_chunks
 from kvxfer.contract import (
     Backend,
     Cancelled,

@@ -1,0 +1,141 @@
+"""Pair local rows with the peer's by (layer group, ordinal), and coalesce runs of slots."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxfer.backends.common.regions import RegionTable
+from kvxfer.contract import Hint, HintGroup, IndexArray, InvalidSubmission, LayerGroupRows, View
+
+
+@dataclass(frozen=True, eq=False)
+class GroupMatch:
+    """Rows of one local group with a counterpart at the peer.
+
+    ``local_rows`` indexes the local group's rows; ``peer_rows`` the peer group's rows;
+    ``local_slots`` and ``peer_slots`` are the slots they name, all in local-row order.
+    """
+
+    local: LayerGroupRows
+    peer: HintGroup | None
+    local_rows: IndexArray
+    peer_rows: IndexArray
+    local_slots: IndexArray
+    peer_slots: IndexArray
+
+    @property
+    def unmatched(self) -> IndexArray:
+        """Local rows with no counterpart at the peer."""
+        mask = np.ones(len(self.local), dtype=np.bool_)
+        mask[self.local_rows] = False
+        return np.flatnonzero(mask).astype(np.int64)
+
+
+def check_submission(view: View, hint: Hint, regions: RegionTable, backend: str, mode: object,
+                     *, fetching: bool) -> None:
+    """Every backend's checks before a fetch/publish touches anything: InvalidSubmission if the
+    hint is not a Hint, the view's rows are not ours, the ends disagree, or the requests differ."""
+    if not isinstance(hint, Hint):
+        raise InvalidSubmission(f"expected a Hint, got {type(hint).__name__}")
+    regions.check_view(view, for_fetch=fetching)
+    check_agreement(view, hint, backend, mode)
+    if hint.request != view.request:
+        raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
+
+
+def check_agreement(view: View, hint: Hint, backend: str, mode: object) -> None:
+    """Refuse a hint of another backend kind, mode, layout, request or row format."""
+    if hint.backend != backend:
+        raise InvalidSubmission(f"hint is for backend {hint.backend!r}, this is {backend!r}")
+    if hint.mode != mode:
+        raise InvalidSubmission(f"hint is for {hint.mode.value} mode, this backend runs {getattr(mode, 'value', mode)}")
+    if hint.layout != view.layout:
+        raise InvalidSubmission(
+            f"layout mismatch: peer {hint.layout.hex()[:16] or '(none)'} vs local {view.layout.hex()[:16] or '(none)'}"
+        )
+    for group in view.groups:
+        peer = hint.group(group.layer_group)
+        if peer is not None and peer.slot_bytes != group.region.slot_bytes:
+            raise InvalidSubmission(
+                f"group {group.layer_group!r}: peer rows are {peer.slot_bytes} bytes, local rows {group.region.slot_bytes}"
+            )
+        if peer is not None and peer.kind != group.kind:
+            raise InvalidSubmission(f"group {group.layer_group!r}: peer kind {peer.kind.name}, local {group.kind.name}")
+
+
+@functools.lru_cache(maxsize=16)
+def positions(n: int) -> IndexArray:
+    """0..n-1, read-only and shared: requests of one size repeat, and allocating it per
+    submission costs as much as the rest of a large submission's matching."""
+    rows = np.arange(n, dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
+
+
+def match_rows(view: View, hint: Hint) -> list[GroupMatch]:
+    """One GroupMatch per view group, aligned with ``view.groups``. Arrays are read-only."""
+    matches = []
+    empty = positions(0)
+    for group in view.groups:
+        peer = hint.group(group.layer_group)
+        if peer is None or len(peer) == 0 or len(group) == 0:
+            matches.append(GroupMatch(group, peer, empty, empty, empty, empty))
+            continue
+        # HintGroup and RegionTable.check_view already refused repeated ordinals on both ends.
+        if len(group) == len(peer) and (
+                (group.ordinals_are_positions and peer.ordinals_are_positions)  # known: O(1)
+                or _same(group.ordinals, peer.ordinals)):
+            # Row i pairs with row i (a whole request, usually): the slots as they are.
+            rows = positions(len(group))
+            matches.append(GroupMatch(group, peer, rows, rows, group.slots, peer.slots))
+            continue
+        local_rows, peer_rows = _pair_ordinals(group.ordinals, peer.ordinals)
+        arrays = (local_rows, peer_rows, group.slots[local_rows], peer.slots[peer_rows])
+        for array in arrays:
+            array.flags.writeable = False
+        matches.append(GroupMatch(group, peer, *arrays))
+    return matches
+
+
+def _same(a: IndexArray, b: IndexArray) -> bool:
+    if a.size <= 128:  # a small request: comparing bytes beats numpy's per-call overhead
+        return a.shape == b.shape and a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
+
+
+def _pair_ordinals(local: IndexArray, peer: IndexArray) -> tuple[IndexArray, IndexArray]:
+    """Indices (into local, into peer) of equal ordinals, in local order. Both sides distinct."""
+    if local.size == peer.size and np.array_equal(local, peer):
+        same = positions(local.size)
+        return same, same
+    low = min(int(local.min()), int(peer.min()))
+    span = max(int(local.max()), int(peer.max())) - low + 1
+    if span <= 4 * (local.size + peer.size) + 4096:
+        # Dense ordinals (the usual token blocks): a lookup table, linear time.
+        table = np.full(span, -1, dtype=np.int64)
+        table[peer - low] = np.arange(peer.size, dtype=np.int64)
+        at = table[local - low]
+        local_rows = np.flatnonzero(at >= 0).astype(np.int64)
+        return local_rows, at[local_rows]
+    order = np.argsort(peer, kind="stable")
+    sorted_ordinals = peer[order]
+    pos = np.minimum(np.searchsorted(sorted_ordinals, local), sorted_ordinals.size - 1)
+    found = sorted_ordinals[pos] == local
+    return np.flatnonzero(found).astype(np.int64), order[pos[found]].astype(np.int64)
+
+
+def coalesce(src: IndexArray, dst: IndexArray) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """Split paired slot lists into runs contiguous on both ends.
+
+    Returns (src_start, dst_start, length) arrays; rows keep their given order.
+    """
+    n = src.size
+    if n == 0:
+        return (np.zeros(0, np.int64),) * 3  # type: ignore[return-value]
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [n]))).astype(np.int64)
+    return src[starts], dst[starts], lengths

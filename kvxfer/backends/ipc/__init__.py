@@ -1,0 +1,7 @@
+"""Same-node GPU-to-GPU backend over CUDA IPC: ``backend`` (IpcBackend), the Unix-socket
+record channel (``channel``), peer allocation mappings (``mappings``), doorbells
+(``bells``) and shared-memory maps (``shm_map``)."""
+
+from kvxfer.backends.ipc.backend import BACKEND_KIND, IpcBackend, IpcUnavailable, node_identity
+
+__all__ = ["BACKEND_KIND", "IpcBackend", "IpcUnavailable", "node_identity"]

@@ -1,0 +1,310 @@
+"""One NIXL agent over UCX, behind a lock, with the few calls the nixl backend needs.
+
+NIXL's Python agent is created with thread sync NONE unless a listener thread runs, so
+concurrent calls are unsafe: every call here takes one lock. The backend's progress thread
+makes almost all of them; the owner's thread only registers memory and loads peers'
+metadata at submit. A post is bounded by the backend's chunk size, so the lock is never
+held for long (docs/performance.md: with host memory UCX may do the whole copy inside ``transfer()``).
+
+Remote agents are kept by name together with the metadata they were loaded from. A peer's
+newer metadata (it registered more memory since) is loaded over what we hold: NIXL adds the
+new regions and keeps the connection, the regions already loaded and our requests in flight
+(dropping the peer first would end those requests: NIXL fails a request whose remote agent
+was invalidated). Only a peer whose connection changed, the same name in a new process (a
+restart), is dropped and loaded again, and not while a request of ours to its previous run
+is alive. ``forget`` drops one that died so that its successor can be added.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.contract import KvxferError, MemoryKind, SlotRegion
+
+log = logging.getLogger(__name__)
+
+ETCD_ENV = "NIXL_ETCD_ENDPOINTS"
+_MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
+
+
+class PeerGone(KvxferError):
+    """The peer's agent disconnected (NIXL_ERR_REMOTE_DISCONNECT) or cannot be reached."""
+
+
+class PeerUnknown(KvxferError):
+    """The peer's metadata is not loaded (yet: in etcd mode it may still arrive)."""
+
+
+class XferError(KvxferError):
+    """NIXL refused or failed a transfer request; the message says how."""
+
+
+def _nixl() -> Any:
+    try:
+        import nixl._api as api  # noqa: PLC0415 - optional transport, imported on use
+        import nixl._bindings as bindings  # noqa: PLC0415
+    except ImportError as exc:  # pragma: no cover - nixl is a dependency of the package
+        raise RuntimeError(f"the nixl backend needs the nixl package: {exc}") from exc
+    return api, bindings
+
+
+def _refused(name: str, exc: BaseException) -> Exception:
+    """What NIXL's refusal of a peer's metadata means to a submission."""
+    if type(exc).__name__ in ("nixlMismatchError", "nixlInvalidParamError"):
+        return ValueError(f"NIXL refused the metadata in the hint for agent {name!r}: {exc}")
+    return PeerGone(f"cannot connect to agent {name!r}: {exc}")
+
+
+_SERDES_AGENT = b"nixlSerDes|Agent"
+
+
+def _metadata_agent(metadata: bytes) -> str | None:
+    """The agent name NIXL's serialized metadata opens with (its nixlSerDes layout: a tag, a
+    little-endian 8-byte length, the name), or None where it does not read as such."""
+    start = len(_SERDES_AGENT) + 8
+    if not metadata.startswith(_SERDES_AGENT) or len(metadata) < start:
+        return None
+    size = int.from_bytes(metadata[len(_SERDES_AGENT):start], "little")
+    if size > len(metadata) - start:
+        return None
+    return metadata[start:start + size].decode("utf-8", "replace")
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    return type(exc).__name__ == "nixlRemoteDisconnectError" or "REMOTE_DISCONNECT" in str(exc)
+
+
+@dataclass(frozen=True)
+class Post:
+    """A posted transfer: NIXL's handle, and the state ``transfer()`` returned."""
+
+    handle: Any
+    state: str  # "DONE" or "PROC"
+
+
+class NixlAgent:
+    """A NIXL agent with a UCX backend, its registered regions, and the peers it knows."""
+
+    def __init__(self, name: str, *, use_etcd: bool | None = None, progress_thread: bool = False) -> None:
+        api, bindings = _nixl()
+        self._api = api
+        self._bindings = bindings
+        self.name = name
+        self.use_etcd = bool(os.environ.get(ETCD_ENV)) if use_etcd is None else use_etcd
+        # NIXL's own progress thread spins without pause (the Python API sets its delay to 0):
+        # measured here at 0.64 of a core per idle agent. By default the backend's thread
+        # progresses UCX instead (every NIXL call it makes does), polling fast only while
+        # transfers are pending. etcd exchange runs on NIXL's listener thread.
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=self.use_etcd,
+                                       backends=["UCX"])
+        self._lock = threading.RLock()
+        self._agent = api.nixl_agent(name, config)
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.get_plugin_list()})")
+        self.memory_types = frozenset(self._agent.get_backend_mem_types("UCX"))
+        self._registered: list[Any] = []
+        self._peers: dict[str, set[bytes]] = {}  # remote agent name -> metadata versions loaded
+        self._alive: dict[str, int] = {}  # remote agent name -> our requests to it not released yet
+        self._request_peer: dict[Any, str] = {}  # such a request's handle (kept, so never reused) -> its peer
+        self._metadata = self._agent.get_agent_metadata()
+        if self.use_etcd:
+            self._agent.send_local_metadata()
+
+    # --- memory and metadata ------------------------------------------------------------
+    def reachable(self) -> frozenset[MemoryKind]:
+        kinds = {MemoryKind.HOST} if "DRAM_SEG" in self.memory_types else set()
+        if "VRAM_SEG" in self.memory_types:
+            kinds.add(MemoryKind.DEVICE)
+        return frozenset(kinds)
+
+    def register(self, regions: Iterable[SlotRegion]) -> None:
+        with self._lock:
+            for region in regions:
+                descs = self._agent.register_memory(
+                    [(region.address, region.nbytes, region.device_id, "")], _MEM[region.memory_kind])
+                self._registered.append(descs)
+            # Registration adds the regions' remote keys to the metadata peers must load.
+            self._metadata = self._agent.get_agent_metadata()
+            if self.use_etcd:
+                self._agent.send_local_metadata()
+
+    @property
+    def metadata(self) -> bytes:
+        """What a peer loads to reach this agent (empty in etcd mode: peers fetch it by name)."""
+        return b"" if self.use_etcd else self._metadata
+
+    def ensure_peer(self, name: str, metadata: bytes) -> bool:
+        """Make ``name`` reachable. True once loaded; False while etcd has not delivered it yet.
+
+        Raises ValueError for metadata NIXL cannot parse or naming another agent, PeerGone
+        when the peer cannot be reached, or restarted while requests to its previous run are
+        alive.
+        """
+        if metadata and metadata in self._peers.get(name, ()):
+            # Loaded already (every submission after the first): not worth waiting for the lock,
+            # which the progress thread holds through each NIXL call it makes.
+            return True
+        with self._lock:
+            known = self._peers.get(name)
+            if metadata:
+                if known is not None and metadata in known:
+                    return True
+                try:
+                    loaded = self._agent.add_remote_agent(metadata)
+                except Exception as exc:
+                    if known is None or type(exc).__name__ != "nixlNotAllowedError":
+                        raise _refused(name, exc) from None
+                    if _metadata_agent(metadata) != name:
+                        # Another agent's refusal: a restart of ``name`` it is not, and the
+                        # peer we know under that name stays loaded.
+                        raise ValueError(f"hint names agent {name!r} but its metadata is agent "
+                                         f"{_metadata_agent(metadata)!r}: {exc}") from None
+                    loaded = self._load_restarted(name, metadata)
+                loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+                if loaded_name != name:
+                    # Undo only what this call added: a peer we already know stays loaded (its
+                    # transfers may be in flight), or a wrong hint would cut it off.
+                    if loaded_name not in self._peers:
+                        self._invalidate(loaded_name)
+                    raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
+                self._peers.setdefault(name, set()).add(metadata)
+                return True
+            if not self.use_etcd:
+                raise ValueError(f"hint for agent {name!r} carries no NIXL metadata and etcd is not configured")
+            if known is not None:
+                return True
+            if self._agent.check_remote_metadata(name):
+                self._peers[name] = {b""}
+                return True
+            self._agent.fetch_remote_metadata(name)
+            return False
+
+    def _load_restarted(self, name: str, metadata: bytes) -> Any:
+        """NIXL refused ``name``'s new connection info: another process of that name. Its
+        predecessor's state goes only once none of our requests to it is alive."""
+        alive = self._alive.get(name, 0)
+        if alive:
+            raise PeerGone(f"agent {name!r} restarted (its connection changed) while {alive} of our requests to "
+                           "its previous run are in flight: submit again once they ended")
+        self._peers.pop(name, None)
+        self._invalidate(name)
+        try:
+            return self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise _refused(name, exc) from None
+
+    def knows(self, name: str) -> bool:
+        with self._lock:
+            return name in self._peers
+
+    def forget(self, name: str) -> None:
+        """Drop a peer's remote state, so that a restarted peer of that name can be added."""
+        with self._lock:
+            if self._peers.pop(name, None) is not None:
+                self._invalidate(name)
+
+    def _invalidate(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # already gone is what we want
+            log.debug("remove_remote_agent(%s): %s", name, exc)
+
+    # --- transfers ----------------------------------------------------------------------
+    def post(self, op: str, local: np.ndarray, local_kind: MemoryKind, remote: np.ndarray,
+             remote_kind: MemoryKind, peer: str, notif: bytes = b"") -> Post:
+        """Create and post one transfer of paired (address, bytes, device) descriptors; a
+        ``notif`` reaches the peer once the transfer's bytes are in place there."""
+        with self._lock:
+            try:
+                handle = self._agent.initialize_xfer(
+                    op, self._agent.get_xfer_descs(local, _MEM[local_kind]),
+                    self._agent.get_xfer_descs(remote, _MEM[remote_kind]), peer, notif)
+            except Exception as exc:
+                if _is_disconnect(exc):
+                    raise PeerGone(f"agent {peer!r} disconnected") from None
+                raise XferError(f"NIXL refused a {op} of {len(local)} descriptors to {peer!r}: {exc}") from None
+            try:
+                state = self._agent.transfer(handle)
+            except Exception as exc:
+                self._release_quietly(handle)
+                if _is_disconnect(exc):
+                    raise PeerGone(f"agent {peer!r} disconnected") from None
+                raise XferError(f"NIXL failed to post a {op} to {peer!r}: {exc}") from None
+            if state == "ERR":
+                self._release_quietly(handle)
+                raise XferError(f"NIXL could not post a {op} to {peer!r}")
+            self._alive[peer] = self._alive.get(peer, 0) + 1
+            self._request_peer[handle] = peer
+            return Post(handle, state)
+
+    def state(self, handle: Any) -> str:
+        """"DONE", "PROC", or "ERR"; "GONE" when the peer disconnected."""
+        with self._lock:
+            try:
+                return str(self._agent.check_xfer_state(handle))
+            except Exception as exc:
+                return "GONE" if _is_disconnect(exc) else "ERR"
+
+    def release(self, handle: Any) -> bool:
+        """Release a handle; NIXL aborts it if still active. False when it could not (the
+        request may still touch memory: keep it and try again)."""
+        with self._lock:
+            try:
+                handle.release()
+            except Exception as exc:
+                log.warning("NIXL could not release transfer handle %r yet: %s", handle, exc)
+                return False
+            peer = self._request_peer.pop(handle, None)
+            if peer is not None:
+                self._alive[peer] -= 1
+                if not self._alive[peer]:
+                    del self._alive[peer]
+            return True
+
+    def _release_quietly(self, handle: Any) -> None:
+        try:
+            handle.release()
+        except Exception as exc:
+            log.warning("NIXL could not release a failed transfer handle: %s", exc)
+
+    # --- notifications ------------------------------------------------------------------
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a notification; PeerGone when the peer disconnected, PeerUnknown when its
+        metadata is not loaded."""
+        with self._lock:
+            if peer not in self._peers:
+                raise PeerUnknown(f"agent {peer!r} is not loaded")
+            try:
+                self._agent.send_notif(peer, message)
+            except Exception as exc:
+                raise PeerGone(f"notification to agent {peer!r} failed: {exc}") from None
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            return dict(self._agent.get_new_notifs())
+
+    # --- end ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop peers and registrations. Call only when no transfer handle is alive."""
+        with self._lock:
+            for name in list(self._peers):
+                self.forget(name)
+            if self.use_etcd:
+                try:
+                    self._agent.invalidate_local_metadata()
+                except Exception as exc:
+                    log.debug("invalidate_local_metadata: %s", exc)
+            for descs in self._registered:
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception as exc:
+                    log.warning("NIXL deregister_memory failed: %s", exc)
+            self._registered.clear()
+

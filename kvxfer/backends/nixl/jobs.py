@@ -1,0 +1,196 @@
+"""The nixl backend's bookkeeping for one attempt: which chunks are posted, proven, stuck.
+
+An active job (push publisher, pull fetcher) moves bytes in chunks; a passive wait (push
+fetcher, pull publisher) waits for the active end's completion record. Only the backend's
+progress thread changes them after submission, through ``step_chunks``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, XferError
+from kvxfer.backends.nixl.notes import Inbound
+from kvxfer.contract import (
+    BoolArray,
+    Cancelled,
+    Delivered,
+    Failed,
+    Hint,
+    IndexArray,
+    Outcome,
+    RecordStatus,
+    View,
+    constant_mask,
+)
+
+
+class Carried(Protocol):
+    """What a job's masks need of a chunk (an unpacked ``Chunk`` or a ``PackedChunk``)."""
+
+    @property
+    def group(self) -> int: ...
+    @property
+    def peer_group(self) -> int: ...
+    @property
+    def local_rows(self) -> IndexArray: ...
+    @property
+    def peer_rows(self) -> IndexArray: ...
+
+
+@dataclass(eq=False)
+class ActiveJob:
+    """This end moves the bytes: WRITE into the peer's rows (push) or READ them (pull)."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint
+    op: str                      # "WRITE" or "READ"
+    chunks: list[Any]            # Chunk, or PackedChunk on the packed path (both are Carried)
+    deadline: float
+    injected: str | None = None  # the fault to report once the allowed rows are in
+    ready: bool = True           # False while etcd has not delivered the peer's metadata
+    next_chunk: int = 0
+    not_before: float = 0.0      # paced posting (chunk_pause_s), for tests of mid-way faults
+    inflight: dict[int, Any] = field(default_factory=dict)  # chunk index -> NIXL handle
+    stuck: list[Any] = field(default_factory=list)           # handles NIXL would not release yet
+    done: list[int] = field(default_factory=list)            # chunks proven delivered
+    failure: str | None = None
+    cancelled_by_peer: bool = False
+    # NIXL does not abort a request that is still moving bytes when its handle is released
+    # (seen with UCX over TCP: released READs and WRITEs still land), so requests in progress
+    # are waited for even after a failure; only a peer known to be gone ends them sooner.
+    peer_gone: bool = False
+
+    @property
+    def touching(self) -> bool:
+        """True while some NIXL request of this job may still access memory."""
+        return bool(self.inflight or self.stuck)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more will be posted: stopped (failure, cancel) or every chunk posted."""
+        if self.touching:
+            return False
+        stopping = self.failure is not None or self.attempt.cancel_requested
+        if not self.ready and not stopping:
+            return False
+        return stopping or self.next_chunk >= len(self.chunks)
+
+    def masks(self) -> tuple[list[BoolArray], list[BoolArray]]:
+        """(local masks aligned with the view, peer masks aligned with the hint) of proven
+        chunks, read-only. A group whose every row is proven (the usual end) gets the shared
+        all-True mask: nothing to fill, and the wire codec sends it without packing its bits."""
+        done: list[Carried] = [self.chunks[i] for i in sorted(set(self.done))]  # a row is in one chunk
+        local = self._masks([len(g) for g in self.view.groups], [(c.group, c.local_rows) for c in done])
+        peer = self._masks([len(g) for g in self.hint.groups], [(c.peer_group, c.peer_rows) for c in done])
+        return local, peer
+
+    @staticmethod
+    def _masks(sizes: list[int], proven: list[tuple[int, IndexArray]]) -> list[BoolArray]:
+        counts = [0] * len(sizes)
+        for group, rows in proven:
+            counts[group] += rows.size
+        masks = [constant_mask(n, True) if counts[g] == n else np.zeros(n, dtype=np.bool_) for g, n in enumerate(sizes)]
+        for group, rows in proven:
+            if counts[group] != sizes[group]:
+                masks[group][rows] = True
+        for mask in masks:
+            mask.flags.writeable = False
+        return masks
+
+
+@dataclass(eq=False)
+class PassiveWait:
+    """The peer moves the bytes; this end waits for its completion record."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint
+    own_id: str
+    deadline: float
+    ask_again: float = 0.0  # when to ask the peer to stop (CANCEL_REQUEST), again while unanswered
+    stop_reason: str = ""
+    inbound: Inbound | None = None  # packed landing: set by the peer's request, or by fetch() granting ahead
+
+    def masks(self) -> list[BoolArray]:
+        """Rows known to be in place at this end: those scattered from packed chunks, else none."""
+        if self.inbound is None:
+            return self.view.row_masks()
+        return [m.copy() for m in self.inbound.scattered]
+
+
+def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float, deadline_s: float) -> bool:
+    """Check the job's requests, then post more (at most ``window`` in flight, none once it
+    stops). A request that is DONE proves its chunk; once the job fails, requests still in
+    progress are waited for (see ActiveJob.peer_gone), then their rows count as proven or
+    not by how they ended. Returns True when the peer turned out to be disconnected."""
+    now = time.monotonic()
+    peer = job.hint.agent
+    lost = False
+    if now > job.deadline and job.failure is None:
+        job.failure = f"timeout after {deadline_s:g}s moving rows with peer {peer!r}"
+    if not job.ready and job.failure is None:
+        try:
+            job.ready = agent.ensure_peer(peer, job.hint.endpoint)
+        except (ValueError, PeerGone) as exc:
+            job.failure = f"peer {peer!r} unreachable: {exc}"
+    for index, handle in list(job.inflight.items()):
+        state = agent.state(handle)
+        if state == "PROC" and not job.peer_gone:
+            continue
+        if state == "DONE":
+            job.done.append(index)
+        elif state == "GONE":
+            lost = job.peer_gone = True
+            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+        elif state == "ERR":
+            job.failure = job.failure or f"NIXL reported an error on chunk {index} with peer {peer!r}"
+        del job.inflight[index]
+        if not agent.release(handle):
+            job.stuck.append(handle)
+    job.stuck = [h for h in job.stuck if not agent.release(h)]
+    while (job.failure is None and not job.attempt.cancel_requested and job.ready
+           and len(job.inflight) < window and job.next_chunk < len(job.chunks) and now >= job.not_before):
+        index = job.next_chunk
+        chunk = job.chunks[index]
+        job.next_chunk += 1
+        try:
+            post = agent.post(job.op, chunk.local_descs, chunk.local_kind, chunk.remote_descs, chunk.remote_kind, peer)
+        except PeerGone:
+            lost = job.peer_gone = True
+            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+            break
+        except XferError as exc:
+            job.failure = str(exc)
+            break
+        if post.state == "DONE":
+            job.done.append(index)
+            if not agent.release(post.handle):
+                job.stuck.append(post.handle)
+        else:
+            job.inflight[index] = post.handle
+        if pause_s:
+            job.not_before = time.monotonic() + pause_s
+            break
+    return lost
+
+
+def conclusion(job: ActiveJob, local: list[BoolArray] | None = None) -> tuple[RecordStatus, Outcome, str]:
+    """The record status, local outcome and reason of a finished job (``local``: its local
+    masks, when the caller has them already)."""
+    if local is None:
+        local, _ = job.masks()
+    complete = len(job.done) == len(job.chunks)
+    if job.failure is not None:
+        return RecordStatus.FAILED, Failed(job.failure, local), job.failure
+    if job.injected is not None and complete:
+        return RecordStatus.FAILED, Failed(job.injected, local), job.injected
+    if job.attempt.cancel_requested and not complete:
+        return RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, local), "cancelled"
+    return RecordStatus.DELIVERED, Delivered(tuple(local)), ""
