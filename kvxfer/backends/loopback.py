@@ -10,6 +10,8 @@ submission can be delayed, so that tests can exercise partial delivery and cance
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -17,28 +19,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.backends.common.attempt import TrackedAttempt, cancel_and_wait_quiet
-from kvxfer.backends.common.matching import GroupMatch, check_submission, coalesce, match_rows
-from kvxfer.backends.common.regions import RegionTable
-from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups
+from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclude_from_record, stop_reason
+from kvxfer.backends.common.matching import GroupMatch, coalesce, match_rows
+from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.contract import (
-    Backend,
     Cancelled,
-    Capabilities,
     CompletionRecord,
     Delivered,
     Failed,
     Hint,
-    InvalidSubmission,
     MemoryKind,
     Peer,
     RecordStatus,
     SlotRegion,
-    SubmissionRejected,
     TransferMode,
     View,
     WakeFn,
 )
+
+log = logging.getLogger(__name__)
 
 BACKEND_KIND = "loopback"
 
@@ -109,8 +109,11 @@ class _Inbox:
     gone: list[str] = field(default_factory=list)
 
 
-class LoopbackBackend(Backend):
+class LoopbackBackend(BackendEngine):
     """Reference backend over host memory, in one process."""
+
+    KIND = BACKEND_KIND
+    TITLE = "loopback"
 
     def __init__(
         self,
@@ -123,76 +126,43 @@ class LoopbackBackend(Backend):
         deadline_s: float = 30.0,
         hint_ttl_s: float = DEFAULT_HINT_TTL_S,
     ) -> None:
-        self.name = name
-        self.mode = mode
+        self._start_engine(name, mode, frozenset({MemoryKind.HOST}), hint_ttl_s)
         self.fail_after_rows = fail_after_rows
         self.delay_s = delay_s
         self.deadline_s = deadline_s
         self._fabric = fabric
-        self._regions = RegionTable(frozenset({MemoryKind.HOST}))
-        self._own = OwnTransfers(name, hint_ttl_s)
-        self._closed = False
         self._active: list[_Active] = []
         self._passive: dict[str, _Passive] = {}  # by this end's transfer id
-        self._stashed: dict[str, CompletionRecord] = {}  # records that came before their fetch
-        self._revoked: set[tuple[str, str]] = set()  # peer hints withdrawn before we used them
-        self._jobs_lock = threading.Lock()
         self._inbox = _Inbox()
         self._kick = threading.Event()
-        self._stop = threading.Event()
         fabric.join(self)
-        self._thread = threading.Thread(target=self._run, name=f"kvxfer-loopback-{name}", daemon=True)
-        self._thread.start()
+        self._progress = ProgressThread(f"kvxfer-loopback-{name}", self._step, self._pause,
+                                        functools.partial(log.exception, "loopback backend %s: progress step failed",
+                                                          name))
+        self._progress.start()
 
     # --- the contract -----------------------------------------------------------------
-    @property
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            memory_kinds=frozenset({MemoryKind.HOST}),
-            modes=frozenset({TransferMode.PUSH, TransferMode.PULL}),
-        )
-
     def register(self, regions: Iterable[SlotRegion]) -> tuple[SlotRegion, ...]:
-        self._refuse_if_closed()
-        batch, skipped = self._regions.reachable(regions)
+        batch, skipped = self._reachable(regions)
         self._regions.add(batch)
         return skipped
 
-    @property
-    def peer(self) -> Peer:
-        return self._own.peer
-
     def describe(self, view: View, audience: Peer | None = None) -> Hint:
-        self._refuse_if_closed()
-        # As a fetch checks it: the hint exposes these rows, in push mode to a one-sided WRITE
-        # that no later refusal can take back.
-        self._regions.check_view(view, for_fetch=True)
-        return Hint(
-            backend=BACKEND_KIND, mode=self.mode, agent=self.name, request=view.request,
-            transfer_id=self._own.mint(view), layout=view.layout, groups=hint_groups(view),
-            run=self._own.peer.run, audience=audience, expires_ms=self._own.expiry(),
-        )
-
-    def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
-        return self._submit(view, hint, wake, fetching=True)
-
-    def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> TrackedAttempt:
-        return self._submit(view, hint, wake, fetching=False)
-
-    def withdraw(self, hint: Hint) -> bool:
-        return self._own.withdraw(hint)
+        return self._hint(view, self._describe_checked(view), audience)
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
-        with self._jobs_lock:
-            self._closed = True
-            active = list(self._active)
-            passive = list(self._passive.values())
-        cancel_and_wait_quiet([j.attempt for j in active] + [w.attempt for w in passive], self._kick.set)
-        self._stop.set()
-        self._kick.set()
-        self._thread.join(timeout=10.0)
+        active: list[_Active] = []
+        passive: list[_Passive] = []
+
+        def attempts() -> list[TrackedAttempt]:  # under the lock that closes us: no job is missed
+            active.extend(self._active)
+            passive.extend(self._passive.values())
+            return [j.attempt for j in active] + [w.attempt for w in passive]
+
+        self._close_and_cancel(attempts, self._kick.set)
+        stopped = self._progress.stop(self._kick.set, 10.0)
         self._fabric.leave(self)
-        if self._thread.is_alive():
+        if not stopped:
             return frozenset(j.attempt for j in active + passive)
         # Active copies ran on our thread, which has exited: they can touch nothing more.
         for job in active:
@@ -201,47 +171,27 @@ class LoopbackBackend(Backend):
         return frozenset(w.attempt for w in passive if not w.attempt.quiesced())
 
     # --- submission -------------------------------------------------------------------
-    def _refuse_if_closed(self) -> None:
-        if self._closed:
-            raise SubmissionRejected(f"loopback backend {self.name!r} is shut down")
-
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
-        self._refuse_if_closed()
-        check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=fetching)
-        self._own.check_for_us(hint)
-        own_id = self._own.lookup(view)
-        active = fetching == (self.mode is TransferMode.PULL)
+        admitted = self._admit(view, hint, fetching=fetching)
         now = time.monotonic()
-        label = f"{self.name}:{'fetch' if fetching else 'publish'}:{view.request}"
-        if active:
-            matches = match_rows(view, hint)
-            attempt = TrackedAttempt(wake, self._on_cancel, label)
-            job = _Active(attempt, view, hint, matches, writes_peer=not fetching,
+        attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
+        if admitted.active:
+            job = _Active(attempt, view, hint, match_rows(view, hint), writes_peer=not fetching,
                           not_before=now + self.delay_s)
             with self._jobs_lock:
-                self._refuse_if_closed()
-                self._own.check_usable(hint)
-                self._refuse_if_revoked(hint)
-                self._own.use(hint, attempt)
+                self._claim(hint, attempt)
                 self._active.append(job)
         else:
-            attempt = TrackedAttempt(wake, self._on_cancel, label)
-            wait = _Passive(attempt, view, hint, own_id, deadline=now + self.deadline_s)
+            wait = _Passive(attempt, view, hint, admitted.own_id, deadline=now + self.deadline_s)
             with self._jobs_lock:
                 self._refuse_if_closed()
-                self._passive[own_id] = wait
-                early = self._stashed.pop(own_id, None)
+                self._passive[admitted.own_id] = wait
+                early = self._stashed.pop(admitted.own_id, None)
             if early is not None:
                 self._inbox_put(early)
-        self._own.consume(view, own_id)
+        self._own.consume(view, admitted.own_id)
         self._kick.set()
         return attempt
-
-    def _refuse_if_revoked(self, hint: Hint) -> None:
-        if (hint.agent, hint.transfer_id) in self._revoked:
-            raise InvalidSubmission(
-                f"peer {hint.agent!r} withdrew transfer {hint.transfer_id} (cancelled or timed out): describe again"
-            )
 
     def _on_cancel(self, attempt: TrackedAttempt) -> None:
         self._kick.set()
@@ -257,13 +207,15 @@ class LoopbackBackend(Backend):
             self._inbox.gone.append(name)
         self._kick.set()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._kick.wait(timeout=0.02)
-            self._kick.clear()
-            self._drain_inbox()
-            self._run_due_jobs()
-            self._check_passive()
+    def _step(self) -> bool:
+        self._drain_inbox()
+        self._run_due_jobs()
+        self._check_passive()
+        return False
+
+    def _pause(self, busy: bool) -> None:
+        self._kick.wait(timeout=0.02)
+        self._kick.clear()
 
     def _drain_inbox(self) -> None:
         with self._inbox.lock:
@@ -284,38 +236,23 @@ class LoopbackBackend(Backend):
             with self._jobs_lock:
                 jobs = [j for j in self._active
                         if j.hint.transfer_id == record.transfer_id and j.hint.agent == record.sender]
-                if not jobs:
-                    # Nothing of ours touches the peer's rows; refuse to start later, and say so.
-                    self._revoked.add((record.sender, record.transfer_id))
+                if not jobs:  # nothing of ours touches the peer's rows: refuse to start later, and say so
+                    self._revoke(record)
             for job in jobs:
                 job.cancelled_by_peer = True
                 job.attempt.cancel()
             if not jobs:
-                self._fabric.deliver(record.sender, CompletionRecord(
-                    record.transfer_id, self.name, record.request, RecordStatus.CANCELLED, [], "withdrawn"))
+                self._fabric.deliver(record.sender, self._withdrawn(record))
             return
         with self._jobs_lock:
             wait = self._passive.get(record.transfer_id)
             if wait is None:
-                if not self._own.is_retired(record.transfer_id):
-                    self._stashed[record.transfer_id] = record
+                self._stash(record)
                 return
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
-        if wait.attempt.poll() is not None:
-            self._end_passive(wait)  # we gave up earlier; the peer now confirms it stopped
-            return
-        masks = record.masks
-        if len(masks) != len(wait.view.groups) or any(
-            m.shape != (len(g),) for m, g in zip(masks, wait.view.groups)
-        ):
-            wait.attempt.conclude(Failed("peer sent a completion record of the wrong shape", wait.view.row_masks()))
-        elif record.status is RecordStatus.DELIVERED:
-            wait.attempt.conclude(Delivered(masks))
-        elif record.status is RecordStatus.CANCELLED:
-            wait.attempt.conclude(Cancelled(True, masks))
-        else:
-            wait.attempt.conclude(Failed(f"peer failed: {record.reason}", masks))
+        # Concluded already: we gave up earlier, and the peer now confirms it stopped.
+        conclude_from_record(wait.attempt, wait.view, record)
         self._end_passive(wait)
 
     def _end_passive(self, wait: _Passive) -> None:
@@ -329,21 +266,13 @@ class LoopbackBackend(Backend):
         with self._jobs_lock:
             waits = list(self._passive.values())
         for wait in waits:
-            reason = None
-            if wait.attempt.cancel_requested:
-                wait.attempt.conclude(Cancelled(False, wait.view.row_masks()))
-                reason = "cancelled"
-            elif now > wait.deadline:
-                wait.attempt.conclude(Failed(
-                    f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}", wait.view.row_masks()
-                ))
-                reason = "timeout"
+            reason = stop_reason(wait.attempt, wait.view.row_masks, now, wait.deadline, self.deadline_s,
+                                 wait.hint.agent)
             if reason and not wait.told_peer:
                 wait.told_peer = True
                 # Stays unquiesced until the peer confirms that it stopped writing.
-                stop = CompletionRecord(wait.own_id, self.name, wait.view.request,
-                                        RecordStatus.CANCEL_REQUEST, [], reason)
-                if not self._fabric.deliver(wait.hint.agent, stop):
+                if not self._fabric.deliver(wait.hint.agent, self._stop_request(wait.own_id, wait.view.request,
+                                                                                 reason)):
                     self._end_passive(wait)
 
     def _run_due_jobs(self) -> None:
