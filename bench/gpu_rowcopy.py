@@ -2,7 +2,7 @@
 through a CUDA IPC mapping of a second process's buffer, and IpcBackend's small-request
 latency (publish call -> decode-side outcome visible, two processes).
 
-    python bench/gpu_rowcopy.py --json bench/results/gpu_rowcopy-h200.json
+    python bench/gpu_rowcopy.py --json bench/results/2026-11-29-h200-gpu-preset/gpu-h200-rowcopy-64KiB-2026-11-29.json
 
 Figures are payload bytes per second; each case is warmed up, then timed over --reps
 repetitions with CUDA events; best and median are reported beside the D2D reference.

@@ -10,7 +10,8 @@ child's own outcome is then collected untimed (it crosses a socket and a poll) a
 be Delivered for every row. Rows are compared byte for byte after the timed runs. The
 timed publish follows the peer's fetch() back to back: an idle gap between them (as in
 serving, where decode registers at admission) made ``IpcBackend``'s publish slower on the
-H200 (bench/results/README.md, the cold-publish A/B), so these figures are the warm case.
+H200 (bench/results/2026-11-29-h200-ipc-throughput, the cold-publish A/B), so these figures
+are the warm case.
 """
 
 from __future__ import annotations
