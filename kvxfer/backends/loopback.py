@@ -136,7 +136,7 @@ class LoopbackBackend(BackendEngine):
         self._inbox = _Inbox()
         self._kick = threading.Event()
         fabric.join(self)
-        self._progress = ProgressThread(f"kvxfer-loopback-{name}", self._step, self._pause,
+        self._progress = ProgressThread(f"kvxfer-loopback-{name}", lambda: self._step(), self._pause,
                                         functools.partial(log.exception, "loopback backend %s: progress step failed",
                                                           name))
         self._progress.start()

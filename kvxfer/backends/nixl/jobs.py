@@ -8,6 +8,7 @@ progress thread changes them after submission, through ``step_chunks``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -125,60 +126,91 @@ class PassiveWait:
         return [m.copy() for m in self.inbound.scattered]
 
 
+def disconnected(job: ActiveJob) -> None:
+    """The job's peer is gone: NIXL reported NIXL_ERR_REMOTE_DISCONNECT."""
+    job.peer_gone = True
+    job.failure = job.failure or f"peer {job.hint.agent!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+
+
+def check_deadline_and_peer(job: ActiveJob, agent: NixlAgent, now: float, deadline_s: float) -> None:
+    """A job past its deadline fails; one waiting for its peer's metadata (etcd) asks again."""
+    if now > job.deadline and job.failure is None:
+        job.failure = f"timeout after {deadline_s:g}s moving rows with peer {job.hint.agent!r}"
+    if not job.ready and job.failure is None:
+        try:
+            job.ready = agent.ensure_peer(job.hint.agent, job.hint.endpoint)
+        except (ValueError, PeerGone) as exc:
+            job.failure = f"peer {job.hint.agent!r} unreachable: {exc}"
+
+
+def reap_requests(job: ActiveJob, agent: NixlAgent, what: str, on_done: Callable[[int], None],
+                  on_ended: Callable[[int, bool], None]) -> bool:
+    """Check the job's requests in flight: ``on_done(index)`` for each that completed, then
+    ``on_ended(index, released)`` for each that ended, however (a handle NIXL would not
+    release yet is kept in ``stuck``). Requests still in progress are waited for even after a
+    failure (see ActiveJob.peer_gone). True when the peer turned out to be disconnected."""
+    lost = False
+    for index, handle in list(job.inflight.items()):
+        state = agent.state(handle)
+        if state == "PROC" and not job.peer_gone:
+            continue
+        if state == "DONE":
+            on_done(index)
+        elif state == "GONE":
+            lost = True
+            disconnected(job)
+        elif state == "ERR":
+            job.failure = job.failure or f"NIXL reported an error on {what} {index} with peer {job.hint.agent!r}"
+        del job.inflight[index]
+        released = agent.release(handle)
+        if not released:
+            job.stuck.append(handle)
+        on_ended(index, released)
+    job.stuck = [h for h in job.stuck if not agent.release(h)]
+    return lost
+
+
 def step_chunks(job: ActiveJob, agent: NixlAgent, *, window: int, pause_s: float, deadline_s: float) -> bool:
     """Check the job's requests, then post more (at most ``window`` in flight, none once it
     stops). A request that is DONE proves its chunk; once the job fails, requests still in
     progress are waited for (see ActiveJob.peer_gone), then their rows count as proven or
     not by how they ended. Returns True when the peer turned out to be disconnected."""
     now = time.monotonic()
-    peer = job.hint.agent
-    lost = False
-    if now > job.deadline and job.failure is None:
-        job.failure = f"timeout after {deadline_s:g}s moving rows with peer {peer!r}"
-    if not job.ready and job.failure is None:
-        try:
-            job.ready = agent.ensure_peer(peer, job.hint.endpoint)
-        except (ValueError, PeerGone) as exc:
-            job.failure = f"peer {peer!r} unreachable: {exc}"
-    for index, handle in list(job.inflight.items()):
-        state = agent.state(handle)
-        if state == "PROC" and not job.peer_gone:
-            continue
-        if state == "DONE":
-            job.done.append(index)
-        elif state == "GONE":
-            lost = job.peer_gone = True
-            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
-        elif state == "ERR":
-            job.failure = job.failure or f"NIXL reported an error on chunk {index} with peer {peer!r}"
-        del job.inflight[index]
-        if not agent.release(handle):
-            job.stuck.append(handle)
-    job.stuck = [h for h in job.stuck if not agent.release(h)]
+    check_deadline_and_peer(job, agent, now, deadline_s)
+    lost = reap_requests(job, agent, "chunk", job.done.append, lambda index, released: None)
     while (job.failure is None and not job.attempt.cancel_requested and job.ready
            and len(job.inflight) < window and job.next_chunk < len(job.chunks) and now >= job.not_before):
-        index = job.next_chunk
-        chunk = job.chunks[index]
-        job.next_chunk += 1
-        try:
-            post = agent.post(job.op, chunk.local_descs, chunk.local_kind, chunk.remote_descs, chunk.remote_kind, peer)
-        except PeerGone:
-            lost = job.peer_gone = True
-            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
+        if _post_next_chunk(job, agent):
+            return True
+        if job.failure is not None:
             break
-        except XferError as exc:
-            job.failure = str(exc)
-            break
-        if post.state == "DONE":
-            job.done.append(index)
-            if not agent.release(post.handle):
-                job.stuck.append(post.handle)
-        else:
-            job.inflight[index] = post.handle
         if pause_s:
             job.not_before = time.monotonic() + pause_s
             break
     return lost
+
+
+def _post_next_chunk(job: ActiveJob, agent: NixlAgent) -> bool:
+    """Post the job's next chunk; True when the peer turned out to be disconnected."""
+    index = job.next_chunk
+    chunk = job.chunks[index]
+    job.next_chunk += 1
+    try:
+        post = agent.post(job.op, chunk.local_descs, chunk.local_kind, chunk.remote_descs, chunk.remote_kind,
+                          job.hint.agent)
+    except PeerGone:
+        disconnected(job)
+        return True
+    except XferError as exc:
+        job.failure = str(exc)
+        return False
+    if post.state == "DONE":
+        job.done.append(index)
+        if not agent.release(post.handle):
+            job.stuck.append(post.handle)
+    else:
+        job.inflight[index] = post.handle
+    return False
 
 
 def conclusion(job: ActiveJob, local: list[BoolArray] | None = None) -> tuple[RecordStatus, Outcome, str]:

@@ -59,7 +59,7 @@ import numpy as np
 from kvxfer import native
 from kvxfer.backends.common.matching import GroupMatch
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown, XferError
-from kvxfer.backends.nixl.jobs import ActiveJob
+from kvxfer.backends.nixl.jobs import ActiveJob, check_deadline_and_peer, disconnected, reap_requests
 from kvxfer.backends.nixl.notes import encode_note
 from kvxfer.contract import Hint, IndexArray, MemoryKind, SlotRegion
 
@@ -313,43 +313,44 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
     Returns True when the peer turned out to be disconnected."""
     assert job.remote is not None
     now = time.monotonic()
-    peer = job.hint.agent
-    lost = False
     if now > job.deadline:
         job.abandoned = True
-        if job.failure is None:
-            job.failure = f"timeout after {deadline_s:g}s moving rows with peer {peer!r}"
-    if not job.ready and job.failure is None:
-        try:
-            job.ready = agent.ensure_peer(peer, job.hint.endpoint)
-        except (ValueError, PeerGone) as exc:
-            job.failure = f"peer {peer!r} unreachable: {exc}"
-    for index, handle in list(job.inflight.items()):
-        state = agent.state(handle)
-        if state == "PROC" and not job.peer_gone:
-            # Even after a failure or past the deadline: NIXL does not abort a WRITE still in
-            # progress (ActiveJob.peer_gone), and one that completes is acknowledged by the
-            # peer, which scatters it: both ends must then count its rows.
-            continue
-        if state == "DONE":
-            job.written.add(index)  # its ``chunk`` note reaches the peer with the bytes
-        elif state == "GONE":
-            lost = job.peer_gone = True
-            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
-        elif state == "ERR":
-            job.failure = job.failure or f"NIXL reported an error on packed chunk {index} with peer {peer!r}"
-        del job.inflight[index]
+    check_deadline_and_peer(job, agent, now, deadline_s)
+
+    def ended(index: int, released: bool) -> None:
         slot = job.out_slots.pop(index)
-        if agent.release(handle):
-            arena.free_out.append(slot)
-        else:
-            job.stuck.append(handle)  # its gather slot is never reused: NIXL may still read it
-    job.stuck = [h for h in job.stuck if not agent.release(h)]
-    if lost:
+        if released:
+            arena.free_out.append(slot)  # else never reused: NIXL may still read it
+
+    # Even after a failure or past the deadline a WRITE still in progress is waited for: NIXL
+    # does not abort it (ActiveJob.peer_gone), and one that completes is acknowledged by the
+    # peer, which scatters it: both ends must then count its rows. DONE: its ``chunk`` note
+    # reaches the peer with the bytes.
+    if reap_requests(job, agent, "packed chunk", job.written.add, ended):
         job.abandoned = True
+        return True
     if request_slots(job, agent):
         return True
-    batch: list[tuple[int, PackedChunk, int, int]] = []  # chunk index, chunk, local slot, remote slot
+    batch = _gathered_batch(job, arena, now, pause_s)
+    for at, (index, chunk, slot, remote_slot) in enumerate(batch):
+        try:
+            _post_packed(job, agent, arena, index, chunk, slot, remote_slot)
+        except PeerGone:
+            arena.free_out.extend(s for _, _, s, _ in batch[at:])
+            job.abandoned = True
+            disconnected(job)
+            return True
+        except XferError as exc:
+            arena.free_out.extend(s for _, _, s, _ in batch[at:])
+            job.failure = str(exc)
+            break
+    return False
+
+
+def _gathered_batch(job: PackedJob, arena: Arena, now: float, pause_s: float) -> list[tuple[int, PackedChunk, int, int]]:
+    """The chunks to post now (chunk index, chunk, local slot, remote slot), gathered into
+    their local arena slots; none when the gather fails (the job then fails)."""
+    batch: list[tuple[int, PackedChunk, int, int]] = []
     while (job.failure is None and not job.attempt.cancel_requested and job.requested and job.credits
            and arena.free_out and job.next_chunk < len(job.chunks)
            and now >= job.not_before):
@@ -366,36 +367,30 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
         except native.RowCopyError as exc:
             arena.free_out.extend(slot for _, _, slot, _ in batch)
             job.failure = f"gathering packed chunks {batch[0][0]}-{batch[-1][0]}: {exc}"
-            batch = []
-    for at, (index, chunk, slot, remote_slot) in enumerate(batch):
-        starts, lengths = runs_of(chunk.peer_rows)
-        note = encode_note("chunk", t=job.hint.transfer_id, c=index, s=remote_slot, g=chunk.peer_group,
-                           rs=starts, rl=lengths)
-        local = np.array([[arena.slot_address(slot), chunk.nbytes, arena.device_id]], dtype=np.uint64)
-        remote = np.array([[job.remote.address + remote_slot * job.remote.slot_bytes, chunk.nbytes,
-                            job.remote.device_id]], dtype=np.uint64)
-        try:
-            post = agent.post("WRITE", local, arena.memory_kind, remote, job.remote.memory_kind, peer, notif=note)
-        except PeerGone:
-            arena.free_out.extend(s for _, _, s, _ in batch[at:])
-            lost, job.abandoned = True, True
-            job.peer_gone = True
-            job.failure = job.failure or f"peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
-            break
-        except XferError as exc:
-            arena.free_out.extend(s for _, _, s, _ in batch[at:])
-            job.failure = str(exc)
-            break
-        if post.state == "DONE":
-            job.written.add(index)
-            if agent.release(post.handle):
-                arena.free_out.append(slot)
-            else:
-                job.stuck.append(post.handle)
+            return []
+    return batch
+
+
+def _post_packed(job: PackedJob, agent: NixlAgent, arena: Arena, index: int, chunk: PackedChunk, slot: int,
+                 remote_slot: int) -> None:
+    """WRITE one gathered chunk into the peer's granted slot, its ``chunk`` note riding along."""
+    assert job.remote is not None
+    starts, lengths = runs_of(chunk.peer_rows)
+    note = encode_note("chunk", t=job.hint.transfer_id, c=index, s=remote_slot, g=chunk.peer_group,
+                       rs=starts, rl=lengths)
+    local = np.array([[arena.slot_address(slot), chunk.nbytes, arena.device_id]], dtype=np.uint64)
+    remote = np.array([[job.remote.address + remote_slot * job.remote.slot_bytes, chunk.nbytes,
+                        job.remote.device_id]], dtype=np.uint64)
+    post = agent.post("WRITE", local, arena.memory_kind, remote, job.remote.memory_kind, job.hint.agent, notif=note)
+    if post.state == "DONE":
+        job.written.add(index)
+        if agent.release(post.handle):
+            arena.free_out.append(slot)
         else:
-            job.inflight[index] = post.handle
-            job.out_slots[index] = slot
-    return lost
+            job.stuck.append(post.handle)
+    else:
+        job.inflight[index] = post.handle
+        job.out_slots[index] = slot
 
 
 # --- the receiver -------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def count_descriptors(matches: list[GroupMatch], *, chunk_bytes: int, row_limit:
 
     Why: choosing between the packed and the unpacked path needs only these two counts, and
     building every descriptor of a push that then goes packed cost more than a millisecond
-    at 4,096 rows on the GPU machine (bench/results, the packed timeline).
+    at 4,096 rows on the GPU machine (bench/results/2026-11-29-h200-nixl-packed, the packed timeline).
     """
     budget = row_limit
     descriptors = chunks = 0
