@@ -26,33 +26,33 @@ for layer in range(spec.layers):
     prefill_pool.write_kv("req-1", "full", layer, 0, k, v)
 prefill_pool.commit("req-1", 100)
 
-lender_p, lender_d = InPlaceLender(prefill_pool), InPlaceLender(decode_pool)
+prefill_lender, decode_lender = InPlaceLender(prefill_pool), InPlaceLender(decode_pool)
 fabric = LoopbackFabric()
 # fail_after_rows=5 makes the copy stop part-way, to show what the masks and bounds say.
 prefill = LoopbackBackend(fabric, "prefill", TransferMode.PUSH, fail_after_rows=5)
 decode = LoopbackBackend(fabric, "decode", TransferMode.PUSH)
-prefill.register(lender_p.regions)
-decode.register(lender_d.regions)
+prefill.register(prefill_lender.regions)
+decode.register(decode_lender.regions)
 
 decode_pool.allocate("req-1", 0)                  # the decode side knows the request
-read = lender_p.lend_read("req-1", (0, 100))      # pins prefill's blocks
-write = lender_d.lend_write("req-1", (0, 100))    # grows decode's request, pins its blocks
-view_p, view_d = read.view(), write.view()
-assert view_p is not None and view_d is not None  # in place: ready at once
+read = prefill_lender.lend_read("req-1", (0, 100))      # pins prefill's blocks
+write = decode_lender.lend_write("req-1", (0, 100))    # grows decode's request, pins its blocks
+prefill_view, decode_view = read.view(), write.view()
+assert prefill_view is not None and decode_view is not None  # in place: ready at once
 
-prefill_hint = prefill.describe(view_p, decode.peer)  # each bound to the one peer that may use it;
-decode_hint = decode.describe(view_d, prefill.peer)   # a router carries them
-fetch = decode.fetch(view_d, prefill_hint)
-publish = prefill.publish(view_p, decode_hint)
+prefill_hint = prefill.describe(prefill_view, decode.peer)  # each bound to the one peer that may use it;
+decode_hint = decode.describe(decode_view, prefill.peer)   # a router carries them
+fetch = decode.fetch(decode_view, prefill_hint)
+publish = prefill.publish(prefill_view, decode_hint)
 read.track(publish)                                # release() waits for quiescence
 write.track(fetch)
 fetch.wait(10)
 outcome = fetch.poll()
-print(f"decode outcome: {type(outcome).__name__}, rows {outcome.rows_delivered}/{view_d.rows}, "
+print(f"decode outcome: {type(outcome).__name__}, rows {outcome.rows_delivered}/{decode_view.rows}, "
       f"masks {[m.astype(int).tolist() for m in outcome.masks]}")
 
 write.mark_arrived(outcome.masks)                  # what arrived, exactly
-bounds = lender_d.readiness("req-1")
+bounds = decode_lender.readiness("req-1")
 print(f"resume bounds: usable until token {bounds.usable_until}, restart floor {bounds.restart_floor}")
 k_p, _ = prefill_pool.read_kv("req-1", "full", 0, 0, bounds.usable_until)
 k_d, _ = decode_pool.read_kv("req-1", "full", 0, 0, bounds.usable_until)

@@ -33,32 +33,32 @@ def transfer(mode: TransferMode, fail_after: int | None = None) -> None:
     fabric = LoopbackFabric()
     prefill = LoopbackBackend(fabric, "prefill", mode, fail_after_rows=fail_after)
     decode = LoopbackBackend(fabric, "decode", mode, fail_after_rows=fail_after)
-    p_mem = {g: HostBuffer(f"P-{g}", n, 64) for g, n in ROW_BYTES.items()}
-    d_mem = {g: HostBuffer(f"D-{g}", n, 64) for g, n in ROW_BYTES.items()}
-    prefill.register([b.region for b in p_mem.values()])
-    decode.register([b.region for b in d_mem.values()])
+    prefill_memory = {g: HostBuffer(f"P-{g}", n, 64) for g, n in ROW_BYTES.items()}
+    decode_memory = {g: HostBuffer(f"D-{g}", n, 64) for g, n in ROW_BYTES.items()}
+    prefill.register([b.region for b in prefill_memory.values()])
+    decode.register([b.region for b in decode_memory.values()])
     rng = np.random.default_rng(7)
-    for buf in p_mem.values():
+    for buf in prefill_memory.values():
         buf.array[:] = rng.integers(0, 256, buf.array.shape, dtype=np.uint8)
-    view_p, view_d = views(rng, p_mem, d_mem, "req-1")
+    prefill_view, decode_view = views(rng, prefill_memory, decode_memory, "req-1")
 
     # Each end describes itself; a router would carry these hints as bytes.
-    prefill_hint = prefill.describe(view_p, decode.peer)  # each bound to the one peer that may use it
-    decode_hint = decode.describe(view_d, prefill.peer)
-    fetch = decode.fetch(view_d, prefill_hint)
-    publish = prefill.publish(view_p, decode_hint)
+    prefill_hint = prefill.describe(prefill_view, decode.peer)  # each bound to the one peer that may use it
+    decode_hint = decode.describe(decode_view, prefill.peer)
+    fetch = decode.fetch(decode_view, prefill_hint)
+    publish = prefill.publish(prefill_view, decode_hint)
     assert fetch.wait(10) and publish.wait(10), "transfer did not finish"
     outcome = fetch.poll()
     assert outcome is not None
 
     exact = all(
-        np.array_equal(d_mem[g.layer_group].array[g.slots[m]], p_mem[g.layer_group].array[pg.slots[m]])
-        for g, pg, m in zip(view_d.groups, view_p.groups, outcome.masks)
+        np.array_equal(decode_memory[g.layer_group].array[g.slots[m]], prefill_memory[g.layer_group].array[pg.slots[m]])
+        for g, pg, m in zip(decode_view.groups, prefill_view.groups, outcome.masks)
     )
-    moved = sum(int(m.sum()) * ROW_BYTES[g.layer_group] for g, m in zip(view_d.groups, outcome.masks))
+    moved = sum(int(m.sum()) * ROW_BYTES[g.layer_group] for g, m in zip(decode_view.groups, outcome.masks))
     print(f"{mode.value:>4}  fail_after={fail_after!s:>4}  decode outcome: {type(outcome).__name__:<9} "
-          f"rows {outcome.rows_delivered}/{view_d.rows}  bytes {moved:>7}  delivered rows byte-exact: {exact}")
-    if outcome.rows_delivered < view_d.rows:
+          f"rows {outcome.rows_delivered}/{decode_view.rows}  bytes {moved:>7}  delivered rows byte-exact: {exact}")
+    if outcome.rows_delivered < decode_view.rows:
         print("      masks:", " ".join("".join("1" if x else "." for x in m) for m in outcome.masks))
     for backend in (prefill, decode):
         assert backend.shutdown() == frozenset(), "an attempt was left unquiesced"

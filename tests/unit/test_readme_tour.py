@@ -22,5 +22,5 @@ def test_the_api_tour_runs_and_delivers_every_row() -> None:
     scope: dict[str, object] = {}
     exec(compile(IMPORTS + code, "README.md (API tour)", "exec"), scope)  # noqa: S102
     outcome, bounds = scope["outcome"], scope["bounds"]
-    assert type(outcome).__name__ == "Delivered" and outcome.rows_delivered == scope["view_d"].rows  # type: ignore[attr-defined]
+    assert type(outcome).__name__ == "Delivered" and outcome.rows_delivered == scope["decode_view"].rows  # type: ignore[attr-defined]
     assert (bounds.usable_until, bounds.restart_floor) == (100, 0)  # type: ignore[attr-defined]
