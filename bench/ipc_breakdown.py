@@ -33,9 +33,13 @@ from typing import Any
 
 import numpy as np
 
+import kvxfer.backends.common.engine as engine
 import kvxfer.backends.ipc.backend as ipc
+import kvxfer.backends.ipc.frames as ipc_frames
 import kvxfer.backends.ipc_channel as ipc_channel
 import kvxfer.testing.ipc_pairs as pair
+from kvxfer.backends.ipc.copies import CopyQueue
+from kvxfer.backends.ipc.waits import PassiveWaits
 from kvxfer.bench.config import devices_argument
 
 STAMPS: list[tuple[str, int]] = []
@@ -91,19 +95,24 @@ def instrument() -> None:
     # Collections stamped too (gc0> .. gc2<): a pause of the collector is a candidate for the tail.
     if _gc_stamp not in gc.callbacks:
         gc.callbacks.append(_gc_stamp)
-    for name in ("check_submission", "match_rows", "encode_completion", "decode_completion"):
-        setattr(ipc, name, _timed(getattr(ipc, name), name))
+    # Each function wrapped in the module that calls it.
+    for module, name in ((engine, "check_submission"), (ipc, "match_rows"), (ipc_frames, "encode_completion"),
+                         (ipc_frames, "decode_completion")):
+        setattr(module, name, _timed(getattr(module, name), name))
     # The progress thread's socket/doorbell spin (busy_poll): entered and returned.
     ipc_channel.Channel.spin = _timed(ipc_channel.Channel.spin, "spin")  # type: ignore[method-assign]
     backend = ipc.IpcBackend
-    for name in ("_launch", "_complete", "_finish", "_on_frame", "_on_record", "_peer_exports", "_check_bells",
-                 "_on_token"):
-        setattr(backend, name, _timed(getattr(backend, name), name))
+    # Stamped under the names these steps had as IpcBackend methods, so that runs compare.
+    for owner, name, label in ((CopyQueue, "launch", "_launch"), (backend, "_complete", "_complete"),
+                               (backend, "_finish", "_finish"), (backend, "_on_frame", "_on_frame"),
+                               (backend, "_on_record", "_on_record"), (CopyQueue, "peer_exports", "_peer_exports"),
+                               (PassiveWaits, "check_bells", "_check_bells"), (PassiveWaits, "on_token", "_on_token")):
+        setattr(owner, name, _timed(getattr(owner, name), label))
     init = backend.__init__
 
     def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self._native = _TimedNative(self._native)
+        self._copies.native = _TimedNative(self._copies.native)  # the copy queue makes the stamped calls
 
     backend.__init__ = timed_init  # type: ignore[method-assign]
 

@@ -64,7 +64,12 @@ def _wrap(owner: Any, attr: str, end: str, after: Any = None, bracket: bool = Tr
 
 def install(end: str) -> None:
     """Stamp this process's NixlBackend ("S" the publisher, "R" the fetcher)."""
-    from kvxfer.backends import attempt, nixl, nixl_agent, nixl_notes, nixl_packed
+    from kvxfer.backends.common import attempt, engine
+    from kvxfer.backends.nixl import agent as nixl_agent
+    from kvxfer.backends.nixl import backend as nixl
+    from kvxfer.backends.nixl import notes as nixl_notes
+    from kvxfer.backends.nixl import packed as nixl_packed
+    from kvxfer.backends.nixl import paths, sender
 
     def kind(message: bytes) -> str:
         if not message.startswith(nixl_notes.NOTE_PREFIX):
@@ -78,11 +83,11 @@ def install(end: str) -> None:
     _wrap(nixl_agent.NixlAgent, "post", end)
     _wrap(nixl_agent.NixlAgent, "release", end)
     _wrap(nixl_agent.NixlAgent, "ensure_peer", end)
-    _wrap(nixl, "plan_chunks", end)
-    _wrap(nixl, "count_descriptors", end)
+    _wrap(sender, "plan_chunks", end)
+    _wrap(paths, "count_descriptors", end)
     _wrap(nixl, "conclusion", end)
     _wrap(nixl, "encode_completion", end)
-    _wrap(nixl, "check_submission", end)
+    _wrap(engine, "check_submission", end)
     _wrap(nixl, "match_rows", end)
     _wrap(nixl_agent.NixlAgent, "notify", end, lambda _, a: _stamp(end, "sent", kind(a[2])))
     _wrap(nixl_agent.NixlAgent, "state", end, lambda r, _: r != "PROC" and _stamp(end, "WRITE", r), bracket=False)

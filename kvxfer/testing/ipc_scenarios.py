@@ -91,13 +91,13 @@ def dead_peers_fail_by_name(*, cuda: ModuleType | None) -> None:
         first = local.publish(lv, prefill_hint)
         assert first.wait(15) and isinstance(first.poll(), Delivered), first.poll()
         assert peer.result(handle, 15)[0] is not None
-        assert len(local._mappings) == 1, "the mapping was not cached after use"
+        assert len(local._copies.mappings) == 1, "the mapping was not cached after use"
         prefill_hint = peer.describe(pv)
         peer.kill()
         deadline = time.monotonic() + 10
-        while len(local._mappings) and time.monotonic() < deadline:
+        while len(local._copies.mappings) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(local._mappings) == 0, "the dead peer's mapping was not closed"
+        assert len(local._copies.mappings) == 0, "the dead peer's mapping was not closed"
         local.describe(lv)
         second = local.publish(lv, prefill_hint)
         assert second.wait(15)

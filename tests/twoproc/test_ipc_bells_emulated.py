@@ -76,7 +76,7 @@ def test_a_malformed_doorbell_is_refused_by_name_and_nothing_moves() -> None:
         hint = peer.describe(pv)
         local.describe(lv)
         ring_path = (hint.extra(EXTRA_BELL) or b"")[4:]
-        assert local._peer_bell(hint) is not None  # the ring's path is now known: only the slot is read
+        assert local._copies.peer_bell(hint) is not None  # the ring's path is now known: only the slot is read
         for bad, named in ((b"\x01", "too short"), ((5000).to_bytes(4, "little") + b"/dev/shm/x", "word 5000"),
                            ((BELL_WORDS).to_bytes(4, "little") + ring_path, f"word {BELL_WORDS}"),
                            ((1).to_bytes(4, "little") + b"/home/user/.bashrc", "not a kvxfer doorbell ring")):
@@ -169,10 +169,10 @@ def test_without_a_place_for_the_ring_the_waiter_uses_sockets_only(monkeypatch: 
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     import functools
 
-    import kvxfer.backends.ipc.backend as ipc_module
+    import kvxfer.backends.ipc.waits as ipc_waits
     from kvxfer.backends.ipc_bells import BellRing
 
-    monkeypatch.setattr(ipc_module, "BellRing", functools.partial(BellRing, "/nonexistent/kvxfer-shm"))
+    monkeypatch.setattr(ipc_waits, "BellRing", functools.partial(BellRing, "/nonexistent/kvxfer-shm"))
     with _pair(local_busy_poll=True, child_busy_poll=False) as (local, peer, memory):
         lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], 8, 3)
         peer.write("P0", ps, b"\x06" * 256 * 8)

@@ -81,13 +81,13 @@ def test_peer_dying_mid_copy_keeps_its_mapping_until_the_copy_ends(monkeypatch: 
         assert copying.wait(10), "the copy never reached its stream"
         peer.kill()
         # The progress thread sees the peer go while the copy is in flight.
-        assert settle(lambda: local._gone, 10.0), "the peer's death was not seen"
-        assert attempt.poll() is None and len(local._mappings) == 1, "closed under a running copy"
+        assert settle(lambda: local._copies.gone, 10.0), "the peer's death was not seen"
+        assert attempt.poll() is None and len(local._copies.mappings) == 1, "closed under a running copy"
         copy_may_run.set()
         assert attempt.wait(15)
         outcome = attempt.poll()
         assert isinstance(outcome, Failed) and "gone" in outcome.reason, outcome
-        assert settle(lambda: len(local._mappings) == 0)
+        assert settle(lambda: len(local._copies.mappings) == 0)
     finally:
         copy_may_run.set()
         close_all(local, [peer], memory)

@@ -177,7 +177,7 @@ def test_events_of_copies_in_flight_when_the_stream_fails_at_shutdown_are_destro
     hint = ends.peer.describe(pv)
     handle = ends.peer.start("fetch", pv, ends.local.describe(lv))
     attempt = ends.local.publish(lv, hint)
-    stream = ends.local._stream
+    stream = ends.local._copies.stream
     synchronize = host_cuda.stream_synchronize
 
     def failing(s: int, device: int = -1) -> None:

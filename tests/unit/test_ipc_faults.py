@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import kvxfer.backends.common.engine as engine
 import kvxfer.backends.ipc.backend as ipc
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc_channel import Channel, PeerBusy
@@ -41,7 +42,7 @@ def pair() -> Iterator[tuple[IpcBackend, IpcBackend, DeviceRows, DeviceRows]]:
     yield a, d, mem_a, mem_d
     try:
         assert d.shutdown() == frozenset() and a.shutdown() == frozenset(), "an attempt was left unquiesced"
-        assert not d._thread.is_alive() and not a._thread.is_alive()
+        assert not d._progress.is_alive() and not a._progress.is_alive()
     finally:
         mem_a.close()
         mem_d.close()
@@ -113,7 +114,7 @@ waiting = d.fetch(dv, hint_p)  # its progress thread connects to the peer now, w
 settle(lambda: refused, 30.0)  # until it tried: the test checks it was told EMFILE
 for fd in held:
     os.close(fd)
-alive = d._thread.is_alive()
+alive = d._progress.is_alive()
 early = repr(waiting.poll())
 handle = peer.start("publish", pv, hint_d)
 ok = waiting.wait(15.0)
@@ -142,9 +143,9 @@ def test_a_moment_without_descriptors_neither_kills_the_thread_nor_fails_the_wai
 def test_withdrawn_transfers_and_early_records_are_bounded(
         pair: tuple[IpcBackend, IpcBackend, DeviceRows, DeviceRows], monkeypatch: pytest.MonkeyPatch) -> None:
     # Every request aborted before its prefill published leaves the publisher a withdrawn
-    # transfer: the table keeps the newest _KEPT, and the newest is still refused.
+    # transfer: the table keeps the newest KEPT, and the newest is still refused.
     a, d, mem_a, mem_d = pair
-    monkeypatch.setattr(ipc, "_KEPT", 4)
+    monkeypatch.setattr(engine, "KEPT", 4)
     hints = []
     for i in range(7):
         lv, dv, _, _ = views(mem_a.regions[0], mem_d.regions[0], 4, i, f"abort{i}")
@@ -181,14 +182,14 @@ def test_a_shutdown_whose_join_timed_out_is_finished_by_the_next(monkeypatch: py
         d.describe(dv)
         waiting = d.fetch(dv, a.describe(lv), wake=wake)
         # Its progress thread has connected to the peer.
-        assert settle(lambda: all(w.watching for w in list(d._passive.values()))), "the wait never connected"
+        assert settle(lambda: all(w.watching for w in list(d._waits.by_id.values()))), "the wait never connected"
         engine.acquire()
         try:
-            assert d.shutdown() == {waiting} and d._thread.is_alive()  # the join timed out: the thread is in wake()
+            assert d.shutdown() == {waiting} and d._progress.is_alive()  # the join timed out: the thread is in wake()
             assert os.path.exists(d._channel.path)
         finally:
             engine.release()  # only once the first shutdown returned, however long it took
-        assert settle(lambda: not d._thread.is_alive())
+        assert settle(lambda: not d._progress.is_alive())
         assert d.shutdown() == {waiting} and not waiting.quiesced()
         assert not os.path.exists(d._channel.path), "the second shutdown did not give the channel back"
         assert d.shutdown() == {waiting}  # and again: nothing released twice

@@ -112,7 +112,7 @@ def test_mappings_open_once_and_close_only_when_unused() -> None:
 
 
 def test_launch_mask_fill_marks_exactly_the_launched_rows() -> None:
-    from kvxfer.backends.ipc.backend import _set_rows
+    from kvxfer.backends.ipc.copies import _set_rows
 
     rows = np.array([3, 0, 2, 1], dtype=np.int64)  # a permutation of every row
     full = np.zeros(4, dtype=np.bool_)
@@ -139,7 +139,7 @@ def test_ordinal_comparison_small_and_large(n: int) -> None:
 
 
 def test_launch_masks_are_read_only_and_shared_only_when_whole() -> None:
-    from kvxfer.backends.ipc.backend import _mask_of
+    from kvxfer.backends.ipc.copies import _mask_of
 
     rows = np.array([2, 0, 1], dtype=np.int64)
     whole = _mask_of(3, rows, 3)
@@ -224,7 +224,8 @@ def test_every_row_delivered_travels_as_a_token_and_anything_else_as_a_record(ke
     # "DELIVERED, every row" is 20 bytes (DONE_PREFIX + a token the passive end can look up);
     # partial records are decoded as before; a token without its wait waits for it; a token
     # nobody was given concludes nothing. Signed: the token comes from the key and the sender.
-    from kvxfer.backends.ipc.backend import DONE_PREFIX, EXTRA_DONE, IpcBackend
+    from kvxfer.backends.ipc.backend import IpcBackend
+    from kvxfer.backends.ipc.frames import DONE_PREFIX, EXTRA_DONE
     from kvxfer.contract import Delivered, TransferMode
     from kvxfer.testing import host_cuda
     from kvxfer.testing.ipc_pairs import DeviceRows
@@ -247,16 +248,16 @@ def test_every_row_delivered_travels_as_a_token_and_anything_else_as_a_record(ke
 
         def token(i: int, sender: str) -> bytes:
             if key:
-                return prefill._done_token(hints[i].transfer_id, sender, f"r{i}")
+                return prefill._frames.done_token(hints[i].transfer_id, sender, f"r{i}")
             return hints[i].extra(EXTRA_DONE) or b""
 
         def send(frame: bytes) -> None:
             assert prefill._channel.send(decode._channel.endpoint, frame)
 
         send(DONE_PREFIX + token(3, prefill.name))  # before its fetch: kept for it
-        assert settle(lambda: decode._early), "the early token was not kept"
+        assert settle(lambda: decode._waits.early), "the early token was not kept"
         attempts = [decode.fetch(dvs[i], pvs[i]) for i in range(4)]
-        prebuilt = {w.own_id: w.delivered for w in decode._by_token.values()}
+        prebuilt = {w.own_id: w.delivered for w in decode._waits.by_token.values()}
         partial = np.ones(10, dtype=np.bool_)
         partial[3] = False
         send(DONE_PREFIX + token(0, prefill.name))
@@ -271,12 +272,12 @@ def test_every_row_delivered_travels_as_a_token_and_anything_else_as_a_record(ke
         assert isinstance(second, Delivered) and second.masks[0].tolist() == partial.tolist()
         assert isinstance(fourth, Delivered) and fourth.all_delivered
         # The wrong token was handled (kept for a wait that may come), and concluded nothing.
-        assert settle(lambda: wrong in decode._early), "the wrong token was not handled"
+        assert settle(lambda: wrong in decode._waits.early), "the wrong token was not handled"
         assert attempts[2].poll() is None and not attempts[2].quiesced()
-        assert [w.own_id for w in decode._by_token.values()] == [hints[2].transfer_id]  # ended waits leave
+        assert [w.own_id for w in decode._waits.by_token.values()] == [hints[2].transfer_id]  # ended waits leave
         send(DONE_PREFIX + token(2, prefill.name))
         assert attempts[2].wait(5) and isinstance(attempts[2].poll(), Delivered)
-        assert decode._by_token == {}
+        assert decode._waits.by_token == {}
     finally:
         decode.shutdown()
         prefill.shutdown()

@@ -1,6 +1,8 @@
-"""Same-node GPU-to-GPU backend over CUDA IPC: ``backend`` (IpcBackend), the Unix-socket
-record channel (``channel``), peer allocation mappings (``mappings``), doorbells
-(``bells``) and shared-memory maps (``shm_map``)."""
+"""Same-node GPU-to-GPU backend over CUDA IPC: ``backend`` (IpcBackend), the row copies on
+its stream (``copies``), completion frames and done-tokens (``frames``), the passive end's
+waits (``waits``), one attempt's bookkeeping (``jobs``), the Unix-socket record channel
+(``channel``), peer allocation mappings (``mappings``), doorbells (``bells``) and
+shared-memory maps (``shm_map``)."""
 
 from kvxfer.backends.ipc.backend import BACKEND_KIND, IpcBackend, IpcUnavailable, node_identity
 

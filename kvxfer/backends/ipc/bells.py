@@ -16,7 +16,7 @@ and it covers a ring word that was missed (below).
   The slot comes from the transfer id, so nothing is kept per transfer; two transfers that
   share a slot at once only lose the doorbell (the later store overwrites the earlier),
   never correctness.
-- The value stored is the transfer's done-token (``IpcBackend._done_token``) folded to 64
+- The value stored is the transfer's done-token (``CompletionFrames.done_token``) folded to 64
   bits: the passive end concludes only on the value of a wait it holds. A stale or foreign
   value in a slot is cleared and ignored; the socket record then ends that wait.
 - The active end opens the file only if it is a kvxfer ring in /dev/shm of its own user,
@@ -55,7 +55,7 @@ BELL_BYTES = 8 * BELL_WORDS
 BELL_DIR = "/dev/shm"
 _PREFIX = "kvxfer-bell-"
 _NAME = re.compile(r"kvxfer-bell-(\d+)-[0-9a-f]{12}")
-_SLOT = struct.Struct("<I")  # then the ring's path, utf-8 (IpcBackend._peer_bell reads the slot so too)
+_SLOT = struct.Struct("<I")  # then the ring's path, utf-8 (CopyQueue.peer_bell reads the slot so too)
 _HANDLE_TAG = b"bell:"  # an Export's handle is the path: never equal to a 64-byte CUDA IPC handle
 
 
