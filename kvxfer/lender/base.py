@@ -31,7 +31,7 @@ from kvxfer.contract import (
 )
 from kvxfer.contract.outcome import check_masks, freeze_mask
 from kvxfer.lender.bounds import ResumeBounds, resume_bounds
-from kvxfer.pool import BlockAllocator, PagedKVPool, RowRegion
+from kvxfer.pool import BlockAllocator, LayerGroupSpec, PagedKVPool, RowRegion
 
 _ids = itertools.count(1)
 
@@ -289,47 +289,12 @@ class Lender(abc.ABC):
             filled = pool.filled(request, spec.name)
             alloc = pool.allocator(spec.name)
             if spec.kind is CacheKind.STATE:
-                have = int(filled[0]) == tokens.end
-                if write:
-                    ordinals = np.zeros(0 if have else 1, dtype=np.int64)
-                elif have or tokens.end == 0:
-                    ordinals = np.zeros(1 if have else 0, dtype=np.int64)
-                else:
-                    raise LeaseError(f"request {request!r}: STATE group {spec.name!r} holds the state at "
-                                     f"{int(filled[0])}, not at {tokens.end}; commit it first")
+                ordinals = _state_ordinals(request, spec, filled, tokens, write)
             else:
-                bt = spec.block_tokens
-                first, last = tokens.start // bt, -(-tokens.end // bt)
-                ordinals = np.arange(first, last, dtype=np.int64) if tokens.end > tokens.start else \
-                    np.zeros(0, dtype=np.int64)
-                if spec.window is not None:
-                    # Resuming at tokens.end needs only the sinks and the window before it.
-                    low = (tokens.end - spec.window) // bt
-                    ordinals = ordinals[(ordinals < spec.sink_blocks) | (ordinals >= low)]
-                need = np.minimum((ordinals + 1) * bt, tokens.end)
-                done = filled[ordinals] >= need
-                if write:
-                    ordinals = ordinals[~done]
-                elif not done.all():
-                    gap = int(ordinals[np.argmin(done)])
-                    raise LeaseError(f"request {request!r}: group {spec.name!r} block {gap} does not hold committed "
-                                     f"KV up to token {int(need[np.argmin(done)])}; commit before lend_read")
+                ordinals = _paged_ordinals(request, spec, filled, tokens, write)
             blocks = table[ordinals]
-            if not write and blocks.size and (alloc.write_pins[blocks] > 0).any():
-                # A peer is rewriting them: what a reader sent could be torn.
-                raise LeaseError(f"request {request!r}: group {spec.name!r} blocks are lent for writing; they can "
-                                 "be lent for reading once that lease is released")
+            _check_lendable(request, spec.name, alloc, blocks, write)
             if write and blocks.size:
-                if (alloc.refcount[blocks] > 1).any():
-                    raise LeaseError(f"request {request!r}: group {spec.name!r} would lend blocks shared with "
-                                     "another request for writing")
-                if (alloc.write_pins[blocks] > 0).any():
-                    raise LeaseError(f"request {request!r}: group {spec.name!r} blocks are already lent for writing")
-                if (alloc.pins[blocks] > 0).any():
-                    # A peer would rewrite whole blocks that an open read lease may still be
-                    # sending (a shrink and regrow, or a shared prefix, under a publish).
-                    raise LeaseError(f"request {request!r}: group {spec.name!r} blocks are lent for reading by an "
-                                     "open lease; release it before lending them for writing")
                 writes.append((alloc, blocks))
             for region in pool.row_regions():
                 if region.group == spec.name:
@@ -420,3 +385,59 @@ class Lender(abc.ABC):
         ends = np.minimum((ordinals + 1) * spec.block_tokens, end)
         keep = same & (ends > ordinals * spec.block_tokens)
         pool.record_arrival(lease.request, group, ordinals[keep], ends[keep])
+
+
+def _state_ordinals(request: str, spec: LayerGroupSpec, filled: np.ndarray, tokens: TokenRange,
+                    write: bool) -> np.ndarray:
+    """A STATE group's one slot, if the lease covers it: a writer fills it unless it holds
+    the state at ``tokens.end`` already; a reader needs it to."""
+    have = int(filled[0]) == tokens.end
+    if write:
+        return np.zeros(0 if have else 1, dtype=np.int64)
+    if have or tokens.end == 0:
+        return np.zeros(1 if have else 0, dtype=np.int64)
+    raise LeaseError(f"request {request!r}: STATE group {spec.name!r} holds the state at "
+                     f"{int(filled[0])}, not at {tokens.end}; commit it first")
+
+
+def _paged_ordinals(request: str, spec: LayerGroupSpec, filled: np.ndarray, tokens: TokenRange,
+                    write: bool) -> np.ndarray:
+    """A paged group's block ordinals under ``tokens``: a writer's are those not filled yet; a
+    reader's must all be committed."""
+    bt = spec.block_tokens
+    first, last = tokens.start // bt, -(-tokens.end // bt)
+    ordinals = np.arange(first, last, dtype=np.int64) if tokens.end > tokens.start else \
+        np.zeros(0, dtype=np.int64)
+    if spec.window is not None:
+        # Resuming at tokens.end needs only the sinks and the window before it.
+        low = (tokens.end - spec.window) // bt
+        ordinals = ordinals[(ordinals < spec.sink_blocks) | (ordinals >= low)]
+    need = np.minimum((ordinals + 1) * bt, tokens.end)
+    done = filled[ordinals] >= need
+    if write:
+        return ordinals[~done]
+    if not done.all():
+        gap = int(ordinals[np.argmin(done)])
+        raise LeaseError(f"request {request!r}: group {spec.name!r} block {gap} does not hold committed "
+                         f"KV up to token {int(need[np.argmin(done)])}; commit before lend_read")
+    return ordinals
+
+
+def _check_lendable(request: str, group: str, alloc: BlockAllocator, blocks: np.ndarray, write: bool) -> None:
+    """LeaseError unless ``group``'s ``blocks`` may be lent this way now."""
+    if not write and blocks.size and (alloc.write_pins[blocks] > 0).any():
+        # A peer is rewriting them: what a reader sent could be torn.
+        raise LeaseError(f"request {request!r}: group {group!r} blocks are lent for writing; they can "
+                         "be lent for reading once that lease is released")
+    if not (write and blocks.size):
+        return
+    if (alloc.refcount[blocks] > 1).any():
+        raise LeaseError(f"request {request!r}: group {group!r} would lend blocks shared with "
+                         "another request for writing")
+    if (alloc.write_pins[blocks] > 0).any():
+        raise LeaseError(f"request {request!r}: group {group!r} blocks are already lent for writing")
+    if (alloc.pins[blocks] > 0).any():
+        # A peer would rewrite whole blocks that an open read lease may still be
+        # sending (a shrink and regrow, or a shared prefix, under a publish).
+        raise LeaseError(f"request {request!r}: group {group!r} blocks are lent for reading by an "
+                         "open lease; release it before lending them for writing")

@@ -275,8 +275,60 @@ class Router:
         t = self.timeout_s
         # Hint D is bound to the prefill worker's run: no other worker, nor a restart of it,
         # may write into the reservation's rows with it.
-        bound = p.publisher
-        ask = {"request": run.key, "prompt": run.prompt, "max_new_tokens": run.max_new, "publisher": bound}
+        ask = {"request": run.key, "prompt": run.prompt, "max_new_tokens": run.max_new, "publisher": p.publisher}
+        reserved, prefilled = await self._reserve_and_prefill(run, p, d, ask)
+        if not isinstance(prefilled, BaseException):
+            tok = run.token(0, int(prefilled["token"]))
+            if tok is not None:
+                try:
+                    yield tok
+                except GeneratorExit:
+                    # The client left before hint D went to the prefill worker: nothing can
+                    # write into the reservation, so both ends drop it now (rows reusable)
+                    # rather than the decode end quarantining it when it expires.
+                    self._abandon(run.key, p, d)
+                    raise
+            reserved = await self._rebound(run, p, d, ask, reserved, prefilled)
+        if isinstance(reserved, BaseException):
+            await self._reserve_failed(run, p, d, reserved, prefilled)
+            async for tok in self._after_decode_loss(run, d, f"reserve on {d.url} failed: {reserved}"):
+                yield tok
+            return
+        if isinstance(prefilled, BaseException):
+            # The prefill worker never saw hint D: nothing can write into the reservation.
+            async for tok in self._after_prefill_loss(run, p, d, f"prefill on {p.url} failed: {prefilled}", True):
+                yield tok
+            return
+        # Publish: the prefill worker answers with its hint as soon as the transfer is posted.
+        publish = stream_json(p.url, "/publish", {"request": run.key, "hint": reserved["hint"]}, t, t)
+        try:
+            published = await publish.__anext__()
+            if published.get("event") != "published":
+                raise HttpError(f"{p.url}/publish: {published.get('error', published)}")
+        except (HttpError, StopAsyncIteration) as exc:
+            safe = await self._publish_failed(run, p, d, publish, reserved["hint"], exc)
+            async for tok in self._after_prefill_loss(run, p, d, f"publish on {p.url} failed: {exc}", safe):
+                yield tok
+            return
+        outcome = asyncio.create_task(self._publish_outcome(publish))
+        try:
+            body = {"request": run.key, "hint": published["hint"], "first_token": run.emitted[0],
+                    "on_failure": self.on_failure, "timeout_s": t}
+            async for tok in self._generate(run, d, body):
+                yield tok
+        except _Failure as exc:
+            if not exc.dead:
+                raise
+            async for tok in self._after_decode_loss(run, d, str(exc)):
+                yield tok
+        finally:
+            figures = await _settled(outcome, t)
+            if figures is not None:
+                run.transfer = figures  # the publisher's view: submission to its outcome
+
+    async def _reserve_and_prefill(self, run: _Run, p: _Endpoint, d: _Endpoint, ask: dict[str, Any]) -> tuple[Any, Any]:
+        """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised."""
+        t = self.timeout_s
         reserve = asyncio.create_task(request_json(d.url, "POST", "/reserve", ask, t))
         prefill = asyncio.create_task(request_json(p.url, "POST", "/prefill", {"request": run.key,
                                                                                  "prompt": run.prompt}, t))
@@ -296,78 +348,46 @@ class Router:
             # A worker's handler runs on after its client gave up (a timeout here), so the
             # prefill may still be made there: drop it then, not when it expires (hold_s).
             self._abort_later(p, {"request": run.key})
-        else:
-            tok = run.token(0, int(prefilled["token"]))
-            if tok is not None:
-                try:
-                    yield tok
-                except GeneratorExit:
-                    # The client left before hint D went to the prefill worker: nothing can
-                    # write into the reservation, so both ends drop it now (rows reusable)
-                    # rather than the decode end quarantining it when it expires.
-                    self._abandon(run.key, p, d)
-                    raise
-        if not isinstance(prefilled, BaseException) and not isinstance(reserved, BaseException) \
-                and prefilled.get("publisher") != bound:
-            # The prefill worker restarted since we learnt who it is: hint D, bound to its old
-            # run, would be refused. Hint D went nowhere, so the rows are safe to drop.
-            p.publisher = prefilled.get("publisher")
-            run.events.append(f"prefill worker {p.url} is another run now: reserved again for it")
-            await self._abort(d, {"request": run.key, "rows_safe": True})
-            try:
-                reserved = await request_json(d.url, "POST", "/reserve", {**ask, "publisher": p.publisher}, t)
-            except HttpError as exc:
-                reserved = exc
-        if isinstance(reserved, BaseException):
-            self._down(d, reserved)
-            # The reservation may still be made after our timer fired, as the prefill above.
-            # Hint D never reached us, so no prefill worker can write into its rows: they
-            # are reusable. In the background: this worker just failed to answer in time.
-            self._abort_later(d, {"request": run.key, "rows_safe": True})
-            if not isinstance(prefilled, BaseException):
-                await self._abort(p, {"request": run.key})
-            async for tok in self._after_decode_loss(run, d, f"reserve on {d.url} failed: {reserved}"):
-                yield tok
-            return
-        if isinstance(prefilled, BaseException):
-            # The prefill worker never saw hint D: nothing can write into the reservation.
-            async for tok in self._after_prefill_loss(run, p, d, f"prefill on {p.url} failed: {prefilled}", True):
-                yield tok
-            return
-        # Publish: the prefill worker answers with its hint as soon as the transfer is posted.
-        publish = stream_json(p.url, "/publish", {"request": run.key, "hint": reserved["hint"]}, t, t)
+        return reserved, prefilled
+
+    async def _rebound(self, run: _Run, p: _Endpoint, d: _Endpoint, ask: dict[str, Any], reserved: Any,
+                       prefilled: dict[str, Any]) -> Any:
+        """The reservation to publish into: ``reserved``, or one made again for the prefill
+        worker's run when /prefill names another than the one ``ask`` bound hint D to."""
+        if isinstance(reserved, BaseException) or prefilled.get("publisher") == ask["publisher"]:
+            return reserved
+        # The prefill worker restarted since we learnt who it is: hint D, bound to its old
+        # run, would be refused. Hint D went nowhere, so the rows are safe to drop.
+        p.publisher = prefilled.get("publisher")
+        run.events.append(f"prefill worker {p.url} is another run now: reserved again for it")
+        await self._abort(d, {"request": run.key, "rows_safe": True})
         try:
-            published = await publish.__anext__()
-            if published.get("event") != "published":
-                raise HttpError(f"{p.url}/publish: {published.get('error', published)}")
-        except (HttpError, StopAsyncIteration) as exc:
-            await publish.aclose()
-            self._down(p, exc)
-            safe = _rows_safe(exc)
+            return await request_json(d.url, "POST", "/reserve", {**ask, "publisher": p.publisher}, self.timeout_s)
+        except HttpError as exc:
+            return exc
+
+    async def _reserve_failed(self, run: _Run, p: _Endpoint, d: _Endpoint, exc: BaseException, prefilled: Any) -> None:
+        self._down(d, exc)
+        # The reservation may still be made after our timer fired, as the prefill above.
+        # Hint D never reached us, so no prefill worker can write into its rows: they
+        # are reusable. In the background: this worker just failed to answer in time.
+        self._abort_later(d, {"request": run.key, "rows_safe": True})
+        if not isinstance(prefilled, BaseException):
+            await self._abort(p, {"request": run.key})
+
+    async def _publish_failed(self, run: _Run, p: _Endpoint, d: _Endpoint,
+                              publish: AsyncGenerator[dict[str, Any], None], hint: str, exc: BaseException) -> bool:
+        """After /publish failed before its hint: whether the reservation's rows are safe to reuse."""
+        await publish.aclose()
+        self._down(p, exc)
+        safe = _rows_safe(exc)
+        if not safe:
+            # Nothing says whether the publisher wrote: ask it to take hint D back, and
+            # keep asking in the background until the decode worker may reuse the rows.
+            safe = await self._withdrawn(p, hint)
             if not safe:
-                # Nothing says whether the publisher wrote: ask it to take hint D back, and
-                # keep asking in the background until the decode worker may reuse the rows.
-                safe = await self._withdrawn(p, reserved["hint"])
-                if not safe:
-                    self._reclaim_later(p, d, run.key, reserved["hint"])
-            async for tok in self._after_prefill_loss(run, p, d, f"publish on {p.url} failed: {exc}", safe):
-                yield tok
-            return
-        outcome = asyncio.create_task(self._publish_outcome(publish))
-        try:
-            body = {"request": run.key, "hint": published["hint"], "first_token": run.emitted[0],
-                    "on_failure": self.on_failure, "timeout_s": t}
-            async for tok in self._generate(run, d, body):
-                yield tok
-        except _Failure as exc:
-            if not exc.dead:
-                raise
-            async for tok in self._after_decode_loss(run, d, str(exc)):
-                yield tok
-        finally:
-            figures = await _settled(outcome, t)
-            if figures is not None:
-                run.transfer = figures  # the publisher's view: submission to its outcome
+                self._reclaim_later(p, d, run.key, hint)
+        return safe
 
     async def _publish_outcome(self, publish: AsyncGenerator[dict[str, Any], None]) -> TransferFigures | None:
         try:

@@ -1,0 +1,326 @@
+"""A decode worker's role (DESIGN.md section 5):
+
+- ``reserve``: allocate, ``lend_write`` the prompt's rows, ``describe`` -> hint D.
+- ``generate``: ``fetch(view_D, hint_P)``, ``mark_arrived(masks)``, release, then
+  ``readiness()``: resume at ``usable_until`` and recompute the rest (policy recompute) or
+  refuse (policy fail); then decode token by token, streaming. Without a reservation, it
+  decodes a prompt locally.
+
+A reservation whose rows a peer may still write is quarantined (``kvxfer.worker.quarantine``).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer import wire
+from kvxfer.contract import Attempt, KvxferError, Outcome, Peer, View
+from kvxfer.engine import tokens_needed
+from kvxfer.lender import Lease
+from kvxfer.worker.calls import GenerateCall, ReserveCall
+from kvxfer.worker.errors import Aborted, Refused
+from kvxfer.worker.meters import reason_label
+from kvxfer.worker.state import WorkerState
+
+
+@dataclass(eq=False)
+class Reserved:
+    """A decode reservation: its write lease and the view behind hint D."""
+
+    prompt: list[int]
+    max_new: int
+    lease: Lease
+    view: View
+    since: float
+    busy: bool = False
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One /generate stream's pool request: ``name`` is the request id, or ``rid#local`` once
+    it recomputes in fresh blocks; ``owned``: it is ours to finish; ``suspect``: the delivered
+    rows proved wrong, so they are freed, not kept for prefix reuse."""
+
+    rid: str
+    prompt: list[int]
+    max_new: int
+    name: str
+    owned: bool
+    suspect: bool = False
+
+
+class DecodeRole:
+    def __init__(self, state: WorkerState) -> None:
+        self._s = state
+        self.reserved: dict[str, Reserved] = {}
+
+    # --- reserve -------------------------------------------------------------------------------
+    async def reserve(self, call: ReserveCall) -> dict[str, Any]:
+        s = self._s
+        s.need("decode")
+        rid, prompt, max_new, publisher = call.request, call.prompt, call.max_new_tokens, call.publisher
+        if rid in self.reserved or rid in s.calls.starting:
+            raise Refused(f"request {rid!r} is already reserved here")
+        s.calls.refuse_if_aborted_early(rid)
+        s.calls.starting[rid] = "reserve"
+        try:
+            hint, lease, view, reused = await s.engine.run(self._reserve_sync, rid, prompt, max_new, publisher)
+        finally:
+            aborted = s.calls.end_start(rid)
+        if aborted:
+            # Hint D would be in this answer, which a 409 replaces: it is never sent, so no
+            # peer can write these rows.
+            await s.engine.run(s.release_and_free, lease, rid)
+            raise Aborted(f"request {rid!r} was aborted while it was reserved; its rows are released")
+        self.reserved[rid] = Reserved(prompt, max_new, lease, view, time.monotonic())
+        return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows, "reused_tokens": reused}
+
+    def _reserve_sync(self, rid: str, prompt: list[int], max_new: int, publisher: Peer
+                      ) -> tuple[bytes, Lease, View, int]:
+        s = self._s
+        pool, lender, backend = s.pool, s.lender, s.backend
+        assert pool is not None and lender is not None and backend is not None
+        need = tokens_needed(len(prompt), max_new)
+        if need > s.config.model.max_positions:
+            raise Refused(f"prompt plus completion is {need} tokens, over max_positions "
+                             f"{s.config.model.max_positions}")
+        # Share cached full blocks of the prompt except its last token: at least one row
+        # always moves, so every request has a transfer whose outcome says it is complete.
+        ids = prompt[:-1] if s.config.prefix_cache else None
+        reused = pool.allocate(rid, need, token_ids=ids)
+        lease = None
+        try:
+            lease = lender.lend_write(rid, (0, len(prompt)))
+            view = lease.view()
+            if view is None:
+                raise Refused("no staging slots free for this reservation now; retry later")
+            # Bound to one publisher: in push mode hint D lets its holder WRITE into these rows,
+            # which later hold a cached prefix; no other worker, nor a restart of this one, may.
+            hint = wire.encode_hint(backend.describe(view, publisher))
+        except BaseException:
+            if lease is not None:
+                lease.release()  # no hint went out: nothing can touch these rows
+            pool.free(rid)
+            raise
+        return hint, lease, view, reused
+
+    # --- dropping reservations -----------------------------------------------------------------
+    async def drop(self, rid: str, rows_safe: bool) -> bool:
+        """An /abort: drop ``rid``'s reservation if it is here and not generating (whether it
+        was). Without it nothing is awaited, so the caller's tables stay as it saw them."""
+        reserved = self.reserved.get(rid)
+        if reserved is None or reserved.busy:
+            return False
+        del self.reserved[rid]
+        await self._s.engine.run(self._drop_reservation, rid, reserved, rows_safe)
+        return True
+
+    async def expire(self, now: float) -> None:
+        """Drop the reservations never generated within hold_s."""
+        for rid, reserved in list(self.reserved.items()):
+            if not reserved.busy and now - reserved.since > self._s.config.hold_s:
+                self.reserved.pop(rid, None)
+                await self._s.engine.run(self._drop_reservation, rid, reserved, False)
+
+    def quarantine_all(self) -> None:
+        """At shutdown: a peer may hold hint D of any reservation left, so none is reused."""
+        for r in list(self.reserved.values()):
+            self._quarantine(r)
+        self.reserved.clear()
+
+    def _drop_reservation(self, rid: str, reserved: Reserved, rows_safe: bool) -> None:
+        if rows_safe:
+            reserved.lease.release()
+        else:
+            self._quarantine(reserved, rid=rid)
+        self._s.free(rid)
+
+    def _quarantine(self, reserved: Reserved, attempt: Attempt | None = None, rid: str | None = None) -> None:
+        self._s.quarantine.reservation(reserved.lease, reserved.view, attempt, rid)
+
+    # --- generate ------------------------------------------------------------------------------
+    async def generate(self, call: GenerateCall) -> AsyncGenerator[dict[str, Any], None]:
+        s = self._s
+        s.need("decode")
+        rid, policy, rows_safe = call.request, call.on_failure, call.rows_safe
+        timeout = call.timeout_s if call.timeout_s is not None else s.config.transfer_timeout_s
+        reserved = self.reserved.get(rid)
+        if reserved is not None:
+            if reserved.busy:
+                raise Refused(f"request {rid!r} is already generating")
+            reserved.busy = True  # only once the call is known to be well formed
+            return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, call.prefill_hint,
+                                       call.first_token, policy, timeout, rows_safe)
+        if call.prefill_hint is not None:
+            raise Refused(f"request {rid!r} has no reservation here: reserve before generating with a hint")
+        if call.prompt is None or call.max_new_tokens is None:
+            raise Refused(f"request {rid!r} has no reservation here: generating without one needs 'prompt' and "
+                          "'max_new_tokens'")
+        prompt, max_new = call.prompt, call.max_new_tokens
+        need = tokens_needed(len(prompt), max_new)
+        if need > s.config.model.max_positions:
+            raise Refused(f"prompt plus completion is {need} tokens, over max_positions "
+                          f"{s.config.model.max_positions}")
+        assert s.pool is not None
+        if rid in s.calls.starting or s.pool.has(rid):
+            raise Refused(f"request {rid!r} is already in use here")
+        return self._decode_events(rid, prompt, max_new, None, None, None, policy, timeout, True)
+
+    async def _decode_events(self, rid: str, prompt: list[int], max_new: int, reserved: Reserved | None,
+                             prefill_hint: Any, first: int | None, policy: str, timeout: float,
+                             rows_safe: bool) -> AsyncGenerator[dict[str, Any], None]:
+        s = self._s
+        s.calls.streams += 1
+        n = len(prompt)
+        own = reserved  # the reservation this stream took over; others under this id are not ours
+        stream = _Stream(rid, prompt, max_new, name=rid, owned=reserved is not None)
+        if reserved is None:
+            s.calls.starting[rid] = "generate"
+        try:
+            transfer, first = await self._take_rows(stream, reserved, prefill_hint, first, policy, timeout,
+                                                    rows_safe)
+            s.calls.starting.pop(rid, None)
+            position = await s.engine.run(self._usable, stream.name, n)
+            if position < n and transfer is not None and policy == "fail":
+                yield {"event": "error", "final": True, "transfer": transfer,
+                       "error": f"transfer {transfer['status']}: {transfer['rows_delivered']} of {transfer['rows']} "
+                                f"rows arrived ({transfer['reason'] or 'incomplete'}); policy is fail"}
+                return
+            yield {"event": "resume", "position": position, "recompute_tokens": n - position, "transfer": transfer}
+            if position < n or first is None:
+                local = await self._recompute(stream, position)
+                if first is not None and local != first:
+                    # The rows that arrived are suspect: never name them for reuse (_finish).
+                    stream.suspect = True
+                    yield {"event": "error", "final": True,
+                           "error": f"recomputed first token {local} differs from the prefill worker's {first}"}
+                    return
+                first = local
+                yield {"event": "token", "index": 0, "token": first}
+            token = first
+            for index in range(1, max_new):
+                start = time.perf_counter()
+                token = await s.engine.run(s.model.next_token, s.pool, stream.name, [token], n + index - 1)
+                s.meters.step.observe(time.perf_counter() - start)
+                s.meters.tokens.inc()
+                yield {"event": "token", "index": index, "token": token}
+            yield {"event": "done", "final": True, "tokens": max_new}
+        finally:
+            try:
+                if own is None:
+                    s.calls.starting.pop(rid, None)
+                elif self.reserved.get(rid) is own:
+                    del self.reserved[rid]
+                if stream.owned:
+                    await s.engine.run(self._finish, stream.name, prompt, not stream.suspect)
+            finally:
+                s.calls.streams -= 1  # last: "no active stream" means its clean-up is done
+
+    async def _take_rows(self, stream: _Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
+                         policy: str, timeout: float, rows_safe: bool) -> tuple[dict[str, Any] | None, int | None]:
+        """Make the stream's pool request hold the prompt's rows: fetched into its reservation,
+        or, without a usable one, fresh blocks under ``rid#local`` to recompute into. Returns
+        the transfer's figures (None when none ran) and the first token still to be trusted."""
+        s, rid = self._s, stream.rid
+        transfer: dict[str, Any] | None = None
+        if reserved is not None and prefill_hint is not None:
+            try:
+                transfer = await self._fetch(rid, reserved, prefill_hint, timeout)
+            except (KvxferError, RuntimeError) as exc:
+                # The fetch was refused or never settled; its rows stay out of use (see
+                # _fetch). Policy recompute: prefill the whole prompt in fresh blocks.
+                if policy == "fail":
+                    raise
+                s.meters.failures.inc(reason=reason_label(None, str(exc)))
+                transfer = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
+                            "rows": reserved.view.rows, "rows_delivered": 0, "bytes": 0, "seconds": 0.0}
+                stream.owned = False
+                await s.engine.run(s.free, rid)
+                stream.name, reserved = f"{rid}#local", None
+        elif reserved is not None:
+            # No hint P: the prefill side failed before publishing. Unless the router
+            # knows it cannot write into our rows, quarantine them and start afresh.
+            stream.owned = False
+            await s.engine.run(self._drop_reservation, rid, reserved, rows_safe)
+            stream.name = f"{rid}#local"
+            reserved = None
+            first = None
+        if reserved is None:
+            await s.engine.run(self._allocate_local, stream.name, stream.prompt, stream.max_new)
+            stream.owned = True
+        return transfer, first
+
+    async def _recompute(self, stream: _Stream, position: int) -> int:
+        """Run the prompt from ``position`` on: the first token, as this worker computes it."""
+        s = self._s
+        start = time.perf_counter()
+        local = await s.engine.run(s.model.next_token, s.pool, stream.name, stream.prompt[position:], position)
+        s.meters.prefill.observe(time.perf_counter() - start)
+        s.meters.recomputed.inc(len(stream.prompt) - position)
+        s.meters.tokens.inc()
+        return local
+
+    async def _fetch(self, rid: str, reserved: Reserved, prefill_hint: Any, timeout: float) -> dict[str, Any]:
+        s = self._s
+        event, wake = s.engine.waker()
+        submitted = time.perf_counter()
+        try:
+            attempt = await s.engine.run(self._fetch_sync, reserved, prefill_hint, wake)
+        except BaseException:
+            # Refused (e.g. a layout mismatch): no attempt watches the peer that holds hint D,
+            # so nobody can prove it never writes here. Never reuse these rows.
+            self._quarantine(reserved)
+            raise
+        try:
+            outcome = await s.engine.settle(attempt, event, timeout)
+        except RuntimeError:
+            # Never concluded: its rows stay out of use until the attempt quiesces (a late
+            # confirmation, the peer proven dead); recompute elsewhere in the pool.
+            await s.engine.run(self._quarantine, reserved, attempt)
+            raise
+        figures = s.meters.count_transfer(reserved.view, outcome, time.perf_counter() - submitted)
+        await s.engine.run(self._arrive, reserved, outcome)
+        # Decoding writes into the prompt's last block, which the lease pins until the
+        # attempt is quiesced: wait for that (the backend wakes us) before going on.
+        if not await s.engine.wait(attempt, event, 10.0, lambda a: a.quiesced()):
+            raise RuntimeError(f"request {rid!r}: the fetch attempt concluded but did not quiesce within 10s")
+        return figures
+
+    # --- engine thread -------------------------------------------------------------------------
+    def _fetch_sync(self, reserved: Reserved, prefill_hint: Any, wake: Callable[[], None]) -> Attempt:
+        backend = self._s.backend
+        assert backend is not None
+        attempt = backend.fetch(reserved.view, prefill_hint, wake)
+        reserved.lease.track(attempt)
+        return attempt
+
+    def _arrive(self, reserved: Reserved, outcome: Outcome) -> None:
+        reserved.lease.mark_arrived(outcome.masks)
+        reserved.lease.release()
+
+    def _allocate_local(self, name: str, prompt: list[int], max_new: int) -> None:
+        s = self._s
+        assert s.pool is not None
+        s.pool.allocate(name, tokens_needed(len(prompt), max_new),
+                        token_ids=prompt[:-1] if s.config.prefix_cache else None)
+
+    def _usable(self, name: str, n: int) -> int:
+        lender = self._s.lender
+        assert lender is not None
+        bounds = lender.readiness(name)
+        return min(bounds.usable_until, n) if bounds is not None else 0
+
+    def _finish(self, name: str, prompt: list[int], shareable: bool = True) -> None:
+        """Free the request; with the prefix cache on and ``shareable``, its full prompt
+        blocks stay named for later requests with that prefix."""
+        s = self._s
+        assert s.pool is not None
+        if not s.pool.has(name):
+            return
+        if shareable and s.config.prefix_cache and self._usable(name, len(prompt)) >= len(prompt):
+            s.pool.commit(name, len(prompt), token_ids=prompt)  # full prompt blocks become shareable
+        s.pool.free(name)

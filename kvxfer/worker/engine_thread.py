@@ -1,0 +1,89 @@
+"""A worker's engine thread, and the asyncio side's waiting for what it starts.
+
+Everything that touches the pool, the lender, the backend or the model runs on one engine
+thread (a single-thread executor): the pool is not thread-safe, and a backend's methods must
+come from one call sequence. The asyncio side only waits: for the engine thread's jobs, and
+for attempts, whose ``wake`` callbacks set asyncio events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from kvxfer.contract import Attempt, Outcome
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name  # the worker's, for the refusal once it is torn down
+        # CUDA's current device is per host thread, and this one builds the backend (NIXL/UCX
+        # may take the current context) and runs the model: it must be the pool's GPU.
+        on_gpu = functools.partial(torch.cuda.set_device, device) if device.type == "cuda" else None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{name}-engine", initializer=on_gpu)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the asyncio side's, once the worker starts
+        self.torn_down = False  # set on the engine thread once the lender and backend are shut down
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._job, fn, args)
+
+    def _job(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """Run one job on the engine thread, unless the worker was torn down: streams still
+        running at close queue their next decode step behind the teardown, and that step
+        would write K/V into blocks the forced lender shutdown retained (a peer may still
+        write them) or free and commit them after the lender stopped watching the pool."""
+        if self.torn_down:
+            raise RuntimeError(f"worker {self.name!r} is shut down: its pool takes no more work")
+        return fn(*args)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    # --- waiting for attempts ---------------------------------------------------------------
+    def waker(self) -> tuple[asyncio.Event, Callable[[], None]]:
+        event = asyncio.Event()
+        loop = self.loop
+        assert loop is not None
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # loop closed during shutdown: nobody waits any more
+                pass
+        return event, wake
+
+    async def wait(self, attempt: Attempt, event: asyncio.Event, timeout: float,
+                   done: Callable[[Attempt], bool]) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done(attempt):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            event.clear()
+            if done(attempt):
+                break
+            try:
+                # Wake-ups are the fast path; the short poll bounds a missed one.
+                await asyncio.wait_for(event.wait(), min(left, 0.05))
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    async def settle(self, attempt: Attempt, event: asyncio.Event, timeout: float) -> Outcome:
+        """The attempt's outcome; on timeout cancel it and wait a grace period for the end."""
+        if not await self.wait(attempt, event, timeout, lambda a: a.poll() is not None):
+            await self.run(attempt.cancel)
+            await self.wait(attempt, event, 5.0, lambda a: a.poll() is not None)
+        outcome = attempt.poll()
+        if outcome is None:
+            raise RuntimeError("attempt did not conclude within its deadline and the cancel grace period")
+        return outcome

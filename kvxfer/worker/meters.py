@@ -1,0 +1,68 @@
+"""A worker's metrics: the names and help texts below are its /metrics API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer.contract import Cancelled, Delivered, Failed, Outcome, View
+from kvxfer.serving.metrics import Registry
+
+
+def reason_label(outcome: Outcome | None, reason: str = "") -> str:
+    """A short, bounded label for metrics (the full reason goes to logs and responses)."""
+    if isinstance(outcome, Cancelled):
+        return "cancelled_by_peer" if outcome.by_peer else "cancelled"
+    text = (reason or (outcome.reason if isinstance(outcome, Failed) else "")).lower()
+    for words, label in ((("dead", "disconnect", "gone", "unreachable"), "peer_gone"),
+                         (("deadline", "timeout", "timed out"), "timeout"), (("inject",), "injected")):
+        if any(w in text for w in words):
+            return label
+    return "transfer_error"
+
+
+def outcome_bytes(view: View, outcome: Outcome) -> int:
+    return sum(int(m.sum()) * g.region.slot_bytes for g, m in zip(view.groups, outcome.masks))
+
+
+def _status(outcome: Outcome) -> str:
+    return {Delivered: "delivered", Failed: "failed", Cancelled: "cancelled"}[type(outcome)]
+
+
+class Meters:
+    """The counters, histograms and gauges of one worker, in one registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.requests = r.counter("kvxfer_worker_requests_total", "Control API calls, by endpoint and result.")
+        self.transfers = r.counter("kvxfer_transfers_total", "Transfers concluded, by status.")
+        self.transfer_bytes = r.counter("kvxfer_transfer_bytes_total", "Bytes delivered by transfers.")
+        self.transfer_rows = r.counter("kvxfer_transfer_rows_total", "Rows delivered by transfers.")
+        self.failures = r.counter("kvxfer_transfer_failures_total", "Transfers that failed, by reason.")
+        self.recomputed = r.counter("kvxfer_recomputed_tokens_total", "Prompt tokens recomputed after a transfer.")
+        self.tokens = r.counter("kvxfer_generated_tokens_total", "Tokens produced by this worker.")
+        self.latency = r.histogram("kvxfer_transfer_seconds", "Submission to outcome, per transfer.")
+        self.prefill = r.histogram("kvxfer_prefill_seconds", "Prompt forward pass time.")
+        self.step = r.histogram("kvxfer_decode_step_seconds", "One decode step.")
+        self.open_leases = r.gauge("kvxfer_open_leases", "Leases not yet released.")
+        self.quarantined_now = r.gauge("kvxfer_quarantined_slots",
+                                       "Rows set aside now because a peer may still touch them.")
+        self.quarantined = r.counter("kvxfer_quarantined_slots_total",
+                                     "Rows set aside because a peer may still touch them.")
+        self.reclaimed = r.counter("kvxfer_reclaimed_slots_total",
+                                   "Set-aside rows given back once no peer could touch them.")
+        self.blocks = r.gauge("kvxfer_pool_blocks", "Pool blocks by state.")
+        self.active = r.gauge("kvxfer_worker_active_streams", "Publish or generate streams in progress.")
+
+    def count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:
+        """Count a concluded transfer; its figures, as the /publish and /generate streams report them."""
+        status = _status(outcome)
+        self.transfers.inc(status=status)
+        nbytes = outcome_bytes(view, outcome)
+        self.transfer_bytes.inc(nbytes)
+        self.transfer_rows.inc(outcome.rows_delivered)
+        self.latency.observe(seconds)
+        reason = outcome.reason if isinstance(outcome, Failed) else ""
+        if not isinstance(outcome, Delivered):
+            self.failures.inc(reason=reason_label(outcome))
+        return {"status": status, "reason": reason, "rows": view.rows, "rows_delivered": outcome.rows_delivered,
+                "bytes": nbytes, "seconds": seconds}

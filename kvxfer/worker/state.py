@@ -1,0 +1,61 @@
+"""What a worker's prefill and decode roles share: its config and model, the engine thread
+and what only that thread touches (the pool, the lender and the backend, made when the worker
+starts), the calls in progress, the set-aside rows and the meters."""
+
+from __future__ import annotations
+
+from kvxfer.contract import Backend
+from kvxfer.engine import LlamaModel
+from kvxfer.lender import Lease, Lender
+from kvxfer.pool import PagedKVPool
+from kvxfer.worker.config import WorkerConfig
+from kvxfer.worker.engine_thread import EngineThread
+from kvxfer.worker.errors import Refused
+from kvxfer.worker.inflight import InFlight
+from kvxfer.worker.meters import Meters
+from kvxfer.worker.quarantine import Quarantine
+
+
+class WorkerState:
+    def __init__(self, config: WorkerConfig, model: LlamaModel, name: str, engine: EngineThread) -> None:
+        self.config = config
+        self.role = config.role
+        self.model = model
+        self.name = name
+        self.engine = engine
+        self.meters = Meters()
+        self.calls = InFlight(config.hold_s)
+        self.quarantine = Quarantine(self.meters)
+        self.pool: PagedKVPool | None = None
+        self.lender: Lender | None = None
+        self.backend: Backend | None = None
+        self.closed = False
+
+    def need(self, role: str) -> None:
+        """Refused unless this worker has ``role`` and is not shutting down."""
+        if self.role != role:
+            raise Refused(f"this is a {self.role} worker; that endpoint belongs to a {role} worker")
+        if self.closed:
+            raise Refused("worker is shutting down")
+
+    def publisher(self) -> dict[str, str] | None:
+        """This worker's backend as a peer ({agent, run}): a decode worker's /reserve binds
+        hint D to the prefill worker that will publish with it (the router learns it here
+        and from /prefill); None before start()."""
+        if self.backend is None:
+            return None
+        peer = self.backend.peer
+        return {"agent": peer.agent, "run": peer.run}
+
+    # --- engine thread -------------------------------------------------------------------------
+    def free(self, rid: str) -> None:
+        assert self.pool is not None
+        if self.pool.has(rid):
+            self.pool.free(rid)
+
+    def release_and_free(self, lease: Lease, rid: str) -> None:
+        lease.release()  # memory stays pinned until the tracked attempt is quiesced
+        self.free(rid)
+
+    def reclaim(self) -> None:
+        self.quarantine.reclaim(self.lender)
