@@ -21,7 +21,7 @@ and it covers a ring word that was missed (below).
   value in a slot is cleared and ignored; the socket record then ends that wait.
 - The active end opens the file only if it is a kvxfer ring in /dev/shm of its own user,
   of the exact size (a hint must never make it write into another file); it maps and
-  page-locks it once per peer (``BellOpener`` through ``ipc_mappings``), and unmaps it
+  page-locks it once per peer (``BellOpener`` through ``mappings``), and unmaps it
   once that peer is gone and no store of ours is queued.
 - The ring's maker holds an exclusive lock on the file while it lives; the next ring made
   on the machine removes the files nobody holds a lock on, left by processes that died
@@ -143,13 +143,13 @@ def parse_bell(data: bytes) -> tuple[str, int]:
 
 @functools.lru_cache(maxsize=256)  # one per peer ring: asked for at every transfer to it
 def bell_export(path: str) -> Export:
-    """The ring as an Export, so that ``ipc_mappings`` opens it once per peer and closes it
+    """The ring as an Export, so that ``mappings`` opens it once per peer and closes it
     after quiescence like a device allocation."""
     return Export(_HANDLE_TAG + path.encode(), 0, BELL_BYTES)
 
 
 class BellOpener:
-    """Maps a peer's ring and page-locks it for the device (``ipc_mappings.Opener``)."""
+    """Maps a peer's ring and page-locks it for the device (``mappings.Opener``)."""
 
     def __init__(self, native: ModuleType, device: int, directory: str = BELL_DIR) -> None:
         self._native = native

@@ -13,9 +13,9 @@ A progress thread owned by the backend posts the transfers (docs/performance.md:
 its first chunks posted by publish() itself, ``post_inline``), checks transfer state,
 reads notifications, sends heartbeats to the peers of passive waits, enforces per-attempt
 deadlines and handles cancel, injected faults and dead peers. Submissions go in chunks
-(``nixl_plan``): a failure part-way reports exactly the chunks whose requests NIXL
+(``plan``): a failure part-way reports exactly the chunks whose requests NIXL
 completed. Chunks are 16 MiB, or 256 MiB between device memory on both ends, where a
-request's fixed cost would otherwise exceed its transfer time (``nixl_plan.ChunkBytes``;
+request's fixed cost would otherwise exceed its transfer time (``plan.ChunkBytes``;
 ``chunk_bytes``).
 
 A passive wait that is cancelled or times out concludes at once but stays unquiesced until
@@ -23,20 +23,20 @@ the peer answers its CANCEL_REQUEST (or is found dead): a NIXL notification need
 receiver's metadata, so a peer that never loaded ours answers only when it later submits
 that transfer (refused as withdrawn). ``shutdown()`` returns such waits, honestly.
 
-Packed path (``nixl_packed``): a push of many small rows (``packed="auto"``: at least
+Packed path (``packed``): a push of many small rows (``packed="auto"``: at least
 ``packed_min_descriptors`` descriptors per chunk after coalescing, by default 64 for device
 memory and 2,048 for host memory, see ``MIN_DESCRIPTORS``; ``"always"``; ``"never"``)
 gathers chunks into a registered bounce arena and WRITEs each as one descriptor into the
 peer's arena, whose progress thread scatters it into the rows; arena slots are reused on
 credits the receiver returns once it scattered, and a fetch() large enough to go packed
-grants a few slots ahead, before the publisher asks (``nixl_packed.PREGRANT_SLOTS``), so
+grants a few slots ahead, before the publisher asks (``packed.PREGRANT_SLOTS``), so
 that a push published later starts without the request's round trip. The arena
 (``arena_bytes`` in slots of ``packed_chunk_bytes``; HOST for host pools, DEVICE for CUDA
 pools, the kind of the first regions registered; defaults in ``ARENA_DEFAULTS``, an
 ``arena_bytes`` given alone in the default slots or in two halves when smaller than two of
 them; ``arena_bytes=0``: none, and no packed transfer to or from this backend) is
 registered once and advertised in ``Hint.extras``. ``stats()`` and ``path_of(attempt)``
-say which path carried each submission. Pull stays unpacked (see ``nixl_packed``).
+say which path carried each submission. Pull stays unpacked (see ``packed``).
 
 UCX is progressed by this thread, which pauses ``poll_s`` between steps while transfers are
 pending (a packed push waits on notification round trips, so a smaller pause helps it where

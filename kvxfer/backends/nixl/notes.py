@@ -1,6 +1,6 @@
 """The packed path's notes between two NIXL ends (``req``, ``credit``, ``chunk``), and the
 receiver's state of one transfer landing in its arena (``Inbound``): apart from the sender's
-side in ``nixl_packed`` so that the job types (``nixl_jobs``) can name it without a cycle."""
+side in ``packed`` so that the job types (``jobs``) can name it without a cycle."""
 
 from __future__ import annotations
 
