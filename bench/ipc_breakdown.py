@@ -35,8 +35,8 @@ import numpy as np
 
 import kvxfer.backends.common.engine as engine
 import kvxfer.backends.ipc.backend as ipc
+import kvxfer.backends.ipc.channel as ipc_channel
 import kvxfer.backends.ipc.frames as ipc_frames
-import kvxfer.backends.ipc_channel as ipc_channel
 import kvxfer.testing.ipc_pairs as pair
 from kvxfer.backends.ipc.copies import CopyQueue
 from kvxfer.backends.ipc.waits import PassiveWaits

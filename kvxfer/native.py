@@ -195,12 +195,7 @@ def copy_rows(
     dst, n = _host_slots(dst_slots, n, "destination")
     if n is None:
         raise RowCopyError("n_rows is needed when neither end has a host slot array")
-    if n < 0 or row_bytes < 0 or src_stride < 0 or dst_stride < 0:
-        raise RowCopyError("n_rows, row_bytes and strides must not be negative")
-    if n and row_bytes and (row_bytes > src_stride or row_bytes > dst_stride):
-        raise RowCopyError(f"row_bytes {row_bytes} exceeds a stride (source {src_stride}, destination {dst_stride})")
-    if n and row_bytes and (src_base == 0 or dst_base == 0):
-        raise RowCopyError("a base address is null")
+    _check_geometry(n, row_bytes, src_base, src_stride, dst_base, dst_stride)
     _check_range(src, src_limit, n, src_stride, row_bytes, "source")
     _check_range(dst, dst_limit, n, dst_stride, row_bytes, "destination")
     if n == 0 or row_bytes == 0:
@@ -208,16 +203,40 @@ def copy_rows(
     if impl not in ("auto", "native", "fallback"):
         raise RowCopyError(f"impl must be auto, native or fallback, got {impl!r}")
     if memory is MemoryKind.HOST:
-        if isinstance(src, DeviceIndex) or isinstance(dst, DeviceIndex):
-            raise RowCopyError("host copies take host slot arrays, not DeviceIndex")
-        if impl != "fallback" and _NATIVE is not None:
-            _native_call(_NATIVE.host_copy_rows, src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes,
-                         threads)
-            return
-        if impl == "native":
-            raise RowCopyError(_LOAD_REASON)
-        _numpy_copy(src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes)
+        _copy_host(src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes, threads, impl)
+    else:
+        _copy_device(src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes, stream, device, impl)
+
+
+def _check_geometry(n: int, row_bytes: int, src_base: int, src_stride: int, dst_base: int, dst_stride: int) -> None:
+    """No negative size; where anything moves, a row fits each end's stride and no base is null."""
+    if n < 0 or row_bytes < 0 or src_stride < 0 or dst_stride < 0:
+        raise RowCopyError("n_rows, row_bytes and strides must not be negative")
+    if n == 0 or row_bytes == 0:
         return
+    if row_bytes > src_stride or row_bytes > dst_stride:
+        raise RowCopyError(f"row_bytes {row_bytes} exceeds a stride (source {src_stride}, destination {dst_stride})")
+    if src_base == 0 or dst_base == 0:
+        raise RowCopyError("a base address is null")
+
+
+def _copy_host(src_base: int, src_stride: int, src: Any, dst_base: int, dst_stride: int, dst: Any,
+               n: int, row_bytes: int, threads: int, impl: Impl) -> None:
+    """Checked rows between host addresses: multi-threaded memcpy, else numpy."""
+    if isinstance(src, DeviceIndex) or isinstance(dst, DeviceIndex):
+        raise RowCopyError("host copies take host slot arrays, not DeviceIndex")
+    if impl != "fallback" and _NATIVE is not None:
+        _native_call(_NATIVE.host_copy_rows, src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes,
+                     threads)
+        return
+    if impl == "native":
+        raise RowCopyError(_LOAD_REASON)
+    _numpy_copy(src_base, src_stride, src, dst_base, dst_stride, dst, n, row_bytes)
+
+
+def _copy_device(src_base: int, src_stride: int, src: Any, dst_base: int, dst_stride: int, dst: Any,
+                 n: int, row_bytes: int, stream: int, device: int, impl: Impl) -> None:
+    """Checked rows between device addresses: one CUDA kernel queued on ``stream``, else torch."""
     if impl != "fallback" and info().cuda_usable and _NATIVE is not None:
         if isinstance(src, DeviceIndex) or isinstance(dst, DeviceIndex):
             _native_call(_NATIVE.cuda_copy_rows_device, src_base, src_stride, _device_ptr(src), dst_base, dst_stride,

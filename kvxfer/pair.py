@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxfer.engine import colocated_generate, synthetic_prompts
+from kvxfer.engine import LlamaModel, colocated_generate, synthetic_prompts
 from kvxfer.router.router import KEY_PATTERN
 from kvxfer.router.serve import KEEPALIVE_S
 from kvxfer.serving.http import HttpError, request_text, stream_json
-from kvxfer.worker.lanes import PullOnTcp, PullOverTcp, choose_mode, probe_lanes
-from kvxfer.worker.procs import ProcessFailed, ProcessGroup
+from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
+from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
     ARENA_HELP,
     add_model_args,
@@ -151,42 +152,59 @@ def failure_kind(error: str) -> str:
 
 
 def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> dict[str, Any]:
-    ok = [r for r in results if r.matched]
-    transfers = [r.transfer for r in results if r.transfer]
-    t_seconds = [float(t["seconds"]) for t in transfers]
-    t_bytes = sum(int(t["bytes"]) for t in transfers)
-    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
-    failures: dict[str, int] = {}
-    for r in results:
-        if r.error is not None:
-            failures[failure_kind(r.error)] = failures.get(failure_kind(r.error), 0) + 1
-        elif not r.matched:
-            failures["tokens differ from colocated generation"] = failures.get(
-                "tokens differ from colocated generation", 0) + 1
-    paths: dict[str, int] = {}
-    for r in results:
-        paths[r.path] = paths.get(r.path, 0) + 1
     tokens = sum(len(r.tokens) for r in results)
     return {
         "config": config,
-        "requests": len(results), "completed": sum(1 for r in results if r.error is None),
-        "matched": len(ok), "mismatched": sum(1 for r in results if r.error is None and not r.matched),
-        "failed": sum(1 for r in results if r.error is not None),
+        **_outcomes(results),
         "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
-        "ttft_s": {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
-        "transfer_s": {"p50": percentile(t_seconds, 50), "p99": percentile(t_seconds, 99)},
+        "ttft_s": _quantiles([r.ttft_s for r in results if r.ttft_s is not None]),
+        **_transfer_summary([r.transfer for r in results if r.transfer]),
+        "paths": _tally(r.path for r in results),
+        "failures": _tally(_failure(r) for r in results if not r.matched),
+        "results": [asdict(r) | {"matched": r.matched} for r in results],
+    }
+
+
+def _outcomes(results: list[Result]) -> dict[str, int]:
+    return {
+        "requests": len(results), "completed": sum(1 for r in results if r.error is None),
+        "matched": sum(1 for r in results if r.matched),
+        "mismatched": sum(1 for r in results if r.error is None and not r.matched),
+        "failed": sum(1 for r in results if r.error is not None),
+    }
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+
+
+def _transfer_summary(transfers: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds = [float(t["seconds"]) for t in transfers]
+    moved = sum(int(t["bytes"]) for t in transfers)
+    return {
+        "transfer_s": _quantiles(seconds),
         "transfers": len(transfers),
-        "transfer_bytes": t_bytes,
-        "transfer_gb_per_s": (t_bytes / sum(t_seconds) / 1e9) if t_seconds and sum(t_seconds) > 0 else None,
+        "transfer_bytes": moved,
+        "transfer_gb_per_s": (moved / sum(seconds) / 1e9) if seconds and sum(seconds) > 0 else None,
         "rows": sum(int(t["rows_delivered"]) for t in transfers),
         "rows_requested": sum(int(t["rows"]) for t in transfers),
         # Rows a delivered transfer did not move: the decode worker had those prompt blocks cached.
         "rows_cached_at_decode": sum(int(t["rows"]) - int(t["rows_delivered"]) for t in transfers
                                      if t["status"] == "delivered"),
-        "paths": paths,
-        "failures": failures,
-        "results": [asdict(r) | {"matched": r.matched} for r in results],
     }
+
+
+def _failure(result: Result) -> str:
+    """The report's line for a request that did not match."""
+    return "tokens differ from colocated generation" if result.error is None else failure_kind(result.error)
+
+
+def _tally(keys: Iterable[str]) -> dict[str, int]:
+    """How often each key occurs, in order of first occurrence."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _ms(value: float | None) -> str:
@@ -353,6 +371,136 @@ def _index(device: str) -> int:
     return d.index if d.type == "cuda" and d.index is not None else -1
 
 
+class _CannotRun(Exception):
+    """The pair cannot run as asked (exit 2); the text says why."""
+
+
+def _route_mode(args: argparse.Namespace, prefill_device: str, decode_device: str) -> Lanes | None:
+    """nixl pull: probe the lanes and set ``args.mode`` to the mode ``--pull-on-tcp`` picks;
+    the lanes seen, or None where no probe is needed."""
+    if args.backend != "nixl" or args.mode != "pull":
+        return None
+    # The workers' memory kind (role_devices keeps it one kind), and their GPUs: UCX's lane
+    # between two GPUs is not the one within one (on an H200 pair: cuda_ipc against TCP).
+    memory = "device" if torch.device(prefill_device).type == "cuda" else "host"
+    try:
+        lanes = probe_lanes(memory, args.startup_timeout, (_index(decode_device), _index(prefill_device)))
+        args.mode, warning = choose_mode(args.mode, lanes, PullOnTcp(args.pull_on_tcp))
+    except PullOverTcp as exc:
+        raise _CannotRun(str(exc)) from exc
+    except (RuntimeError, OSError, EOFError, subprocess.TimeoutExpired) as exc:
+        why = (f"a probe process did not exit within {exc.timeout:g} s"
+               if isinstance(exc, subprocess.TimeoutExpired) else str(exc))
+        why = "; ".join([why, *getattr(exc, "__notes__", [])])  # where the probes' logs are
+        raise _CannotRun(f"could not probe the NIXL lanes ({why}); refusing to run pull unchecked") from exc
+    if warning:
+        print(f"kvxfer pair: {warning}", file=sys.stderr, flush=True)
+    return lanes
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where the pair runs: the workers' devices and the lanes a nixl pull was probed on."""
+
+    prefill_device: str
+    decode_device: str
+    requested_mode: str
+    lanes: Lanes | None
+
+
+def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement, longest: int,
+                log_dir: Path) -> dict[str, Any]:
+    """The report's ``config``: what was asked for and what ran."""
+    lanes = placed.lanes
+    return {"backend": args.backend, "busy_poll": args.busy_poll, "nixl_arena_mib": args.nixl_arena_mib,
+            "mode": args.mode, "mode_requested": placed.requested_mode,
+            "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
+                                                 "pull": list(lanes.pull)},
+            "lender": args.lender, "requests": args.requests,
+            "prompt_lengths": [args.min_len, longest], "max_len_requested": args.max_len,
+            "max_new_tokens": args.max_new_tokens,
+            "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
+            "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
+            "model": f"{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
+                     f"{model.config.kv_heads}kv/{model.config.dtype} on {model.device}",
+            "device": str(model.device), "prefill_device": placed.prefill_device,
+            "decode_device": placed.decode_device,
+            "model_config": model.config.to_json(),
+            "log_dir": str(log_dir)}
+
+
+def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Placement) -> list[Child]:
+    common = worker_args(args)
+    role_args = {role: [*common, *model_args_list(args, device)]
+                 for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
+    workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
+                                           *role_args["prefill"]]) for i in range(args.prefill_workers)]
+    workers += [group.start(f"decode{i}", ["serve", "--role", "decode", "--name", f"decode{i}",
+                                          *role_args["decode"]]) for i in range(args.decode_workers)]
+    return workers
+
+
+def _start_router(group: ProcessGroup, args: argparse.Namespace, workers: list[Child]) -> Child:
+    router_argv = ["router", "--selection", args.selection, "--on-failure", args.on_failure,
+                   "--timeout", str(args.timeout)]
+    for w in workers:
+        router_argv += [f"--{w.info['role']}", w.url]
+    router = group.start("router", router_argv)
+    group.wait_ready([router], args.startup_timeout)
+    return router
+
+
+def _processes(group: ProcessGroup) -> list[dict[str, Any]]:
+    # A worker's device is the one it announced: where its pool really is.
+    return [{"name": ch.name, "pid": ch.pid, "port": ch.port}
+            | ({"device": ch.info["device"]} if "device" in ch.info else {})
+            for ch in group.children]
+
+
+def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args: argparse.Namespace) -> None:
+    warm = asyncio.run(run_workload(url, prompts[: args.warmup], expected[: args.warmup],
+                                    args.max_new_tokens, 1, args.timeout, Progress(0, enabled=False)))
+    bad = [r for r in warm if not r.matched]
+    if bad:
+        print(f"kvxfer pair: warm-up request failed: {bad[0].error or 'tokens differ'}", file=sys.stderr)
+
+
+def _save_metrics(group: ProcessGroup, log_dir: Path) -> None:
+    """Keep each process's metrics beside its log (the e2e test reads them)."""
+    for child in group.children:
+        try:
+            text = asyncio.run(request_text(child.url, "/metrics", 10.0))
+            (log_dir / f"{child.name}.metrics").write_text(text)
+        except HttpError as exc:
+            print(f"kvxfer pair: no metrics from {child.name}: {exc}", file=sys.stderr)
+
+
+def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, prompts: list[list[int]],
+              placed: _Placement, config: dict[str, Any], log_dir: Path) -> tuple[list[Result], float]:
+    """Start the workers and the router, send the workload through them; the results and
+    the workload's wall time. Adds the processes to ``config``."""
+    with group:
+        workers = _start_workers(group, args, placed)
+        # The oracle runs while the workers start (they import torch and NIXL).
+        expected = [colocated_generate(model, prompt, args.max_new_tokens) for prompt in prompts]
+        group.wait_ready(workers, args.startup_timeout)
+        router = _start_router(group, args, workers)
+        config["processes"] = _processes(group)
+        (log_dir / "processes.json").write_text(json.dumps(config["processes"]) + "\n")
+        if not args.quiet:
+            print(f"kvxfer pair: {len(workers)} workers and a router up (logs in {log_dir}); "
+                  f"{args.requests} requests, concurrency {args.concurrency}", file=sys.stderr, flush=True)
+        if args.warmup:
+            _warm_up(router.url, prompts, expected, args)
+        progress = Progress(len(prompts), enabled=not args.quiet)
+        start = time.perf_counter()
+        results = asyncio.run(run_workload(router.url, prompts, expected, args.max_new_tokens,
+                                           args.concurrency, args.timeout, progress))
+        wall = time.perf_counter() - start
+        _save_metrics(group, log_dir)
+    return results, wall
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -365,86 +513,18 @@ def main(argv: list[str] | None = None) -> int:
     if capped:
         print(f"kvxfer pair: {capped}", file=sys.stderr, flush=True)
     prompts = synthetic_prompts(args.requests, args.min_len, longest, model.config.vocab_size, args.prompt_seed)
-    requested_mode, lanes = args.mode, None
-    if args.backend == "nixl" and args.mode == "pull":
-        # The workers' memory kind (role_devices keeps it one kind), and their GPUs: UCX's lane
-        # between two GPUs is not the one within one (on an H200 pair: cuda_ipc against TCP).
-        memory = "device" if torch.device(prefill_device).type == "cuda" else "host"
-        try:
-            lanes = probe_lanes(memory, args.startup_timeout, (_index(decode_device), _index(prefill_device)))
-            args.mode, warning = choose_mode(args.mode, lanes, PullOnTcp(args.pull_on_tcp))
-        except PullOverTcp as exc:
-            print(f"kvxfer pair: {exc}", file=sys.stderr)
-            return 2
-        except (RuntimeError, OSError, EOFError, subprocess.TimeoutExpired) as exc:
-            why = (f"a probe process did not exit within {exc.timeout:g} s"
-                   if isinstance(exc, subprocess.TimeoutExpired) else str(exc))
-            why = "; ".join([why, *getattr(exc, "__notes__", [])])  # where the probes' logs are
-            print(f"kvxfer pair: could not probe the NIXL lanes ({why}); refusing to run pull unchecked",
-                  file=sys.stderr)
-            return 2
-        if warning:
-            print(f"kvxfer pair: {warning}", file=sys.stderr, flush=True)
+    requested_mode = args.mode
+    try:
+        lanes = _route_mode(args, prefill_device, decode_device)
+    except _CannotRun as exc:
+        print(f"kvxfer pair: {exc}", file=sys.stderr)
+        return 2
+    placed = _Placement(prefill_device, decode_device, requested_mode, lanes)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
-    common = worker_args(args)
-    role_args = {role: [*common, *model_args_list(args, device)]
-                 for role, device in (("prefill", prefill_device), ("decode", decode_device))}
-    config = {"backend": args.backend, "busy_poll": args.busy_poll, "nixl_arena_mib": args.nixl_arena_mib,
-              "mode": args.mode, "mode_requested": requested_mode,
-              "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
-                                                   "pull": list(lanes.pull)},
-              "lender": args.lender, "requests": args.requests,
-              "prompt_lengths": [args.min_len, longest], "max_len_requested": args.max_len,
-              "max_new_tokens": args.max_new_tokens,
-              "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
-              "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
-              "model": f"{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
-                       f"{model.config.kv_heads}kv/{model.config.dtype} on {model.device}",
-              "device": str(model.device), "prefill_device": prefill_device, "decode_device": decode_device,
-              "model_config": model.config.to_json(),
-              "log_dir": str(log_dir)}
+    config = _run_config(args, model, placed, longest, log_dir)
     group = ProcessGroup(log_dir)
     try:
-        with group:
-            workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
-                                                   *role_args["prefill"]]) for i in range(args.prefill_workers)]
-            workers += [group.start(f"decode{i}", ["serve", "--role", "decode", "--name", f"decode{i}",
-                                                  *role_args["decode"]]) for i in range(args.decode_workers)]
-            # The oracle runs while the workers start (they import torch and NIXL).
-            expected = [colocated_generate(model, prompt, args.max_new_tokens) for prompt in prompts]
-            group.wait_ready(workers, args.startup_timeout)
-            router_argv = ["router", "--selection", args.selection, "--on-failure", args.on_failure,
-                           "--timeout", str(args.timeout)]
-            for w in workers:
-                router_argv += [f"--{w.info['role']}", w.url]
-            router = group.start("router", router_argv)
-            group.wait_ready([router], args.startup_timeout)
-            # A worker's device is the one it announced: where its pool really is.
-            config["processes"] = [{"name": ch.name, "pid": ch.pid, "port": ch.port}
-                                   | ({"device": ch.info["device"]} if "device" in ch.info else {})
-                                   for ch in group.children]
-            (log_dir / "processes.json").write_text(json.dumps(config["processes"]) + "\n")
-            if not args.quiet:
-                print(f"kvxfer pair: {len(workers)} workers and a router up (logs in {log_dir}); "
-                      f"{args.requests} requests, concurrency {args.concurrency}", file=sys.stderr, flush=True)
-            if args.warmup:
-                warm = asyncio.run(run_workload(router.url, prompts[: args.warmup], expected[: args.warmup],
-                                                args.max_new_tokens, 1, args.timeout, Progress(0, enabled=False)))
-                bad = [r for r in warm if not r.matched]
-                if bad:
-                    print(f"kvxfer pair: warm-up request failed: {bad[0].error or 'tokens differ'}", file=sys.stderr)
-            progress = Progress(len(prompts), enabled=not args.quiet)
-            start = time.perf_counter()
-            results = asyncio.run(run_workload(router.url, prompts, expected, args.max_new_tokens,
-                                               args.concurrency, args.timeout, progress))
-            wall = time.perf_counter() - start
-            # Keep each process's metrics beside its log (the e2e test reads them).
-            for child in group.children:
-                try:
-                    text = asyncio.run(request_text(child.url, "/metrics", 10.0))
-                    (log_dir / f"{child.name}.metrics").write_text(text)
-                except HttpError as exc:
-                    print(f"kvxfer pair: no metrics from {child.name}: {exc}", file=sys.stderr)
+        results, wall = _run_pair(group, args, model, prompts, placed, config, log_dir)
     except KeyboardInterrupt:
         print("\nkvxfer pair: interrupted; every process it started is stopped", file=sys.stderr)
         return 130

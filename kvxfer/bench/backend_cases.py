@@ -42,7 +42,7 @@ from kvxfer.contract import (
 )
 
 if TYPE_CHECKING:
-    from kvxfer.backends.nixl_plan import ChunkBytes
+    from kvxfer.backends.nixl.plan import ChunkBytes
 
 _WAIT_S = 60.0
 BLOCK_TOKENS = 16
@@ -74,7 +74,7 @@ def loopback_ends(mode: TransferMode, memory: str) -> Ends:
 def nixl_facts(chunks: ChunkBytes) -> dict[str, Any]:
     """A figure's facts about NixlBackend's sizes: its chunk sizes, and the packed arena's
     default (bytes, slot bytes) by memory kind, so that a result says which it measured."""
-    from kvxfer.backends.nixl import ARENA_DEFAULTS
+    from kvxfer.backends.nixl.backend import ARENA_DEFAULTS
 
     arena = {f"arena_{kind.value}": list(ARENA_DEFAULTS[kind]) for kind in ARENA_DEFAULTS}
     return {"chunk_bytes_host": chunks.host, "chunk_bytes_device": chunks.device, **arena}

@@ -11,8 +11,9 @@ import dataclasses
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from kvxfer.bench import plots, report, results, runner
 from kvxfer.bench.cases import Requirement, devices_missing, requirement_missing, unmet
@@ -34,7 +35,10 @@ from kvxfer.bench.config import (
 )
 from kvxfer.bench.progress import Progress
 from kvxfer.bench.registry import registry
-from kvxfer.bench.targets import evaluate
+from kvxfer.bench.targets import TargetRow, evaluate
+
+T = TypeVar("T")
+D = TypeVar("D")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,49 +91,70 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """The preset, with whatever the flags override; every value is validated here."""
-    cfg = preset(args.preset)
-    if args.cases:
-        cfg = cfg.with_cases(parse_list(args.cases, "--cases"))
-    memory = tuple(parse_list(args.memory, "--memory")) if args.memory else None
-    custom = [args.row_sizes, args.rows, args.request_bytes, args.groups, args.directions, args.memory, args.slots]
-    if any(v is not None for v in custom):
-        base = cfg.throughput[0] if cfg.throughput else ThroughputSweep(row_bytes=(64 << 10,))
-        cfg = dataclasses.replace(cfg, throughput=(ThroughputSweep(
-            row_bytes=parse_sizes(args.row_sizes, "--row-sizes") if args.row_sizes else base.row_bytes,
-            rows=parse_ints(args.rows, "--rows") if args.rows else None,
-            request_bytes=parse_size(args.request_bytes, "--request-bytes") if args.request_bytes
-            else base.request_bytes,
-            groups=parse_ints(args.groups, "--groups") if args.groups else base.groups,
-            directions=tuple(parse_list(args.directions, "--directions")) if args.directions else base.directions,
-            memory=memory or base.memory,
-            slots=tuple(parse_list(args.slots, "--slots")) if args.slots else base.slots,
-        ),))
-    if args.no_throughput:
-        cfg = dataclasses.replace(cfg, throughput=())
+_THROUGHPUT_FLAGS = ("row_sizes", "rows", "request_bytes", "groups", "directions", "memory", "slots")
+
+
+def _parsed(raw: str | None, parse: Callable[[str, str], T], flag: str, default: D) -> T | D:
+    """``parse(raw, flag)`` where the flag was given (and not empty), else ``default``."""
+    return parse(raw, flag) if raw else default
+
+
+def _parse_tuple(text: str, flag: str) -> tuple[str, ...]:
+    return tuple(parse_list(text, flag))
+
+
+def _with_throughput(cfg: BenchConfig, args: argparse.Namespace, memory: tuple[str, ...] | None) -> BenchConfig:
+    """Any custom-sweep flag replaces the preset's throughput sweeps by one built on its first."""
+    if all(getattr(args, flag) is None for flag in _THROUGHPUT_FLAGS):
+        return cfg
+    base = cfg.throughput[0] if cfg.throughput else ThroughputSweep(row_bytes=(64 << 10,))
+    return dataclasses.replace(cfg, throughput=(ThroughputSweep(
+        row_bytes=_parsed(args.row_sizes, parse_sizes, "--row-sizes", base.row_bytes),
+        rows=_parsed(args.rows, parse_ints, "--rows", None),
+        request_bytes=_parsed(args.request_bytes, parse_size, "--request-bytes", base.request_bytes),
+        groups=_parsed(args.groups, parse_ints, "--groups", base.groups),
+        directions=_parsed(args.directions, _parse_tuple, "--directions", base.directions),
+        memory=memory or base.memory,
+        slots=_parsed(args.slots, _parse_tuple, "--slots", base.slots),
+    ),))
+
+
+def _with_latency(cfg: BenchConfig, args: argparse.Namespace, memory: tuple[str, ...] | None) -> BenchConfig:
     if args.no_latency:
         cfg = dataclasses.replace(cfg, latency=None)
     elif args.latency_rows or args.latency_samples or args.latency_settle_us is not None:
         lat = cfg.latency or LatencySweep()
         cfg = dataclasses.replace(cfg, latency=dataclasses.replace(
-            lat, rows=parse_ints(args.latency_rows, "--latency-rows") if args.latency_rows else lat.rows,
+            lat, rows=_parsed(args.latency_rows, parse_ints, "--latency-rows", lat.rows),
             samples=args.latency_samples or lat.samples,
             settle_us=lat.settle_us if args.latency_settle_us is None else args.latency_settle_us))
     if memory and cfg.latency is not None:
         # Asked for device memory only, a user does not want the latency sweep's host points
         # (they used to run, or be reported skipped, beside the device ones).
         cfg = dataclasses.replace(cfg, latency=dataclasses.replace(cfg.latency, memory=memory))
+    return cfg
+
+
+def _with_overhead(cfg: BenchConfig, args: argparse.Namespace) -> BenchConfig:
     if args.no_overhead:
-        cfg = dataclasses.replace(cfg, overhead=None)
-    elif args.overhead_rows:
-        cfg = dataclasses.replace(cfg, overhead=dataclasses.replace(
+        return dataclasses.replace(cfg, overhead=None)
+    if args.overhead_rows:
+        return dataclasses.replace(cfg, overhead=dataclasses.replace(
             cfg.overhead or OverheadSweep(), rows=parse_ints(args.overhead_rows, "--overhead-rows")))
-    if args.warmup is not None or args.reps is not None or args.budget is not None:
-        r = cfg.repetition
-        cfg = dataclasses.replace(cfg, repetition=Repetition(
-            warmup=r.warmup if args.warmup is None else args.warmup, reps=r.reps if args.reps is None else args.reps,
-            budget_s=r.budget_s if args.budget is None else args.budget))
+    return cfg
+
+
+def _with_repetition(cfg: BenchConfig, args: argparse.Namespace) -> BenchConfig:
+    if args.warmup is None and args.reps is None and args.budget is None:
+        return cfg
+    r = cfg.repetition
+    return dataclasses.replace(cfg, repetition=Repetition(
+        warmup=r.warmup if args.warmup is None else args.warmup, reps=r.reps if args.reps is None else args.reps,
+        budget_s=r.budget_s if args.budget is None else args.budget))
+
+
+def _with_placement(cfg: BenchConfig, args: argparse.Namespace) -> BenchConfig:
+    """Devices, layers and the descriptor cap: each replaces the preset's where given."""
     if args.devices is not None:
         cfg = dataclasses.replace(cfg, devices=parse_devices(args.devices))
     if args.layers is not None:
@@ -137,6 +162,21 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.max_descriptors is not None:
         cfg = dataclasses.replace(cfg, max_descriptors=args.max_descriptors)
     return cfg
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The preset, with whatever the flags override; every value is validated here."""
+    cfg = preset(args.preset)
+    if args.cases:
+        cfg = cfg.with_cases(parse_list(args.cases, "--cases"))
+    memory = _parsed(args.memory, _parse_tuple, "--memory", None)
+    cfg = _with_throughput(cfg, args, memory)
+    if args.no_throughput:
+        cfg = dataclasses.replace(cfg, throughput=())
+    cfg = _with_latency(cfg, args, memory)
+    cfg = _with_overhead(cfg, args)
+    cfg = _with_repetition(cfg, args)
+    return _with_placement(cfg, args)
 
 
 def _list_cases() -> int:
@@ -157,6 +197,53 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _planned(args: argparse.Namespace) -> tuple[BenchConfig, int]:
+    """The configuration and how many figures it plans; raises ConfigError on a usage error."""
+    cfg = config_from_args(args)
+    items = runner.plan(cfg)
+    placed = devices_missing(cfg)
+    if placed and requirement_missing(Requirement.CUDA) is None and any(i.point.memory == "device" for i in items):
+        raise ConfigError(placed)  # a GPU is here, but not the ones asked for: a usage error
+    return cfg, len(items)
+
+
+def _measure(cfg: BenchConfig, args: argparse.Namespace, figures: int) -> results.BenchResult:
+    progress = Progress(figures, enabled=not args.no_progress)
+    # SIGTERM (a `timeout`, a job scheduler) ends the run like Ctrl-C: outputs are still written.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return runner.run(cfg, progress, log=lambda line: print(f"kvxfer bench: {line}", file=sys.stderr),
+                          time_limit_s=args.time_limit)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _write_outputs(args: argparse.Namespace, cfg: BenchConfig, result: results.BenchResult,
+                   targets: list[TargetRow]) -> None:
+    """JSON, markdown and plots where the flags ask for them (``--out``: all three, named after the machine)."""
+    stem = f"{cfg.name}-{socket.gethostname()}-{result.created[:10]}"
+    json_path = args.json or (args.out / f"{stem}.json" if args.out else None)
+    md_path = args.markdown or (args.out / f"{stem}.md" if args.out else None)
+    plot_dir = args.plots or args.out
+    if json_path:
+        results.write(result, json_path, [t.to_json() for t in targets])
+        print(f"wrote {json_path}", file=sys.stderr)
+    if md_path:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(report.render_markdown(result, targets, json_path.name if json_path else None))
+        print(f"wrote {md_path}", file=sys.stderr)
+    if plot_dir:
+        _write_plots(result, plot_dir, stem)
+
+
+def _write_plots(result: results.BenchResult, plot_dir: Path, stem: str) -> None:
+    if not plots.available():
+        print(f"kvxfer bench: {plots.MISSING}", file=sys.stderr)
+        return
+    for path in plots.plot(result, plot_dir, stem):
+        print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -164,43 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _compare(args)
         if args.list_cases:
             return _list_cases()
-        cfg = config_from_args(args)
-        items = runner.plan(cfg)
-        placed = devices_missing(cfg)
-        if placed and requirement_missing(Requirement.CUDA) is None and any(i.point.memory == "device" for i in items):
-            raise ConfigError(placed)  # a GPU is here, but not the ones asked for: a usage error
+        cfg, figures = _planned(args)
     except (ConfigError, results.ResultError, ValueError) as err:
         print(f"kvxfer bench: {err}", file=sys.stderr)
         return 2
-    progress = Progress(len(items), enabled=not args.no_progress)
-    # SIGTERM (a `timeout`, a job scheduler) ends the run like Ctrl-C: outputs are still written.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        result = runner.run(cfg, progress, log=lambda line: print(f"kvxfer bench: {line}", file=sys.stderr),
-                            time_limit_s=args.time_limit)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    result = _measure(cfg, args, figures)
     targets = evaluate(result)
-    target_json = [t.to_json() for t in targets]
     print(report.render_text(result, targets), end="")
-
-    stem = f"{cfg.name}-{socket.gethostname()}-{result.created[:10]}"
-    json_path = args.json or (args.out / f"{stem}.json" if args.out else None)
-    md_path = args.markdown or (args.out / f"{stem}.md" if args.out else None)
-    plot_dir = args.plots or args.out
-    if json_path:
-        results.write(result, json_path, target_json)
-        print(f"wrote {json_path}", file=sys.stderr)
-    if md_path:
-        md_path.parent.mkdir(parents=True, exist_ok=True)
-        md_path.write_text(report.render_markdown(result, targets, json_path.name if json_path else None))
-        print(f"wrote {md_path}", file=sys.stderr)
-    if plot_dir:
-        if plots.available():
-            for path in plots.plot(result, plot_dir, stem):
-                print(f"wrote {path}", file=sys.stderr)
-        else:
-            print(f"kvxfer bench: {plots.MISSING}", file=sys.stderr)
+    _write_outputs(args, cfg, result, targets)
     return 1 if any(f.status == "error" for f in result.figures) else 0
 
 

@@ -40,6 +40,17 @@ def _value(result: BenchResult, f: Figure, metric: str, relative: bool) -> float
 def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relative: bool = False) -> list[Change]:
     """``relative``: compare throughput as a fraction of each run's own local copy, which
     cancels a machine that is busier or slower as a whole (shared CI hosts)."""
+    _check_comparable(old, new, threshold)
+    out: list[Change] = []
+    new_by_id = {f.id: f for f in new.figures}
+    for f in old.figures:
+        if f.ok:
+            out.extend(_figure_changes(_Pair(old, new, f, new_by_id.get(f.id)), threshold, relative))
+    out.extend(_new_figures(old, new))
+    return out
+
+
+def _check_comparable(old: BenchResult, new: BenchResult, threshold: float) -> None:
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
     placed = [tuple(r.config.get("devices") or (0, 0)) for r in (old, new)]
@@ -47,36 +58,52 @@ def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relativ
         # Same figure names, other physics: a same-GPU local_copy is D2D, a cross-GPU one the peer copy.
         raise ValueError(f"the runs placed their ends on different GPUs (devices {placed[0]} and {placed[1]}): "
                          "their figures do not compare")
-    out: list[Change] = []
-    new_by_id = {f.id: f for f in new.figures}
-    old_ids = set()
-    for f in old.figures:
-        old_ids.add(f.id)
-        if not f.ok:
-            continue
-        g = new_by_id.get(f.id)
-        for metric, higher in METRICS[f.mode]:
-            if relative and metric == "gbps_best" and f.case == "local_copy":
-                continue  # the reference itself: the ratios below divide by it, on both sides
-            before = _value(old, f, metric, relative)
-            name = "vs copy" if relative and metric == "gbps_best" else metric
-            if before is None:
-                # Not comparable as asked (no reference in the old run): said, never skipped
-                # silently, so "no regression" cannot come from comparing nothing.
-                out.append(Change(f.id, f"{name} (no reference in the old run)", None, None, None, "incomparable"))
-                continue
-            if g is None or not g.ok:
-                why = "missing" if g is None else f"{g.status}: {g.reason}"
-                out.append(Change(f.id, f"{name} ({why})", before, None, None, "lost"))
-                continue
-            after = _value(new, g, metric, relative)
-            if after is None:
-                out.append(Change(f.id, f"{name} (no reference in the new run)", before, None, None, "lost"))
-                continue
-            rel = _relative(before, after, higher)
-            verdict = "regression" if rel < -threshold else "improvement" if rel > threshold else "same"
-            out.append(Change(f.id, name, before, after, rel, verdict))
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One figure of the old run (measured) and the same figure in the new run, if any."""
+
+    old: BenchResult
+    new: BenchResult
+    before: Figure
+    after: Figure | None
+
+
+def _figure_changes(pair: _Pair, threshold: float, relative: bool) -> list[Change]:
+    f = pair.before
+    out = []
+    for metric, higher in METRICS[f.mode]:
+        if relative and metric == "gbps_best" and f.case == "local_copy":
+            continue  # the reference itself: the ratios below divide by it, on both sides
+        out.append(_metric_change(pair, metric, higher, threshold, relative))
+    return out
+
+
+def _metric_change(pair: _Pair, metric: str, higher: bool, threshold: float, relative: bool) -> Change:
+    f, g = pair.before, pair.after
+    before = _value(pair.old, f, metric, relative)
+    name = "vs copy" if relative and metric == "gbps_best" else metric
+    if before is None:
+        # Not comparable as asked (no reference in the old run): said, never skipped
+        # silently, so "no regression" cannot come from comparing nothing.
+        return Change(f.id, f"{name} (no reference in the old run)", None, None, None, "incomparable")
+    if g is None or not g.ok:
+        why = "missing" if g is None else f"{g.status}: {g.reason}"
+        return Change(f.id, f"{name} ({why})", before, None, None, "lost")
+    after = _value(pair.new, g, metric, relative)
+    if after is None:
+        return Change(f.id, f"{name} (no reference in the new run)", before, None, None, "lost")
+    rel = _relative(before, after, higher)
+    verdict = "regression" if rel < -threshold else "improvement" if rel > threshold else "same"
+    return Change(f.id, name, before, after, rel, verdict)
+
+
+def _new_figures(old: BenchResult, new: BenchResult) -> list[Change]:
+    """Figures measured now that the old run lacked or did not measure."""
+    old_ids = {f.id for f in old.figures}
     old_ok = {f.id for f in old.figures if f.ok}
+    out = []
     for g in new.figures:
         if g.ok and g.id not in old_ids:
             out.append(Change(g.id, "-", None, None, None, "new"))

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvxfer.bench import results
 from kvxfer.bench.cases import (
@@ -87,83 +86,134 @@ def run(config: BenchConfig, progress: Progress | None = None,
     (the CLI turns SIGTERM into one), the figures not yet run are reported as skipped with
     that reason and the result is returned: a run cut short still writes what it measured."""
     started = time.monotonic()
-    stop_reason: str | None = None
     load_before = _loadavg()
     items = plan(config, specs)
     progress = progress or Progress(len(items), enabled=False)
     progress.total = max(len(items), 1)
-    figures: list[Figure] = []
-    runners: dict[str, CaseRunner | str] = {}   # a str is why the case could not be built
-    remaining = {name: sum(1 for i in items if i.spec.name == name) for name in config.cases}
+    cases = _Cases(config, items)
+    first = _FirstPass(config, cases, progress, log, _Deadline(started, time_limit_s))
     try:
         for item in items:
-            spec = item.spec
-            key = dict(spec.key(item.point))
-            if stop_reason is None and time_limit_s is not None and time.monotonic() - started > time_limit_s:
-                stop_reason = f"not run: the run's time limit of {time_limit_s:g}s was reached"
-            if stop_reason is not None:
-                figures.append(Figure(item.mode, spec.name, spec.role.value, key, "skipped", stop_reason))
-                progress.advance()
-                continue
-            progress.step(_label(item))
-
-            def figure(status: str, reason: str = "", m: Measurement | None = None, _s: CaseSpec = spec,
-                       _item: _Item = item, _key: dict[str, Any] = key) -> Figure:
-                return Figure(_item.mode, _s.name, _s.role.value, _key, status, reason,
-                              dict(m.metrics) if m else {}, dict(m.facts) if m else {})
-
-            why = unmet(spec)
-            if why is None and item.point.memory == "device":
-                placed = devices_missing(config)
-                why = f"device memory: {placed}" if placed else None
-            if why is not None:
-                figures.append(figure("skipped", why))
-            else:
-                runner = runners.get(spec.name)
-                if runner is None:
-                    try:
-                        runner = spec.factory(config)
-                    except Skip as err:
-                        runner = str(err)
-                    except Exception as err:
-                        runner = f"could not start: {type(err).__name__}: {err}"
-                    runners[spec.name] = runner
-                if isinstance(runner, str):
-                    figures.append(figure("error" if runner.startswith("could not") else "skipped", runner))
-                else:
-                    try:
-                        try:
-                            m = _measure(runner, item, config)
-                        except KeyboardInterrupt:
-                            stop_reason = "not run: the run was interrupted"
-                            raise Skip("interrupted while measuring") from None
-                        # per figure, since other work on the machine comes and goes during a run
-                        m.facts.setdefault("loadavg_1m", _loadavg())
-                        figures.append(figure("ok", m=m))
-                    except Skip as err:
-                        figures.append(figure("skipped", str(err)))
-                    except Exception as err:
-                        figures.append(figure("error", f"{type(err).__name__}: {err}"))
-                        if log:
-                            log(f"error in {_label(item)}: {type(err).__name__}: {err}")
-            progress.advance()
-            remaining[spec.name] -= 1
-            if remaining[spec.name] == 0:
-                done = runners.pop(spec.name, None)
-                if done is not None and not isinstance(done, str):
-                    done.close()
-        if stop_reason is None:
-            _second_pass(config, items, figures, progress)
+            first.take(item)
+        if first.stop_reason is None:
+            _second_pass(config, items, first.figures, progress)
     finally:
-        for runner in runners.values():
-            if not isinstance(runner, str):
-                runner.close()
+        cases.close()
         release_shared()
         progress.finish()
     # Other work on the machine skews figures: say how busy it was around the run.
     machine = {**results.machine(), "loadavg_1m_before": load_before, "loadavg_1m_after": _loadavg()}
-    return BenchResult(results.now(), machine, results.versions(), config.to_json(), tuple(figures),
+    return BenchResult(results.now(), machine, results.versions(), config.to_json(), tuple(first.figures),
                        time.monotonic() - started)
+
+
+def _figure(item: _Item, status: str, reason: str = "", m: Measurement | None = None) -> Figure:
+    spec = item.spec
+    return Figure(item.mode, spec.name, spec.role.value, dict(spec.key(item.point)), status, reason,
+                  dict(m.metrics) if m else {}, dict(m.facts) if m else {})
+
+
+@dataclass(frozen=True)
+class _Deadline:
+    started: float
+    limit_s: float | None
+
+    def passed(self) -> bool:
+        return self.limit_s is not None and time.monotonic() - self.started > self.limit_s
+
+
+class _Cases:
+    """Each case's runner, built at its first figure and closed after its last."""
+
+    def __init__(self, config: BenchConfig, items: list[_Item]) -> None:
+        self._config = config
+        self._runners: dict[str, CaseRunner | str] = {}   # a str is why the case could not be built
+        self._remaining = {name: sum(1 for i in items if i.spec.name == name) for name in config.cases}
+
+    def runner(self, spec: CaseSpec) -> CaseRunner | str:
+        runner = self._runners.get(spec.name)
+        if runner is None:
+            try:
+                runner = spec.factory(self._config)
+            except Skip as err:
+                runner = str(err)
+            except Exception as err:
+                runner = f"could not start: {type(err).__name__}: {err}"
+            self._runners[spec.name] = runner
+        return runner
+
+    def figure_done(self, spec: CaseSpec) -> None:
+        self._remaining[spec.name] -= 1
+        if self._remaining[spec.name] == 0:
+            done = self._runners.pop(spec.name, None)
+            if done is not None and not isinstance(done, str):
+                done.close()
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            if not isinstance(runner, str):
+                runner.close()
+
+
+class _FirstPass:
+    """Measures each planned figure once; after a stop (time limit, interrupt) the rest are
+    skipped with the stop's reason."""
+
+    def __init__(self, config: BenchConfig, cases: _Cases, progress: Progress,
+                 log: Callable[[str], None] | None, deadline: _Deadline) -> None:
+        self._config = config
+        self._cases = cases
+        self._progress = progress
+        self._log = log
+        self._deadline = deadline
+        self.figures: list[Figure] = []
+        self.stop_reason: str | None = None
+
+    def take(self, item: _Item) -> None:
+        if self.stop_reason is None and self._deadline.passed():
+            self.stop_reason = f"not run: the run's time limit of {self._deadline.limit_s:g}s was reached"
+        if self.stop_reason is not None:
+            self.figures.append(_figure(item, "skipped", self.stop_reason))
+            self._progress.advance()
+            return
+        self._progress.step(_label(item))
+        self.figures.append(self._figure_of(item))
+        self._progress.advance()
+        self._cases.figure_done(item.spec)
+
+    def _figure_of(self, item: _Item) -> Figure:
+        why = self._unmet(item)
+        if why is not None:
+            return _figure(item, "skipped", why)
+        runner = self._cases.runner(item.spec)
+        if isinstance(runner, str):
+            return _figure(item, "error" if runner.startswith("could not") else "skipped", runner)
+        try:
+            m = self._measure(runner, item)
+            # per figure, since other work on the machine comes and goes during a run
+            m.facts.setdefault("loadavg_1m", _loadavg())
+            return _figure(item, "ok", m=m)
+        except Skip as err:
+            return _figure(item, "skipped", str(err))
+        except Exception as err:
+            failed = _figure(item, "error", f"{type(err).__name__}: {err}")
+            if self._log:
+                self._log(f"error in {_label(item)}: {type(err).__name__}: {err}")
+            return failed
+
+    def _unmet(self, item: _Item) -> str | None:
+        why = unmet(item.spec)
+        if why is None and item.point.memory == "device":
+            placed = devices_missing(self._config)
+            why = f"device memory: {placed}" if placed else None
+        return why
+
+    def _measure(self, runner: CaseRunner, item: _Item) -> Measurement:
+        try:
+            return _measure(runner, item, self._config)
+        except KeyboardInterrupt:
+            self.stop_reason = "not run: the run was interrupted"
+            raise Skip("interrupted while measuring") from None
 
 
 def _second_pass(config: BenchConfig, items: list[_Item], figures: list[Figure], progress: Progress) -> None:

@@ -74,7 +74,7 @@ def _nixl_kind(packed: str) -> Kind:
         touch_pages(made)
         return made
 
-    from kvxfer.backends.nixl_plan import ChunkBytes
+    from kvxfer.backends.nixl.plan import ChunkBytes
 
     return Kind(("host", "device"), local, peer, args, rows,  # both ends use the backend's defaults here
                 {"processes": 2, "transport": "NIXL over UCX", "packed": packed, **nixl_facts(ChunkBytes())})

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer import native
-from kvxfer.backends.shm_map import map_shared, unmap
+from kvxfer.backends.ipc.shm_map import map_shared, unmap
 from kvxfer.contract import KvxferError, MemoryKind
 
 HAS_CUDA = True

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer import native
-from kvxfer.backends.ipc_channel import CHANNEL_DIR_PREFIX
+from kvxfer.backends.ipc.channel import CHANNEL_DIR_PREFIX
 from kvxfer.contract import (
     CacheKind,
     Hint,

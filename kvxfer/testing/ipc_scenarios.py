@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc_bells import EXTRA_BELL
+from kvxfer.backends.ipc.bells import EXTRA_BELL
 from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, SlotRegion, TokenRange, TransferMode, View
 from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
 

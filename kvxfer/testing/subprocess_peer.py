@@ -22,8 +22,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -209,69 +210,97 @@ class SubprocessPeer(PeerEnd):
 
 # --- the child ------------------------------------------------------------------------
 
+class _ChildEnd:
+    """The child's backend and row memory, answering the parent's requests (one method per op)."""
+
+    def __init__(self, build: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self._build = build
+        self.backend, self.memory, self._inject = build(**kwargs)
+        self._attempts: dict[int, Any] = {}
+
+    def info(self) -> dict[str, Any]:
+        return {"regions": tuple(self.memory.regions), "agent": getattr(self.backend, "name", "")}
+
+    def answer(self, request: tuple[Any, ...]) -> Any:
+        op = self._OPS.get(request[0])
+        if op is None:
+            raise ValueError(f"unknown request {request[0]!r}")
+        return op(self, *request[1:])
+
+    def describe(self, view: View, audience: Peer | None) -> bytes:
+        return encode_hint(self.backend.describe(view, audience))
+
+    def start(self, what: str, view: View, hint_bytes: bytes) -> int:
+        hint = decode_hint(hint_bytes)
+        attempt = self.backend.fetch(view, hint) if what == "fetch" else self.backend.publish(view, hint)
+        handle = len(self._attempts) + 1
+        self._attempts[handle] = attempt
+        return handle
+
+    def result(self, handle: int, timeout: float) -> tuple[Any, bool]:
+        attempt, end = self._attempts[handle], time.monotonic() + timeout
+        while time.monotonic() < end and not (attempt.poll() is not None and attempt.quiesced()):
+            time.sleep(0.001)
+        return _pack_outcome(attempt.poll()), attempt.quiesced()
+
+    def cancel(self, handle: int) -> None:
+        self._attempts[handle].cancel()
+
+    def write(self, region: str, slots: np.ndarray, data: bytes) -> None:
+        self.memory.write(region, slots, data)
+
+    def read(self, region: str, slots: np.ndarray) -> bytes:
+        return self.memory.read(region, slots)
+
+    def inject(self, rows: int | None) -> bool:
+        if self._inject is None:
+            return False
+        self._inject(rows)
+        return True
+
+    def option(self, name: str, value: Any) -> None:
+        setattr(self.backend, name, value)
+
+    def shutdown(self) -> int:
+        return len(self.backend.shutdown())
+
+    def rebuild(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A fresh backend in this process: cheaper than a new child."""
+        self.backend.shutdown()
+        self._attempts.clear()
+        self.backend, self.memory, self._inject = self._build(**kwargs)
+        return self.info()
+
+    _OPS: ClassVar[dict[str, Callable[..., Any]]] = {
+        "describe": describe, "start": start, "result": result, "cancel": cancel, "write": write, "read": read,
+        "inject": inject, "option": option, "shutdown": shutdown, "rebuild": rebuild,
+    }
+
+
 def _serve(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
     module, _, name = factory.partition(":")
     build = getattr(importlib.import_module(module), name)
     try:
-        backend, memory, inject = build(**kwargs)
+        child = _ChildEnd(build, kwargs)
     except Exception as exc:
         conn.send(("err", type(exc).__name__, f"{factory} failed: {exc}"))
         return
-    conn.send(("ok", {"regions": tuple(memory.regions), "agent": getattr(backend, "name", "")}))
-    attempts: dict[int, Any] = {}
+    conn.send(("ok", child.info()))
     while True:
         try:
             request = conn.recv()
         except (EOFError, OSError):
             break  # the parent is gone: shut down below
-        op = request[0]
-        if op == "exit":
-            left = len(backend.shutdown())
-            conn.send(("ok", left))
+        if request[0] == "exit":
+            conn.send(("ok", child.shutdown()))
             return
         try:
-            if op == "describe":
-                value: Any = encode_hint(backend.describe(request[1], request[2]))
-            elif op == "start":
-                _, what, view, hint_bytes = request
-                hint = decode_hint(hint_bytes)
-                attempt = backend.fetch(view, hint) if what == "fetch" else backend.publish(view, hint)
-                value = len(attempts) + 1
-                attempts[value] = attempt
-            elif op == "result":
-                attempt, end = attempts[request[1]], time.monotonic() + request[2]
-                while time.monotonic() < end and not (attempt.poll() is not None and attempt.quiesced()):
-                    time.sleep(0.001)
-                value = (_pack_outcome(attempt.poll()), attempt.quiesced())
-            elif op == "cancel":
-                attempts[request[1]].cancel()
-                value = None
-            elif op == "write":
-                memory.write(request[1], request[2], request[3])
-                value = None
-            elif op == "read":
-                value = memory.read(request[1], request[2])
-            elif op == "inject":
-                value = inject is not None
-                if inject is not None:
-                    inject(request[1])
-            elif op == "option":
-                setattr(backend, request[1], request[2])
-                value = None
-            elif op == "shutdown":
-                value = len(backend.shutdown())
-            elif op == "rebuild":  # a fresh backend in this process: cheaper than a new child
-                backend.shutdown()
-                attempts.clear()
-                backend, memory, inject = build(**request[1])
-                value = {"regions": tuple(memory.regions), "agent": getattr(backend, "name", "")}
-            else:
-                raise ValueError(f"unknown request {op!r}")
+            value = child.answer(request)
         except (KvxferError, ValueError, KeyError, TypeError) as exc:
             conn.send(("err", type(exc).__name__, str(exc)))
             continue
         conn.send(("ok", value))
-    backend.shutdown()
+    child.backend.shutdown()
 
 
 def main(argv: list[str]) -> int:

@@ -10,8 +10,8 @@ one of ``kvxfer.backends``.
 
 from __future__ import annotations
 
+from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
-from kvxfer.backends.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.contract import Backend, TransferMode
 
 BACKENDS = ("nixl", "ipc", "loopback")
@@ -26,7 +26,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     ``arena_bytes`` (nixl only): the packed path's bounce arena (None: the backend's default,
     0: none). ``hint_ttl_s``: how long the hints it describes may be used.
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
-    doorbell (``kvxfer.backends.ipc_bells``), for the lowest small-transfer latency."""
+    doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency."""
     if busy_poll and kind != "ipc":
         raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
     if arena_bytes is not None and kind != "nixl":

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 from kvxfer.backends.nixl import NixlBackend  # noqa: E402
-from kvxfer.backends.nixl_packed import ArenaInfo  # noqa: E402
+from kvxfer.backends.nixl.packed import ArenaInfo  # noqa: E402
 from kvxfer.testing.conformance import CHECKS  # noqa: E402
 from kvxfer.testing.nixl_pairs import ChildPairs, DeviceRows, push_rows_throughput  # noqa: E402
 from kvxfer.testing.subprocess_peer import live_children  # noqa: E402

@@ -7,11 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-import kvxfer.backends.transfers as transfers
-from kvxfer.backends.attempt import TrackedAttempt
-from kvxfer.backends.matching import check_agreement, coalesce, match_rows
-from kvxfer.backends.regions import RegionTable
-from kvxfer.backends.transfers import OwnTransfers, hint_groups
+import kvxfer.backends.common.transfers as transfers
+from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.matching import check_agreement, coalesce, match_rows
+from kvxfer.backends.common.regions import RegionTable
+from kvxfer.backends.common.transfers import OwnTransfers, hint_groups
 from kvxfer.contract import (
     CacheKind,
     Hint,

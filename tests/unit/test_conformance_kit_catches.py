@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import pytest
 
-from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.loopback import LoopbackBackend
 from kvxfer.contract import (
     CompletionRecord,

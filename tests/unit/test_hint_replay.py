@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from test_router import CFG, MODEL, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
-import kvxfer.backends.transfers as transfers
+import kvxfer.backends.common.transfers as transfers
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.serving.http import HttpError, HttpServer, request_json, stream_json
 from kvxfer.worker.app import make_handler

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.backends.matching import _pair_ordinals
+from kvxfer.backends.common.matching import _pair_ordinals
 from kvxfer.contract.arrays import all_distinct
 
 values = st.one_of(
@@ -129,7 +129,7 @@ def test_unpickled_groups_are_rebuilt_read_only_and_validated() -> None:
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 300), st.sampled_from(["positions", "same-order", "shuffled"]), st.integers(0, 2**32 - 1))
 def test_match_rows_pairs_equal_ordinals_and_shares_whole_requests(n: int, kind: str, seed: int) -> None:
-    from kvxfer.backends.matching import match_rows
+    from kvxfer.backends.common.matching import match_rows
     from kvxfer.contract import (
         CacheKind,
         Hint,

@@ -19,7 +19,7 @@ import pytest
 import kvxfer.backends.common.engine as engine
 import kvxfer.backends.ipc.backend as ipc
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc_channel import Channel, PeerBusy
+from kvxfer.backends.ipc.channel import Channel, PeerBusy
 from kvxfer.contract import Cancelled, InvalidSubmission, TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.ipc_pairs import DeviceRows
@@ -83,7 +83,7 @@ def test_connect_tells_nobody_there_from_not_now() -> None:
 _SHORTAGE = r"""
 import errno, json, os
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc_channel import PeerBusy
+from kvxfer.backends.ipc.channel import PeerBusy
 from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
 from kvxfer.contract import TransferMode
 from kvxfer.testing import host_cuda
@@ -203,7 +203,7 @@ def test_a_peer_slow_to_read_delays_frames_and_is_not_taken_for_gone(monkeypatch
     # The peer accepts but does not read: the first frame that fills the socket waits the send
     # timeout, then its rest is kept for flush(); later frames queue behind it at once. The
     # peer is not dropped, and once it reads, every frame arrives whole and in order.
-    import kvxfer.backends.ipc_channel as ipc_channel
+    import kvxfer.backends.ipc.channel as ipc_channel
 
     monkeypatch.setattr(ipc_channel, "SEND_TIMEOUT_S", 1.0)  # the first send waits it out
     channel = Channel("c")

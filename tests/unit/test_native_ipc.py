@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvxfer import native
-from kvxfer.backends.ipc_channel import Channel
-from kvxfer.backends.ipc_mappings import Export, Mappings
+from kvxfer.backends.ipc.channel import Channel
+from kvxfer.backends.ipc.mappings import Export, Mappings
 from kvxfer.contract import CompletionRecord, RecordStatus
 from kvxfer.testing.waiting import settle
 from kvxfer.wire import decode_completion, encode_completion
@@ -128,7 +128,7 @@ def test_launch_mask_fill_marks_exactly_the_launched_rows() -> None:
 
 @pytest.mark.parametrize("n", [3, 128, 129, 5000])
 def test_ordinal_comparison_small_and_large(n: int) -> None:
-    from kvxfer.backends.matching import _same
+    from kvxfer.backends.common.matching import _same
 
     a = np.arange(n, dtype=np.int64)
     b = a.copy()
@@ -337,7 +337,7 @@ def test_spin_poll_returns_on_input_or_after_its_time(spin_impl: None) -> None:
 
 
 def test_spin_poll_returns_when_a_watched_word_is_set(spin_impl: None) -> None:
-    # Doorbell words (kvxfer.backends.ipc_bells): watched ones end the spin, others do not.
+    # Doorbell words (kvxfer.backends.ipc.bells): watched ones end the spin, others do not.
     r, w = os.pipe()
     try:
         words = np.zeros(8, dtype=np.uint64)

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.nixl import NixlBackend
-from kvxfer.backends.nixl_plan import ChunkBytes
+from kvxfer.backends.nixl.plan import ChunkBytes
 from kvxfer.contract import (
     CacheKind,
     Cancelled,

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.backends.attempt import TrackedAttempt
+from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.nixl import NixlBackend
-from kvxfer.backends.nixl_agent import PeerUnknown
-from kvxfer.backends.nixl_notes import NOTE_PREFIX, decode_note, encode_note
-from kvxfer.backends.nixl_packed import (
+from kvxfer.backends.nixl.agent import PeerUnknown
+from kvxfer.backends.nixl.notes import NOTE_PREFIX, decode_note, encode_note
+from kvxfer.backends.nixl.packed import (
     ARENA_EXTRA,
     ArenaInfo,
     PackedJob,

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.backends.matching import match_rows
-from kvxfer.backends.nixl_plan import ChunkBytes, count_descriptors, plan_chunks
-from kvxfer.backends.transfers import hint_groups
+from kvxfer.backends.common.matching import match_rows
+from kvxfer.backends.common.transfers import hint_groups
+from kvxfer.backends.nixl.plan import ChunkBytes, count_descriptors, plan_chunks
 from kvxfer.contract import CacheKind, Hint, LayerGroupRows, MemoryKind, SlotRegion, TokenRange, TransferMode, View
 
 A = SlotRegion("A", 1 << 20, 1024, 64, MemoryKind.HOST)
@@ -128,8 +128,8 @@ def test_counting_descriptors_agrees_with_planning_them(seed: int, rows: int, pe
 def test_job_masks_are_exact_and_a_whole_group_is_the_shared_true_mask() -> None:
     """ActiveJob.masks(): the rows of proven chunks on both ends, read-only; a group whose
     every row is proven is the shared all-True mask (what the wire codec sends by identity)."""
-    from kvxfer.backends.attempt import TrackedAttempt
-    from kvxfer.backends.nixl_jobs import ActiveJob, conclusion
+    from kvxfer.backends.common.attempt import TrackedAttempt
+    from kvxfer.backends.nixl.jobs import ActiveJob, conclusion
     from kvxfer.contract import Delivered, Failed, constant_mask
 
     local = _view(A, list(range(10)), list(range(10)))

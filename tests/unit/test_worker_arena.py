@@ -11,7 +11,7 @@ import torch
 
 from kvxfer import pair
 from kvxfer.backends.nixl import NixlBackend
-from kvxfer.backends.nixl_packed import ArenaInfo
+from kvxfer.backends.nixl.packed import ArenaInfo
 from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
 from kvxfer.engine import ModelConfig
 from kvxfer.worker import serve

@@ -78,43 +78,67 @@ class Report:
     def findings(self) -> list[str]:
         """Each property a user relies on that this run saw broken (empty: none)."""
         out: list[str] = []
-        if (k := self.kills) is not None:
-            if k.rows_wrong:
-                out.append(f"kills: {k.rows_wrong} rows claimed delivered hold wrong bytes")
-            if k.not_concluded or (k.detection_max_ms or 0.0) > KILL_BOUND_S * 1e3:
-                out.append(f"kills: {k.not_concluded} attempts not concluded+quiesced, slowest "
-                           f"{k.detection_max_ms} ms (bound {KILL_BOUND_S:g} s)")
-            if k.unquiesced_at_shutdown:
-                out.append(f"kills: {k.unquiesced_at_shutdown} local shutdowns left attempts unquiesced")
-            if k.rounds_measured < k.rounds:
-                out.append(f"kills: {k.rounds - k.rounds_measured} rounds could not place the kill mid-transfer")
-        if (c := self.chaos) is not None:
-            if c.failures or c.wrong:
-                out.append(f"chaos: {c.failures} failed and {c.wrong} wrong of {c.requests} under recompute")
-            if c.not_recovered:
-                out.append(f"chaos: after {c.not_recovered} kills no later request completed")
-            out += _held("chaos", c.workers_after)
-        if (s := self.soak) is not None:
-            if s.failures or s.wrong:
-                out.append(f"soak: {s.failures} failed and {s.wrong} wrong of {s.requests}")
-            out += _held("soak", s.workers_after)
-        if (w := self.wire_fuzz) is not None:
-            for name, tally in (("hints", w.hints), ("completion records", w.completions)):
-                if tally.other:
-                    out.append(f"fuzz: decoding {name} raised {tally.other_types} (not WireError)")
-        if (h := self.http_fuzz) is not None:
-            for what, n in (("answered 500", h.server_errors), ("closed without a status", h.dropped),
-                            ("not answered", h.hangs), ("streams cut", h.streams_cut)):
-                if n:
-                    kinds = f": {h.server_error_kinds}" if "500" in what else ""
-                    out.append(f"fuzz: {n} HTTP requests {what}{kinds}")
-            if not h.workers_alive:
-                out.append("fuzz: a worker died or stopped answering /health")
-            out += _held("fuzz", h.workers_after)
+        if self.kills is not None:
+            out += _kill_findings(self.kills)
+        if self.chaos is not None:
+            out += _chaos_findings(self.chaos)
+        if self.soak is not None:
+            out += _soak_findings(self.soak)
+        if self.wire_fuzz is not None:
+            out += _wire_fuzz_findings(self.wire_fuzz)
+        if self.http_fuzz is not None:
+            out += _http_fuzz_findings(self.http_fuzz)
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "findings": self.findings()}
+
+
+def _kill_findings(k: KillSummary) -> list[str]:
+    out = []
+    if k.rows_wrong:
+        out.append(f"kills: {k.rows_wrong} rows claimed delivered hold wrong bytes")
+    if k.not_concluded or (k.detection_max_ms or 0.0) > KILL_BOUND_S * 1e3:
+        out.append(f"kills: {k.not_concluded} attempts not concluded+quiesced, slowest "
+                   f"{k.detection_max_ms} ms (bound {KILL_BOUND_S:g} s)")
+    if k.unquiesced_at_shutdown:
+        out.append(f"kills: {k.unquiesced_at_shutdown} local shutdowns left attempts unquiesced")
+    if k.rounds_measured < k.rounds:
+        out.append(f"kills: {k.rounds - k.rounds_measured} rounds could not place the kill mid-transfer")
+    return out
+
+
+def _chaos_findings(c: ChaosSummary) -> list[str]:
+    out = []
+    if c.failures or c.wrong:
+        out.append(f"chaos: {c.failures} failed and {c.wrong} wrong of {c.requests} under recompute")
+    if c.not_recovered:
+        out.append(f"chaos: after {c.not_recovered} kills no later request completed")
+    return out + _held("chaos", c.workers_after)
+
+
+def _soak_findings(s: SoakSummary) -> list[str]:
+    out = []
+    if s.failures or s.wrong:
+        out.append(f"soak: {s.failures} failed and {s.wrong} wrong of {s.requests}")
+    return out + _held("soak", s.workers_after)
+
+
+def _wire_fuzz_findings(w: WireFuzzSummary) -> list[str]:
+    return [f"fuzz: decoding {name} raised {tally.other_types} (not WireError)"
+            for name, tally in (("hints", w.hints), ("completion records", w.completions)) if tally.other]
+
+
+def _http_fuzz_findings(h: HttpFuzzSummary) -> list[str]:
+    out = []
+    for what, n in (("answered 500", h.server_errors), ("closed without a status", h.dropped),
+                    ("not answered", h.hangs), ("streams cut", h.streams_cut)):
+        if n:
+            kinds = f": {h.server_error_kinds}" if "500" in what else ""
+            out.append(f"fuzz: {n} HTTP requests {what}{kinds}")
+    if not h.workers_alive:
+        out.append("fuzz: a worker died or stopped answering /health")
+    return out + _held("fuzz", h.workers_after)
 
 
 def _held(what: str, states: Any) -> list[str]:

@@ -190,30 +190,45 @@ def run_chaos(requests: int, kills: int, *, max_new: int = 8, concurrency: int =
         results, events = asyncio.run(_workload(group, live, prompts, max_new, kill_at, concurrency, shown))
         after = tuple(asyncio.run(_states(list(live.values()))))
     seconds = time.perf_counter() - started
+    summary = _summary(results, events, expected, kills, seconds, after)
+    shown.finish(f"{summary.ok}/{summary.requests} ok, {summary.failures} failed, {summary.wrong} wrong")
+    return summary
+
+
+def _summary(results: list[_Done], events: list[_Kill], expected: list[list[int]], kills_asked: int,
+             seconds: float, after: tuple[WorkerState, ...]) -> ChaosSummary:
     failures = [r for r in results if r.error is not None]
     wrong = [r for r in results if r.error is None and r.completion is not None
              and list(r.completion.tokens) != expected[r.index]]
+    kill_events = [_kill_event(e, results) for e in events]
+    recoveries = [k.recovery_s for k in kill_events if k.recovery_s is not None]
+    return ChaosSummary(
+        requests=len(results), ok=len(results) - len(failures), failures=len(failures), wrong=len(wrong),
+        recovered_paths=_paths(results), kills_asked=kills_asked, kills=len(kill_events),
+        recovery_p50_ms=ms(recoveries, 50),
+        recovery_max_ms=max_ms(recoveries), not_recovered=sum(k.recovery_s is None for k in kill_events),
+        seconds=round(seconds, 2), kill_events=tuple(kill_events),
+        failure_samples=tuple(sorted({str(r.error)[:300] for r in failures}))[:10], workers_after=after)
+
+
+def _paths(results: list[_Done]) -> dict[str, int]:
+    """Completions that succeeded, by the path they took."""
     paths: dict[str, int] = {}
     for r in results:
         if r.completion is not None and r.error is None:
             paths[r.completion.path] = paths.get(r.completion.path, 0) + 1
-    kill_events = []
-    for e in events:
-        later = [r.finished for r in results if r.submitted > e.at and r.error is None]
-        caught = [r.finished - e.at for r in results if r.submitted < e.at < r.finished]
-        kill_events.append(KillEvent(
-            e.worker, e.after_completed, round(e.at, 3), len(caught), round(max(caught), 3) if caught else None,
-            None if e.restarted_after_s is None else round(e.restarted_after_s, 3), e.restart_error,
-            round(min(later) - e.at, 3) if later else None))
-    recoveries = [k.recovery_s for k in kill_events if k.recovery_s is not None]
-    summary = ChaosSummary(
-        requests=len(results), ok=len(results) - len(failures), failures=len(failures), wrong=len(wrong),
-        recovered_paths=paths, kills_asked=kills, kills=len(kill_events), recovery_p50_ms=ms(recoveries, 50),
-        recovery_max_ms=max_ms(recoveries), not_recovered=sum(k.recovery_s is None for k in kill_events),
-        seconds=round(seconds, 2), kill_events=tuple(kill_events),
-        failure_samples=tuple(sorted({str(r.error)[:300] for r in failures}))[:10], workers_after=after)
-    shown.finish(f"{summary.ok}/{summary.requests} ok, {summary.failures} failed, {summary.wrong} wrong")
-    return summary
+    return paths
+
+
+def _kill_event(e: _Kill, results: list[_Done]) -> KillEvent:
+    """A kill as the requests around it saw it: those it caught running, and the first
+    submitted after it that completed (its recovery)."""
+    later = [r.finished for r in results if r.submitted > e.at and r.error is None]
+    caught = [r.finished - e.at for r in results if r.submitted < e.at < r.finished]
+    return KillEvent(
+        e.worker, e.after_completed, round(e.at, 3), len(caught), round(max(caught), 3) if caught else None,
+        None if e.restarted_after_s is None else round(e.restarted_after_s, 3), e.restart_error,
+        round(min(later) - e.at, 3) if later else None)
 
 
 def _role(name: str) -> str:

@@ -20,6 +20,7 @@ and quiesce after the kill.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -129,11 +130,8 @@ def run_round(index: int, mode: TransferMode, local_op: str, rng: np.random.Gene
     gate = threading.Event()
     peer: SubprocessPeer | None = None
     target = int(rng.integers(1, ROWS // CHUNK_ROWS)) if active else 1
-
-    def result(**measured: Any) -> KillRound:
-        return KillRound(index=index, mode=mode.value, local_op=local_op, local_end="active" if active else "passive",
-                         kill_after_chunks=target, **measured)
-
+    result = functools.partial(KillRound, index=index, mode=mode.value, local_op=local_op,
+                               local_end="active" if active else "passive", kill_after_chunks=target)
     try:
         local.register(memory.regions)
         held, gate = _hold_once_proven(local, target) if active else (threading.Event(), gate)
@@ -141,26 +139,11 @@ def run_round(index: int, mode: TransferMode, local_op: str, rng: np.random.Gene
         local_view, peer_view = _views(memory, peer, f"kill-{index}", rng)
         payload = {g.layer_group: rng.integers(0, 256, len(g) * ROW, dtype=np.uint8).tobytes()
                    for g in local_view.groups}
-        # Random bytes at the source, zeros at the destination: a claimed row that did not land reads wrong.
         local_is_dest = local_op == "fetch"
-        for lg, pg in zip(local_view.groups, peer_view.groups):
-            data, zeros = payload[lg.layer_group], b"\x00" * len(payload[lg.layer_group])
-            if local_is_dest:
-                peer.write(pg.region.name, pg.slots, data)
-                memory.write(lg.region.name, lg.slots, zeros)
-            else:
-                memory.write(lg.region.name, lg.slots, data)
-                peer.write(pg.region.name, pg.slots, zeros)
-        local_hint = encode_hint(local.describe(local_view))
-        peer_hint = decode_hint(peer.describe_bytes(peer_view))
-        peer.start_bytes("publish" if local_op == "fetch" else "fetch", peer_view, local_hint)
-        attempt = (local.fetch if local_op == "fetch" else local.publish)(local_view, peer_hint)
-        if active:
-            placed = settle(lambda: held.is_set() or attempt.poll() is not None, PROGRESS_S) and held.is_set()
-        else:
-            dest_read, dest_view = (memory.read, local_view) if local_is_dest else (peer.read, peer_view)
-            placed = settle(lambda: _landed(dest_read, dest_view), PROGRESS_S) and attempt.poll() is None
-        if not placed:
+        _fill(memory, peer, local_view, peer_view, payload, local_is_dest)
+        attempt = _start_both(local, peer, local_op, local_view, peer_view)
+        dest_read, dest_view = (memory.read, local_view) if local_is_dest else (peer.read, peer_view)
+        if not _kill_placed(attempt, held if active else None, dest_read, dest_view):
             gate.set()
             attempt.wait(WAIT_S)
             return result(outcome=_outcome_name(attempt.poll()), reason="", rows=ROWS, rows_claimed=0,
@@ -171,29 +154,67 @@ def run_round(index: int, mode: TransferMode, local_op: str, rng: np.random.Gene
         peer.kill()
         gate.set()
         finished = attempt.wait(WAIT_S)
-        detection = time.monotonic() - killed if finished else None
+        detection = round(time.monotonic() - killed, 6) if finished else None
         outcome = attempt.poll()
         masks = [np.asarray(m, dtype=bool) for m in outcome.masks] if outcome is not None else []
         claimed = int(sum(int(m.sum()) for m in masks))
-        checked = wrong = 0
-        if local_is_dest and outcome is not None:
-            for g, mask in zip(local_view.groups, masks):
-                rows = np.flatnonzero(mask)
-                if rows.size == 0:
-                    continue
-                got = np.frombuffer(memory.read(g.region.name, g.slots[rows]), dtype=np.uint8).reshape(rows.size, ROW)
-                want = np.frombuffer(payload[g.layer_group], dtype=np.uint8).reshape(-1, ROW)[rows]
-                checked += int(rows.size)
-                wrong += int((got != want).any(axis=1).sum())
+        # Only local memory can still be read: a killed peer's is gone.
+        checked, wrong = _check_claimed(memory, local_view, masks, payload) if local_is_dest else (0, 0)
         return result(outcome=_outcome_name(outcome), reason=getattr(outcome, "reason", "")[:200],
                       rows=ROWS, rows_claimed=claimed, rows_checked=checked, rows_wrong=wrong,
-                      detection_s=None if detection is None else round(detection, 6),
+                      detection_s=detection,
                       quiesced=attempt.quiesced(), shutdown_clean=not local.shutdown())
     finally:
         gate.set()  # a held progress thread must run on, or shutdown() waits for it
         if peer is not None:
             peer.kill()
         local.shutdown()
+
+
+def _start_both(local: NixlBackend, peer: SubprocessPeer, local_op: str, local_view: View, peer_view: View
+                ) -> Any:
+    """The peer's attempt, then the local one; hints cross as wire bytes, as a router carries them."""
+    local_hint = encode_hint(local.describe(local_view))
+    peer_hint = decode_hint(peer.describe_bytes(peer_view))
+    peer.start_bytes("publish" if local_op == "fetch" else "fetch", peer_view, local_hint)
+    return (local.fetch if local_op == "fetch" else local.publish)(local_view, peer_hint)
+
+
+def _fill(memory: HostRows, peer: SubprocessPeer, local_view: View, peer_view: View, payload: dict[str, bytes],
+          local_is_dest: bool) -> None:
+    """Random bytes at the source, zeros at the destination: a claimed row that did not land reads wrong."""
+    for lg, pg in zip(local_view.groups, peer_view.groups):
+        data, zeros = payload[lg.layer_group], b"\x00" * len(payload[lg.layer_group])
+        if local_is_dest:
+            peer.write(pg.region.name, pg.slots, data)
+            memory.write(lg.region.name, lg.slots, zeros)
+        else:
+            memory.write(lg.region.name, lg.slots, data)
+            peer.write(pg.region.name, pg.slots, zeros)
+
+
+def _kill_placed(attempt: Any, held: threading.Event | None, dest_read: Callable[[str, np.ndarray], bytes],
+                 dest_view: View) -> bool:
+    """Whether the kill can land mid-transfer. Active (``held`` given): the progress thread is
+    held after its target chunk. Passive: the peer's first chunk landed, the attempt still open."""
+    if held is not None:
+        return settle(lambda: held.is_set() or attempt.poll() is not None, PROGRESS_S) and held.is_set()
+    return settle(lambda: _landed(dest_read, dest_view), PROGRESS_S) and attempt.poll() is None
+
+
+def _check_claimed(memory: HostRows, view: View, masks: list[np.ndarray], payload: dict[str, bytes]
+                   ) -> tuple[int, int]:
+    """(rows checked, rows wrong): the claimed rows of ``view`` in local memory against the source's bytes."""
+    checked = wrong = 0
+    for g, mask in zip(view.groups, masks):
+        rows = np.flatnonzero(mask)
+        if rows.size == 0:
+            continue
+        got = np.frombuffer(memory.read(g.region.name, g.slots[rows]), dtype=np.uint8).reshape(rows.size, ROW)
+        want = np.frombuffer(payload[g.layer_group], dtype=np.uint8).reshape(-1, ROW)[rows]
+        checked += int(rows.size)
+        wrong += int((got != want).any(axis=1).sum())
+    return checked, wrong
 
 
 def run_kills(rounds: int, *, seed: int = 0, progress: bool = True) -> KillSummary:
