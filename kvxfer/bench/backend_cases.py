@@ -258,23 +258,23 @@ class BackendCase:
         if left:
             raise RuntimeError(f"{len(left)} attempts were not quiesced at shutdown")
 
-    def _one(self, ends: Ends, vp: View, vd: View, push: bool) -> tuple[float, float, Attempt, Attempt]:
+    def _one(self, ends: Ends, prefill_view: View, decode_view: View, push: bool) -> tuple[float, float, Attempt, Attempt]:
         """One transfer; returns (start, outcome visible, prefill attempt, decode attempt)."""
-        hd = ends.decode.describe(vd)
-        hp = ends.prefill.describe(vp)
+        decode_hint = ends.decode.describe(decode_view)
+        prefill_hint = ends.prefill.describe(prefill_view)
         watch = Watch()
         if push:
-            ad = ends.decode.fetch(vd, hp, wake=watch)
-            watch.bind(ad)
+            decode_attempt = ends.decode.fetch(decode_view, prefill_hint, wake=watch)
+            watch.bind(decode_attempt)
             t0 = time.perf_counter()
-            ap = ends.prefill.publish(vp, hd)
+            prefill_attempt = ends.prefill.publish(prefill_view, decode_hint)
         else:
-            ap = ends.prefill.publish(vp, hd)
+            prefill_attempt = ends.prefill.publish(prefill_view, decode_hint)
             t0 = time.perf_counter()
-            ad = ends.decode.fetch(vd, hp, wake=watch)
-            watch.bind(ad)
+            decode_attempt = ends.decode.fetch(decode_view, prefill_hint, wake=watch)
+            watch.bind(decode_attempt)
         seen = watch.wait_outcome()
-        return t0, seen, ap, ad
+        return t0, seen, prefill_attempt, decode_attempt
 
     @staticmethod
     def _stamp(memory: _Memory) -> Callable[[int], Callable[[], bool]]:
@@ -283,21 +283,21 @@ class BackendCase:
             return lambda: memory.rows_equal("prefill", "decode")
         return stamp
 
-    def _settle(self, ap: Attempt, ad: Attempt, rows: int) -> None:
-        outcome = wait_settled(ad, "decode attempt")
-        wait_settled(ap, "prefill attempt")
+    def _settle(self, prefill_attempt: Attempt, decode_attempt: Attempt, rows: int) -> None:
+        outcome = wait_settled(decode_attempt, "decode attempt")
+        wait_settled(prefill_attempt, "prefill attempt")
         if not outcome.all_delivered or outcome.rows_delivered != rows:
             raise RuntimeError(f"decode outcome {type(outcome).__name__}: {outcome.rows_delivered}/{rows} rows")
 
     def throughput(self, point: Point) -> Measurement:
-        ends, memory, vp, vd = self._setup(point)
+        ends, memory, prefill_view, decode_view = self._setup(point)
         try:
             memory.fill_source("prefill", self.config.seed + point.rows)
             push = point.direction == "push"
 
             def run() -> float:
-                t0, seen, ap, ad = self._one(ends, vp, vd, push)
-                self._settle(ap, ad, point.total_rows)
+                t0, seen, prefill_attempt, decode_attempt = self._one(ends, prefill_view, decode_view, push)
+                self._settle(prefill_attempt, decode_attempt, point.total_rows)
                 return seen - t0
 
             timing = time_runs(run, self.config.repetition)
@@ -311,20 +311,20 @@ class BackendCase:
                             "measured": "move call to decode outcome visible (wake callback)"})
 
     def latency(self, point: Point, sweep: LatencySweep) -> Measurement:
-        ends, memory, vp, vd = self._setup(point)
+        ends, memory, prefill_view, decode_view = self._setup(point)
         samples = []
         try:
             memory.fill_source("prefill", self.config.seed)
             push = point.direction == "push"
             for i in range(sweep.warmup + sweep.samples):
-                t0, seen, ap, ad = self._one(ends, vp, vd, push)
-                self._settle(ap, ad, point.total_rows)
+                t0, seen, prefill_attempt, decode_attempt = self._one(ends, prefill_view, decode_view, push)
+                self._settle(prefill_attempt, decode_attempt, point.total_rows)
                 if i >= sweep.warmup:
                     samples.append(seen - t0)
 
             def once() -> None:
-                _, _, ap, ad = self._one(ends, vp, vd, push)
-                self._settle(ap, ad, point.total_rows)
+                _, _, prefill_attempt, decode_attempt = self._one(ends, prefill_view, decode_view, push)
+                self._settle(prefill_attempt, decode_attempt, point.total_rows)
 
             check_fresh_bytes(self._stamp(memory), once, "decode rows")
         finally:
@@ -334,20 +334,20 @@ class BackendCase:
             "measured": ("publish" if point.direction == "push" else "fetch") + " call to decode outcome visible"})
 
     def overhead(self, point: Point, sweep: OverheadSweep) -> Measurement:
-        ends, memory, vp, vd = self._setup(point)
+        ends, memory, prefill_view, decode_view = self._setup(point)
         owner, publish_only, decode_side = [], [], []
         try:
             for _ in range(sweep.repeats + 1):  # the first is a warm-up
                 t0 = time.perf_counter()
-                hd = ends.decode.describe(vd)
+                decode_hint = ends.decode.describe(decode_view)
                 t1 = time.perf_counter()
-                hp = ends.prefill.describe(vp)
+                prefill_hint = ends.prefill.describe(prefill_view)
                 t2 = time.perf_counter()
-                ad = ends.decode.fetch(vd, hp)
+                decode_attempt = ends.decode.fetch(decode_view, prefill_hint)
                 t3 = time.perf_counter()
-                ap = ends.prefill.publish(vp, hd)
+                prefill_attempt = ends.prefill.publish(prefill_view, decode_hint)
                 t4 = time.perf_counter()
-                self._settle(ap, ad, point.total_rows)
+                self._settle(prefill_attempt, decode_attempt, point.total_rows)
                 owner.append((t2 - t1) + (t4 - t3))
                 publish_only.append(t4 - t3)
                 decode_side.append((t1 - t0) + (t3 - t2))
