@@ -17,11 +17,8 @@ is alive. ``forget`` drops one that died so that its successor can be added.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import secrets
-import socket
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,26 +32,6 @@ log = logging.getLogger(__name__)
 
 ETCD_ENV = "NIXL_ETCD_ENDPOINTS"
 _MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
-
-
-def unique_agent_name(prefix: str = "kvxfer") -> str:
-    """Host, process and a random suffix: unique across restarts of one process id."""
-    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def cuda_device_count() -> int:
-    """Devices the CUDA driver reports, 0 without a driver (asked without importing torch)."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        count = ctypes.c_int(0)
-        return count.value if cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 else 0
-    except OSError:
-        return 0
-
-
-def cuda_present() -> bool:
-    """True when the CUDA driver reports a device (checked without importing torch)."""
-    return cuda_device_count() > 0
 
 
 class PeerGone(KvxferError):

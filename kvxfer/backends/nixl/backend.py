@@ -67,17 +67,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.devices import cuda_device_count, cuda_present, unique_agent_name
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclude_from_record
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
-from kvxfer.backends.nixl.agent import (
-    NixlAgent,
-    PeerGone,
-    PeerUnknown,
-    cuda_device_count,
-    cuda_present,
-    unique_agent_name,
-)
+from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion
 from kvxfer.backends.nixl.liveness import HEARTBEAT, Liveness, LivenessHooks
 from kvxfer.backends.nixl.notes import NOTE_PREFIX, decode_note, ints

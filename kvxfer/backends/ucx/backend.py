@@ -1,0 +1,505 @@
+"""The ucx backend: rows move between processes as UCX tag messages, through ucxx.
+
+Whatever the mode, the publisher sends and the fetcher receives: one tag message per run of
+rows contiguous at both ends (``runs``), straight from the publisher's slots into the
+fetcher's, tagged with the transfer and the run's number. The fetcher takes each message
+out of UCX's queue when it arrives and receives it into its rows only while its transfer is
+live; a message for a transfer that ended, or that nobody described, is received into
+scratch and dropped. So no peer can write into memory the fetcher has given back, and the
+fetcher's masks are exactly the receives that completed.
+
+PUSH: publish() starts sending at once. PULL: fetch() asks the publisher (a ``G`` control
+message, with the fetcher's injected fault if any); the publisher sends once asked.
+
+Control messages share one tag (``CONTROL_TAG``): ``R`` + a completion record (signed when
+a key is set), ``G`` + a pull request, ``H`` (a heartbeat). Records name the receiver's
+transfer id. The fetcher acknowledges every transfer when it concludes (DELIVERED, FAILED
+or CANCELLED, with the rows it received, as masks over the publisher's hint groups): the
+publisher's outcome is that acknowledgement, so both ends report the same rows. A publisher
+that stops early (an injected fault, cancel, its deadline) first tells the fetcher which
+rows it did send; the fetcher waits for those, then concludes and acknowledges.
+
+A dead peer is seen when a send to it fails: sends of data, records and the heartbeats each
+end sends while it waits (``heartbeat_s``). Memory: HOST, and DEVICE where ucxx was built
+with CUDA and a device is present (tested on the GPU machine only, where the wheels are
+carried as NIXL's are).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.devices import cuda_present, unique_agent_name
+from kvxfer.backends.common.engine import BackendEngine, ProgressThread
+from kvxfer.backends.common.matching import match_rows
+from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
+from kvxfer.backends.ucx.jobs import Receiving, Sending, transfer_tag
+from kvxfer.backends.ucx.runs import plan_runs
+from kvxfer.backends.ucx.transport import (
+    CONTROL_TAG,
+    DATA_MASK,
+    RUN_BITS,
+    RUN_MASK,
+    Transport,
+    UcxPeerGone,
+    memory_span,
+)
+from kvxfer.contract import (
+    Cancelled,
+    CompletionRecord,
+    Delivered,
+    Failed,
+    Hint,
+    InvalidSubmission,
+    MemoryKind,
+    Peer,
+    RecordStatus,
+    SlotRegion,
+    TransferMode,
+    View,
+    WakeFn,
+)
+from kvxfer.wire import WireError, decode_completion, encode_completion
+from kvxfer.wire.auth import resolve_key
+
+log = logging.getLogger(__name__)
+
+BACKEND_KIND = "ucx"
+IDLE_POLL_S = 0.005
+KEPT = 4096  # pull requests before their publish(), described transfers awaiting their fetch()
+EARLY_MESSAGES = 1 << 16  # data messages held for a fetch() not submitted yet, at most
+
+
+class UcxBackend(BackendEngine):
+    """A ucxx worker moving rows as tag messages, with a progress thread."""
+
+    KIND = BACKEND_KIND
+    TITLE = "ucx"
+
+    def __init__(self, name: str | None = None, mode: TransferMode = TransferMode.PUSH, *, deadline_s: float = 30.0,
+                 hint_ttl_s: float = DEFAULT_HINT_TTL_S, window: int = 64, heartbeat_s: float = 0.25,
+                 fail_after_rows: int | None = None, poll_s: float = 0.0001, key: bytes | None = None) -> None:
+        if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0 or poll_s < 0:
+            raise ValueError("window, deadline_s and heartbeat_s must be positive, poll_s not negative")
+        self._transport = Transport()
+        kinds = {MemoryKind.HOST} | ({MemoryKind.DEVICE} if self._transport.cuda and cuda_present() else set())
+        self._start_engine(name or unique_agent_name("kvxfer-ucx"), mode,
+                           frozenset(kinds), hint_ttl_s)
+        self.deadline_s, self.window, self.heartbeat_s = deadline_s, window, heartbeat_s
+        self.fail_after_rows, self.poll_s = fail_after_rows, poll_s
+        self._key = resolve_key(key) or b""
+        self._sending: dict[str, Sending] = {}        # by our transfer id
+        self._receiving: dict[int, Receiving] = {}    # by data tag
+        self._described: OrderedDict[int, None] = OrderedDict()  # data tags of our describe()s
+        self._early: OrderedDict[int, list[Any]] = OrderedDict()  # messages before their fetch()
+        self._early_count = 0
+        self._asked: OrderedDict[str, int] = OrderedDict()  # pull requests before publish(): id -> limit
+        self._control: list[tuple[Any, np.ndarray]] = []     # control messages being received
+        self._drains: list[tuple[Any, np.ndarray]] = []  # receives into scratch, and their buffers
+        self._heartbeats: list[tuple[str, Any, np.ndarray]] = []  # control sends, and their buffers
+        self._kick = threading.Event()
+        self._progress = ProgressThread(f"kvxfer-ucx-{self.name}", lambda: self._step(), self._pause,
+                                        functools.partial(log.exception, "ucx backend %s: progress step failed",
+                                                          self.name))
+        self._progress.start()
+
+    # --- the contract -----------------------------------------------------------------
+    def register(self, regions: Iterable[SlotRegion]) -> tuple[SlotRegion, ...]:
+        batch, skipped = self._reachable(regions)
+        self._regions.add(batch)
+        return skipped
+
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
+        transfer_id = self._describe_checked(view)
+        with self._jobs_lock:
+            put_bounded(self._described, transfer_tag(transfer_id), None, KEPT)
+        return self._hint(view, transfer_id, audience, endpoint=self._transport.address)
+
+    @property
+    def transport_info(self) -> str:
+        """UCX's description of this backend's worker, for ``kvxfer doctor``."""
+        return self._transport.info
+
+    def shutdown(self) -> frozenset[TrackedAttempt]:
+        self._close_and_cancel(self._all_attempts, self._kick.set)
+        if not self._progress.stop(self._kick.set, 10.0):
+            return frozenset(a for a in self._all_attempts() if not a.quiesced())
+        for job in list(self._sending.values()):  # sends that ended are no longer reading our rows
+            if not job.inflight:
+                job.attempt.conclude(Cancelled(False, job.view.row_masks()))
+                job.attempt.mark_quiesced()
+        for wait in list(self._receiving.values()):
+            if not wait.posted:
+                wait.attempt.conclude(Cancelled(False, self._received_masks(wait)))
+                wait.attempt.mark_quiesced()
+        left = frozenset(a for a in self._all_attempts() if not a.quiesced())
+        if not left:
+            self._drain_all()
+            self._transport.close()
+        return left
+
+    def _all_attempts(self) -> list[TrackedAttempt]:
+        return [j.attempt for j in self._sending.values()] + [w.attempt for w in self._receiving.values()]
+
+    # --- submission -------------------------------------------------------------------
+    def _check_peer_hint(self, hint: Hint) -> None:
+        if hint.agent == self.name:
+            raise InvalidSubmission(f"hint names this backend's own agent {self.name!r}")
+        if not hint.endpoint:
+            raise InvalidSubmission("the peer's hint has no endpoint (UCX worker address)")
+
+    def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
+        admitted = self._admit(view, hint, fetching=fetching)
+        attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
+        plan = plan_runs(view, hint, match_rows(view, hint), sending=not fetching)
+        deadline = time.monotonic() + self.deadline_s
+        limit = self.fail_after_rows
+        with self._jobs_lock:
+            if admitted.active:
+                self._claim(hint, attempt)
+            else:
+                self._refuse_if_closed()
+            if fetching:
+                tag = transfer_tag(admitted.own_id)
+                own_limit = limit if admitted.active and limit is not None and limit < plan.rows else None
+                wait = Receiving(attempt, view, hint, admitted.own_id, plan, tag, deadline,
+                                 expected=plan.limited(own_limit), limit=own_limit,
+                                 asked=self.mode is TransferMode.PUSH, received=np.zeros(plan.runs, np.int64))
+                self._receiving[tag] = wait
+                self._described.pop(tag, None)
+                early = self._stashed.pop(admitted.own_id, None)
+                if early is not None:  # the publisher stopped before we fetched: wait only for what it sent
+                    self._on_stop(wait, early)
+            else:
+                injected = admitted.active and limit is not None and limit < plan.rows
+                job = Sending(attempt, view, hint, admitted.own_id, plan, plan.limited(limit if injected else None),
+                              transfer_tag(hint.transfer_id), deadline, go=self.mode is TransferMode.PUSH,
+                              injected=f"injected fault after {limit} rows" if injected else None,
+                              sent=np.zeros(plan.runs, np.int64))
+                if admitted.own_id in self._asked:
+                    job.to_send = np.minimum(job.to_send, plan.limited(_limit(self._asked.pop(admitted.own_id))))
+                    job.go = True
+                self._sending[admitted.own_id] = job
+                early = self._stashed.pop(admitted.own_id, None)
+                if early is not None:  # the fetcher gave up before we started: send nothing
+                    job.failure = job.failure or "the fetcher stopped first"
+                    self._on_ack(job, early)
+        self._own.consume(view, admitted.own_id)
+        self._kick.set()
+        return attempt
+
+    def _on_cancel(self, attempt: TrackedAttempt) -> None:
+        self._kick.set()
+
+    # --- the progress thread ----------------------------------------------------------
+    def _pause(self, busy: bool) -> None:
+        self._kick.wait(timeout=self.poll_s if busy else IDLE_POLL_S)
+        self._kick.clear()
+
+    def _step(self) -> bool:
+        self._transport.progress()
+        self._take_control()
+        self._take_data()
+        with self._jobs_lock:
+            sending, receiving = list(self._sending.values()), list(self._receiving.values())
+        now = time.monotonic()
+        for wait in receiving:
+            self._advance_receiving(wait, now)
+        for job in sending:
+            self._advance_sending(job, now)
+        self._drains = [d for d in self._drains if not d[0].completed]
+        self._heartbeats = [h for h in self._heartbeats if not self._heartbeat_done(h[0], h[1])]
+        with self._jobs_lock:
+            return bool(self._sending or self._receiving or self._drains)
+
+    # --- control messages -------------------------------------------------------------
+    def _take_control(self) -> None:
+        while (probe := self._transport.probe(CONTROL_TAG, ~0 & ((1 << 64) - 1))) is not None:
+            buffer = np.empty(int(probe.length), np.uint8)
+            self._control.append((self._transport.receive(probe, buffer), buffer))
+        pending = []
+        for request, buffer in self._control:
+            if not request.completed:
+                pending.append((request, buffer))
+            elif self._transport.state(request) == "DONE":
+                self._on_control(bytes(buffer))
+        self._control = pending
+
+    def _on_control(self, message: bytes) -> None:
+        kind, body = message[:1], message[1:]
+        if kind == b"H":
+            return
+        if kind == b"G" and len(body) >= 8:
+            self._on_pull_request(body[8:].decode("ascii", "replace"), struct.unpack("<q", body[:8])[0])
+            return
+        if kind != b"R":
+            log.warning("ucx backend %s: dropped a control message of kind %r", self.name, kind)
+            return
+        try:
+            record = decode_completion(body, self._key)
+        except WireError as exc:
+            log.warning("ucx backend %s: dropped a completion record: %s", self.name, exc)
+            return
+        with self._jobs_lock:
+            job = self._sending.get(record.transfer_id)
+            wait = self._receiving.get(transfer_tag(record.transfer_id))
+            if job is None and wait is None:
+                self._stash(record)
+                return
+        if job is not None and record.sender == job.hint.agent:
+            self._on_ack(job, record)
+        elif wait is not None and record.sender == wait.hint.agent and record.request == wait.view.request:
+            self._on_stop(wait, record)
+
+    def _on_pull_request(self, transfer_id: str, limit: int) -> None:
+        with self._jobs_lock:
+            job = self._sending.get(transfer_id)
+            if job is None:
+                if not self._own.is_retired(transfer_id):
+                    put_bounded(self._asked, transfer_id, limit, KEPT)
+                return
+        job.to_send = np.minimum(job.to_send, job.plan.limited(_limit(limit)))
+        job.go = True
+
+    def _send_control(self, agent: str, address: bytes, message: bytes) -> bool:
+        try:
+            buffer = np.frombuffer(message, np.uint8)
+            self._heartbeats.append((agent, self._transport.send(agent, address, buffer, CONTROL_TAG), buffer))
+            return True
+        except UcxPeerGone as exc:
+            log.info("ucx backend %s: %s", self.name, exc)
+            self._peer_lost(agent)
+            return False
+
+    def _send_record(self, agent: str, address: bytes, record: CompletionRecord) -> bool:
+        return self._send_control(agent, address, b"R" + encode_completion(record, self._key))
+
+    def _heartbeat_done(self, agent: str, request: Any) -> bool:
+        state = self._transport.state(request)
+        if state == "GONE":
+            self._peer_lost(agent)
+        return state != "PROC"
+
+    def _peer_lost(self, agent: str) -> None:
+        with self._jobs_lock:
+            jobs = [j for j in self._sending.values() if j.hint.agent == agent]
+            waits = [w for w in self._receiving.values() if w.hint.agent == agent]
+        for job in jobs:
+            job.peer_gone = True
+            job.failure = job.failure or f"ucx peer {agent!r} disconnected"
+        for wait in waits:
+            wait.peer_gone = True
+
+    # --- the fetcher's side -----------------------------------------------------------
+    def _take_data(self) -> None:
+        while (probe := self._transport.probe(0, DATA_MASK)) is not None:
+            tag, run = probe.sender_tag.value >> RUN_BITS, probe.sender_tag.value & RUN_MASK
+            with self._jobs_lock:
+                wait = self._receiving.get(tag)
+                early = wait is None and tag in self._described and self._early_count < EARLY_MESSAGES
+                if early:
+                    self._early.setdefault(tag, []).append(probe)
+                    self._early_count += 1
+            if wait is not None:
+                self._land(wait, run, probe)
+            elif not early:
+                self._drains.append(self._transport.drain(probe))
+
+    def _land(self, wait: Receiving, run: int, probe: Any) -> None:
+        """Receive one run's message into our rows, if the transfer is live and the message
+        is a whole number of rows from the run's start; else drop it (and fail the wait)."""
+        plan, length = wait.plan, int(probe.length)
+        rows, extra = divmod(length, int(plan.row_bytes[run])) if run < plan.runs else (0, 1)
+        live = wait.attempt.poll() is None and not wait.attempt.cancel_requested
+        if not live or extra or run in wait.posted or not 0 < rows <= plan.lengths[run] - wait.received[run]:
+            self._drains.append(self._transport.drain(probe))
+            if live:
+                wait.attempt.conclude(Failed(f"peer sent {length} bytes as run {run}, which does not fit it",
+                                             self._received_masks(wait)))
+            return
+        region = wait.view.groups[int(plan.local_group[run])].region
+        address = region.address + int(plan.local_slot[run] + wait.received[run]) * region.slot_bytes
+        span = memory_span(address, length, region.memory_kind is MemoryKind.DEVICE)
+        wait.posted[run] = (self._transport.receive(probe, span), rows, span)
+
+    def _advance_receiving(self, wait: Receiving, now: float) -> None:
+        with self._jobs_lock:
+            held = self._early.pop(wait.tag, [])
+            self._early_count -= len(held)
+        for probe in held:
+            self._land(wait, probe.sender_tag.value & RUN_MASK, probe)
+        for run, (request, rows, _span) in list(wait.posted.items()):
+            state = self._transport.state(request)
+            if state == "PROC":
+                continue
+            del wait.posted[run]
+            if state == "DONE":
+                wait.received[run] += rows
+            elif state == "GONE":
+                wait.peer_gone = True
+        if not wait.asked and self._send_control(wait.hint.agent, wait.hint.endpoint, b"G" + struct.pack(
+                "<q", -1 if wait.limit is None else wait.limit) + wait.hint.transfer_id.encode("ascii")):
+            wait.asked = True
+        if wait.attempt.poll() is None:
+            self._maybe_conclude(wait, now)
+        if now >= wait.next_heartbeat and wait.attempt.poll() is None:
+            wait.next_heartbeat = now + self.heartbeat_s
+            self._send_control(wait.hint.agent, wait.hint.endpoint, b"H")
+        if wait.attempt.poll() is not None and not wait.posted:
+            self._end_receiving(wait)
+
+    def _maybe_conclude(self, wait: Receiving, now: float) -> None:
+        masks = self._received_masks
+        if wait.complete and not wait.posted:
+            if wait.stopped is RecordStatus.CANCELLED:
+                wait.attempt.conclude(Cancelled(True, masks(wait)))
+            elif wait.stopped is RecordStatus.FAILED:
+                wait.attempt.conclude(Failed(f"peer failed: {wait.reason}", masks(wait)))
+            elif wait.limit is not None:
+                wait.attempt.conclude(Failed(f"injected fault after {wait.limit} rows", masks(wait)))
+            else:
+                wait.attempt.conclude(Delivered(tuple(masks(wait))))
+        elif wait.attempt.cancel_requested:
+            wait.attempt.conclude(Cancelled(False, masks(wait)))
+        elif wait.peer_gone:
+            wait.attempt.conclude(Failed(f"ucx peer {wait.hint.agent!r} disconnected before completing", masks(wait)))
+        elif now > wait.deadline:
+            wait.attempt.conclude(Failed(f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}",
+                                         masks(wait)))
+
+    def _on_stop(self, wait: Receiving, record: CompletionRecord) -> None:
+        """The publisher stopped early: wait for the rows it says it sent, no more."""
+        if len(record.masks) != len(wait.view.groups) or any(
+                m.shape != (len(g),) for m, g in zip(record.masks, wait.view.groups)):
+            wait.attempt.conclude(Failed("peer sent a completion record of the wrong shape",
+                                         self._received_masks(wait)))
+            return
+        wait.expected = np.minimum(wait.expected, wait.plan.rows_per_run(wait.view, record.masks))
+        wait.stopped, wait.reason = record.status, record.reason
+
+    def _received_masks(self, wait: Receiving) -> list[np.ndarray]:
+        return wait.plan.local_masks(wait.view, wait.received)
+
+    def _end_receiving(self, wait: Receiving) -> None:
+        outcome = wait.attempt.poll()
+        if not wait.acked and not wait.peer_gone:
+            wait.acked = True
+            status = (RecordStatus.DELIVERED if isinstance(outcome, Delivered) else
+                      RecordStatus.CANCELLED if isinstance(outcome, Cancelled) else RecordStatus.FAILED)
+            reason = getattr(outcome, "reason", "")
+            self._send_record(wait.hint.agent, wait.hint.endpoint, CompletionRecord(
+                wait.hint.transfer_id, self.name, wait.view.request, status,
+                wait.plan.peer_masks(wait.hint, wait.received), reason))
+        with self._jobs_lock:
+            self._receiving.pop(wait.tag, None)
+        self._own.retire(wait.own_id)
+        wait.attempt.mark_quiesced()
+
+    # --- the publisher's side ---------------------------------------------------------
+    def _advance_sending(self, job: Sending, now: float) -> None:
+        self._reap_sends(job)
+        if now > job.deadline and job.attempt.poll() is None:
+            job.failure = job.failure or f"timeout after {self.deadline_s:g}s moving rows with peer {job.hint.agent!r}"
+            if job.told or job.peer_gone:
+                job.attempt.conclude(Failed(job.failure, job.view.row_masks()))
+        if job.go and not job.stopping:
+            self._post_sends(job)
+        if not job.inflight:
+            self._settle(job)
+
+    def _reap_sends(self, job: Sending) -> None:
+        for run, request in list(job.inflight.items()):
+            state = self._transport.state(request)
+            if state == "PROC":
+                continue
+            del job.inflight[run]
+            if state == "DONE":
+                job.sent[run] = job.to_send[run]
+            elif state == "GONE":
+                self._peer_lost(job.hint.agent)
+            else:
+                job.failure = job.failure or f"UCX failed to send run {run} to {job.hint.agent!r}"
+
+    def _settle(self, job: Sending) -> None:
+        """Nothing of ours is in flight: say we stopped, or end."""
+        stopped = job.injected is not None and job.all_posted or job.stopping
+        if job.peer_gone and job.attempt.poll() is None:
+            job.attempt.conclude(Failed(job.failure or "peer gone", job.view.row_masks()))
+        elif stopped and not job.told and job.attempt.poll() is None:
+            self._tell_stop(job)
+            if job.attempt.cancel_requested:
+                # Ours to end: nothing of ours moves any more, and the rows already sent are
+                # not proven until the fetcher says so, which we do not wait for.
+                job.attempt.conclude(Cancelled(False, job.view.row_masks()))
+        if job.attempt.poll() is not None:
+            self._end_sending(job)
+
+    def _post_sends(self, job: Sending) -> None:
+        while len(job.inflight) < self.window and job.next_run < job.plan.runs:
+            run = job.next_run
+            job.next_run += 1
+            rows = int(job.to_send[run])
+            if rows == 0:
+                continue
+            region = job.view.groups[int(job.plan.local_group[run])].region
+            span = memory_span(region.address + int(job.plan.local_slot[run]) * region.slot_bytes,
+                               rows * region.slot_bytes, region.memory_kind is MemoryKind.DEVICE)
+            try:
+                job.inflight[run] = self._transport.send(job.hint.agent, job.hint.endpoint, span,
+                                                         (job.tag << RUN_BITS) | run)
+            except UcxPeerGone as exc:
+                job.failure = job.failure or str(exc)
+                self._peer_lost(job.hint.agent)
+                return
+
+    def _tell_stop(self, job: Sending) -> None:
+        """We stop early (a fault, cancel, a failure): tell the fetcher which rows we sent."""
+        job.told = True
+        cancelled = job.attempt.cancel_requested and job.injected is None and job.failure is None
+        status = RecordStatus.CANCELLED if cancelled else RecordStatus.FAILED
+        reason = "cancelled" if cancelled else (job.failure or job.injected or "stopped")
+        self._send_record(job.hint.agent, job.hint.endpoint, CompletionRecord(
+            job.hint.transfer_id, self.name, job.view.request, status,
+            job.plan.peer_masks(job.hint, job.sent), reason))
+
+    def _on_ack(self, job: Sending, record: CompletionRecord) -> None:
+        """The fetcher concluded: our outcome is what it received."""
+        masks = record.masks
+        if len(masks) != len(job.view.groups) or any(m.shape != (len(g),) for m, g in zip(masks, job.view.groups)):
+            job.attempt.conclude(Failed("peer sent a completion record of the wrong shape", job.view.row_masks()))
+        elif record.status is RecordStatus.DELIVERED and job.injected is None:
+            job.attempt.conclude(Delivered(masks))
+        elif record.status is RecordStatus.CANCELLED:
+            job.attempt.conclude(Cancelled(not job.attempt.cancel_requested, masks))
+        else:
+            job.attempt.conclude(Failed(job.injected or f"peer failed: {record.reason}", masks))
+        job.go = False  # nothing more goes: the fetcher has stopped receiving
+
+    def _end_sending(self, job: Sending) -> None:
+        with self._jobs_lock:
+            self._sending.pop(job.own_id, None)
+        self._own.retire(job.own_id)
+        job.attempt.mark_quiesced()
+
+    def _drain_all(self) -> None:
+        while (probe := self._transport.probe(0, 0)) is not None:
+            self._drains.append(self._transport.drain(probe))
+        for probes in self._early.values():
+            for probe in probes:
+                self._drains.append(self._transport.drain(probe))
+        self._early.clear()
+        self._transport.progress()
+
+
+def _limit(value: int) -> int | None:
+    return None if value < 0 else value

@@ -1,0 +1,82 @@
+"""The ucx backend's two kinds of transfer: the publisher sends its rows (``Sending``), the
+fetcher receives them (``Receiving``), in push and in pull alike. Only the progress thread
+changes them after submission."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.ucx.runs import RunPlan
+from kvxfer.backends.ucx.transport import TRANSFER_TAG_BITS
+from kvxfer.contract import Hint, IndexArray, RecordStatus, View
+
+
+def transfer_tag(fetcher_transfer_id: str) -> int:
+    """The data tag prefix of a transfer, from the fetcher's transfer id (both ends know it:
+    it is in the fetcher's hint). 39 bits of a hash of a 96-bit random id."""
+    digest = hashlib.sha256(fetcher_transfer_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> (64 - TRANSFER_TAG_BITS)
+
+
+@dataclass(eq=False)
+class Sending:
+    """This end publishes: its rows go to the fetcher as one tag message per run."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint                 # the fetcher's
+    own_id: str                # ours: the fetcher's records name it
+    plan: RunPlan
+    to_send: IndexArray        # rows of each run to send (fewer after an injected fault)
+    tag: int
+    deadline: float
+    go: bool                   # push: at once; pull: once the fetcher asks
+    injected: str | None = None
+    next_run: int = 0
+    inflight: dict[int, Any] = field(default_factory=dict)  # run -> its send request (rows: the view's memory)
+    sent: IndexArray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows whose send completed
+    failure: str | None = None
+    peer_gone: bool = False
+    told: bool = False         # our stopping record went to the fetcher
+    ask_again: float = 0.0
+
+    @property
+    def stopping(self) -> bool:
+        return self.failure is not None or self.attempt.cancel_requested or self.attempt.poll() is not None
+
+    @property
+    def all_posted(self) -> bool:
+        return self.next_run >= self.plan.runs
+
+
+@dataclass(eq=False)
+class Receiving:
+    """This end fetches: it receives the publisher's messages into its rows, each only once
+    it has arrived and while the transfer is live."""
+
+    attempt: TrackedAttempt
+    view: View
+    hint: Hint                 # the publisher's
+    own_id: str                # ours: the publisher's records name it; the data tag comes from it
+    plan: RunPlan
+    tag: int
+    deadline: float
+    expected: IndexArray       # rows of each run to wait for (fewer after a fault or a stop)
+    limit: int | None = None   # pull: our own injected fault, sent with the request
+    asked: bool = False        # pull: the publisher was asked to send
+    received: IndexArray = field(default_factory=lambda: np.zeros(0, np.int64))
+    posted: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)  # run -> (receive, rows, buffer)
+    stopped: RecordStatus | None = None  # the publisher stopped early, and said so
+    reason: str = ""
+    peer_gone: bool = False
+    acked: bool = False
+    next_heartbeat: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return bool(np.all(self.received >= self.expected))

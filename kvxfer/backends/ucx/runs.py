@@ -1,0 +1,121 @@
+"""The runs a ucx transfer moves, numbered the same way at both ends.
+
+Each end matches its view with the peer's hint (``match_rows``), then both order the
+matched rows the same way: by layer group name, then by ordinal. A run is a stretch of that
+order whose slots are consecutive at both ends, so it travels as one tag message, straight
+from the sender's rows into the receiver's. Run ``i`` of one end is run ``i`` of the other,
+which is how a message's tag names its rows without a header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxfer.backends.common.matching import GroupMatch
+from kvxfer.contract import BoolArray, Hint, IndexArray, View
+
+MAX_RUN_ROWS = 1 << 16  # a longer stretch goes as several runs: a receive is posted only once its message came
+
+
+@dataclass(frozen=True, eq=False)
+class RunPlan:
+    """Runs in their shared order: per run its groups at both ends, first local slot, rows and
+    row size; ``local_rows``/``peer_rows`` list the rows of every run back to back (indices
+    into their group), ``starts`` where each run begins in them."""
+
+    local_group: IndexArray   # view group of each run
+    peer_group: IndexArray    # hint group of each run
+    local_slot: IndexArray    # first local slot
+    lengths: IndexArray       # rows
+    row_bytes: IndexArray     # bytes per row
+    starts: IndexArray        # offsets into local_rows / peer_rows, one past the end last
+    local_rows: IndexArray    # row indices into their view group, run after run
+    peer_rows: IndexArray     # row indices into their hint group, run after run
+
+    @property
+    def runs(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.sum())
+
+    def nbytes(self, run: int) -> int:
+        return int(self.lengths[run] * self.row_bytes[run])
+
+    def local_masks(self, view: View, counts: IndexArray) -> list[BoolArray]:
+        """Masks over the view's groups: True for the first ``counts[i]`` rows of each run ``i``."""
+        return _masks([len(g) for g in view.groups], self, counts, self.local_group, self.local_rows)
+
+    def peer_masks(self, hint: Hint, counts: IndexArray) -> list[BoolArray]:
+        """The same rows, as masks over the peer's hint groups (what its records carry)."""
+        return _masks([len(g) for g in hint.groups], self, counts, self.peer_group, self.peer_rows)
+
+    def limited(self, rows: int | None) -> IndexArray:
+        """Rows to send of each run when only the first ``rows`` rows may go (a fault injected
+        after them): whole runs, then part of one, then none."""
+        if rows is None:
+            return self.lengths.copy()
+        return np.clip(rows - self.starts[:-1], 0, self.lengths).astype(np.int64)
+
+
+    def rows_per_run(self, view: View, masks: list[BoolArray]) -> IndexArray:
+        """How many rows of each run are True in ``masks`` (masks over the view's groups)."""
+        if not self.runs:
+            return np.zeros(0, np.int64)
+        rows_true = np.concatenate([np.asarray(m, dtype=np.bool_) for m in masks])
+        offsets = np.cumsum([0] + [len(g) for g in view.groups])[:-1]
+        flat = offsets[np.repeat(self.local_group, self.lengths)] + self.local_rows
+        return np.add.reduceat(rows_true[flat].astype(np.int64), self.starts[:-1]).astype(np.int64)
+
+
+def _masks(sizes: list[int], plan: RunPlan, counts: IndexArray, groups: IndexArray,
+           rows: IndexArray) -> list[BoolArray]:
+    masks = [np.zeros(n, dtype=np.bool_) for n in sizes]
+    if not plan.runs:
+        return masks
+    within = np.arange(plan.rows, dtype=np.int64) - np.repeat(plan.starts[:-1], plan.lengths)
+    take = within < np.repeat(counts, plan.lengths)
+    row_groups = np.repeat(groups, plan.lengths)[take]
+    chosen = rows[take]
+    for g in np.unique(row_groups).tolist():
+        masks[g][chosen[row_groups == g]] = True
+    return masks
+
+
+def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, sending: bool) -> RunPlan:
+    """The runs of a transfer between ``view`` (this end) and ``hint`` (the peer), numbered as
+    the peer numbers them. ``sending``: this end sends (its slots are the source)."""
+    del sending  # both ends order by (layer group, ordinal): the same runs either way
+    peer_index = {g.layer_group: i for i, g in enumerate(hint.groups)}
+    parts: list[tuple[str, int, int, IndexArray, IndexArray, IndexArray, IndexArray, int]] = []
+    for gi, match in enumerate(matches):
+        if match.peer is None or match.local_rows.size == 0:
+            continue
+        ordinals = match.local.ordinals[match.local_rows]
+        order = np.argsort(ordinals, kind="stable")
+        parts.append((match.local.layer_group, gi, peer_index[match.peer.layer_group], match.local_rows[order],
+                      match.peer_rows[order], match.local_slots[order], match.peer_slots[order],
+                      match.local.region.slot_bytes))
+    parts.sort(key=lambda p: p[0])
+    cols: dict[str, list[IndexArray]] = {k: [] for k in ("lg", "pg", "ls", "len", "rb", "lr", "pr")}
+    for _, gi, pgi, lrows, prows, lslots, pslots, row_bytes in parts:
+        n = lslots.size
+        brk = np.ones(n, dtype=np.bool_)
+        brk[1:] = (np.diff(lslots) != 1) | (np.diff(pslots) != 1)
+        index = np.arange(n, dtype=np.int64)
+        brk |= (index - np.maximum.accumulate(np.where(brk, index, 0))) % MAX_RUN_ROWS == 0
+        first = np.flatnonzero(brk).astype(np.int64)
+        lengths = np.diff(np.append(first, n)).astype(np.int64)
+        cols["lg"].append(np.full(first.size, gi, np.int64))
+        cols["pg"].append(np.full(first.size, pgi, np.int64))
+        cols["ls"].append(lslots[first].astype(np.int64))
+        cols["len"].append(lengths)
+        cols["rb"].append(np.full(first.size, row_bytes, np.int64))
+        cols["lr"].append(lrows.astype(np.int64))
+        cols["pr"].append(prows.astype(np.int64))
+    cat = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in cols.items()}
+    starts = np.concatenate([[0], np.cumsum(cat["len"])]).astype(np.int64)
+    return RunPlan(cat["lg"], cat["pg"], cat["ls"], cat["len"], cat["rb"], starts, cat["lr"], cat["pr"])

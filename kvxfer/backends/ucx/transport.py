@@ -1,0 +1,155 @@
+"""A ucxx worker as the ucx backend uses it: tag messages to peers by worker address, probes
+that take arrived messages out of UCX's queue, and receives into memory of our choosing.
+
+ucxx (the RAPIDS Python binding of UCX; wheels ``ucxx-cu12``/``ucxx-cu13``) exposes tag,
+stream and active-message operations, but no one-sided put/get with remote keys. The
+backend is built on tag messages, which suits kvxfer's rule that nothing may land in memory
+its owner has since reused: a receive is posted into our rows only after the message has
+arrived (``tag_probe(remove=True)``) and only while the transfer is live, so no peer can
+write into our memory at any other time, and none needs a key to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from kvxfer.contract import KvxferError
+
+CONTROL_TAG = 1 << 63  # records, heartbeats, pull requests; data tags keep this bit clear
+DATA_MASK = 1 << 63
+RUN_BITS = 24  # data tag = (transfer tag << RUN_BITS) | run
+RUN_MASK = (1 << RUN_BITS) - 1
+TRANSFER_TAG_BITS = 63 - RUN_BITS
+
+
+class UcxUnavailable(KvxferError):
+    """The ucx backend cannot run in this process (ucxx is not installed, or UCX failed)."""
+
+
+class UcxPeerGone(KvxferError):
+    """A ucx peer disconnected (or cannot be reached)."""
+
+
+def load_ucxx() -> tuple[ModuleType, Any]:
+    """(ucxx's libucxx module, its Array type); UcxUnavailable naming why not."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets options this UCX may not know
+    try:
+        import ucxx._lib.libucxx as libucxx  # noqa: PLC0415 - optional: pip install "kvxfer[ucx]"
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+    except ImportError as exc:
+        raise UcxUnavailable(f"the ucx backend needs ucxx (pip install 'kvxfer[ucx]'): {exc}") from exc
+    return libucxx, Array
+
+
+class _DeviceSpan:
+    """Device memory as ucxx takes it: an object with __cuda_array_interface__."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+def memory_span(address: int, nbytes: int, device: bool) -> Any:
+    """``nbytes`` at ``address`` as a buffer ucxx can send from or receive into, without a copy."""
+    if device:
+        return _DeviceSpan(address, nbytes)
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address)) if nbytes else np.zeros(0, np.uint8)
+
+
+class Transport:
+    """One UCX context and worker; progressed only by the backend's progress thread (and by
+    the owner's submission, which only posts sends)."""
+
+    def __init__(self) -> None:
+        self._lib, self._array = load_ucxx()
+        lib = self._lib
+        try:
+            self._context = lib.UCXContext(feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
+            self._worker = lib.UCXWorker(self._context)
+        except lib.UCXError as exc:
+            raise UcxUnavailable(f"UCX could not start a worker: {exc}") from exc
+        self.address: bytes = self._worker.address.tobytes()
+        self._endpoints: dict[str, tuple[bytes, Any]] = {}
+        self._gone_errors = tuple(getattr(lib, n) for n in (
+            "UCXConnectionResetError", "UCXEndpointTimeoutError", "UCXUnreachableError", "UCXNotConnectedError",
+            "UCXCanceledError", "UCXCloseError") if hasattr(lib, n))
+        self.cuda = bool(getattr(self._context, "cuda_support", False))
+
+    @property
+    def info(self) -> str:
+        """UCX's own description of the worker (its transports among it)."""
+        return str(self._worker.info)
+
+    def _endpoint(self, agent: str, address: bytes) -> Any:
+        known = self._endpoints.get(agent)
+        if known is not None and known[0] == address:
+            return known[1]
+        if known is not None:  # restarted under the same name: a new worker address
+            self.forget(agent)
+        try:
+            ep = self._worker.create_endpoint_from_worker_address(self._lib.UCXAddress.create_from_buffer(address),
+                                                                  True)
+        except (self._lib.UCXError, ValueError) as exc:
+            raise UcxPeerGone(f"cannot reach ucx peer {agent!r}: {exc}") from exc
+        self._endpoints[agent] = (address, ep)
+        return ep
+
+    def send(self, agent: str, address: bytes, buffer: Any, tag: int) -> Any:
+        """Post a tag send; UcxPeerGone when the peer cannot be reached. ``buffer`` must stay
+        alive until the send completes (the caller keeps it)."""
+        ep = self._endpoint(agent, address)
+        try:
+            return ep.tag_send(self._array(buffer), self._lib.UCXXTag(tag))
+        except self._lib.UCXError as exc:
+            raise UcxPeerGone(f"ucx peer {agent!r}: {exc}") from exc
+
+    def alive(self, agent: str) -> bool:
+        known = self._endpoints.get(agent)
+        return known is None or bool(known[1].alive)
+
+    def forget(self, agent: str) -> None:
+        known = self._endpoints.pop(agent, None)
+        if known is not None:
+            try:
+                known[1].close()
+            except self._lib.UCXError:
+                pass
+
+    def probe(self, tag: int, mask: int) -> Any | None:
+        """The next arrived message matching, taken out of UCX's queue (receive or drain it)."""
+        found = self._worker.tag_probe(self._lib.UCXXTag(tag), self._lib.UCXXTagMask(mask), True)
+        return found if found.matched else None
+
+    def receive(self, probe: Any, buffer: Any) -> Any:
+        return self._worker.tag_recv_with_handle(self._array(buffer), probe)
+
+    def drain(self, probe: Any) -> tuple[Any, np.ndarray]:
+        """Receive a message nobody wants into a scratch buffer, so that UCX lets go of it:
+        (the receive, the buffer, which must live until the receive completes)."""
+        scratch = np.empty(max(1, int(probe.length)), np.uint8)
+        return self.receive(probe, scratch), scratch
+
+    def state(self, request: Any) -> str:
+        """"PROC" while ``request`` runs, "DONE", "GONE" (its peer disconnected) or "ERR"."""
+        if not request.completed:
+            return "PROC"
+        try:
+            request.check_error()
+        except self._gone_errors:
+            return "GONE"
+        except self._lib.UCXError:
+            return "ERR"
+        return "DONE"
+
+    def progress(self) -> None:
+        self._worker.progress()
+
+    def close(self) -> None:
+        for agent in list(self._endpoints):
+            self.forget(agent)
+        self._worker.progress()
