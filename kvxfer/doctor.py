@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvxfer.backends.nixl import cuda_device_count, cuda_present
+from kvxfer import doctor_ucx
+from kvxfer.backends.common.devices import cuda_device_count, cuda_present
 from kvxfer.doctor_probe import ROW
 
 _CELL_TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
@@ -93,7 +94,7 @@ def parse_proto_info(text: str) -> list[dict[str, Any]]:
             current = None
         elif current is not None:
             cells = [c.strip() for c in line.split("|")]
-            if len(cells) >= 3 and re.match(r"^[0-9.]+(\.\.[0-9a-z]+)?$", cells[0]):
+            if len(cells) >= 3 and re.match(r"^[0-9.]+[KMGT]?(\.\.[0-9a-zA-Z]+)?$", cells[0]):
                 for name, device in _CELL_TRANSPORT.findall(cells[-1]):
                     entry = f"{name}/{device}"
                     if entry not in current["transports"]:
@@ -207,6 +208,13 @@ def probe(memory: str, nbytes: int, reps: int, timeout: float,
 
 def _warnings(report: dict[str, Any]) -> list[str]:
     out = []
+    ucx = report.get("ucx", {})
+    if any(t.startswith("tcp") for t in ucx.get("transports", [])):
+        fast = ", ".join(ucx.get("without_error_handling", {}).get("transports", [])) or "unknown"
+        out.append(f"!!! UCX BACKEND (ucxx, UCX {ucx.get('ucx', '?')}) tag lane falls back to TCP: with peer error "
+                   f"handling this UCX leaves out shared memory between processes. Remedy on one host: "
+                   f"UcxBackend(error_handling=False) (lane: {fast}; a dead peer is then seen only at the deadline), "
+                   "or the nixl or ipc backend.")
     for memory, result in report["memory"].items():
         for lane, transports in result["lanes"].items():
             if not transports:
@@ -236,8 +244,22 @@ def _print(report: dict[str, Any]) -> None:
         for label, f in rows.items():
             if isinstance(f, dict):
                 print(f"    {label:<36} {f['best_gbps']:6.2f} ({f['median_gbps']:.2f})")
+    _print_ucx(report.get("ucx"))
     for warning in report["warnings"]:
         print(f"\n{warning}")
+
+
+def _print_ucx(ucx: dict[str, Any] | None) -> None:
+    if ucx is None:
+        return
+    if "skipped" in ucx:
+        print(f"\nucx backend: skipped ({ucx['skipped']})")
+        return
+    print(f"\nucx backend ({ucx['ucxx']}, UCX {ucx['ucx']}), tag messages between two processes:")
+    for label, lane in (("error handling on (default)", ucx), ("error handling off", ucx.get("without_error_handling"))):
+        if lane:
+            cells = ", ".join(f"{int(size) >> 10} KiB {gbps:.2f}" for size, gbps in lane.get("gbps", {}).items())
+            print(f"  {label:<28} lane: {', '.join(lane.get('transports', [])) or 'unknown'}; GB/s: {cells}")
 
 
 def _devices(parser: argparse.ArgumentParser, text: str | None, no_device: bool) -> tuple[int, int] | None:
@@ -271,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-device", action="store_true", help="skip device memory even when CUDA is present")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 when a lane falls back to TCP or its transport is unknown (for scripts and CI)")
+    parser.add_argument("--no-ucx", action="store_true", help="skip the ucx backend's lane (ucxx's UCX)")
     parser.add_argument("--devices", metavar="I,T",
                         help="CUDA devices of the device-memory initiator (it WRITEs on the push lane and READs "
                              "on the pull lane, as a pull's decode end does) and target, e.g. 0,1 "
@@ -295,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["memory"][memory]["devices"] = list(placed)
     if "device" not in kinds:
         report["device_skipped"] = "no CUDA device" if not args.no_device else "--no-device"
+    if not args.no_ucx:
+        _say("ucx: a tag-message sender and receiver over ucxx")
+        report["ucx"] = doctor_ucx.probe(min(args.bytes, 64 << 20), args.reps, args.timeout)
     report["warnings"] = _warnings(report)
     report["seconds"] = round(time.time() - started, 1)
     _print(report)

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests sent (and checked) before the timed workload: the first transfer between two "
                         "agents sets up their connection, which is not what TTFT should show")
     p.add_argument("--prompt-seed", type=int, default=0)
-    p.add_argument("--backend", default="nixl", choices=["nixl", "ipc"])
+    p.add_argument("--backend", default="nixl", choices=["nixl", "ipc", "ucx"])
     p.add_argument("--mode", default="push", choices=["push", "pull"])
     p.add_argument("--pull-on-tcp", default="push", choices=[x.value for x in PullOnTcp],
                    help="nixl pull: the lanes are probed first; when the pull lane is TCP, route to push "

@@ -4,6 +4,8 @@ one of ``kvxfer.backends``.
 - ``nixl`` (default): NIXL over UCX; host memory between processes on this machine, GPU
   memory where CUDA is present.
 - ``ipc``: CUDA IPC between processes sharing a node's GPU (needs CUDA and the native module).
+- ``ucx``: UCX tag messages through ucxx (``pip install 'kvxfer[ucx]'``), host memory
+  between processes.
 - ``loopback``: the in-process reference; it only connects backends of one process, so it
   serves in-process workers (tests and ``examples/router_embed.py``), never ``kvxfer serve``.
 """
@@ -14,7 +16,7 @@ from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import Backend, TransferMode
 
-BACKENDS = ("nixl", "ipc", "loopback")
+BACKENDS = ("nixl", "ipc", "ucx", "loopback")
 
 
 def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
@@ -40,6 +42,10 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 
         return IpcBackend(name, mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll, hint_ttl_s=hint_ttl_s)
+    if kind == "ucx":
+        from kvxfer.backends.ucx import UcxBackend  # noqa: PLC0415 - ucxx loads UCX: only when asked
+
+        return UcxBackend(name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s)
     if kind == "loopback":
         if fabric is None:
             raise ValueError("the loopback backend connects backends of one process only: pass a LoopbackFabric "

@@ -43,7 +43,7 @@ from kvxfer.backends.common.devices import cuda_present, unique_agent_name
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
-from kvxfer.backends.ucx.jobs import Receiving, Sending, transfer_tag
+from kvxfer.backends.ucx.jobs import Receiving, Sending, ending, transfer_tag
 from kvxfer.backends.ucx.runs import plan_runs
 from kvxfer.backends.ucx.transport import (
     CONTROL_TAG,
@@ -88,10 +88,12 @@ class UcxBackend(BackendEngine):
 
     def __init__(self, name: str | None = None, mode: TransferMode = TransferMode.PUSH, *, deadline_s: float = 30.0,
                  hint_ttl_s: float = DEFAULT_HINT_TTL_S, window: int = 64, heartbeat_s: float = 0.25,
-                 fail_after_rows: int | None = None, poll_s: float = 0.0001, key: bytes | None = None) -> None:
+                 fail_after_rows: int | None = None, poll_s: float = 0.0001, key: bytes | None = None,
+                 error_handling: bool = True) -> None:
+        # ``error_handling``: see Transport; False trades dead-peer detection for shared memory.
         if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0 or poll_s < 0:
             raise ValueError("window, deadline_s and heartbeat_s must be positive, poll_s not negative")
-        self._transport = Transport()
+        self._transport = Transport(error_handling)
         kinds = {MemoryKind.HOST} | ({MemoryKind.DEVICE} if self._transport.cuda and cuda_present() else set())
         self._start_engine(name or unique_agent_name("kvxfer-ucx"), mode,
                            frozenset(kinds), hint_ttl_s)
@@ -350,32 +352,13 @@ class UcxBackend(BackendEngine):
         if not wait.asked and self._send_control(wait.hint.agent, wait.hint.endpoint, b"G" + struct.pack(
                 "<q", -1 if wait.limit is None else wait.limit) + wait.hint.transfer_id.encode("ascii")):
             wait.asked = True
-        if wait.attempt.poll() is None:
-            self._maybe_conclude(wait, now)
+        if wait.attempt.poll() is None and (outcome := ending(wait, now, self.deadline_s)) is not None:
+            wait.attempt.conclude(outcome)
         if now >= wait.next_heartbeat and wait.attempt.poll() is None:
             wait.next_heartbeat = now + self.heartbeat_s
             self._send_control(wait.hint.agent, wait.hint.endpoint, b"H")
         if wait.attempt.poll() is not None and not wait.posted:
             self._end_receiving(wait)
-
-    def _maybe_conclude(self, wait: Receiving, now: float) -> None:
-        masks = self._received_masks
-        if wait.complete and not wait.posted:
-            if wait.stopped is RecordStatus.CANCELLED:
-                wait.attempt.conclude(Cancelled(True, masks(wait)))
-            elif wait.stopped is RecordStatus.FAILED:
-                wait.attempt.conclude(Failed(f"peer failed: {wait.reason}", masks(wait)))
-            elif wait.limit is not None:
-                wait.attempt.conclude(Failed(f"injected fault after {wait.limit} rows", masks(wait)))
-            else:
-                wait.attempt.conclude(Delivered(tuple(masks(wait))))
-        elif wait.attempt.cancel_requested:
-            wait.attempt.conclude(Cancelled(False, masks(wait)))
-        elif wait.peer_gone:
-            wait.attempt.conclude(Failed(f"ucx peer {wait.hint.agent!r} disconnected before completing", masks(wait)))
-        elif now > wait.deadline:
-            wait.attempt.conclude(Failed(f"timeout after {self.deadline_s:g}s waiting for peer {wait.hint.agent!r}",
-                                         masks(wait)))
 
     def _on_stop(self, wait: Receiving, record: CompletionRecord) -> None:
         """The publisher stopped early: wait for the rows it says it sent, no more."""

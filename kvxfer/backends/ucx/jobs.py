@@ -13,7 +13,7 @@ import numpy as np
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.ucx.runs import RunPlan
 from kvxfer.backends.ucx.transport import TRANSFER_TAG_BITS
-from kvxfer.contract import Hint, IndexArray, RecordStatus, View
+from kvxfer.contract import BoolArray, Cancelled, Delivered, Failed, Hint, IndexArray, Outcome, RecordStatus, View
 
 
 def transfer_tag(fetcher_transfer_id: str) -> int:
@@ -80,3 +80,27 @@ class Receiving:
     @property
     def complete(self) -> bool:
         return bool(np.all(self.received >= self.expected))
+
+
+def ending(wait: Receiving, now: float, deadline_s: float) -> Outcome | None:
+    """How a live receiving transfer ends now, if it does: every expected row in (and no
+    receive running), cancelled, its peer gone, or past its deadline. The masks are the
+    rows whose receives completed."""
+    def masks() -> list[BoolArray]:  # built only when the transfer ends: steps are frequent
+        return wait.plan.local_masks(wait.view, wait.received)
+
+    if wait.complete and not wait.posted:
+        if wait.stopped is RecordStatus.CANCELLED:
+            return Cancelled(True, masks())
+        if wait.stopped is RecordStatus.FAILED:
+            return Failed(f"peer failed: {wait.reason}", masks())
+        if wait.limit is not None:
+            return Failed(f"injected fault after {wait.limit} rows", masks())
+        return Delivered(tuple(masks()))
+    if wait.attempt.cancel_requested:
+        return Cancelled(False, masks())
+    if wait.peer_gone:
+        return Failed(f"ucx peer {wait.hint.agent!r} disconnected before completing", masks())
+    if now > wait.deadline:
+        return Failed(f"timeout after {deadline_s:g}s waiting for peer {wait.hint.agent!r}", masks())
+    return None
