@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvxfer.worker.procs import port_open
 
 
@@ -83,3 +85,23 @@ def test_pair_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert_nothing_left(processes)
+
+
+def test_pair_over_the_ucx_backend_push_and_pull_token_identical(tmp_path: Path) -> None:
+    """`kvxfer pair --backend ucx`: the same workload over ucxx's UCX, push then pull."""
+    pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')")
+    for mode in ("push", "pull"):
+        report_path = tmp_path / f"{mode}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvxfer.cli", "pair", "--backend", "ucx", "--mode", mode, "--requests", "8",
+             "--json", str(report_path), "--log-dir", str(tmp_path / f"logs-{mode}"), "--quiet"],
+            capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        report = json.loads(report_path.read_text())
+        assert report["config"]["backend"] == "ucx" and report["config"]["mode"] == mode
+        assert report["requests"] == report["matched"] == 8 and report["failed"] == 0
+        assert all(r["transfer"]["status"] == "delivered" for r in report["results"])
+        assert report["rows"] + report["rows_cached_at_decode"] == report["rows_requested"]
+        decode = (tmp_path / f"logs-{mode}" / "decode0.metrics").read_text()
+        assert "kvxfer_open_leases 0" in decode and "kvxfer_quarantined_slots 0" in decode
+        assert_nothing_left(report["config"]["processes"])
