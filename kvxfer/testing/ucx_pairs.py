@@ -1,5 +1,6 @@
 """Connected ucx pairs for the conformance kit: both ends in this process (two ucxx workers),
-or the peer in a child process (``ChildPairs``), over host memory."""
+or the peer in a child process (``ChildPairs``), over host memory (or device memory with
+``memory_kind="device"``, where ucxx was built with CUDA)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from kvxfer.backends.ucx import UcxBackend
 from kvxfer.contract import TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
 from kvxfer.testing.memory import HostRows
-from kvxfer.testing.nixl_pairs import LOCAL_BUFFERS, PEER_BUFFERS, host_rows
+from kvxfer.testing.nixl_pairs import LOCAL_BUFFERS, PEER_BUFFERS, DeviceRows, rows_of
 from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
 
 
-def make_backend(mode: TransferMode, memory: HostRows, **options: Any) -> UcxBackend:
+def make_backend(mode: TransferMode, memory: HostRows | DeviceRows, **options: Any) -> UcxBackend:
     backend = UcxBackend(mode=mode, **options)
     backend.register(memory.regions)
     return backend
@@ -26,9 +27,9 @@ def _injector(backend: UcxBackend) -> Callable[[int | None], None]:
     return inject
 
 
-def ucx_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -> Pair:
+def ucx_pair(mode: TransferMode, *, deadline_s: float = 10.0, memory_kind: str = "host", **options: Any) -> Pair:
     """Two UcxBackends in this process."""
-    local_mem, peer_mem = host_rows(LOCAL_BUFFERS), host_rows(PEER_BUFFERS)
+    local_mem, peer_mem = rows_of(memory_kind, LOCAL_BUFFERS), rows_of(memory_kind, PEER_BUFFERS)
     local = make_backend(mode, local_mem, deadline_s=deadline_s, **options)
     peer = make_backend(mode, peer_mem, deadline_s=deadline_s, **options)
 
@@ -40,10 +41,10 @@ def ucx_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) ->
                 InProcessPeer(peer, peer_mem, peer_mem.regions, _injector(peer)), mode, _injector(local), close)
 
 
-def child_backend(mode: str, deadline_s: float = 10.0, **options: Any) -> tuple[UcxBackend, HostRows,
-                                                                                  Callable[[int | None], None]]:
+def child_backend(mode: str, deadline_s: float = 10.0, memory_kind: str = "host",
+                  **options: Any) -> tuple[UcxBackend, HostRows | DeviceRows, Callable[[int | None], None]]:
     """Runs in the child process of a SubprocessPeer: a UcxBackend over the kit's peer buffers."""
-    memory = host_rows(PEER_BUFFERS)
+    memory = rows_of(memory_kind, PEER_BUFFERS)
     backend = make_backend(TransferMode(mode), memory, deadline_s=deadline_s, **options)
     return backend, memory, _injector(backend)
 
@@ -52,18 +53,19 @@ class ChildPairs:
     """A ``make_pair`` factory whose peer is a UcxBackend in one child process, rebuilt for
     each pair; ``close()`` ends the child."""
 
-    def __init__(self, *, deadline_s: float = 10.0, **options: Any) -> None:
+    def __init__(self, *, deadline_s: float = 10.0, memory_kind: str = "host", **options: Any) -> None:
         self.options = {"deadline_s": deadline_s, **options}
+        self.memory_kind = memory_kind
         self.peer: SubprocessPeer | None = None
 
     def __call__(self, mode: TransferMode) -> Pair:
-        kwargs = {"mode": mode.value, **self.options}
+        kwargs = {"mode": mode.value, "memory_kind": self.memory_kind, **self.options}
         if self.peer is None:
             self.peer = SubprocessPeer("kvxfer.testing.ucx_pairs:child_backend", kwargs)
         else:
             self.peer.rebuild(kwargs)
         peer = self.peer
-        local_mem = host_rows(LOCAL_BUFFERS)
+        local_mem = rows_of(self.memory_kind, LOCAL_BUFFERS)
         local = make_backend(mode, local_mem, **self.options)
 
         def close() -> None:
