@@ -30,6 +30,7 @@ class Requirement(enum.Enum):
     KVXFER_IPC = "kvxfer.backends.ipc and its two-process test pair (kvxfer.testing.ipc_pairs)"
     KVXFER_PACKED = "the packed NIXL path (kvxfer.backends.nixl with packed rows)"
     SUBPROCESS_PEER = "kvxfer.testing.subprocess_peer"
+    UCXX = "the ucxx package (ucxx._lib.libucxx) and kvxfer.backends.ucx"
 
 
 class Role(enum.Enum):
@@ -83,6 +84,27 @@ def _has_module(name: str) -> bool:
         return False
 
 
+def _ipc_missing() -> str | None:
+    missing = [m for m in ("kvxfer.backends.ipc", "kvxfer.testing.ipc_pairs") if not _has_module(m)]
+    if missing:
+        return f"{' and '.join(missing)} do{'es' if len(missing) == 1 else ''} not exist yet"
+    from kvxfer import native
+
+    state = native.info()
+    return None if state.cuda_usable else f"kvxfer._native has no usable CUDA ({state.reason})"
+
+
+def _ucxx_missing() -> str | None:
+    if not _has_module("kvxfer.backends.ucx"):
+        return "kvxfer.backends.ucx is absent"
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # as kvxfer.backends.ucx.transport sets it
+    try:
+        importlib.import_module("ucxx._lib.libucxx")
+    except Exception as err:  # ImportError, or OSError from a wheel whose libraries do not load
+        return f"ucxx does not import (pip install 'kvxfer[ucx]'): {err}"
+    return None
+
+
 @functools.cache
 def requirement_missing(req: Requirement) -> str | None:
     """None when ``req`` is met on this machine, else why not."""
@@ -102,13 +124,9 @@ def requirement_missing(req: Requirement) -> str | None:
     if req is Requirement.KVXFER_NIXL:
         return None if _has_module("kvxfer.backends.nixl") else "kvxfer.backends.nixl does not exist yet"
     if req is Requirement.KVXFER_IPC:
-        missing = [m for m in ("kvxfer.backends.ipc", "kvxfer.testing.ipc_pairs") if not _has_module(m)]
-        if missing:
-            return f"{' and '.join(missing)} do{'es' if len(missing) == 1 else ''} not exist yet"
-        from kvxfer import native
-
-        state = native.info()
-        return None if state.cuda_usable else f"kvxfer._native has no usable CUDA ({state.reason})"
+        return _ipc_missing()
+    if req is Requirement.UCXX:
+        return _ucxx_missing()
     if req is Requirement.SUBPROCESS_PEER:
         return None if _has_module("kvxfer.testing.subprocess_peer") else "kvxfer.testing.subprocess_peer is absent"
     if req is Requirement.KVXFER_PACKED:

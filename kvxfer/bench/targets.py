@@ -114,6 +114,11 @@ TARGETS = (
     Target("CPU, two processes, NIXL, 64 KiB rows, coalescable", "≥ 90% of NIXL one descriptor",
            lambda f: f.case == "nixl_2p" and _tp(f, "host", "contiguous") and f.key["row_bytes"] == 64 * K,
            _ratio_judge("nixl_one_desc", 0.90), "the nixl_2p case (kvxfer NIXL, peer in a second process) over host memory"),
+    # Issue 28: the ucx backend within 10% of the NIXL backend on the same case (same shape, same run).
+    Target("CPU, two processes, UCX backend, 64 KiB–1 MiB rows", "≥ 90% of the NIXL backend (nixl_2p)",
+           lambda f: f.case == "ucx_2p" and f.mode == "throughput" and f.key.get("memory") == "host"
+           and 64 * K <= f.key["row_bytes"] <= 1 * M, _ratio_judge("nixl_2p", 0.90),
+           "the ucx_2p and nixl_2p cases over host memory, 64 KiB–1 MiB rows"),
 )
 
 # Issue 8: prefill on one GPU, decode on another. local_copy is then the torch peer copy

@@ -2,10 +2,11 @@
 
 The active end (push: the publisher; pull: the fetcher) is a backend in this process; the
 passive end is the same kind of backend in a child process (``SubprocessPeer`` for NIXL
-over host memory, ``kvxfer.testing.ipc_pairs.ChildPeer`` for CUDA IPC), with its own rows. The figure
+and for UCX, ``kvxfer.testing.ipc_pairs.ChildPeer`` for CUDA IPC), with its own rows. The figure
 runs from the call that moves bytes to the active end's outcome being visible here
 through its wake callback: a backend concludes only once its bytes are in place at the
-destination (NIXL: request DONE; IPC: the kernel's event), so this is the transfer. The
+destination (NIXL: request DONE; IPC: the kernel's event; UCX: a fetcher's receives
+done, and a publisher's the fetcher's acknowledgement of them), so this is the transfer. The
 child's own outcome is then collected untimed (it crosses a socket and a poll) and must
 be Delivered for every row. Rows are compared byte for byte after the timed runs. The
 timed publish follows the peer's fetch() back to back: an idle gap between them (as in
@@ -78,6 +79,62 @@ def _nixl_kind(packed: str) -> Kind:
 
     return Kind(("host", "device"), local, peer, args, rows,  # both ends use the backend's defaults here
                 {"processes": 2, "transport": "NIXL over UCX", "packed": packed, **nixl_facts(ChunkBytes())})
+
+
+def ucx_child_backend(mode: str, buffers: list[list[Any]], memory_kind: str = "host", touch: bool = False,
+                      device: int = 0, **options: Any) -> tuple[Backend, Any, None]:
+    """Runs in the ``ucx_2p`` case's child (a SubprocessPeer): a UcxBackend with the
+    backend's defaults over rows of the bench's geometry (``buffers``: [name, slot bytes,
+    slots] items), as ``kvxfer.testing.nixl_pairs.child_backend`` builds NIXL's."""
+    from kvxfer.backends.ucx import UcxBackend
+    from kvxfer.testing.nixl_pairs import rows_of, touch_pages
+
+    if memory_kind == "device":
+        import torch
+
+        torch.cuda.set_device(device)
+    memory = rows_of(memory_kind, tuple((str(n), int(b), int(k)) for n, b, k in buffers), device)
+    if touch:
+        touch_pages(memory)
+    backend = UcxBackend(mode=TransferMode(mode), **options)
+    backend.register(memory.regions)
+    return backend, memory, None
+
+
+def _ucx_kind(**options: Any) -> Kind:
+    """UcxBackend here and in a SubprocessPeer child (``ucx_child_backend``), both with the
+    backend's defaults but ``options``, over host rows (device rows where ucxx has CUDA),
+    touched as NIXL's are, so that ``ucx_2p`` and ``nixl_2p`` measure the same thing."""
+    import ucxx
+    import ucxx._lib.libucxx as libucxx
+
+    from kvxfer.backends.ucx import UcxBackend
+
+    def local(mode: TransferMode, device: int) -> Backend:
+        return UcxBackend(mode=mode, **options)
+
+    def args(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> dict[str, Any]:
+        return {"mode": mode.value, "buffers": [list(g) for g in geometry], "memory_kind": memory, "touch": True,
+                "device": device, **options}
+
+    def peer(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> Any:
+        from kvxfer.testing.subprocess_peer import SubprocessPeer
+
+        return SubprocessPeer(f"{__name__}:ucx_child_backend", args(mode, geometry, memory, device))
+
+    def rows(geometry: Geometry, memory: str, device: int) -> Any:
+        from kvxfer.testing.nixl_pairs import rows_of, touch_pages
+
+        made = rows_of(memory, geometry, device)
+        touch_pages(made)
+        return made
+
+    # Which settings were measured: the window, and UCX's peer error handling where the backend has it.
+    settings = {**(UcxBackend.__init__.__kwdefaults__ or {}), **options}
+    return Kind(("host", "device"), local, peer, args, rows,
+                {"processes": 2, "transport": "UCX tag messages (ucxx)", "ucxx": ucxx.__version__,
+                 "ucxx_ucx": ".".join(map(str, libucxx.get_ucx_version())),
+                 **{k: settings[k] for k in ("window", "error_handling") if k in settings}})
 
 
 def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:
@@ -156,7 +213,8 @@ class TwoProcessCase:
             peer = self._peer(mode, geometry_peer, point.memory)
             with device_scope(point.memory, here):
                 local = self.kind.local(mode, here)
-                local.register(memory.regions)
+                if local.register(memory.regions):
+                    raise Skip(f"{type(local).__name__} cannot reach {point.memory} memory in this process")
             v_local = _view(memory.regions, local_slots, point.rows)
             v_peer = _view(peer.regions, peer_slots, point.rows)
             def stamp(seed: int) -> list[bytes]:
@@ -326,6 +384,13 @@ SPECS = [
     CaseSpec("nixl_2p_packed", "kvxfer NIXL backend, packed rows (bounce arena), peer in a second process",
              Role.BACKEND, frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED, Requirement.SUBPROCESS_PEER}),
              _ALL, frozenset({"throughput"}), lambda config: TwoProcessCase(config, _nixl_kind("always"))),
+    CaseSpec("ucx_2p", "kvxfer UCX backend (ucxx tag messages), peer in a second process", Role.BACKEND,
+             frozenset({Requirement.UCXX, Requirement.SUBPROCESS_PEER}), _ALL,
+             frozenset({"throughput"}), lambda config: TwoProcessCase(config, _ucx_kind())),
+    CaseSpec("ucx_2p_no_error_handling", "kvxfer UCX backend, error_handling=False on both ends (UCX may use shared "
+             "memory; a dead peer is seen only at the deadline), peer in a second process", Role.BACKEND,
+             frozenset({Requirement.UCXX, Requirement.SUBPROCESS_PEER}), _ALL,
+             frozenset({"throughput"}), lambda config: TwoProcessCase(config, _ucx_kind(error_handling=False))),
     CaseSpec("ipc", "kvxfer CUDA IPC backend, peer in a second process", Role.BACKEND,
              frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
              frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind())),
