@@ -11,7 +11,7 @@ import pytest
 from kvxfer.contract import MemoryKind, TransferMode
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("ucxx", reason="the ucx backend needs ucxx")
+pytest.importorskip("ucxx", reason="the ucx backend needs ucxx", exc_type=ImportError)
 pytestmark = pytest.mark.gpu
 
 from kvxfer.testing.conformance import CHECKS  # noqa: E402

@@ -23,7 +23,7 @@ def _config(names: tuple[str, ...], sweep: ThroughputSweep):  # type: ignore[no-
 
 
 def test_ucx_2p_sweep_is_measured_verified_and_reaped() -> None:
-    pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')")
+    pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')", exc_type=ImportError)
     sweep = ThroughputSweep(row_bytes=(4096, 64 << 10), rows=(16,), directions=("push", "pull"),
                             memory=("host", "device"), slots=("contiguous", "scattered"))
     result = run(_config(("ucx_2p",), sweep))
@@ -43,7 +43,7 @@ def test_ucx_2p_sweep_is_measured_verified_and_reaped() -> None:
 
 
 def test_ucx_2p_is_judged_against_nixl_2p_in_the_same_run() -> None:
-    pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')")
+    pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')", exc_type=ImportError)
     pytest.importorskip("nixl._api", reason="nixl_2p needs the nixl package")
     sweep = ThroughputSweep(row_bytes=(64 << 10,), rows=(16,), directions=("push",), slots=("scattered",))
     result = run(_config(("nixl_2p", "ucx_2p"), sweep))

@@ -7,7 +7,7 @@ import pytest
 from kvxfer.contract import TransferMode
 from kvxfer.testing.conformance import CHECKS
 
-pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')")
+pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')", exc_type=ImportError)
 
 from kvxfer.testing.ucx_pairs import ucx_pair  # noqa: E402
 

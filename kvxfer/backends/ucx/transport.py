@@ -42,8 +42,19 @@ def load_ucxx() -> tuple[ModuleType, Any]:
         import ucxx._lib.libucxx as libucxx  # noqa: PLC0415 - optional: pip install "kvxfer[ucx]"
         from ucxx._lib.arr import Array  # noqa: PLC0415
     except ImportError as exc:
+        if "Support for UCX" in str(exc):  # an older system UCX found before the wheel's
+            raise UcxUnavailable(f"ucxx loaded an older UCX than it needs ({exc}); put the libucx wheel's "
+                                 f"libraries first: LD_LIBRARY_PATH={_wheel_ucx_dir()}:$LD_LIBRARY_PATH") from exc
         raise UcxUnavailable(f"the ucx backend needs ucxx (pip install 'kvxfer[ucx]'): {exc}") from exc
     return libucxx, Array
+
+
+def _wheel_ucx_dir() -> str:
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.find_spec("libucx")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return os.path.join(locations[0], "lib") if locations else "<site-packages>/libucx/lib"
 
 
 class _DeviceSpan:
