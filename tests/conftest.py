@@ -13,7 +13,7 @@ import pytest
 from kvxfer.worker.procs import children_of
 
 # Backends' progress threads (kvxfer.backends.*): each backend's shutdown() ends its own.
-_BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-")
+_BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-", "kvxfer-ucx-")
 _SETTLE_S = 10.0  # a process killed at a module's end may take a moment to be reaped
 
 

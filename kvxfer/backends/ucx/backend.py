@@ -43,8 +43,9 @@ from kvxfer.backends.common.devices import cuda_present, unique_agent_name
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
-from kvxfer.backends.ucx.jobs import Receiving, Sending, ending, transfer_tag
-from kvxfer.backends.ucx.runs import plan_runs
+from kvxfer.backends.ucx.jobs import Receiving, Sending, acknowledged, ending, fits, transfer_tag
+from kvxfer.backends.ucx.packing import gather, run_memory, scatter, split
+from kvxfer.backends.ucx.runs import PACK_BYTES, plan_runs
 from kvxfer.backends.ucx.transport import (
     CONTROL_TAG,
     DATA_MASK,
@@ -52,7 +53,6 @@ from kvxfer.backends.ucx.transport import (
     RUN_MASK,
     Transport,
     UcxPeerGone,
-    memory_span,
 )
 from kvxfer.contract import (
     Cancelled,
@@ -75,6 +75,7 @@ from kvxfer.wire.auth import resolve_key
 log = logging.getLogger(__name__)
 
 BACKEND_KIND = "ucx"
+EXTRA_PACK = "ucx.pack"  # in a fetcher's hint: the pack_bytes its messages are grouped by
 IDLE_POLL_S = 0.005
 KEPT = 4096  # pull requests before their publish(), described transfers awaiting their fetch()
 EARLY_MESSAGES = 1 << 16  # data messages held for a fetch() not submitted yet, at most
@@ -89,10 +90,13 @@ class UcxBackend(BackendEngine):
     def __init__(self, name: str | None = None, mode: TransferMode = TransferMode.PUSH, *, deadline_s: float = 30.0,
                  hint_ttl_s: float = DEFAULT_HINT_TTL_S, window: int = 64, heartbeat_s: float = 0.25,
                  fail_after_rows: int | None = None, poll_s: float = 0.0001, key: bytes | None = None,
-                 error_handling: bool = True) -> None:
+                 error_handling: bool = True, pack_bytes: int = PACK_BYTES) -> None:
         # ``error_handling``: see Transport; False trades dead-peer detection for shared memory.
-        if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0 or poll_s < 0:
-            raise ValueError("window, deadline_s and heartbeat_s must be positive, poll_s not negative")
+        # ``pack_bytes``: small host runs this end fetches come packed in messages of about
+        # this size (0: a message per run); its hints say so to the publisher.
+        if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0 or poll_s < 0 or pack_bytes < 0:
+            raise ValueError("window, deadline_s and heartbeat_s must be positive, poll_s and pack_bytes not negative")
+        self.pack_bytes = pack_bytes
         self._transport = Transport(error_handling)
         kinds = {MemoryKind.HOST} | ({MemoryKind.DEVICE} if self._transport.cuda and cuda_present() else set())
         self._start_engine(name or unique_agent_name("kvxfer-ucx"), mode,
@@ -108,7 +112,7 @@ class UcxBackend(BackendEngine):
         self._asked: OrderedDict[str, int] = OrderedDict()  # pull requests before publish(): id -> limit
         self._control: list[tuple[Any, np.ndarray]] = []     # control messages being received
         self._drains: list[tuple[Any, np.ndarray]] = []  # receives into scratch, and their buffers
-        self._heartbeats: list[tuple[str, Any, np.ndarray]] = []  # control sends, and their buffers
+        self._heartbeats: list[tuple[str, bytes, Any, np.ndarray]] = []  # control sends (to, address), buffers
         self._kick = threading.Event()
         self._progress = ProgressThread(f"kvxfer-ucx-{self.name}", lambda: self._step(), self._pause,
                                         functools.partial(log.exception, "ucx backend %s: progress step failed",
@@ -125,7 +129,8 @@ class UcxBackend(BackendEngine):
         transfer_id = self._describe_checked(view)
         with self._jobs_lock:
             put_bounded(self._described, transfer_tag(transfer_id), None, KEPT)
-        return self._hint(view, transfer_id, audience, endpoint=self._transport.address)
+        return self._hint(view, transfer_id, audience, endpoint=self._transport.address,
+                          extras=((EXTRA_PACK, struct.pack("<q", self.pack_bytes)),))
 
     @property
     def transport_info(self) -> str:
@@ -146,7 +151,8 @@ class UcxBackend(BackendEngine):
                 wait.attempt.mark_quiesced()
         left = frozenset(a for a in self._all_attempts() if not a.quiesced())
         if not left:
-            self._drain_all()
+            self._transport.drain_everything(self._early.values())
+            self._early.clear()
             self._transport.close()
         return left
 
@@ -163,7 +169,8 @@ class UcxBackend(BackendEngine):
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         admitted = self._admit(view, hint, fetching=fetching)
         attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
-        plan = plan_runs(view, hint, match_rows(view, hint), sending=not fetching)
+        plan = plan_runs(view, hint, match_rows(view, hint), sending=not fetching,
+                         pack_bytes=self.pack_bytes if fetching else _peer_pack_bytes(hint))
         deadline = time.monotonic() + self.deadline_s
         limit = self.fail_after_rows
         with self._jobs_lock:
@@ -220,7 +227,7 @@ class UcxBackend(BackendEngine):
         for job in sending:
             self._advance_sending(job, now)
         self._drains = [d for d in self._drains if not d[0].completed]
-        self._heartbeats = [h for h in self._heartbeats if not self._heartbeat_done(h[0], h[1])]
+        self._heartbeats = [h for h in self._heartbeats if not self._heartbeat_done(h[0], h[1], h[2])]
         with self._jobs_lock:
             return bool(self._sending or self._receiving or self._drains)
 
@@ -276,26 +283,28 @@ class UcxBackend(BackendEngine):
     def _send_control(self, agent: str, address: bytes, message: bytes) -> bool:
         try:
             buffer = np.frombuffer(message, np.uint8)
-            self._heartbeats.append((agent, self._transport.send(agent, address, buffer, CONTROL_TAG), buffer))
+            self._heartbeats.append((agent, address, self._transport.send(agent, address, buffer, CONTROL_TAG), buffer))
             return True
         except UcxPeerGone as exc:
             log.info("ucx backend %s: %s", self.name, exc)
-            self._peer_lost(agent)
+            self._peer_lost(agent, address)
             return False
 
     def _send_record(self, agent: str, address: bytes, record: CompletionRecord) -> bool:
         return self._send_control(agent, address, b"R" + encode_completion(record, self._key))
 
-    def _heartbeat_done(self, agent: str, request: Any) -> bool:
+    def _heartbeat_done(self, agent: str, address: bytes, request: Any) -> bool:
         state = self._transport.state(request)
         if state == "GONE":
-            self._peer_lost(agent)
+            self._peer_lost(agent, address)
         return state != "PROC"
 
-    def _peer_lost(self, agent: str) -> None:
+    def _peer_lost(self, agent: str, address: bytes) -> None:
+        """The peer process at ``address`` is gone (a peer restarted under the same name, at a
+        new address, is another peer)."""
         with self._jobs_lock:
-            jobs = [j for j in self._sending.values() if j.hint.agent == agent]
-            waits = [w for w in self._receiving.values() if w.hint.agent == agent]
+            jobs = [j for j in self._sending.values() if (j.hint.agent, j.hint.endpoint) == (agent, address)]
+            waits = [w for w in self._receiving.values() if (w.hint.agent, w.hint.endpoint) == (agent, address)]
         for job in jobs:
             job.peer_gone = True
             job.failure = job.failure or f"ucx peer {agent!r} disconnected"
@@ -318,21 +327,21 @@ class UcxBackend(BackendEngine):
                 self._drains.append(self._transport.drain(probe))
 
     def _land(self, wait: Receiving, run: int, probe: Any) -> None:
-        """Receive one run's message into our rows, if the transfer is live and the message
-        is a whole number of rows from the run's start; else drop it (and fail the wait)."""
+        """Receive one message into our rows (a packed one into a buffer, copied into the rows
+        once it is in), if the transfer is live and the message holds whole rows from the
+        start of its runs; else drop it (and fail the wait)."""
         plan, length = wait.plan, int(probe.length)
-        rows, extra = divmod(length, int(plan.row_bytes[run])) if run < plan.runs else (0, 1)
+        end = int(plan.chunk_end[run]) if run < plan.runs else -1
+        counts = split(plan, run, end, length) if end > run and run not in wait.posted else None
         live = wait.attempt.poll() is None and not wait.attempt.cancel_requested
-        if not live or extra or run in wait.posted or not 0 < rows <= plan.lengths[run] - wait.received[run]:
+        if not live or counts is None or np.any(wait.received[run:end] > 0):
             self._drains.append(self._transport.drain(probe))
             if live:
                 wait.attempt.conclude(Failed(f"peer sent {length} bytes as run {run}, which does not fit it",
                                              self._received_masks(wait)))
             return
-        region = wait.view.groups[int(plan.local_group[run])].region
-        address = region.address + int(plan.local_slot[run] + wait.received[run]) * region.slot_bytes
-        span = memory_span(address, length, region.memory_kind is MemoryKind.DEVICE)
-        wait.posted[run] = (self._transport.receive(probe, span), rows, span)
+        buffer = np.empty(length, np.uint8) if end - run > 1 else run_memory(wait.view, plan, run, length)
+        wait.posted[run] = (self._transport.receive(probe, buffer), counts, buffer)
 
     def _advance_receiving(self, wait: Receiving, now: float) -> None:
         with self._jobs_lock:
@@ -340,13 +349,15 @@ class UcxBackend(BackendEngine):
             self._early_count -= len(held)
         for probe in held:
             self._land(wait, probe.sender_tag.value & RUN_MASK, probe)
-        for run, (request, rows, _span) in list(wait.posted.items()):
+        for run, (request, counts, buffer) in list(wait.posted.items()):
             state = self._transport.state(request)
             if state == "PROC":
                 continue
             del wait.posted[run]
             if state == "DONE":
-                wait.received[run] += rows
+                if counts.size > 1:
+                    scatter(wait.view, wait.plan, run, counts, buffer)
+                wait.received[run:run + counts.size] += counts
             elif state == "GONE":
                 wait.peer_gone = True
         if not wait.asked and self._send_control(wait.hint.agent, wait.hint.endpoint, b"G" + struct.pack(
@@ -356,14 +367,16 @@ class UcxBackend(BackendEngine):
             wait.attempt.conclude(outcome)
         if now >= wait.next_heartbeat and wait.attempt.poll() is None:
             wait.next_heartbeat = now + self.heartbeat_s
-            self._send_control(wait.hint.agent, wait.hint.endpoint, b"H")
+            if not self._transport.alive(wait.hint.agent, wait.hint.endpoint):
+                self._peer_lost(wait.hint.agent, wait.hint.endpoint)
+            else:
+                self._send_control(wait.hint.agent, wait.hint.endpoint, b"H")
         if wait.attempt.poll() is not None and not wait.posted:
             self._end_receiving(wait)
 
     def _on_stop(self, wait: Receiving, record: CompletionRecord) -> None:
         """The publisher stopped early: wait for the rows it says it sent, no more."""
-        if len(record.masks) != len(wait.view.groups) or any(
-                m.shape != (len(g),) for m, g in zip(record.masks, wait.view.groups)):
+        if not fits(record, wait.view):
             wait.attempt.conclude(Failed("peer sent a completion record of the wrong shape",
                                          self._received_masks(wait)))
             return
@@ -397,19 +410,26 @@ class UcxBackend(BackendEngine):
                 job.attempt.conclude(Failed(job.failure, job.view.row_masks()))
         if job.go and not job.stopping:
             self._post_sends(job)
+        if job.attempt.poll() is None and now >= job.ask_again and (job.all_posted or job.told or not job.go):
+            # Waiting for the fetcher (to ask, or to acknowledge): only a send shows it died.
+            job.ask_again = now + self.heartbeat_s
+            if not self._transport.alive(job.hint.agent, job.hint.endpoint):
+                self._peer_lost(job.hint.agent, job.hint.endpoint)
+            else:
+                self._send_control(job.hint.agent, job.hint.endpoint, b"H")
         if not job.inflight:
             self._settle(job)
 
     def _reap_sends(self, job: Sending) -> None:
-        for run, request in list(job.inflight.items()):
+        for run, (request, end, _buffer) in list(job.inflight.items()):
             state = self._transport.state(request)
             if state == "PROC":
                 continue
             del job.inflight[run]
             if state == "DONE":
-                job.sent[run] = job.to_send[run]
+                job.sent[run:end] = job.to_send[run:end]
             elif state == "GONE":
-                self._peer_lost(job.hint.agent)
+                self._peer_lost(job.hint.agent, job.hint.endpoint)
             else:
                 job.failure = job.failure or f"UCX failed to send run {run} to {job.hint.agent!r}"
 
@@ -428,22 +448,24 @@ class UcxBackend(BackendEngine):
             self._end_sending(job)
 
     def _post_sends(self, job: Sending) -> None:
-        while len(job.inflight) < self.window and job.next_run < job.plan.runs:
+        """Post the next messages, up to ``window`` in flight: a packed one from a buffer the
+        runs' rows were copied into, any other straight from its rows."""
+        plan = job.plan
+        while len(job.inflight) < self.window and job.next_run < plan.runs:
             run = job.next_run
-            job.next_run += 1
-            rows = int(job.to_send[run])
-            if rows == 0:
+            end = job.next_run = int(plan.chunk_end[run])
+            counts = job.to_send[run:end]
+            if not counts.any():
                 continue
-            region = job.view.groups[int(job.plan.local_group[run])].region
-            span = memory_span(region.address + int(job.plan.local_slot[run]) * region.slot_bytes,
-                               rows * region.slot_bytes, region.memory_kind is MemoryKind.DEVICE)
+            buffer = (gather(job.view, plan, run, end, counts) if end - run > 1 else
+                      run_memory(job.view, plan, run, int(counts[0] * plan.row_bytes[run])))
             try:
-                job.inflight[run] = self._transport.send(job.hint.agent, job.hint.endpoint, span,
-                                                         (job.tag << RUN_BITS) | run)
+                request = self._transport.send(job.hint.agent, job.hint.endpoint, buffer, (job.tag << RUN_BITS) | run)
             except UcxPeerGone as exc:
                 job.failure = job.failure or str(exc)
-                self._peer_lost(job.hint.agent)
+                self._peer_lost(job.hint.agent, job.hint.endpoint)
                 return
+            job.inflight[run] = (request, end, buffer)
 
     def _tell_stop(self, job: Sending) -> None:
         """We stop early (a fault, cancel, a failure): tell the fetcher which rows we sent."""
@@ -456,17 +478,9 @@ class UcxBackend(BackendEngine):
             job.plan.peer_masks(job.hint, job.sent), reason))
 
     def _on_ack(self, job: Sending, record: CompletionRecord) -> None:
-        """The fetcher concluded: our outcome is what it received."""
-        masks = record.masks
-        if len(masks) != len(job.view.groups) or any(m.shape != (len(g),) for m, g in zip(masks, job.view.groups)):
-            job.attempt.conclude(Failed("peer sent a completion record of the wrong shape", job.view.row_masks()))
-        elif record.status is RecordStatus.DELIVERED and job.injected is None:
-            job.attempt.conclude(Delivered(masks))
-        elif record.status is RecordStatus.CANCELLED:
-            job.attempt.conclude(Cancelled(not job.attempt.cancel_requested, masks))
-        else:
-            job.attempt.conclude(Failed(job.injected or f"peer failed: {record.reason}", masks))
-        job.go = False  # nothing more goes: the fetcher has stopped receiving
+        """The fetcher concluded: our outcome is what it received; nothing more goes to it."""
+        job.attempt.conclude(acknowledged(job, record))
+        job.go = False
 
     def _end_sending(self, job: Sending) -> None:
         with self._jobs_lock:
@@ -474,15 +488,16 @@ class UcxBackend(BackendEngine):
         self._own.retire(job.own_id)
         job.attempt.mark_quiesced()
 
-    def _drain_all(self) -> None:
-        while (probe := self._transport.probe(0, 0)) is not None:
-            self._drains.append(self._transport.drain(probe))
-        for probes in self._early.values():
-            for probe in probes:
-                self._drains.append(self._transport.drain(probe))
-        self._early.clear()
-        self._transport.progress()
-
 
 def _limit(value: int) -> int | None:
     return None if value < 0 else value
+
+
+def _peer_pack_bytes(hint: Hint) -> int:
+    """The fetcher's pack_bytes, from its hint (none said: a message per run)."""
+    data = hint.extra(EXTRA_PACK)
+    if data is None:
+        return 0
+    if len(data) != 8 or struct.unpack("<q", data)[0] < 0:
+        raise InvalidSubmission(f"the peer's hint has a malformed {EXTRA_PACK!r}")
+    return int(struct.unpack("<q", data)[0])

@@ -13,7 +13,18 @@ import numpy as np
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.ucx.runs import RunPlan
 from kvxfer.backends.ucx.transport import TRANSFER_TAG_BITS
-from kvxfer.contract import BoolArray, Cancelled, Delivered, Failed, Hint, IndexArray, Outcome, RecordStatus, View
+from kvxfer.contract import (
+    BoolArray,
+    Cancelled,
+    CompletionRecord,
+    Delivered,
+    Failed,
+    Hint,
+    IndexArray,
+    Outcome,
+    RecordStatus,
+    View,
+)
 
 
 def transfer_tag(fetcher_transfer_id: str) -> int:
@@ -38,7 +49,7 @@ class Sending:
     go: bool                   # push: at once; pull: once the fetcher asks
     injected: str | None = None
     next_run: int = 0
-    inflight: dict[int, Any] = field(default_factory=dict)  # run -> its send request (rows: the view's memory)
+    inflight: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)  # first run -> (send, end run, buffer)
     sent: IndexArray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows whose send completed
     failure: str | None = None
     peer_gone: bool = False
@@ -70,7 +81,7 @@ class Receiving:
     limit: int | None = None   # pull: our own injected fault, sent with the request
     asked: bool = False        # pull: the publisher was asked to send
     received: IndexArray = field(default_factory=lambda: np.zeros(0, np.int64))
-    posted: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)  # run -> (receive, rows, buffer)
+    posted: dict[int, tuple[Any, IndexArray, Any]] = field(default_factory=dict)  # first run -> (receive, rows per run, buffer)
     stopped: RecordStatus | None = None  # the publisher stopped early, and said so
     reason: str = ""
     peer_gone: bool = False
@@ -104,3 +115,20 @@ def ending(wait: Receiving, now: float, deadline_s: float) -> Outcome | None:
     if now > wait.deadline:
         return Failed(f"timeout after {deadline_s:g}s waiting for peer {wait.hint.agent!r}", masks())
     return None
+
+
+def fits(record: CompletionRecord, view: View) -> bool:
+    """The record's masks are one per group of ``view``, each of its length."""
+    return len(record.masks) == len(view.groups) and all(
+        m.shape == (len(g),) for m, g in zip(record.masks, view.groups))
+
+
+def acknowledged(job: Sending, record: CompletionRecord) -> Outcome:
+    """The publisher's outcome from the fetcher's acknowledgement: the rows it received."""
+    if not fits(record, job.view):
+        return Failed("peer sent a completion record of the wrong shape", job.view.row_masks())
+    if record.status is RecordStatus.DELIVERED and job.injected is None:
+        return Delivered(record.masks)
+    if record.status is RecordStatus.CANCELLED:
+        return Cancelled(not job.attempt.cancel_requested, record.masks)
+    return Failed(job.injected or f"peer failed: {record.reason}", record.masks)

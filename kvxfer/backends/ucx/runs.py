@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.backends.common.matching import GroupMatch
-from kvxfer.contract import BoolArray, Hint, IndexArray, View
+from kvxfer.contract import BoolArray, Hint, IndexArray, MemoryKind, View
 
 MAX_RUN_ROWS = 1 << 16  # a longer stretch goes as several runs: a receive is posted only once its message came
+PACK_BYTES = 4 << 20  # by default host runs smaller than a quarter of this travel packed, this many bytes a message
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +34,7 @@ class RunPlan:
     starts: IndexArray        # offsets into local_rows / peer_rows, one past the end last
     local_rows: IndexArray    # row indices into their view group, run after run
     peer_rows: IndexArray     # row indices into their hint group, run after run
+    chunk_end: IndexArray     # at the first run of a message: one past its last run; elsewhere -1
 
     @property
     def runs(self) -> int:
@@ -85,9 +87,10 @@ def _masks(sizes: list[int], plan: RunPlan, counts: IndexArray, groups: IndexArr
     return masks
 
 
-def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, sending: bool) -> RunPlan:
+def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, sending: bool, pack_bytes: int = 0) -> RunPlan:
     """The runs of a transfer between ``view`` (this end) and ``hint`` (the peer), numbered as
-    the peer numbers them. ``sending``: this end sends (its slots are the source)."""
+    the peer numbers them, grouped into messages of about ``pack_bytes`` (0: a message per
+    run). ``sending``: this end sends (its slots are the source)."""
     del sending  # both ends order by (layer group, ordinal): the same runs either way
     peer_index = {g.layer_group: i for i, g in enumerate(hint.groups)}
     parts: list[tuple[str, int, int, IndexArray, IndexArray, IndexArray, IndexArray, int]] = []
@@ -118,4 +121,24 @@ def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, sending: boo
         cols["pr"].append(prows.astype(np.int64))
     cat = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in cols.items()}
     starts = np.concatenate([[0], np.cumsum(cat["len"])]).astype(np.int64)
-    return RunPlan(cat["lg"], cat["pg"], cat["ls"], cat["len"], cat["rb"], starts, cat["lr"], cat["pr"])
+    host = np.array([m.local.region.memory_kind is MemoryKind.HOST and m.peer is not None
+                     and m.peer.memory_kind is MemoryKind.HOST for m in matches] + [False], dtype=np.bool_)
+    packable_runs = host[cat["lg"]]
+    return RunPlan(cat["lg"], cat["pg"], cat["ls"], cat["len"], cat["rb"], starts, cat["lr"], cat["pr"],
+                   _chunk_ends(cat["len"] * cat["rb"], packable_runs, pack_bytes))
+
+
+def _chunk_ends(nbytes: IndexArray, packable: BoolArray, pack_bytes: int) -> IndexArray:
+    """Group small host runs into messages of about ``pack_bytes`` (one rendezvous each
+    instead of one per run); every other run is a message of its own, sent from and received
+    into the rows themselves. Both ends compute the same grouping: the fetcher's hint says
+    which ``pack_bytes`` it expects."""
+    runs = nbytes.size
+    small = packable & (nbytes <= pack_bytes // 4)
+    key = np.where(small, (np.cumsum(nbytes) - nbytes) // max(pack_bytes, 1), -1 - np.arange(runs))
+    first = np.ones(runs, dtype=np.bool_)
+    first[1:] = (key[1:] != key[:-1]) | ~small[1:] | ~small[:-1]
+    starts = np.flatnonzero(first)
+    ends = np.full(runs, -1, dtype=np.int64)
+    ends[starts] = np.append(starts[1:], runs)
+    return ends

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -125,13 +127,16 @@ class Transport:
         except self._lib.UCXError as exc:
             raise UcxPeerGone(f"ucx peer {agent!r}: {exc}") from exc
 
-    def alive(self, agent: str) -> bool:
+    def alive(self, agent: str, address: bytes) -> bool:
+        """False once our endpoint to the peer at ``address`` failed (unknown: True)."""
         known = self._endpoints.get(agent)
-        return known is None or bool(known[1].alive)
+        return known is None or known[0] != address or bool(known[1].alive)
 
     def forget(self, agent: str) -> None:
         known = self._endpoints.pop(agent, None)
-        if known is not None:
+        if known is not None and known[1].alive:
+            # Closing an endpoint that already failed crashes ucxx 0.52 (a null request is
+            # dereferenced): a failed one is only dropped.
             try:
                 known[1].close()
             except self._lib.UCXError:
@@ -150,6 +155,17 @@ class Transport:
         (the receive, the buffer, which must live until the receive completes)."""
         scratch = np.empty(max(1, int(probe.length)), np.uint8)
         return self.receive(probe, scratch), scratch
+
+    def drain_everything(self, held: Iterable[list[Any]]) -> None:
+        """At shutdown: every message still queued, and those taken out and ``held``, dropped."""
+        scratch = [self.drain(probe) for probes in held for probe in probes]
+        while (probe := self.probe(0, 0)) is not None:
+            scratch.append(self.drain(probe))
+        deadline = time.monotonic() + 1.0
+        while not all(request.completed for request, _ in scratch) and time.monotonic() < deadline:
+            self._worker.progress()
+        # A receive still running past that keeps its buffer alive with the worker's lifetime.
+        self._leftover = [entry for entry in scratch if not entry[0].completed]
 
     def state(self, request: Any) -> str:
         """"PROC" while ``request`` runs, "DONE", "GONE" (its peer disconnected) or "ERR"."""
