@@ -1,0 +1,54 @@
+"""The runs both ends of a ucx transfer number alike, and how packed messages split."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.backends.common.matching import match_rows
+from kvxfer.backends.common.transfers import hint_groups
+from kvxfer.backends.ucx.packing import split
+from kvxfer.backends.ucx.runs import plan_runs
+from kvxfer.contract import CacheKind, Hint, LayerGroupRows, MemoryKind, SlotRegion, TokenRange, TransferMode, View
+
+
+def _view(name: str, slots: np.ndarray, ordinals: np.ndarray, slot_bytes: int = 64) -> View:
+    region = SlotRegion(name, 1 << 20, slot_bytes, 4096, MemoryKind.HOST, 0)
+    group = LayerGroupRows("g", CacheKind.PAGED, region, slots.astype(np.int64), ordinals.astype(np.int64))
+    return View("r", TokenRange(0, 16 * len(slots)), (group,), b"L")
+
+
+def _hint(view: View) -> Hint:
+    return Hint(backend="ucx", mode=TransferMode.PUSH, agent="peer", request="r", transfer_id="t",
+                layout=b"L", groups=hint_groups(view), expires_ms=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_both_ends_number_the_same_runs(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 200))
+    a = np.array(data.draw(st.permutations(range(400)))[:n])
+    b = np.array(data.draw(st.permutations(range(400)))[:n])
+    ordinals = np.array(data.draw(st.permutations(range(n))))
+    mine, theirs = _view("A", a, ordinals), _view("B", b, ordinals)
+    sender = plan_runs(mine, _hint(theirs), match_rows(mine, _hint(theirs)), sending=True, pack_bytes=1 << 14)
+    receiver = plan_runs(theirs, _hint(mine), match_rows(theirs, _hint(mine)), sending=False, pack_bytes=1 << 14)
+    assert np.array_equal(sender.lengths, receiver.lengths)
+    assert np.array_equal(sender.chunk_end, receiver.chunk_end)
+    assert np.array_equal(sender.local_rows, receiver.peer_rows) and np.array_equal(sender.peer_rows, receiver.local_rows)
+    # Every run is consecutive slots at both ends, and every matched row is in exactly one run.
+    assert sender.rows == n and sorted(sender.local_rows.tolist()) == list(range(n))
+
+
+def test_a_message_splits_into_whole_rows_of_its_runs_in_order() -> None:
+    slots = np.array([0, 1, 5, 6, 7, 20])
+    view = _view("A", slots, np.arange(6))
+    plan = plan_runs(view, _hint(_view("B", slots, np.arange(6))), match_rows(view, _hint(_view("B", slots, np.arange(6)))),
+                     sending=True, pack_bytes=1 << 20)
+    assert plan.lengths.tolist() == [2, 3, 1] and plan.chunk_end.tolist() == [3, -1, -1]
+    assert split(plan, 0, 3, 6 * 64).tolist() == [2, 3, 1]
+    assert split(plan, 0, 3, 3 * 64).tolist() == [2, 1, 0]  # a message cut after 3 rows (an injected fault)
+    assert split(plan, 0, 3, 3 * 64 + 10) is None  # ends inside a row
+    assert split(plan, 0, 3, 7 * 64) is None  # runs past the runs
+    assert split(plan, 0, 3, 0) is None
