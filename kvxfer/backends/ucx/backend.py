@@ -45,7 +45,7 @@ from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
 from kvxfer.backends.ucx.jobs import Receiving, Sending, acknowledged, ending, fits, transfer_tag
 from kvxfer.backends.ucx.packing import gather, run_memory, scatter, split
-from kvxfer.backends.ucx.runs import PACK_BYTES, plan_runs
+from kvxfer.backends.ucx.runs import plan_runs
 from kvxfer.backends.ucx.transport import (
     CONTROL_TAG,
     DATA_MASK,
@@ -90,10 +90,12 @@ class UcxBackend(BackendEngine):
     def __init__(self, name: str | None = None, mode: TransferMode = TransferMode.PUSH, *, deadline_s: float = 30.0,
                  hint_ttl_s: float = DEFAULT_HINT_TTL_S, window: int = 64, heartbeat_s: float = 0.25,
                  fail_after_rows: int | None = None, poll_s: float = 0.0001, key: bytes | None = None,
-                 error_handling: bool = True, pack_bytes: int = PACK_BYTES) -> None:
+                 error_handling: bool = True, pack_bytes: int = 0) -> None:
         # ``error_handling``: see Transport; False trades dead-peer detection for shared memory.
         # ``pack_bytes``: small host runs this end fetches come packed in messages of about
-        # this size (0: a message per run); its hints say so to the publisher.
+        # this size (0, the default: a message per run); its hints say so to the publisher.
+        # Off by default: on the CPU machine it did not pay (bench/results/2026-12-01-cpu-ucx,
+        # run d), and it never applies to device memory.
         if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0 or poll_s < 0 or pack_bytes < 0:
             raise ValueError("window, deadline_s and heartbeat_s must be positive, poll_s and pack_bytes not negative")
         self.pack_bytes = pack_bytes

@@ -17,7 +17,7 @@ from kvxfer.backends.common.matching import GroupMatch
 from kvxfer.contract import BoolArray, Hint, IndexArray, MemoryKind, View
 
 MAX_RUN_ROWS = 1 << 16  # a longer stretch goes as several runs: a receive is posted only once its message came
-PACK_BYTES = 4 << 20  # by default host runs smaller than a quarter of this travel packed, this many bytes a message
+PACK_BYTES = 4 << 20  # a pack_bytes to try: host runs up to a quarter of it travel packed, this many bytes a message
 
 
 @dataclass(frozen=True, eq=False)
