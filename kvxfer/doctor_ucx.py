@@ -49,21 +49,10 @@ def parse_tag_tables(text: str) -> list[str]:
     return found
 
 
-def _version() -> str:
-    from importlib import metadata  # noqa: PLC0415
-
-    for dist in ("ucxx-cu13", "ucxx-cu12", "ucxx"):
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "ucxx (version unknown)"
-
-
 def _ucx_version() -> str:
-    from kvxfer.backends.ucx.transport import load_ucxx  # noqa: PLC0415
+    from kvxfer.backends.ucx.transport import load_ucxx  # noqa: PLC0415 - keeps UCX_* out of os.environ
 
-    lib, _ = load_ucxx()
+    lib, _, _ = load_ucxx()
     return ".".join(str(x) for x in lib.get_ucx_version())
 
 
@@ -148,7 +137,9 @@ def _probe_once(nbytes: int, reps: int, timeout: float, error_handling: bool) ->
                 proc.kill()
                 proc.wait()
     figures = next((json.loads(line[8:]) for line in output.splitlines() if line.startswith("FIGURES ")), {})
-    return {"ucxx": _version(), "ucx": version, "transports": parse_tag_tables(output), "gbps": figures}
+    from kvxfer.backends.ucx.transport import ucxx_version  # noqa: PLC0415
+
+    return {"ucxx": ucxx_version(), "ucx": version, "transports": parse_tag_tables(output), "gbps": figures}
 
 
 def main(argv: list[str]) -> int:

@@ -97,12 +97,12 @@ def _ipc_missing() -> str | None:
 def _ucxx_missing() -> str | None:
     if not _has_module("kvxfer.backends.ucx"):
         return "kvxfer.backends.ucx is absent"
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # as kvxfer.backends.ucx.transport sets it
+    from kvxfer.backends.ucx.transport import ucxx_unavailable  # noqa: PLC0415 - keeps UCX_* out of os.environ
+
     try:
-        importlib.import_module("ucxx._lib.libucxx")
-    except Exception as err:  # ImportError, or OSError from a wheel whose libraries do not load
+        return ucxx_unavailable()
+    except OSError as err:  # a wheel whose libraries do not load
         return f"ucxx does not import (pip install 'kvxfer[ucx]'): {err}"
-    return None
 
 
 @functools.cache

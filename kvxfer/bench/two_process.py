@@ -105,10 +105,10 @@ def _ucx_kind(**options: Any) -> Kind:
     """UcxBackend here and in a SubprocessPeer child (``ucx_child_backend``), both with the
     backend's defaults but ``options``, over host rows (device rows where ucxx has CUDA),
     touched as NIXL's are, so that ``ucx_2p`` and ``nixl_2p`` measure the same thing."""
-    import ucxx
-    import ucxx._lib.libucxx as libucxx
-
     from kvxfer.backends.ucx import UcxBackend
+    from kvxfer.backends.ucx.transport import load_ucxx, ucxx_version
+
+    libucxx = load_ucxx()[0]  # not `import ucxx`: it would leave UCX_* options in os.environ for NIXL
 
     def local(mode: TransferMode, device: int) -> Backend:
         return UcxBackend(mode=mode, **options)
@@ -132,7 +132,7 @@ def _ucx_kind(**options: Any) -> Kind:
     # Which settings were measured: the window, and UCX's peer error handling where the backend has it.
     settings = {**(UcxBackend.__init__.__kwdefaults__ or {}), **options}
     return Kind(("host", "device"), local, peer, args, rows,
-                {"processes": 2, "transport": "UCX tag messages (ucxx)", "ucxx": ucxx.__version__,
+                {"processes": 2, "transport": "UCX tag messages (ucxx)", "ucxx": ucxx_version(),
                  "ucxx_ucx": ".".join(map(str, libucxx.get_ucx_version())),
                  **{k: settings[k] for k in ("window", "error_handling") if k in settings}})
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvxfer.backends.ucx.transport import ucxx_unavailable
 from kvxfer.contract import CacheKind, LayerGroupRows, Outcome, TokenRange, TransferMode, View
 from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
@@ -43,7 +44,8 @@ from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
 from kvxfer.testing.waiting import settle
 from kvxfer.wire import decode_hint, encode_hint
 
-pytest.importorskip("ucxx", reason="the ucx backend needs ucxx (pip install 'kvxfer[ucx]')", exc_type=ImportError)
+if (missing := ucxx_unavailable()) is not None:  # not importorskip: importing ucxx changes os.environ
+    pytest.skip(missing, allow_module_level=True)
 
 from kvxfer.backends.ucx import UcxBackend  # noqa: E402
 

@@ -8,10 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvxfer.backends.ucx.transport import ucxx_unavailable
 from kvxfer.contract import MemoryKind, TransferMode
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("ucxx", reason="the ucx backend needs ucxx", exc_type=ImportError)
+if (missing := ucxx_unavailable()) is not None:  # not importorskip: importing ucxx changes os.environ
+    pytest.skip(missing, allow_module_level=True)
 pytestmark = pytest.mark.gpu
 
 from kvxfer.testing.conformance import CHECKS  # noqa: E402

@@ -43,7 +43,17 @@ from kvxfer.backends.common.devices import cuda_present, unique_agent_name
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
-from kvxfer.backends.ucx.jobs import Receiving, Sending, acknowledged, ending, fits, transfer_tag
+from kvxfer.backends.ucx.early import EarlyMessages
+from kvxfer.backends.ucx.jobs import (
+    Receiving,
+    Sending,
+    acknowledged,
+    acknowledgement,
+    ending,
+    fits,
+    stop_record,
+    transfer_tag,
+)
 from kvxfer.backends.ucx.packing import gather, run_memory, scatter, split
 from kvxfer.backends.ucx.runs import plan_runs
 from kvxfer.backends.ucx.transport import (
@@ -57,13 +67,11 @@ from kvxfer.backends.ucx.transport import (
 from kvxfer.contract import (
     Cancelled,
     CompletionRecord,
-    Delivered,
     Failed,
     Hint,
     InvalidSubmission,
     MemoryKind,
     Peer,
-    RecordStatus,
     SlotRegion,
     TransferMode,
     View,
@@ -78,7 +86,6 @@ BACKEND_KIND = "ucx"
 EXTRA_PACK = "ucx.pack"  # in a fetcher's hint: the pack_bytes its messages are grouped by
 IDLE_POLL_S = 0.005
 KEPT = 4096  # pull requests before their publish(), described transfers awaiting their fetch()
-EARLY_MESSAGES = 1 << 16  # data messages held for a fetch() not submitted yet, at most
 
 
 class UcxBackend(BackendEngine):
@@ -108,11 +115,10 @@ class UcxBackend(BackendEngine):
         self._key = resolve_key(key) or b""
         self._sending: dict[str, Sending] = {}        # by our transfer id
         self._receiving: dict[int, Receiving] = {}    # by data tag
-        self._described: OrderedDict[int, None] = OrderedDict()  # data tags of our describe()s
-        self._early: OrderedDict[int, list[Any]] = OrderedDict()  # messages before their fetch()
-        self._early_count = 0
+        self._early = EarlyMessages()  # data messages before their fetch()
         self._asked: OrderedDict[str, int] = OrderedDict()  # pull requests before publish(): id -> limit
-        self._control: list[tuple[Any, np.ndarray]] = []     # control messages being received
+        self._replay: list[CompletionRecord] = []  # stashed records of submissions made since
+        self._next_sweep = 0.0
         self._drains: list[tuple[Any, np.ndarray]] = []  # receives into scratch, and their buffers
         self._heartbeats: list[tuple[str, bytes, Any, np.ndarray]] = []  # control sends (to, address), buffers
         self._kick = threading.Event()
@@ -130,7 +136,7 @@ class UcxBackend(BackendEngine):
     def describe(self, view: View, audience: Peer | None = None) -> Hint:
         transfer_id = self._describe_checked(view)
         with self._jobs_lock:
-            put_bounded(self._described, transfer_tag(transfer_id), None, KEPT)
+            self._early.described(transfer_tag(transfer_id), time.monotonic() + self._own.ttl_ms / 1000)
         return self._hint(view, transfer_id, audience, endpoint=self._transport.address,
                           extras=((EXTRA_PACK, struct.pack("<q", self.pack_bytes)),))
 
@@ -140,9 +146,18 @@ class UcxBackend(BackendEngine):
         return self._transport.info
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
-        self._close_and_cancel(self._all_attempts, self._kick.set)
+        """Stop taking work, cancel what runs, return the attempts not proven quiesced. Called
+        again, it first makes a progress step on the caller's thread (ours has exited), so
+        that sends and receives that ended since are seen."""
+        again = not self._close_and_cancel(self._all_attempts, self._kick.set)
         if not self._progress.stop(self._kick.set, 10.0):
-            return frozenset(a for a in self._all_attempts() if not a.quiesced())
+            with self._jobs_lock:
+                return frozenset(a for a in self._all_attempts() if not a.quiesced())
+        if again and not self._transport.closed:
+            try:
+                self._step()
+            except Exception:
+                log.exception("ucx backend %s: a progress step after shutdown failed", self.name)
         for job in list(self._sending.values()):  # sends that ended are no longer reading our rows
             if not job.inflight:
                 job.attempt.conclude(Cancelled(False, job.view.row_masks()))
@@ -152,9 +167,8 @@ class UcxBackend(BackendEngine):
                 wait.attempt.conclude(Cancelled(False, self._received_masks(wait)))
                 wait.attempt.mark_quiesced()
         left = frozenset(a for a in self._all_attempts() if not a.quiesced())
-        if not left:
-            self._transport.drain_everything(self._early.values())
-            self._early.clear()
+        if not left and not self._transport.closed:
+            self._transport.drain_everything([self._early.everything()])
             self._transport.close()
         return left
 
@@ -173,6 +187,9 @@ class UcxBackend(BackendEngine):
         attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
         plan = plan_runs(view, hint, match_rows(view, hint), sending=not fetching,
                          pack_bytes=self.pack_bytes if fetching else _peer_pack_bytes(hint))
+        if plan.runs > RUN_MASK + 1:  # a run's number travels in the tag's low RUN_BITS bits
+            raise InvalidSubmission(f"the transfer has {plan.runs} runs of contiguous rows; the ucx backend "
+                                    f"numbers at most {RUN_MASK + 1} per transfer: split the request")
         deadline = time.monotonic() + self.deadline_s
         limit = self.fail_after_rows
         with self._jobs_lock:
@@ -187,10 +204,7 @@ class UcxBackend(BackendEngine):
                                  expected=plan.limited(own_limit), limit=own_limit,
                                  asked=self.mode is TransferMode.PUSH, received=np.zeros(plan.runs, np.int64))
                 self._receiving[tag] = wait
-                self._described.pop(tag, None)
-                early = self._stashed.pop(admitted.own_id, None)
-                if early is not None:  # the publisher stopped before we fetched: wait only for what it sent
-                    self._on_stop(wait, early)
+                self._replay_stashed(admitted.own_id, hint, view)  # the publisher may have stopped already
             else:
                 injected = admitted.active and limit is not None and limit < plan.rows
                 job = Sending(attempt, view, hint, admitted.own_id, plan, plan.limited(limit if injected else None),
@@ -201,13 +215,20 @@ class UcxBackend(BackendEngine):
                     job.to_send = np.minimum(job.to_send, plan.limited(_limit(self._asked.pop(admitted.own_id))))
                     job.go = True
                 self._sending[admitted.own_id] = job
-                early = self._stashed.pop(admitted.own_id, None)
-                if early is not None:  # the fetcher gave up before we started: send nothing
-                    job.failure = job.failure or "the fetcher stopped first"
-                    self._on_ack(job, early)
+                if self._replay_stashed(admitted.own_id, hint, view):  # the fetcher gave up before we started
+                    job.go = False
         self._own.consume(view, admitted.own_id)
         self._kick.set()
         return attempt
+
+    def _replay_stashed(self, own_id: str, hint: Hint, view: View) -> bool:
+        """Under the jobs lock: a record that came before this submission, from its peer, goes
+        to the progress thread (not concluded here: wake would run inside fetch()/publish())."""
+        record = self._stashed.pop(own_id, None)
+        if record is None or record.sender != hint.agent or record.request != view.request:
+            return False
+        self._replay.append(record)
+        return True
 
     def _on_cancel(self, attempt: TrackedAttempt) -> None:
         self._kick.set()
@@ -219,8 +240,14 @@ class UcxBackend(BackendEngine):
 
     def _step(self) -> bool:
         self._transport.progress()
-        self._take_control()
+        for message in self._transport.take_control():
+            self._on_control(message)
+        with self._jobs_lock:
+            replay, self._replay = self._replay, []
+        for record in replay:
+            self._on_record(record)
         self._take_data()
+        self._sweep_described()
         with self._jobs_lock:
             sending, receiving = list(self._sending.values()), list(self._receiving.values())
         now = time.monotonic()
@@ -234,18 +261,6 @@ class UcxBackend(BackendEngine):
             return bool(self._sending or self._receiving or self._drains)
 
     # --- control messages -------------------------------------------------------------
-    def _take_control(self) -> None:
-        while (probe := self._transport.probe(CONTROL_TAG, ~0 & ((1 << 64) - 1))) is not None:
-            buffer = np.empty(int(probe.length), np.uint8)
-            self._control.append((self._transport.receive(probe, buffer), buffer))
-        pending = []
-        for request, buffer in self._control:
-            if not request.completed:
-                pending.append((request, buffer))
-            elif self._transport.state(request) == "DONE":
-                self._on_control(bytes(buffer))
-        self._control = pending
-
     def _on_control(self, message: bytes) -> None:
         kind, body = message[:1], message[1:]
         if kind == b"H":
@@ -261,6 +276,9 @@ class UcxBackend(BackendEngine):
         except WireError as exc:
             log.warning("ucx backend %s: dropped a completion record: %s", self.name, exc)
             return
+        self._on_record(record)
+
+    def _on_record(self, record: CompletionRecord) -> None:
         with self._jobs_lock:
             job = self._sending.get(record.transfer_id)
             wait = self._receiving.get(transfer_tag(record.transfer_id))
@@ -292,6 +310,13 @@ class UcxBackend(BackendEngine):
             self._peer_lost(agent, address)
             return False
 
+    def _beat(self, peer: Hint) -> None:
+        """A heartbeat to the peer we wait on: only a send shows that it died."""
+        if self._transport.alive(peer.agent, peer.endpoint):
+            self._send_control(peer.agent, peer.endpoint, b"H")
+        else:
+            self._peer_lost(peer.agent, peer.endpoint)
+
     def _send_record(self, agent: str, address: bytes, record: CompletionRecord) -> bool:
         return self._send_control(agent, address, b"R" + encode_completion(record, self._key))
 
@@ -314,15 +339,20 @@ class UcxBackend(BackendEngine):
             wait.peer_gone = True
 
     # --- the fetcher's side -----------------------------------------------------------
+    def _sweep_described(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + 1.0
+            with self._jobs_lock:
+                dropped = self._early.expired(now, self._receiving)
+            self._drains += [self._transport.drain(probe) for probe in dropped]
+
     def _take_data(self) -> None:
         while (probe := self._transport.probe(0, DATA_MASK)) is not None:
             tag, run = probe.sender_tag.value >> RUN_BITS, probe.sender_tag.value & RUN_MASK
             with self._jobs_lock:
                 wait = self._receiving.get(tag)
-                early = wait is None and tag in self._described and self._early_count < EARLY_MESSAGES
-                if early:
-                    self._early.setdefault(tag, []).append(probe)
-                    self._early_count += 1
+                early = wait is None and self._early.hold(tag, probe)
             if wait is not None:
                 self._land(wait, run, probe)
             elif not early:
@@ -347,8 +377,7 @@ class UcxBackend(BackendEngine):
 
     def _advance_receiving(self, wait: Receiving, now: float) -> None:
         with self._jobs_lock:
-            held = self._early.pop(wait.tag, [])
-            self._early_count -= len(held)
+            held = self._early.take(wait.tag)
         for probe in held:
             self._land(wait, probe.sender_tag.value & RUN_MASK, probe)
         for run, (request, counts, buffer) in list(wait.posted.items()):
@@ -362,17 +391,17 @@ class UcxBackend(BackendEngine):
                 wait.received[run:run + counts.size] += counts
             elif state == "GONE":
                 wait.peer_gone = True
-        if not wait.asked and self._send_control(wait.hint.agent, wait.hint.endpoint, b"G" + struct.pack(
+            else:
+                wait.attempt.conclude(Failed(f"UCX failed the receive of run {run} from {wait.hint.agent!r}",
+                                             self._received_masks(wait)))
+        if not wait.asked and wait.attempt.poll() is None and self._send_control(wait.hint.agent, wait.hint.endpoint, b"G" + struct.pack(
                 "<q", -1 if wait.limit is None else wait.limit) + wait.hint.transfer_id.encode("ascii")):
             wait.asked = True
         if wait.attempt.poll() is None and (outcome := ending(wait, now, self.deadline_s)) is not None:
             wait.attempt.conclude(outcome)
         if now >= wait.next_heartbeat and wait.attempt.poll() is None:
             wait.next_heartbeat = now + self.heartbeat_s
-            if not self._transport.alive(wait.hint.agent, wait.hint.endpoint):
-                self._peer_lost(wait.hint.agent, wait.hint.endpoint)
-            else:
-                self._send_control(wait.hint.agent, wait.hint.endpoint, b"H")
+            self._beat(wait.hint)
         if wait.attempt.poll() is not None and not wait.posted:
             self._end_receiving(wait)
 
@@ -390,14 +419,9 @@ class UcxBackend(BackendEngine):
 
     def _end_receiving(self, wait: Receiving) -> None:
         outcome = wait.attempt.poll()
-        if not wait.acked and not wait.peer_gone:
+        if not wait.acked and not wait.peer_gone and outcome is not None:
             wait.acked = True
-            status = (RecordStatus.DELIVERED if isinstance(outcome, Delivered) else
-                      RecordStatus.CANCELLED if isinstance(outcome, Cancelled) else RecordStatus.FAILED)
-            reason = getattr(outcome, "reason", "")
-            self._send_record(wait.hint.agent, wait.hint.endpoint, CompletionRecord(
-                wait.hint.transfer_id, self.name, wait.view.request, status,
-                wait.plan.peer_masks(wait.hint, wait.received), reason))
+            self._send_record(wait.hint.agent, wait.hint.endpoint, acknowledgement(wait, outcome, self.name))
         with self._jobs_lock:
             self._receiving.pop(wait.tag, None)
         self._own.retire(wait.own_id)
@@ -406,19 +430,19 @@ class UcxBackend(BackendEngine):
     # --- the publisher's side ---------------------------------------------------------
     def _advance_sending(self, job: Sending, now: float) -> None:
         self._reap_sends(job)
-        if now > job.deadline and job.attempt.poll() is None:
-            job.failure = job.failure or f"timeout after {self.deadline_s:g}s moving rows with peer {job.hint.agent!r}"
-            if job.told or job.peer_gone:
+        if job.attempt.poll() is None:
+            # Ended by us: at once, with no row proven (only the fetcher's acknowledgement proves
+            # rows), though sends still in flight keep the attempt unquiesced until they end.
+            if now > job.deadline:
+                job.failure = job.failure or f"timeout after {self.deadline_s:g}s moving rows with peer {job.hint.agent!r}"
                 job.attempt.conclude(Failed(job.failure, job.view.row_masks()))
+            elif job.attempt.cancel_requested:
+                job.attempt.conclude(Cancelled(False, job.view.row_masks()))
         if job.go and not job.stopping:
             self._post_sends(job)
         if job.attempt.poll() is None and now >= job.ask_again and (job.all_posted or job.told or not job.go):
-            # Waiting for the fetcher (to ask, or to acknowledge): only a send shows it died.
             job.ask_again = now + self.heartbeat_s
-            if not self._transport.alive(job.hint.agent, job.hint.endpoint):
-                self._peer_lost(job.hint.agent, job.hint.endpoint)
-            else:
-                self._send_control(job.hint.agent, job.hint.endpoint, b"H")
+            self._beat(job.hint)
         if not job.inflight:
             self._settle(job)
 
@@ -436,16 +460,13 @@ class UcxBackend(BackendEngine):
                 job.failure = job.failure or f"UCX failed to send run {run} to {job.hint.agent!r}"
 
     def _settle(self, job: Sending) -> None:
-        """Nothing of ours is in flight: say we stopped, or end."""
+        """Nothing of ours is in flight: tell the fetcher which rows we sent if we stopped
+        early (it waits for those, then acknowledges), and end once concluded."""
         stopped = job.injected is not None and job.all_posted or job.stopping
         if job.peer_gone and job.attempt.poll() is None:
             job.attempt.conclude(Failed(job.failure or "peer gone", job.view.row_masks()))
-        elif stopped and not job.told and job.attempt.poll() is None:
+        elif stopped and not job.told and not job.acked and not job.peer_gone:
             self._tell_stop(job)
-            if job.attempt.cancel_requested:
-                # Ours to end: nothing of ours moves any more, and the rows already sent are
-                # not proven until the fetcher says so, which we do not wait for.
-                job.attempt.conclude(Cancelled(False, job.view.row_masks()))
         if job.attempt.poll() is not None:
             self._end_sending(job)
 
@@ -472,17 +493,12 @@ class UcxBackend(BackendEngine):
     def _tell_stop(self, job: Sending) -> None:
         """We stop early (a fault, cancel, a failure): tell the fetcher which rows we sent."""
         job.told = True
-        cancelled = job.attempt.cancel_requested and job.injected is None and job.failure is None
-        status = RecordStatus.CANCELLED if cancelled else RecordStatus.FAILED
-        reason = "cancelled" if cancelled else (job.failure or job.injected or "stopped")
-        self._send_record(job.hint.agent, job.hint.endpoint, CompletionRecord(
-            job.hint.transfer_id, self.name, job.view.request, status,
-            job.plan.peer_masks(job.hint, job.sent), reason))
+        self._send_record(job.hint.agent, job.hint.endpoint, stop_record(job, self.name))
 
     def _on_ack(self, job: Sending, record: CompletionRecord) -> None:
         """The fetcher concluded: our outcome is what it received; nothing more goes to it."""
         job.attempt.conclude(acknowledged(job, record))
-        job.go = False
+        job.go, job.acked = False, True
 
     def _end_sending(self, job: Sending) -> None:
         with self._jobs_lock:

@@ -54,6 +54,7 @@ class Sending:
     failure: str | None = None
     peer_gone: bool = False
     told: bool = False         # our stopping record went to the fetcher
+    acked: bool = False        # the fetcher's acknowledgement came
     ask_again: float = 0.0
 
     @property
@@ -132,3 +133,22 @@ def acknowledged(job: Sending, record: CompletionRecord) -> Outcome:
     if record.status is RecordStatus.CANCELLED:
         return Cancelled(not job.attempt.cancel_requested, record.masks)
     return Failed(job.injected or f"peer failed: {record.reason}", record.masks)
+
+
+def acknowledgement(wait: Receiving, outcome: Outcome, sender: str) -> CompletionRecord:
+    """The fetcher's record of how it concluded, with the rows of its outcome (not rows that
+    landed after it), as masks over the publisher's hint groups: both ends report the same."""
+    status = (RecordStatus.DELIVERED if isinstance(outcome, Delivered) else
+              RecordStatus.CANCELLED if isinstance(outcome, Cancelled) else RecordStatus.FAILED)
+    counts = wait.plan.rows_per_run(wait.view, list(outcome.masks))
+    return CompletionRecord(wait.hint.transfer_id, sender, wait.view.request, status,
+                            wait.plan.peer_masks(wait.hint, counts), getattr(outcome, "reason", ""))
+
+
+def stop_record(job: Sending, sender: str) -> CompletionRecord:
+    """The publisher stops early (a fault, cancel, a failure or timeout): which rows it sent."""
+    cancelled = job.attempt.cancel_requested and job.injected is None and job.failure is None
+    status = RecordStatus.CANCELLED if cancelled else RecordStatus.FAILED
+    reason = "cancelled" if cancelled else (job.failure or job.injected or "stopped")
+    return CompletionRecord(job.hint.transfer_id, sender, job.view.request, status,
+                            job.plan.peer_masks(job.hint, job.sent), reason)

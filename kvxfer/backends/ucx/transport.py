@@ -37,9 +37,23 @@ class UcxPeerGone(KvxferError):
     """A ucx peer disconnected (or cannot be reached)."""
 
 
-def load_ucxx() -> tuple[ModuleType, Any]:
-    """(ucxx's libucxx module, its Array type); UcxUnavailable naming why not."""
+_LOADED: tuple[ModuleType, Any, dict[str, str]] | None = None
+
+
+def load_ucxx() -> tuple[ModuleType, Any, dict[str, str]]:
+    """(ucxx's libucxx module, its Array type, the UCX options ucxx wanted); UcxUnavailable
+    naming why not.
+
+    Importing ucxx sets UCX_* variables in the process environment (UCX_RNDV_THRESH,
+    UCX_RNDV_FRAG_MEM_TYPE=cuda, UCX_MAX_RNDV_RAILS, UCX_MEMTYPE_CACHE). NIXL's own UCX, in this
+    process and in every process started from it, would read them too: on the CPU machine a
+    NIXL pull probed after an import of ucxx took TCP instead of CMA. So they are taken back out
+    of the environment and given to our UCX context alone."""
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets options this UCX may not know
+    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     try:
         import ucxx._lib.libucxx as libucxx  # noqa: PLC0415 - optional: pip install "kvxfer[ucx]"
         from ucxx._lib.arr import Array  # noqa: PLC0415
@@ -48,7 +62,36 @@ def load_ucxx() -> tuple[ModuleType, Any]:
             raise UcxUnavailable(f"ucxx loaded an older UCX than it needs ({exc}); put the libucx wheel's "
                                  f"libraries first: LD_LIBRARY_PATH={_wheel_ucx_dir()}:$LD_LIBRARY_PATH") from exc
         raise UcxUnavailable(f"the ucx backend needs ucxx (pip install 'kvxfer[ucx]'): {exc}") from exc
-    return libucxx, Array
+    finally:
+        added = {k: v for k, v in os.environ.items() if k.startswith("UCX_") and before.get(k) != v}
+        for name in added:
+            if name in before:
+                os.environ[name] = before[name]
+            else:
+                del os.environ[name]
+    _LOADED = (libucxx, Array, {k[len("UCX_"):]: v for k, v in added.items()})
+    return _LOADED
+
+
+def ucxx_version() -> str:
+    """The installed ucxx distribution and version, e.g. "ucxx-cu13 0.52.0"."""
+    from importlib import metadata  # noqa: PLC0415
+
+    for dist in ("ucxx-cu13", "ucxx-cu12", "ucxx"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "ucxx (version unknown)"
+
+
+def ucxx_unavailable() -> str | None:
+    """Why the ucx backend cannot run here, or None (for tests and tools that must skip)."""
+    try:
+        load_ucxx()
+    except UcxUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def _wheel_ucx_dir() -> str:
@@ -85,15 +128,18 @@ class Transport:
         # loopback; without it tag messages go over shared memory, measured 3.5x faster
         # (``kvxfer doctor``), but a peer's death is seen only at the transfer's deadline.
         self.error_handling = error_handling
-        self._lib, self._array = load_ucxx()
+        self._lib, self._array, options = load_ucxx()
         lib = self._lib
         try:
-            self._context = lib.UCXContext(feature_flags=(lib.Feature.TAG,))
+            self._context = lib.UCXContext(config_dict=options, feature_flags=(lib.Feature.TAG,))
             self._worker = lib.UCXWorker(self._context)
         except lib.UCXError as exc:
             raise UcxUnavailable(f"UCX could not start a worker: {exc}") from exc
         self.address: bytes = self._worker.address.tobytes()
         self._endpoints: dict[str, tuple[bytes, Any]] = {}
+        self.closed = False
+        self._leftover: list[tuple[Any, np.ndarray]] = []
+        self._control: list[tuple[Any, np.ndarray]] = []  # control messages being received
         self._gone_errors = tuple(getattr(lib, n) for n in (
             "UCXConnectionResetError", "UCXEndpointTimeoutError", "UCXUnreachableError", "UCXNotConnectedError",
             "UCXCanceledError", "UCXCloseError") if hasattr(lib, n))
@@ -150,6 +196,18 @@ class Transport:
     def receive(self, probe: Any, buffer: Any) -> Any:
         return self._worker.tag_recv_with_handle(self._array(buffer), probe)
 
+    def take_control(self) -> list[bytes]:
+        """Control messages (``CONTROL_TAG``) that arrived whole since the last call, in order."""
+        while (probe := self.probe(CONTROL_TAG, (1 << 64) - 1)) is not None:
+            buffer = np.empty(int(probe.length), np.uint8)
+            self._control.append((self.receive(probe, buffer), buffer))
+        done = []
+        while self._control and self._control[0][0].completed:
+            request, buffer = self._control.pop(0)
+            if self.state(request) == "DONE":
+                done.append(bytes(buffer))
+        return done
+
     def drain(self, probe: Any) -> tuple[Any, np.ndarray]:
         """Receive a message nobody wants into a scratch buffer, so that UCX lets go of it:
         (the receive, the buffer, which must live until the receive completes)."""
@@ -165,7 +223,7 @@ class Transport:
         while not all(request.completed for request, _ in scratch) and time.monotonic() < deadline:
             self._worker.progress()
         # A receive still running past that keeps its buffer alive with the worker's lifetime.
-        self._leftover = [entry for entry in scratch if not entry[0].completed]
+        self._leftover += [entry for entry in scratch if not entry[0].completed]
 
     def state(self, request: Any) -> str:
         """"PROC" while ``request`` runs, "DONE", "GONE" (its peer disconnected) or "ERR"."""
@@ -183,6 +241,7 @@ class Transport:
         self._worker.progress()
 
     def close(self) -> None:
+        self.closed = True
         for agent in list(self._endpoints):
             self.forget(agent)
         self._worker.progress()
