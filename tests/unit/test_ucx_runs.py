@@ -52,3 +52,19 @@ def test_a_message_splits_into_whole_rows_of_its_runs_in_order() -> None:
     assert split(plan, 0, 3, 3 * 64 + 10) is None  # ends inside a row
     assert split(plan, 0, 3, 7 * 64) is None  # runs past the runs
     assert split(plan, 0, 3, 0) is None
+
+
+def test_a_pull_request_round_trips_and_a_forged_one_is_refused_when_a_key_is_set() -> None:
+    from kvxfer.backends.ucx.control import PullRequest, decode_pull, encode_pull
+
+    request = PullRequest("3f" * 12, "decode-0", 7)
+    key = bytes(range(32))
+    assert decode_pull(encode_pull(request, b"")[1:], b"") == request
+    assert decode_pull(encode_pull(request, key)[1:], key) == request
+    assert decode_pull(encode_pull(PullRequest("ab", "d", None), key)[1:], key) == PullRequest("ab", "d", None)
+    assert decode_pull(encode_pull(request, b"")[1:], key) is None  # unsigned, while we hold a key
+    assert decode_pull(encode_pull(request, bytes(32))[1:], key) is None  # signed by another key
+    forged = bytearray(encode_pull(request, key)[1:])
+    forged[0] ^= 1  # the limit changed in transit
+    assert decode_pull(bytes(forged), key) is None
+    assert decode_pull(b"\x01", b"") is None  # malformed

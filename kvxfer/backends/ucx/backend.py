@@ -43,12 +43,14 @@ from kvxfer.backends.common.devices import cuda_present, unique_agent_name
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
+from kvxfer.backends.ucx.control import PullRequest, decode_pull, encode_pull
 from kvxfer.backends.ucx.early import EarlyMessages
 from kvxfer.backends.ucx.jobs import (
     Receiving,
     Sending,
     acknowledged,
     acknowledgement,
+    end_idle,
     ending,
     fits,
     stop_record,
@@ -116,7 +118,7 @@ class UcxBackend(BackendEngine):
         self._sending: dict[str, Sending] = {}        # by our transfer id
         self._receiving: dict[int, Receiving] = {}    # by data tag
         self._early = EarlyMessages()  # data messages before their fetch()
-        self._asked: OrderedDict[str, int] = OrderedDict()  # pull requests before publish(): id -> limit
+        self._asked: OrderedDict[str, PullRequest] = OrderedDict()  # pull requests before their publish()
         self._replay: list[CompletionRecord] = []  # stashed records of submissions made since
         self._next_sweep = 0.0
         self._drains: list[tuple[Any, np.ndarray]] = []  # receives into scratch, and their buffers
@@ -158,14 +160,7 @@ class UcxBackend(BackendEngine):
                 self._step()
             except Exception:
                 log.exception("ucx backend %s: a progress step after shutdown failed", self.name)
-        for job in list(self._sending.values()):  # sends that ended are no longer reading our rows
-            if not job.inflight:
-                job.attempt.conclude(Cancelled(False, job.view.row_masks()))
-                job.attempt.mark_quiesced()
-        for wait in list(self._receiving.values()):
-            if not wait.posted:
-                wait.attempt.conclude(Cancelled(False, self._received_masks(wait)))
-                wait.attempt.mark_quiesced()
+        end_idle(list(self._sending.values()), list(self._receiving.values()))
         left = frozenset(a for a in self._all_attempts() if not a.quiesced())
         if not left and not self._transport.closed:
             self._transport.drain_everything([self._early.everything()])
@@ -211,8 +206,9 @@ class UcxBackend(BackendEngine):
                               transfer_tag(hint.transfer_id), deadline, go=self.mode is TransferMode.PUSH,
                               injected=f"injected fault after {limit} rows" if injected else None,
                               sent=np.zeros(plan.runs, np.int64))
-                if admitted.own_id in self._asked:
-                    job.to_send = np.minimum(job.to_send, plan.limited(_limit(self._asked.pop(admitted.own_id))))
+                asked = self._asked.pop(admitted.own_id, None)
+                if asked is not None and asked.sender == hint.agent:
+                    job.to_send = np.minimum(job.to_send, plan.limited(asked.limit))
                     job.go = True
                 self._sending[admitted.own_id] = job
                 if self._replay_stashed(admitted.own_id, hint, view):  # the fetcher gave up before we started
@@ -265,8 +261,11 @@ class UcxBackend(BackendEngine):
         kind, body = message[:1], message[1:]
         if kind == b"H":
             return
-        if kind == b"G" and len(body) >= 8:
-            self._on_pull_request(body[8:].decode("ascii", "replace"), struct.unpack("<q", body[:8])[0])
+        if kind == b"G":
+            if (request := decode_pull(body, self._key)) is not None:
+                self._on_pull_request(request)
+            else:
+                log.warning("ucx backend %s: dropped a pull request malformed or not signed by our key", self.name)
             return
         if kind != b"R":
             log.warning("ucx backend %s: dropped a control message of kind %r", self.name, kind)
@@ -290,15 +289,16 @@ class UcxBackend(BackendEngine):
         elif wait is not None and record.sender == wait.hint.agent and record.request == wait.view.request:
             self._on_stop(wait, record)
 
-    def _on_pull_request(self, transfer_id: str, limit: int) -> None:
+    def _on_pull_request(self, request: PullRequest) -> None:
         with self._jobs_lock:
-            job = self._sending.get(transfer_id)
+            job = self._sending.get(request.transfer_id)
             if job is None:
-                if not self._own.is_retired(transfer_id):
-                    put_bounded(self._asked, transfer_id, limit, KEPT)
+                if not self._own.is_retired(request.transfer_id):
+                    put_bounded(self._asked, request.transfer_id, request, KEPT)
                 return
-        job.to_send = np.minimum(job.to_send, job.plan.limited(_limit(limit)))
-        job.go = True
+        if request.sender == job.hint.agent:  # only the fetcher the hint came from may start it
+            job.to_send = np.minimum(job.to_send, job.plan.limited(request.limit))
+            job.go = True
 
     def _send_control(self, agent: str, address: bytes, message: bytes) -> bool:
         try:
@@ -394,8 +394,9 @@ class UcxBackend(BackendEngine):
             else:
                 wait.attempt.conclude(Failed(f"UCX failed the receive of run {run} from {wait.hint.agent!r}",
                                              self._received_masks(wait)))
-        if not wait.asked and wait.attempt.poll() is None and self._send_control(wait.hint.agent, wait.hint.endpoint, b"G" + struct.pack(
-                "<q", -1 if wait.limit is None else wait.limit) + wait.hint.transfer_id.encode("ascii")):
+        if not wait.asked and wait.attempt.poll() is None and self._send_control(
+                wait.hint.agent, wait.hint.endpoint,
+                encode_pull(PullRequest(wait.hint.transfer_id, self.name, wait.limit), self._key)):
             wait.asked = True
         if wait.attempt.poll() is None and (outcome := ending(wait, now, self.deadline_s)) is not None:
             wait.attempt.conclude(outcome)
@@ -505,10 +506,6 @@ class UcxBackend(BackendEngine):
             self._sending.pop(job.own_id, None)
         self._own.retire(job.own_id)
         job.attempt.mark_quiesced()
-
-
-def _limit(value: int) -> int | None:
-    return None if value < 0 else value
 
 
 def _peer_pack_bytes(hint: Hint) -> int:

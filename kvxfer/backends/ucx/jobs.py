@@ -152,3 +152,16 @@ def stop_record(job: Sending, sender: str) -> CompletionRecord:
     reason = "cancelled" if cancelled else (job.failure or job.injected or "stopped")
     return CompletionRecord(job.hint.transfer_id, sender, job.view.request, status,
                             job.plan.peer_masks(job.hint, job.sent), reason)
+
+
+def end_idle(sending: list[Sending], receiving: list[Receiving]) -> None:
+    """At shutdown, our progress thread gone: transfers with nothing of UCX's still reading or
+    writing our rows conclude (Cancelled, if not concluded) and quiesce."""
+    for job in sending:
+        if not job.inflight:
+            job.attempt.conclude(Cancelled(False, job.view.row_masks()))
+            job.attempt.mark_quiesced()
+    for wait in receiving:
+        if not wait.posted:
+            wait.attempt.conclude(Cancelled(False, wait.plan.local_masks(wait.view, wait.received)))
+            wait.attempt.mark_quiesced()
