@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.backends.nixl import NixlBackend
-from kvxfer.contract import MemoryKind, SlotRegion, TransferMode
+from kvxfer.contract import Backend, MemoryKind, SlotRegion, TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
 from kvxfer.testing.memory import HostBuffer, HostRows, RowMemory
 from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
@@ -112,7 +112,8 @@ def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] 
 class ChildPairs:
     """A ``make_pair`` factory whose peer is a NixlBackend in one child process, rebuilt for
     each pair (a fresh child per pair costs seconds on a busy 2-core machine). ``close()``
-    ends the child. ``devices``: the CUDA devices of this end's and the child's device rows."""
+    ends the child. ``devices``: the CUDA devices of this end's and the child's device rows.
+    Another backend's pairs subclass it with their ``CHILD`` and ``_local_backend``."""
 
     def __init__(self, *, deadline_s: float = 10.0, memory_kind: str = "host", devices: tuple[int, int] = (0, 0),
                  **options: Any) -> None:
@@ -121,15 +122,20 @@ class ChildPairs:
         self.devices = devices
         self.peer: SubprocessPeer | None = None
 
+    CHILD = "kvxfer.testing.nixl_pairs:child_backend"  # the child's factory (SubprocessPeer)
+
+    def _local_backend(self, mode: TransferMode, memory: HostRows | DeviceRows) -> Backend:
+        return make_backend(mode, memory, **self.options)
+
     def __call__(self, mode: TransferMode) -> Pair:
         kwargs = {"mode": mode.value, "memory_kind": self.memory_kind, "device": self.devices[1], **self.options}
         if self.peer is None:
-            self.peer = SubprocessPeer("kvxfer.testing.nixl_pairs:child_backend", kwargs)
+            self.peer = SubprocessPeer(self.CHILD, kwargs)
         else:
             self.peer.rebuild(kwargs)
         peer = self.peer
         local_mem = rows_of(self.memory_kind, LOCAL_BUFFERS, self.devices[0])
-        local = make_backend(mode, local_mem, **self.options)
+        local = self._local_backend(mode, local_mem)
 
         def close() -> None:
             try:
@@ -144,11 +150,11 @@ class ChildPairs:
             self.peer.close()
             self.peer = None
 
-    @staticmethod
-    def kept(**options: Any) -> Iterator[ChildPairs]:
+    @classmethod
+    def kept(cls, **options: Any) -> Iterator[ChildPairs]:
         """For a module-scoped fixture (``yield from``): the pairs, then, at teardown, their
         child closed and AssertionError if any child process of this one is left running."""
-        pairs = ChildPairs(**options)
+        pairs = cls(**options)
         try:
             yield pairs
         finally:
