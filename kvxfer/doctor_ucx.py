@@ -1,8 +1,8 @@
 """``kvxfer doctor``'s ucx part: which UCX transport ucxx (the ucx backend's UCX) chose for
 tag messages between two processes on this node, and how fast they went.
 
-Two processes: ``python -m kvxfer.doctor_ucx receiver`` prints its worker address and
-receives; ``... sender ADDRESS BYTES REPS`` sends 64 KiB and BYTES messages, timing each
+Two processes: ``python -m kvxfer.doctor_ucx receiver BYTES REPS EH`` prints its worker
+address and receives; ``... sender ADDRESS BYTES REPS EH`` sends 64 KiB and BYTES messages, timing each
 size from the first send to the receiver's answer, and runs with ``UCX_PROTO_INFO=y``, so
 UCX prints the protocol table of each tag send; the doctor reads the transports from it.
 ucxx bundles its own UCX (1.21 in ucxx-cu13 0.52), which need not be NIXL's.
@@ -56,14 +56,10 @@ def _ucx_version() -> str:
     return ".".join(str(x) for x in lib.get_ucx_version())
 
 
-def _error_handling() -> bool:
-    return os.environ.get("KVXFER_DOCTOR_UCX_ERROR_HANDLING", "1") != "0"
-
-
-def receiver(nbytes: int, reps: int) -> None:
+def receiver(nbytes: int, reps: int, error_handling: bool) -> None:
     from kvxfer.backends.ucx.transport import CONTROL_TAG, Transport  # noqa: PLC0415
 
-    transport = Transport(_error_handling())
+    transport = Transport(error_handling)
     print(transport.address.hex(), flush=True)
     sender = sys.stdin.readline().strip()
     big = np.empty(max(nbytes, SMALL), np.uint8)
@@ -81,10 +77,10 @@ def receiver(nbytes: int, reps: int) -> None:
     transport.close()
 
 
-def sender(address: str, nbytes: int, reps: int) -> None:
+def sender(address: str, nbytes: int, reps: int, error_handling: bool) -> None:
     from kvxfer.backends.ucx.transport import Transport  # noqa: PLC0415
 
-    transport = Transport(_error_handling())
+    transport = Transport(error_handling)
     print(transport.address.hex(), flush=True)
     target = bytes.fromhex(address)
     data = np.ones(max(nbytes, SMALL), np.uint8)
@@ -117,14 +113,15 @@ def _probe_once(nbytes: int, reps: int, timeout: float, error_handling: bool) ->
         version = _ucx_version()
     except Exception as exc:  # noqa: BLE001 - any reason ucxx cannot load is the answer here
         return {"skipped": str(exc)}
-    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "KVXFER_DOCTOR_UCX_ERROR_HANDLING": str(int(error_handling))}
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
     cmd = [sys.executable, "-m", "kvxfer.doctor_ucx"]
-    recv = subprocess.Popen([*cmd, "receiver", str(nbytes), str(reps)], stdin=subprocess.PIPE,
+    common = [str(nbytes), str(reps), str(int(error_handling))]
+    recv = subprocess.Popen([*cmd, "receiver", *common], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         assert recv.stdout is not None and recv.stdin is not None
         address = recv.stdout.readline().strip()
-        send = subprocess.Popen([*cmd, "sender", address, str(nbytes), str(reps)], stdout=subprocess.PIPE,
+        send = subprocess.Popen([*cmd, "sender", address, *common], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env={**env, "UCX_PROTO_INFO": "y"})
         assert send.stdout is not None
         recv.stdin.write(send.stdout.readline().strip() + "\n")
@@ -144,9 +141,9 @@ def _probe_once(nbytes: int, reps: int, timeout: float, error_handling: bool) ->
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["receiver"]:
-        receiver(int(argv[1]), int(argv[2]))
+        receiver(int(argv[1]), int(argv[2]), argv[3] == "1")
     elif argv[:1] == ["sender"]:
-        sender(argv[1], int(argv[2]), int(argv[3]))
+        sender(argv[1], int(argv[2]), int(argv[3]), argv[4] == "1")
     else:
         print(json.dumps(probe(), indent=2))
     return 0

@@ -70,24 +70,31 @@ def make_backend(mode: TransferMode, memory: HostRows | DeviceRows, **options: A
     return backend
 
 
-def _injector(backend: NixlBackend) -> Callable[[int | None], None]:
+def fault_injector(backend: Any) -> Callable[[int | None], None]:
+    """Sets ``fail_after_rows`` of a backend that has it (NIXL, IPC, ucx, loopback)."""
     def inject(rows: int | None) -> None:
         backend.fail_after_rows = rows
     return inject
 
 
-def nixl_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -> Pair:
-    """Two NixlBackends in this process (UCX between two agents of one process)."""
-    local_mem, peer_mem = host_rows(LOCAL_BUFFERS), host_rows(PEER_BUFFERS)
-    local = make_backend(mode, local_mem, deadline_s=deadline_s, **options)
-    peer = make_backend(mode, peer_mem, deadline_s=deadline_s, **options)
+def two_ends(mode: TransferMode, build: Callable[[TransferMode, HostRows | DeviceRows], Backend],
+             memory_kind: str = "host") -> Pair:
+    """A pair of backends that ``build`` makes, both in this process, over the kit's geometry."""
+    local_mem, peer_mem = rows_of(memory_kind, LOCAL_BUFFERS), rows_of(memory_kind, PEER_BUFFERS)
+    local, peer = build(mode, local_mem), build(mode, peer_mem)
 
     def close() -> None:
         local.shutdown()
         peer.shutdown()
 
-    return Pair(local, local_mem, local_mem.regions,
-                InProcessPeer(peer, peer_mem, peer_mem.regions, _injector(peer)), mode, _injector(local), close)
+    return Pair(local, local_mem, local_mem.regions, InProcessPeer(peer, peer_mem, peer_mem.regions,
+                                                                   fault_injector(peer)),
+                mode, fault_injector(local), close)
+
+
+def nixl_pair(mode: TransferMode, *, deadline_s: float = 10.0, **options: Any) -> Pair:
+    """Two NixlBackends in this process (UCX between two agents of one process)."""
+    return two_ends(mode, lambda m, memory: make_backend(m, memory, deadline_s=deadline_s, **options))
 
 
 def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] | None = None,
@@ -106,7 +113,7 @@ def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] 
     if touch:
         touch_pages(memory)
     backend = make_backend(TransferMode(mode), memory, deadline_s=deadline_s, **options)
-    return backend, memory, _injector(backend)
+    return backend, memory, fault_injector(backend)
 
 
 class ChildPairs:
@@ -143,7 +150,7 @@ class ChildPairs:
             finally:
                 peer.shutdown()
 
-        return Pair(local, local_mem, local_mem.regions, peer, mode, _injector(local), close)
+        return Pair(local, local_mem, local_mem.regions, peer, mode, fault_injector(local), close)
 
     def close(self) -> None:
         if self.peer is not None:

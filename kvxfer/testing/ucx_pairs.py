@@ -10,9 +10,9 @@ from typing import Any
 from kvxfer.backends.ucx import UcxBackend
 from kvxfer.contract import Backend, TransferMode
 from kvxfer.testing import nixl_pairs
-from kvxfer.testing.conformance import InProcessPeer, Pair
+from kvxfer.testing.conformance import Pair
 from kvxfer.testing.memory import HostRows
-from kvxfer.testing.nixl_pairs import LOCAL_BUFFERS, PEER_BUFFERS, DeviceRows, rows_of
+from kvxfer.testing.nixl_pairs import PEER_BUFFERS, DeviceRows, fault_injector, rows_of, two_ends
 
 
 def make_backend(mode: TransferMode, memory: HostRows | DeviceRows, **options: Any) -> UcxBackend:
@@ -21,24 +21,9 @@ def make_backend(mode: TransferMode, memory: HostRows | DeviceRows, **options: A
     return backend
 
 
-def _injector(backend: UcxBackend) -> Callable[[int | None], None]:
-    def inject(rows: int | None) -> None:
-        backend.fail_after_rows = rows
-    return inject
-
-
 def ucx_pair(mode: TransferMode, *, deadline_s: float = 10.0, memory_kind: str = "host", **options: Any) -> Pair:
     """Two UcxBackends in this process."""
-    local_mem, peer_mem = rows_of(memory_kind, LOCAL_BUFFERS), rows_of(memory_kind, PEER_BUFFERS)
-    local = make_backend(mode, local_mem, deadline_s=deadline_s, **options)
-    peer = make_backend(mode, peer_mem, deadline_s=deadline_s, **options)
-
-    def close() -> None:
-        local.shutdown()
-        peer.shutdown()
-
-    return Pair(local, local_mem, local_mem.regions,
-                InProcessPeer(peer, peer_mem, peer_mem.regions, _injector(peer)), mode, _injector(local), close)
+    return two_ends(mode, lambda m, memory: make_backend(m, memory, deadline_s=deadline_s, **options), memory_kind)
 
 
 def child_backend(mode: str, deadline_s: float = 10.0, memory_kind: str = "host", device: int = 0,
@@ -46,7 +31,7 @@ def child_backend(mode: str, deadline_s: float = 10.0, memory_kind: str = "host"
     """Runs in the child process of a SubprocessPeer: a UcxBackend over the kit's peer buffers."""
     memory = rows_of(memory_kind, PEER_BUFFERS, device)
     backend = make_backend(TransferMode(mode), memory, deadline_s=deadline_s, **options)
-    return backend, memory, _injector(backend)
+    return backend, memory, fault_injector(backend)
 
 
 class ChildPairs(nixl_pairs.ChildPairs):

@@ -32,8 +32,8 @@ def test_both_ends_number_the_same_runs(data: st.DataObject) -> None:
     b = np.array(data.draw(st.permutations(range(400)))[:n])
     ordinals = np.array(data.draw(st.permutations(range(n))))
     mine, theirs = _view("A", a, ordinals), _view("B", b, ordinals)
-    sender = plan_runs(mine, _hint(theirs), match_rows(mine, _hint(theirs)), sending=True, pack_bytes=1 << 14)
-    receiver = plan_runs(theirs, _hint(mine), match_rows(theirs, _hint(mine)), sending=False, pack_bytes=1 << 14)
+    sender = plan_runs(mine, _hint(theirs), match_rows(mine, _hint(theirs)), pack_bytes=1 << 14)
+    receiver = plan_runs(theirs, _hint(mine), match_rows(theirs, _hint(mine)), pack_bytes=1 << 14)
     assert np.array_equal(sender.lengths, receiver.lengths)
     assert np.array_equal(sender.chunk_end, receiver.chunk_end)
     assert np.array_equal(sender.local_rows, receiver.peer_rows) and np.array_equal(sender.peer_rows, receiver.local_rows)
@@ -45,7 +45,7 @@ def test_a_message_splits_into_whole_rows_of_its_runs_in_order() -> None:
     slots = np.array([0, 1, 5, 6, 7, 20])
     view = _view("A", slots, np.arange(6))
     plan = plan_runs(view, _hint(_view("B", slots, np.arange(6))), match_rows(view, _hint(_view("B", slots, np.arange(6)))),
-                     sending=True, pack_bytes=1 << 20)
+                     pack_bytes=1 << 20)
     assert plan.lengths.tolist() == [2, 3, 1] and plan.chunk_end.tolist() == [3, -1, -1]
     assert split(plan, 0, 3, 6 * 64).tolist() == [2, 3, 1]
     assert split(plan, 0, 3, 3 * 64).tolist() == [2, 1, 0]  # a message cut after 3 rows (an injected fault)

@@ -142,11 +142,6 @@ class UcxBackend(BackendEngine):
         return self._hint(view, transfer_id, audience, endpoint=self._transport.address,
                           extras=((EXTRA_PACK, struct.pack("<q", self.pack_bytes)),))
 
-    @property
-    def transport_info(self) -> str:
-        """UCX's description of this backend's worker, for ``kvxfer doctor``."""
-        return self._transport.info
-
     def shutdown(self) -> frozenset[TrackedAttempt]:
         """Stop taking work, cancel what runs, return the attempts not proven quiesced. Called
         again, it first makes a progress step on the caller's thread (ours has exited), so
@@ -180,7 +175,7 @@ class UcxBackend(BackendEngine):
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         admitted = self._admit(view, hint, fetching=fetching)
         attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
-        plan = plan_runs(view, hint, match_rows(view, hint), sending=not fetching,
+        plan = plan_runs(view, hint, match_rows(view, hint),
                          pack_bytes=self.pack_bytes if fetching else _peer_pack_bytes(hint))
         if plan.runs > RUN_MASK + 1:  # a run's number travels in the tag's low RUN_BITS bits
             raise InvalidSubmission(f"the transfer has {plan.runs} runs of contiguous rows; the ucx backend "
@@ -199,6 +194,7 @@ class UcxBackend(BackendEngine):
                                  expected=plan.limited(own_limit), limit=own_limit,
                                  asked=self.mode is TransferMode.PUSH, received=np.zeros(plan.runs, np.int64))
                 self._receiving[tag] = wait
+                wait.held = self._early.take(tag)
                 self._replay_stashed(admitted.own_id, hint, view)  # the publisher may have stopped already
             else:
                 injected = admitted.active and limit is not None and limit < plan.rows
@@ -376,8 +372,7 @@ class UcxBackend(BackendEngine):
         wait.posted[run] = (self._transport.receive(probe, buffer), counts, buffer)
 
     def _advance_receiving(self, wait: Receiving, now: float) -> None:
-        with self._jobs_lock:
-            held = self._early.take(wait.tag)
+        held, wait.held = wait.held, []  # taken from the early messages when it was submitted
         for probe in held:
             self._land(wait, probe.sender_tag.value & RUN_MASK, probe)
         for run, (request, counts, buffer) in list(wait.posted.items()):

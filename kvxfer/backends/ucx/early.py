@@ -7,6 +7,7 @@ guards this."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from typing import Any
 
 from kvxfer.backends.common.transfers import put_bounded
@@ -40,7 +41,7 @@ class EarlyMessages:
         self._count -= len(held)
         return held
 
-    def expired(self, now: float, live: set[int] | Any) -> list[Any]:
+    def expired(self, now: float, live: Container[int]) -> list[Any]:
         """Messages whose fetch() can no longer come, taken out to be dropped."""
         for tag in [t for t, expires in self._described.items() if expires < now]:
             del self._described[tag]

@@ -82,6 +82,7 @@ class Receiving:
     limit: int | None = None   # pull: our own injected fault, sent with the request
     asked: bool = False        # pull: the publisher was asked to send
     received: IndexArray = field(default_factory=lambda: np.zeros(0, np.int64))
+    held: list[Any] = field(default_factory=list)  # messages that came before fetch(), to land
     posted: dict[int, tuple[Any, IndexArray, Any]] = field(default_factory=dict)  # first run -> (receive, rows per run, buffer)
     stopped: RecordStatus | None = None  # the publisher stopped early, and said so
     reason: str = ""

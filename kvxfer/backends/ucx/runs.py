@@ -87,11 +87,11 @@ def _masks(sizes: list[int], plan: RunPlan, counts: IndexArray, groups: IndexArr
     return masks
 
 
-def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, sending: bool, pack_bytes: int = 0) -> RunPlan:
+def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, pack_bytes: int = 0) -> RunPlan:
     """The runs of a transfer between ``view`` (this end) and ``hint`` (the peer), numbered as
     the peer numbers them, grouped into messages of about ``pack_bytes`` (0: a message per
-    run). ``sending``: this end sends (its slots are the source)."""
-    del sending  # both ends order by (layer group, ordinal): the same runs either way
+    run). Sending or receiving, both ends get the same runs: both order by (layer group,
+    ordinal)."""
     peer_index = {g.layer_group: i for i, g in enumerate(hint.groups)}
     parts: list[tuple[str, int, int, IndexArray, IndexArray, IndexArray, IndexArray, int]] = []
     for gi, match in enumerate(matches):

@@ -145,11 +145,6 @@ class Transport:
             "UCXCanceledError", "UCXCloseError") if hasattr(lib, n))
         self.cuda = bool(getattr(self._context, "cuda_support", False))
 
-    @property
-    def info(self) -> str:
-        """UCX's own description of the worker (its transports among it)."""
-        return str(self._worker.info)
-
     def _endpoint(self, agent: str, address: bytes) -> Any:
         known = self._endpoints.get(agent)
         if known is not None and known[0] == address:
