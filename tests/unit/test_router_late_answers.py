@@ -35,12 +35,17 @@ def _answers_late(inner: Any, path: str) -> Any:
 
 
 async def _settled(worker: Worker) -> None:
-    """Until the worker's /prefill and /reserve calls have ended (their answers may go nowhere)."""
+    """Until the worker's /prefill and /reserve calls have ended (their answers may go nowhere)
+    and what they left to the engine thread has run."""
     for _ in range(500):
         if not worker._starting:
-            return
+            break
         await asyncio.sleep(0.01)
-    raise AssertionError(f"calls still starting: {worker._starting}")
+    else:
+        raise AssertionError(f"calls still starting: {worker._starting}")
+    # An aborted call frees its blocks on the engine thread after it stops starting: a job
+    # queued behind that one has run once the free has (one thread, first in, first out).
+    await asyncio.wrap_future(worker._exec.submit(lambda: None))
 
 
 async def _nothing_held(workers: dict[str, Worker]) -> None:
