@@ -18,6 +18,7 @@
 #include "fill_helpers.h"
 #include "rowcopy.h"
 #include "spin_poll.h"
+#include "transform.h"
 #ifdef KVXFER_WITH_CUDA
 #include "cuda_api.h"
 #endif
@@ -86,7 +87,61 @@ void host_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::option
   check(err);
 }
 
+// The segment arrays of a layout transform, checked for equal lengths (the native checks
+// the rest: geometry, tokens, addresses).
+kvxfer::TransformPlan make_transform(const Index& src_addr, const Index& dst_addr, const Index& tokens,
+                                     std::int64_t heads, std::int64_t unit_bytes, std::int64_t src_token_stride,
+                                     std::int64_t src_head_stride, std::int64_t dst_token_stride,
+                                     std::int64_t dst_head_stride) {
+  const auto n = static_cast<std::int64_t>(src_addr.shape(0));
+  if (static_cast<std::int64_t>(dst_addr.shape(0)) != n || static_cast<std::int64_t>(tokens.shape(0)) != n)
+    throw CopyError("src_addr, dst_addr and tokens must have one entry per segment; got " + std::to_string(n) + ", " +
+                    std::to_string(dst_addr.shape(0)) + " and " + std::to_string(tokens.shape(0)));
+  kvxfer::TransformPlan p;
+  p.src_addr = src_addr.data();
+  p.dst_addr = dst_addr.data();
+  p.tokens = tokens.data();
+  p.n_segments = n;
+  p.heads = heads;
+  p.unit_bytes = unit_bytes;
+  p.src_token_stride = src_token_stride;
+  p.src_head_stride = src_head_stride;
+  p.dst_token_stride = dst_token_stride;
+  p.dst_head_stride = dst_head_stride;
+  return p;
+}
+
+void host_transform_copy(Index src_addr, Index dst_addr, Index tokens, std::int64_t heads, std::int64_t unit_bytes,
+                         std::int64_t src_token_stride, std::int64_t src_head_stride, std::int64_t dst_token_stride,
+                         std::int64_t dst_head_stride, int threads) {
+  auto p = make_transform(src_addr, dst_addr, tokens, heads, unit_bytes, src_token_stride, src_head_stride,
+                          dst_token_stride, dst_head_stride);
+  check_unlocked([&] { return kvxfer::host_transform(p, threads); });
+}
+
 #ifdef KVXFER_WITH_CUDA
+void cuda_transform_copy(Index src_addr, Index dst_addr, Index tokens, std::int64_t heads, std::int64_t unit_bytes,
+                         std::int64_t src_token_stride, std::int64_t src_head_stride, std::int64_t dst_token_stride,
+                         std::int64_t dst_head_stride, std::uint64_t stream, int device) {
+  auto p = make_transform(src_addr, dst_addr, tokens, heads, unit_bytes, src_token_stride, src_head_stride,
+                          dst_token_stride, dst_head_stride);
+  check_unlocked([&] { return kvxfer::cuda::transform_copy(p, device, stream); });
+}
+
+std::tuple<std::string, std::string> cuda_transform_copy_then(
+    Index src_addr, Index dst_addr, Index tokens, std::int64_t heads, std::int64_t unit_bytes,
+    std::int64_t src_token_stride, std::int64_t src_head_stride, std::int64_t dst_token_stride,
+    std::int64_t dst_head_stride, std::uint64_t stream, int device, std::uint64_t bell_ptr, std::uint64_t bell_value,
+    std::uint64_t event) {
+  auto p = make_transform(src_addr, dst_addr, tokens, heads, unit_bytes, src_token_stride, src_head_stride,
+                          dst_token_stride, dst_head_stride);
+  std::string bell_err, event_err;
+  check_unlocked([&] {
+    return kvxfer::cuda::transform_copy_then(p, device, stream, bell_ptr, bell_value, event, &bell_err, &event_err);
+  });
+  return {bell_err, event_err};
+}
+
 void cuda_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::optional<Index> src_index,
                     std::uint64_t dst_base, std::int64_t dst_stride, std::optional<Index> dst_index,
                     std::int64_t n_rows, std::int64_t row_bytes, std::uint64_t stream, int device,
@@ -149,6 +204,7 @@ NB_MODULE(_native, m) {
   m.attr("HAS_CUDA") = false;
 #endif
   m.attr("ABI_VERSION") = 1;
+  m.attr("HAS_TRANSFORM") = true;  // host_transform_copy, and cuda_transform_copy(_then) with CUDA
 
   m.def("fill_helper_threads", [] { return kvxfer::FillHelpers::instance().threads(); },
         "How many persistent index-fill helper threads are running (started by large CUDA copies).");
@@ -183,7 +239,25 @@ NB_MODULE(_native, m) {
         "Copy n_rows rows of row_bytes from base+index[i]*stride (index None: i) on one end to the other, in host "
         "memory. Indices outside [0, limit) are refused when a limit is given.");
 
+  m.def("host_transform_copy", &host_transform_copy, "src_addr"_a.noconvert(), "dst_addr"_a.noconvert(),
+        "tokens"_a.noconvert(), "heads"_a, "unit_bytes"_a, "src_token_stride"_a, "src_head_stride"_a,
+        "dst_token_stride"_a, "dst_head_stride"_a, "threads"_a = 0,
+        "Layout transform in host memory: for each segment i, token t < tokens[i] and head h < heads, copy "
+        "unit_bytes from src_addr[i] + t * src_token_stride + h * src_head_stride to the same place on the dst end. "
+        "int64 arrays; checked before anything is copied.");
+
 #ifdef KVXFER_WITH_CUDA
+  m.def("cuda_transform_copy", &cuda_transform_copy, "src_addr"_a.noconvert(), "dst_addr"_a.noconvert(),
+        "tokens"_a.noconvert(), "heads"_a, "unit_bytes"_a, "src_token_stride"_a, "src_head_stride"_a,
+        "dst_token_stride"_a, "dst_head_stride"_a, "stream"_a, "device"_a = -1,
+        "host_transform_copy over device memory: one kernel queued on `stream` (an integer cudaStream_t; 0 = "
+        "legacy default) of `device` (-1: current). Host int64 arrays. Returns once queued.");
+  m.def("cuda_transform_copy_then", &cuda_transform_copy_then, "src_addr"_a.noconvert(), "dst_addr"_a.noconvert(),
+        "tokens"_a.noconvert(), "heads"_a, "unit_bytes"_a, "src_token_stride"_a, "src_head_stride"_a,
+        "dst_token_stride"_a, "dst_head_stride"_a, "stream"_a, "device"_a, "bell_ptr"_a, "bell_value"_a, "event"_a,
+        "cuda_transform_copy, then on the same stream the 8-byte store of bell_value at bell_ptr (0: none) and the "
+        "record of event (0: none), in one call. Raises CopyError if the copy was not queued; else returns (store "
+        "error, event error), empty strings when they were queued.");
   m.def("cuda_copy_rows", &cuda_copy_rows, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(), "dst_base"_a,
         "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "stream"_a, "device"_a = -1,
         "src_limit"_a = -1, "dst_limit"_a = -1,

@@ -10,6 +10,11 @@ one of its rows, which one unspecified (threads and GPU blocks write rows concur
 overlapping source and destination rows are undefined: callers pass distinct destinations, as
 the backends do (a fetch's rows are checked distinct before any copy).
 
+``transform_copy`` moves KV between two paged layouts (NHD, HND, head slices, other block
+sizes): segments of tokens, each (token, head) unit copied from ``src + t * token_stride +
+h * head_stride`` to the same expression on the destination end; natively by memcpy runs or
+one CUDA kernel, else numpy / torch indexing with identical bytes.
+
 ``info()`` says what is available and why not. Failures raise :class:`RowCopyError`.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import operator
 import os
 import select
 import time
@@ -56,10 +62,16 @@ class NativeInfo:
     cuda_driver: int
     module_path: str
     reason: str
+    transform: bool = False  # the compiled module has the layout transform (host, and CUDA where built)
 
     @property
     def host(self) -> bool:
         return True  # the numpy fallback always exists
+
+    @property
+    def cuda_transform(self) -> bool:
+        """``transform_copy`` over DEVICE memory runs the native kernel (else the torch fallback)."""
+        return self.transform and self.cuda_usable
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -114,15 +126,17 @@ def info() -> NativeInfo:
     if mod is None:
         return NativeInfo(False, False, False, 0, 0, 0, "", _LOAD_REASON)
     path = str(getattr(mod, "__file__", ""))
+    transform = bool(getattr(mod, "HAS_TRANSFORM", False))
     if not mod.HAS_CUDA:
-        return NativeInfo(True, False, False, 0, 0, 0, path, "kvxfer._native was built without CUDA (no nvcc found, or KVXFER_CUDA=OFF)")
+        return NativeInfo(True, False, False, 0, 0, 0, path,
+                          "kvxfer._native was built without CUDA (no nvcc found, or KVXFER_CUDA=OFF)", transform)
     try:
         runtime, driver = mod.versions()
         count = mod.device_count()
     except mod.CopyError as exc:
-        return NativeInfo(True, True, False, 0, 0, 0, path, f"CUDA is not usable here: {exc}")
+        return NativeInfo(True, True, False, 0, 0, 0, path, f"CUDA is not usable here: {exc}", transform)
     reason = "" if count > 0 else "no CUDA device is visible"
-    return NativeInfo(True, True, count > 0, count, runtime, driver, path, reason)
+    return NativeInfo(True, True, count > 0, count, runtime, driver, path, reason, transform)
 
 
 def cuda_module() -> ModuleType:
@@ -334,3 +348,177 @@ def _torch_copy(src_base: int, src_stride: int, src: Any, dst_base: int, dst_str
         src_rows, dst_rows = rows(src_base, src_stride, src), rows(dst_base, dst_stride, dst)
         picked = src_rows.index_select(0, index(src))
         dst_rows.index_copy_(0, index(dst), picked)
+
+
+# --- layout transform ---------------------------------------------------------------
+Strides = tuple[int, int]  # (token stride, head stride) in bytes
+
+
+def transform_copy(
+    src_addr: Any, dst_addr: Any, tokens: Any, *,
+    heads: int, unit_bytes: int, src_strides: Strides, dst_strides: Strides,
+    memory: MemoryKind = MemoryKind.HOST, device: int = -1, stream: int = 0,
+    threads: int = 0, impl: Impl = "auto",
+) -> None:
+    """Copy KV between two paged layouts, segment by segment.
+
+    For every segment i, token t < ``tokens[i]`` and head h < ``heads``, ``unit_bytes``
+    (head_dim * element size) go from ``src_addr[i] + t * src_strides[0] + h * src_strides[1]``
+    to ``dst_addr[i] + t * dst_strides[0] + h * dst_strides[1]``. Addresses and token counts are
+    integer arrays of one entry per segment (int64 avoids a conversion). NHD blocks have strides
+    ``(heads_held * unit_bytes, unit_bytes)``, HND blocks ``(unit_bytes, block_tokens * unit_bytes)``;
+    a head slice starts its segment's address at its first head.
+
+    HOST: returns when the bytes are in place (``threads`` as in ``copy_rows``). DEVICE:
+    returns once queued on ``stream`` (an integer ``cudaStream_t``) of ``device`` (-1: the
+    current one), as ``copy_rows`` does. Anything wrong is refused with RowCopyError before
+    a byte moves. Overlapping destinations (two segments, or source and destination) are
+    undefined, as for rows.
+    """
+    src, dst, tok = _segment_arrays(src_addr, dst_addr, tokens)
+    geometry = _transform_geometry(heads, unit_bytes, src_strides, dst_strides)
+    if impl not in ("auto", "native", "fallback"):
+        raise RowCopyError(f"impl must be auto, native or fallback, got {impl!r}")
+    if memory is MemoryKind.HOST:
+        if impl != "fallback" and info().transform:
+            _native_call(_NATIVE.host_transform_copy, src, dst, tok, *geometry, threads)  # type: ignore[union-attr]
+            return
+        if impl == "native":
+            raise RowCopyError(_LOAD_REASON or "kvxfer._native was built without the layout transform")
+        _check_segments(src, dst, tok, *geometry)
+        _numpy_transform(src, dst, tok, *geometry)
+        return
+    if impl != "fallback" and info().cuda_transform:
+        _native_call(_NATIVE.cuda_transform_copy, src, dst, tok, *geometry, stream, device)  # type: ignore[union-attr]
+        return
+    if impl == "native":
+        raise RowCopyError(info().reason or "kvxfer._native was built without the layout transform")
+    _check_segments(src, dst, tok, *geometry)
+    _torch_transform(src, dst, tok, *geometry, stream, device)
+
+
+def _segment_arrays(*arrays: Any) -> tuple[npt.NDArray[np.int64], ...]:
+    out = []
+    for name, value in zip(("src_addr", "dst_addr", "tokens"), arrays):
+        array = np.asarray(value)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise RowCopyError(f"{name} must be a one-dimensional integer array, got {array.dtype} {array.shape}")
+        out.append(np.ascontiguousarray(array, dtype=np.int64))
+    if not out[0].size == out[1].size == out[2].size:
+        raise RowCopyError("src_addr, dst_addr and tokens must have one entry per segment; got "
+                           f"{out[0].size}, {out[1].size} and {out[2].size}")
+    return tuple(out)
+
+
+def _transform_geometry(heads: Any, unit_bytes: Any, src_strides: Any, dst_strides: Any) -> tuple[int, ...]:
+    """(heads, unit_bytes, src token stride, src head stride, dst token stride, dst head stride)."""
+    try:
+        values = [int(operator.index(heads)), int(operator.index(unit_bytes))]
+        for name, pair in (("src_strides", src_strides), ("dst_strides", dst_strides)):
+            if len(pair) != 2:
+                raise RowCopyError(f"{name} must be (token stride, head stride), got {pair!r}")
+            values += [int(operator.index(v)) for v in pair]
+    except TypeError as exc:
+        raise RowCopyError(f"heads, unit_bytes and strides must be integers: {exc}") from exc
+    names = ("heads", "unit_bytes", "src_token_stride", "src_head_stride", "dst_token_stride", "dst_head_stride")
+    for name, value, low in zip(names, values, (1, 1, 0, 0, 0, 0)):
+        if value < low:  # the native check's words, so that both paths read alike
+            raise RowCopyError(f"{name} must be at least 1, got {value}" if low else f"{name} is negative ({value})")
+        if value > _INT64_MAX:
+            raise RowCopyError(f"{name} {value} does not fit in int64")
+    return tuple(values)
+
+
+def _check_segments(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], tok: npt.NDArray[np.int64],
+                    heads: int, unit: int, sts: int, shs: int, dts: int, dhs: int) -> None:
+    """What the native check_transform refuses, for the fallbacks."""
+    first = np.flatnonzero(tok < 0)
+    if first.size:
+        raise RowCopyError(f"tokens[{first[0]}] = {tok[first[0]]} is negative")
+    if heads > 1 and dhs < unit:
+        raise RowCopyError(f"destination heads overlap: dst_head_stride {dhs} < unit_bytes {unit}")
+    first = np.flatnonzero(tok > 1)
+    if first.size and dts < unit:
+        raise RowCopyError(f"destination tokens overlap: dst_token_stride {dts} < unit_bytes {unit} "
+                           f"(segment {first[0]})")
+    moving = tok > 0
+    for name, addr, ts, hs in (("src_addr", src, sts, shs), ("dst_addr", dst, dts, dhs)):
+        first = np.flatnonzero(moving & (addr <= 0))
+        if first.size:
+            raise RowCopyError(f"{name}[{first[0]}] = {addr[first[0]]} is not an address")
+        if not moving.any():
+            continue
+        # Bounded by the largest address and count first; each segment exactly only if that fails.
+        if int(addr[moving].max()) + (int(tok.max()) - 1) * ts + (heads - 1) * hs + unit > _INT64_MAX:
+            for i in np.flatnonzero(moving).tolist():
+                if int(addr[i]) + (int(tok[i]) - 1) * ts + (heads - 1) * hs + unit > _INT64_MAX:
+                    end = "source" if name == "src_addr" else "destination"
+                    raise RowCopyError(f"segment {i}'s {end} runs past the end of the address space")
+
+
+def _unit_elements(addr: npt.NDArray[np.int64], tok: npt.NDArray[np.int64], heads: int, unit: int,
+                   token_stride: int, head_stride: int, elem: int) -> npt.NDArray[np.int64]:
+    """The address of every `elem`-byte element copied at one end, in (segment, token, head,
+    element) order: the same order on both ends pairs them up."""
+    moving = tok > 0
+    base, counts = addr[moving], tok[moving]
+    first_token = np.repeat(np.cumsum(counts) - counts, counts)
+    t = np.arange(int(counts.sum()), dtype=np.int64) - first_token
+    units = (np.repeat(base, counts) + t * token_stride)[:, None] + np.arange(heads, dtype=np.int64) * head_stride
+    return (units[..., None] + np.arange(0, unit, elem, dtype=np.int64)).ravel()
+
+
+def _element_bytes(src: Any, dst: Any, tok: Any, heads: int, unit: int, sts: int, shs: int, dts: int,
+                   dhs: int) -> int:
+    """The widest of 8, 4, 2, 1 that every moving address, used stride and unit_bytes allows."""
+    moving = tok > 0
+    acc = unit | (shs | dhs if heads > 1 else 0) | (sts | dts if bool((tok > 1).any()) else 0)
+    if moving.any():
+        acc |= int(np.bitwise_or.reduce(src[moving])) | int(np.bitwise_or.reduce(dst[moving]))
+    return next(w for w in (8, 4, 2, 1) if acc % w == 0)
+
+
+def _transform_plan(src: Any, dst: Any, tok: Any, heads: int, unit: int, sts: int, shs: int, dts: int,
+                    dhs: int) -> tuple[int, tuple[int, int, Any], tuple[int, int, Any]] | None:
+    """(element bytes, (low address, extent, element indices) of each end); None: nothing moves."""
+    if not (tok > 0).any():
+        return None
+    elem = _element_bytes(src, dst, tok, heads, unit, sts, shs, dts, dhs)
+    ends = []
+    for addr, ts, hs in ((src, sts, shs), (dst, dts, dhs)):
+        at = _unit_elements(addr, tok, heads, unit, ts, hs, elem)
+        low = int(at.min())
+        ends.append((low, int(at.max()) + elem - low, (at - low) // elem))
+    return elem, ends[0], ends[1]
+
+
+def _numpy_transform(src: Any, dst: Any, tok: Any, *geometry: int) -> None:
+    plan = _transform_plan(src, dst, tok, *geometry)
+    if plan is None:
+        return
+    elem, (s_low, s_extent, s_ix), (d_low, d_extent, d_ix) = plan
+    dtype = np.dtype(f"u{elem}")
+    s_flat = np.ctypeslib.as_array((ctypes.c_uint8 * s_extent).from_address(s_low)).view(dtype)
+    d_flat = np.ctypeslib.as_array((ctypes.c_uint8 * d_extent).from_address(d_low)).view(dtype)
+    d_flat[d_ix] = s_flat[s_ix]
+
+
+def _torch_transform(src: Any, dst: Any, tok: Any, heads: int, unit: int, sts: int, shs: int, dts: int, dhs: int,
+                     stream: int, device: int) -> None:
+    try:
+        import torch
+    except ImportError as exc:
+        raise RowCopyError(f"a device transform needs kvxfer._native with CUDA or torch: {exc}") from exc
+    if not torch.cuda.is_available():
+        raise RowCopyError(f"no CUDA device for a device transform ({info().reason or 'torch sees none'})")
+    plan = _transform_plan(src, dst, tok, heads, unit, sts, shs, dts, dhs)
+    if plan is None:
+        return
+    elem, (s_low, s_extent, s_ix), (d_low, d_extent, d_ix) = plan
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[elem]
+    dev = torch.device("cuda", device if device >= 0 else torch.cuda.current_device())
+    with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dev)):
+        s_flat = torch.as_tensor(_CudaSpan(s_low, s_extent), device=dev).view(dtype)
+        d_flat = torch.as_tensor(_CudaSpan(d_low, d_extent), device=dev).view(dtype)
+        picked = s_flat.index_select(0, torch.from_numpy(s_ix).to(dev))
+        d_flat.index_copy_(0, torch.from_numpy(d_ix).to(dev), picked)
