@@ -8,7 +8,7 @@ VENV=${VENV:-.venv}
 "$VENV/bin/lint-imports"  # the layers: pyproject.toml [tool.importlinter]
 # The examples are part of the contract with users: they must run as documented.
 log=$(mktemp)
-for example in examples/loopback_roundtrip.py examples/lender_tour.py examples/pair_local.py examples/router_embed.py examples/microbench.py examples/two_process_nixl.py; do
+for example in examples/loopback_roundtrip.py examples/lender_tour.py examples/pair_local.py examples/router_embed.py examples/microbench.py examples/two_process_nixl.py examples/engine_kv_tour.py; do
   echo "== $example"
   "$VENV/bin/python" "$example" >"$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
   tail -3 "$log"

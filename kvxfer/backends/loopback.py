@@ -23,6 +23,7 @@ from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclude_from_record, stop_reason
 from kvxfer.backends.common.matching import GroupMatch, coalesce, match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
+from kvxfer.backends.common.transform import Oriented, copy_runs, plan_between
 from kvxfer.contract import (
     Cancelled,
     CompletionRecord,
@@ -88,6 +89,7 @@ class _Active:
     writes_peer: bool
     not_before: float
     cancelled_by_peer: bool = False
+    transform: Oriented | None = None  # engine geometries at both ends: the plan moves the bytes
 
 
 @dataclass(eq=False)
@@ -114,6 +116,7 @@ class LoopbackBackend(BackendEngine):
 
     KIND = BACKEND_KIND
     TITLE = "loopback"
+    GEOMETRY = True
 
     def __init__(
         self,
@@ -176,8 +179,10 @@ class LoopbackBackend(BackendEngine):
         now = time.monotonic()
         attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
         if admitted.active:
-            job = _Active(attempt, view, hint, match_rows(view, hint), writes_peer=not fetching,
-                          not_before=now + self.delay_s)
+            transform = plan_between(view, hint, fetching=fetching) if view.geometry is not None else None
+            matches = [] if transform is not None else match_rows(view, hint)
+            job = _Active(attempt, view, hint, matches, writes_peer=not fetching,
+                          not_before=now + self.delay_s, transform=transform)
             with self._jobs_lock:
                 self._claim(hint, attempt)
                 self._active.append(job)
@@ -290,6 +295,9 @@ class LoopbackBackend(BackendEngine):
                     self._kick.set()
 
     def _run_active(self, job: _Active) -> None:
+        if job.transform is not None:
+            self._run_transform(job, job.transform)
+            return
         local_masks = job.view.row_masks()
         peer_masks = [np.zeros(len(g), dtype=np.bool_) for g in job.hint.groups]
         peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
@@ -315,6 +323,27 @@ class LoopbackBackend(BackendEngine):
                                        match.local.region.slot_bytes, peer, local)
             local_masks[gi][match.local_rows[:done]] = True
             peer_masks[peer_index[match.peer.layer_group]][match.peer_rows[:done]] = True
+        self._finish(job, failure, local_masks, peer_masks)
+
+    def _run_transform(self, job: _Active, transform: Oriented) -> None:
+        """Copy the plan's runs a block-sized batch at a time (a cancel stops between
+        batches); ``fail_after_rows`` counts runs here."""
+        plan = transform.plan
+        budget = plan.runs if self.fail_after_rows is None else min(plan.runs, self.fail_after_rows)
+        failure = f"injected fault after {budget} runs" if budget < plan.runs else None
+        step = max(1, plan.runs // 8)
+        done = 0
+        while done < budget and not job.attempt.cancel_requested:
+            if not self._fabric.alive(job.hint.agent):
+                failure = f"peer {job.hint.agent!r} is gone"
+                break
+            end = min(budget, done + step)
+            copy_runs(plan, done, end, memory=MemoryKind.HOST)
+            done = end
+        local_masks, peer_masks = transform.masks(done)
+        self._finish(job, failure, local_masks, peer_masks)
+
+    def _finish(self, job: _Active, failure: str | None, local_masks: list, peer_masks: list) -> None:
         outcome: Failed | Cancelled | Delivered
         if failure is not None:
             status, outcome = RecordStatus.FAILED, Failed(failure, local_masks)

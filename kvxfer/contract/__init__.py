@@ -7,6 +7,7 @@ lender and no torch, so that anything can build on it.
 from kvxfer.contract.arrays import BoolArray, IndexArray, constant_mask
 from kvxfer.contract.backend import Attempt, Backend, Capabilities, WakeFn
 from kvxfer.contract.errors import InvalidSubmission, KvxferError, SubmissionRejected
+from kvxfer.contract.geometry import BlockOrder, HeadOrder, KVGeometry, LayoutMismatch, check_compatible
 from kvxfer.contract.hint import Hint, HintGroup, Peer, TransferMode
 from kvxfer.contract.memory import MemoryKind, SlotRegion
 from kvxfer.contract.outcome import Cancelled, Delivered, Failed, Outcome, check_masks, freeze_mask
@@ -18,4 +19,5 @@ __all__ = [
     "Failed", "Hint", "HintGroup", "IndexArray", "InvalidSubmission", "KvxferError",
     "LayerGroupRows", "MemoryKind", "Outcome", "Peer", "SlotRegion", "SubmissionRejected",
     "TokenRange", "TransferMode", "View", "WakeFn", "check_masks", "freeze_mask",
+    "BlockOrder", "HeadOrder", "KVGeometry", "LayoutMismatch", "check_compatible",
 ]

@@ -5,6 +5,7 @@ module imports none of them, it only draws them):
 
     KvxferError
     ├── InvalidSubmission        the submission is wrong; nothing escaped          [contract]
+    │   └── LayoutMismatch       two ends' KV geometries cannot meet               [contract.geometry]
     ├── SubmissionRejected       not now (shut down, backpressure); nothing escaped [contract]
     ├── WireError                a message is malformed, oversized or wrongly signed [wire]
     ├── LeaseError               a lease or lender used wrongly                    [lender]

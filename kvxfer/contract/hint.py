@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.contract.arrays import IndexArray, all_distinct, bounds, frozen_int64, is_positions
+from kvxfer.contract.geometry import KVGeometry
 from kvxfer.contract.memory import MemoryKind
-from kvxfer.contract.rows import CacheKind
+from kvxfer.contract.rows import CacheKind, TokenRange
 
 
 class TransferMode(enum.Enum):
@@ -138,6 +139,8 @@ class Hint:
     run: str = ""                  # the describing backend's run ("": unknown, as in hand-made hints)
     audience: Peer | None = None   # the one peer that may use this hint (None: any peer, once)
     expires_ms: int = 0            # wall clock, ms since the epoch; 0: none (refused by every backend)
+    geometry: KVGeometry | None = None  # the describing end's KV layout, when its view had one
+    tokens: TokenRange | None = None    # with a geometry: the tokens the describing view covers
 
     def __post_init__(self) -> None:
         for name in ("backend", "agent", "request", "transfer_id"):
@@ -154,6 +157,7 @@ class Hint:
             raise TypeError(f"Hint.audience must be a Peer or None, got {self.audience!r}")
         if isinstance(self.expires_ms, bool) or not isinstance(self.expires_ms, int) or not 0 <= self.expires_ms < 1 << 63:
             raise ValueError(f"Hint.expires_ms must be an int in [0, 2**63), got {self.expires_ms!r}")
+        self._check_geometry()
         groups = tuple(self.groups)
         if not all(isinstance(g, HintGroup) for g in groups):
             raise TypeError("Hint.groups must hold HintGroup items")
@@ -163,6 +167,13 @@ class Hint:
         extras = tuple((str(k), bytes(v)) for k, v in self.extras)
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "extras", extras)
+
+    def _check_geometry(self) -> None:
+        if self.geometry is not None and not isinstance(self.geometry, KVGeometry):
+            raise TypeError(f"Hint.geometry must be a KVGeometry or None, got {type(self.geometry).__name__}")
+        if (self.geometry is None) != (self.tokens is None) or (
+                self.tokens is not None and not isinstance(self.tokens, TokenRange)):
+            raise ValueError("Hint.geometry and Hint.tokens (a TokenRange) come together or not at all")
 
     @property
     def peer(self) -> Peer | None:

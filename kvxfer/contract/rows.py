@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.contract.arrays import BoolArray, IndexArray, all_distinct, bounds, frozen_int64, is_positions
+from kvxfer.contract.geometry import KVGeometry
 from kvxfer.contract.memory import SlotRegion
 
 
@@ -120,12 +121,18 @@ class View:
 
     A snapshot: it stays valid after its lease ends; the lease only bounds how long the
     memory it locates is protected. ``layout`` is the pool's layout identity.
+
+    With a ``geometry`` (an engine's own KV, see ``kvxfer.contract.geometry``) the view has
+    exactly one group: its rows are the request's blocks in that geometry's block size,
+    its slots the engine's block ids, and ``layout`` names the model's KV only (not the
+    block size, order or heads, which the geometry says and the ends may differ in).
     """
 
     request: str
     tokens: TokenRange
     groups: tuple[LayerGroupRows, ...]
     layout: bytes = field(default=b"")
+    geometry: KVGeometry | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request, str) or not self.request:
@@ -145,6 +152,11 @@ class View:
             raise ValueError(f"View of {self.request!r} names a layer group twice: {names}")
         if not isinstance(self.layout, bytes):
             raise TypeError("View.layout must be bytes")
+        if self.geometry is not None:
+            if not isinstance(self.geometry, KVGeometry):
+                raise TypeError(f"View.geometry must be a KVGeometry or None, got {type(self.geometry).__name__}")
+            if len(copied) != 1 or copied[0].kind is not CacheKind.PAGED:
+                raise ValueError(f"View of {self.request!r}: a view with a geometry has one PAGED group of blocks")
         object.__setattr__(self, "groups", copied)
 
     @property

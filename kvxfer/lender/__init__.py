@@ -12,18 +12,23 @@
     lease.release()                         # every lease, idempotent
     bounds = lender.readiness(req)          # ResumeBounds(usable_until, restart_floor)
 
+An engine's own tensors instead of a pool: ``EngineKV`` (their geometry) and ``ExternalLender``
+(leases over the engine's block table); see ``examples/engine_kv_tour.py``.
+
 Errors: LeaseError (misuse), LendingDisabled (reuse scope reset or shut down), LenderBusy
 (shutdown with open leases, unless forced), InvalidSubmission (malformed masks).
 """
 
 from kvxfer.lender.base import Lease, LeaseError, Lender, LenderBusy, LendingDisabled, ShutdownReport
 from kvxfer.lender.bounds import ResumeBounds, group_interval, resume_bounds
+from kvxfer.lender.engine_kv import EngineKV, kv_identity
+from kvxfer.lender.external import ExternalLease, ExternalLender
 from kvxfer.lender.inplace import InPlaceLender
 from kvxfer.lender.slots import SlotRuns, SlotStats
 from kvxfer.lender.staging import StagingLender, StagingStats, rows_per_fetch
 
 __all__ = [
-    "InPlaceLender", "Lease", "LeaseError", "Lender", "LenderBusy", "LendingDisabled", "ResumeBounds",
+    "EngineKV", "ExternalLease", "ExternalLender", "kv_identity", "InPlaceLender", "Lease", "LeaseError", "Lender", "LenderBusy", "LendingDisabled", "ResumeBounds",
     "ShutdownReport", "SlotRuns", "SlotStats", "StagingLender", "StagingStats", "group_interval",
     "resume_bounds", "rows_per_fetch",
 ]

@@ -26,7 +26,7 @@ from kvxfer.wire.limits import Limits
 
 Buffer = Union[bytes, bytearray, memoryview]  # what decode_* accept
 WIRE_VERSION = 1
-MESSAGE_TYPES = frozenset({"hint", "completion", "blob"})
+MESSAGE_TYPES = frozenset({"hint", "hints", "completion", "blob"})
 _ENVELOPE_KEYS = frozenset({"kvxfer", "type", "body"})
 
 

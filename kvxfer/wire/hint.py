@@ -10,6 +10,8 @@ Body (a msgpack map, str keys, every key required)::
     groups: array of maps {layer_group, region: str (non-empty); kind: "paged" | "state";
             memory_kind: "host" | "device"; address, slot_bytes, region_slots,
             device_id: uint; slots, ordinals: bin (little-endian int64, one per row)}
+    geometry (optional, present when the hint describes an engine's own KV): see
+            ``kvxfer.wire.geometry``
 
 ``Hint.mac`` is not sent as a field: the envelope's MAC covers the body. A decoded hint
 carries the MAC it was verified with (None for an unsigned message), and ``encode_hint``
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer.contract import CacheKind, Hint, HintGroup, MemoryKind, Peer, TransferMode
+from kvxfer.contract import CacheKind, Hint, HintGroup, MemoryKind, Peer, TokenRange, TransferMode
 from kvxfer.wire.arrays import int64_from_bytes, int64_to_bytes
 from kvxfer.wire.envelope import Buffer, open_message, seal
 from kvxfer.wire.errors import WireError
 from kvxfer.wire.fields import Fields, check_str, describe
+from kvxfer.wire.geometry import decode_geometry, encode_geometry
 from kvxfer.wire.limits import DEFAULT_LIMITS, Limits
 
 _HINT_KEYS = frozenset({"backend", "mode", "agent", "request", "transfer_id", "layout", "endpoint", "extras", "groups",
@@ -57,6 +60,8 @@ def encode_hint(hint: Hint, key: bytes | None = None, *, limits: Limits = DEFAUL
             for g in hint.groups
         ],
     }
+    if hint.geometry is not None:
+        body["geometry"] = encode_geometry(hint.geometry, hint.tokens or TokenRange(0, 0), limits)
     return seal("hint", body, key, limits)
 
 
@@ -65,10 +70,11 @@ def decode_hint(data: Buffer, key: bytes | None = None, *, limits: Limits = DEFA
     or type, unsigned while a key applies, or wrongly signed."""
     items = max(limits.groups, limits.extras, _MAP_FIELDS)
     # The body map, the extras array and one pair per extra, the groups array and one map per
-    # group, the audience pair.
-    containers = 4 + limits.extras + limits.groups
+    # group, the audience pair; the geometry's map, its two pairs, its regions array and one
+    # array per region.
+    containers = 4 + limits.extras + limits.groups + 4 + limits.groups
     body, mac = open_message(data, "hint", key, limits, max_items=items, max_containers=containers)
-    f = Fields(body, "hint", _HINT_KEYS)
+    f = Fields(body, "hint", _HINT_KEYS, frozenset({"geometry"}))
     text = limits.string_bytes
     strings = {name: f.text(name, text) for name in ("backend", "agent", "request", "transfer_id")}
     mode = f.choice("mode", TransferMode)
@@ -79,9 +85,10 @@ def decode_hint(data: Buffer, key: bytes | None = None, *, limits: Limits = DEFA
     run = f.text("run", text, empty=True)
     expires_ms = f.uint("expires_ms")
     audience = _decode_audience(body["audience"], text)
+    geometry, tokens = decode_geometry(body["geometry"], limits) if f.has("geometry") else (None, None)
     try:
         return Hint(mode=mode, layout=layout, groups=groups, endpoint=endpoint, extras=extras, mac=mac, run=run,
-                    audience=audience, expires_ms=expires_ms, **strings)
+                    audience=audience, expires_ms=expires_ms, geometry=geometry, tokens=tokens, **strings)
     except (TypeError, ValueError) as exc:  # e.g. a layer group named twice
         raise WireError(f"hint: {exc}") from None
 

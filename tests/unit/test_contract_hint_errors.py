@@ -58,8 +58,9 @@ def test_caller_array_snapshot() -> None:
 def test_hint_describes_only_the_other_end() -> None:
     # No field of a hint names local rows: everything is the describing end's own geometry.
     names = set(Hint.__dataclass_fields__)
+    # (``geometry`` and ``tokens``: the describing end's engine layout and its token range.)
     assert names == {"backend", "mode", "agent", "request", "transfer_id", "layout", "groups",
-                     "endpoint", "extras", "mac", "run", "audience", "expires_ms"}
+                     "endpoint", "extras", "mac", "run", "audience", "expires_ms", "geometry", "tokens"}
 
 
 def test_hint_slot_outside_region_refused() -> None:

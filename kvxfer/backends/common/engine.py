@@ -64,6 +64,7 @@ class BackendEngine(Backend):
 
     KIND: ClassVar[str]  # Hint.backend of this backend's hints
     TITLE: ClassVar[str]  # how errors name it: "loopback", "IPC", "nixl"
+    GEOMETRY: ClassVar[bool] = False  # moves KV between engine geometries (views with a geometry)
 
     name: str
     mode: TransferMode
@@ -112,6 +113,7 @@ class BackendEngine(Backend):
         (in push mode to a one-sided WRITE that no later refusal can take back), so a view a
         submission would refuse is refused here."""
         self._refuse_if_closed()
+        self._refuse_geometry(view)
         self._regions.check_view(view, for_fetch=True)
         return self._own.mint(view)
 
@@ -122,9 +124,15 @@ class BackendEngine(Backend):
             transfer_id=transfer_id, layout=view.layout, groups=hint_groups(view),
             endpoint=endpoint, extras=extras,
             run=self._own.peer.run, audience=audience, expires_ms=self._own.expiry(),
+            geometry=view.geometry, tokens=view.tokens if view.geometry is not None else None,
         )
 
     # --- submission checks (the owner's thread) -----------------------------------------
+    def _refuse_geometry(self, view: View) -> None:
+        if view.geometry is not None and not self.GEOMETRY:
+            raise InvalidSubmission(f"the {self.KIND} backend moves pool rows only, not an engine's own KV "
+                                    "(a view with a geometry): use the nixl, ipc or loopback backend")
+
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise SubmissionRejected(f"{self.TITLE} backend {self.name!r} is shut down")
@@ -136,6 +144,7 @@ class BackendEngine(Backend):
         """Every check that needs no lock and touches nothing; InvalidSubmission or
         SubmissionRejected names what is wrong."""
         self._refuse_if_closed()
+        self._refuse_geometry(view)
         check_submission(view, hint, self._regions, self.KIND, self.mode, fetching=fetching)
         self._own.check_for_us(hint)
         self._check_peer_hint(hint)

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.backends.common.regions import RegionTable
-from kvxfer.contract import Hint, HintGroup, IndexArray, InvalidSubmission, LayerGroupRows, View
+from kvxfer.contract import (
+    Hint,
+    HintGroup,
+    IndexArray,
+    InvalidSubmission,
+    LayerGroupRows,
+    LayoutMismatch,
+    View,
+    check_compatible,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +53,13 @@ def check_submission(view: View, hint: Hint, regions: RegionTable, backend: str,
     check_agreement(view, hint, backend, mode)
     if hint.request != view.request:
         raise InvalidSubmission(f"hint is for request {hint.request!r}, the view for {view.request!r}")
+    if view.geometry is not None and hint.geometry is not None:
+        local, peer = view.geometry, hint.geometry
+        src, dst = (peer, local) if fetching else (local, peer)
+        if not (src.heads[0] <= dst.heads[0] and dst.heads[1] <= src.heads[1]):
+            raise LayoutMismatch(
+                f"the fetching end holds heads [{dst.heads[0]}, {dst.heads[1]}) but the publishing end only "
+                f"[{src.heads[0]}, {src.heads[1]}): narrow the fetching view to heads the publisher holds")
 
 
 def check_agreement(view: View, hint: Hint, backend: str, mode: object) -> None:
@@ -52,12 +68,20 @@ def check_agreement(view: View, hint: Hint, backend: str, mode: object) -> None:
         raise InvalidSubmission(f"hint is for backend {hint.backend!r}, this is {backend!r}")
     if hint.mode != mode:
         raise InvalidSubmission(f"hint is for {hint.mode.value} mode, this backend runs {getattr(mode, 'value', mode)}")
+    if (hint.geometry is None) != (view.geometry is None):
+        ours, theirs = ("an engine's KV (a geometry)", "a pool's rows") if view.geometry else (
+            "a pool's rows", "an engine's KV (a geometry)")
+        raise LayoutMismatch(f"this view lends {ours}, the peer's hint describes {theirs}: both ends must be one kind")
+    if view.geometry is not None and hint.geometry is not None:
+        check_compatible(view.geometry, hint.geometry)
     if hint.layout != view.layout:
         raise InvalidSubmission(
             f"layout mismatch: peer {hint.layout.hex()[:16] or '(none)'} vs local {view.layout.hex()[:16] or '(none)'}"
         )
     for group in view.groups:
         peer = hint.group(group.layer_group)
+        if view.geometry is not None:
+            continue  # rows of two geometries differ in size by design: the transform plan pairs them
         if peer is not None and peer.slot_bytes != group.region.slot_bytes:
             raise InvalidSubmission(
                 f"group {group.layer_group!r}: peer rows are {peer.slot_bytes} bytes, local rows {group.region.slot_bytes}"

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvxfer.contract import InvalidSubmission, LayerGroupRows, MemoryKind, SlotRegion, View
+from kvxfer.contract import InvalidSubmission, LayerGroupRows, LayoutMismatch, MemoryKind, SlotRegion, View
 from kvxfer.contract.arrays import all_distinct
 
 
@@ -57,12 +57,28 @@ class RegionTable:
     def __len__(self) -> int:
         return len(self._regions)
 
+    def _check_geometry(self, view: View) -> None:
+        """An engine view's memory is its geometry's regions, all registered, and its block
+        ids lie within the geometry's blocks."""
+        geometry = view.geometry
+        assert geometry is not None
+        for region in geometry.regions:
+            registered = self._regions.get(region.name)
+            if registered is None or registered != region:
+                raise InvalidSubmission(f"the view's KV lies in region {region.name!r}, which is not registered")
+        span = view.groups[0].slot_bounds
+        if span is not None and (span[0] < 0 or span[1] >= geometry.blocks):
+            bad = span[0] if span[0] < 0 else span[1]
+            raise LayoutMismatch(f"the view names block {bad}, outside the {geometry.blocks} blocks of its tensors")
+
     def check_view(self, view: View, *, for_fetch: bool) -> None:
         """Raise InvalidSubmission for rows in no registered region, out of range, with
         repeated ordinals, or (for a fetch, whose rows are written, and for describe(), whose
         hint may expose them to a write) overlapping rows."""
         if not isinstance(view, View):
             raise InvalidSubmission(f"expected a View, got {type(view).__name__}")
+        if view.geometry is not None:
+            self._check_geometry(view)
         for group in view.groups:
             registered = self._regions.get(group.region.name)
             # Usually the very object registered (a lender makes its regions once): no field compare.

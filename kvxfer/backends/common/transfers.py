@@ -59,8 +59,8 @@ def _same_rows(a: View, b: View) -> bool:
     """The two views name the same rows (the described and the submitted one)."""
     if a is b:
         return True
-    if len(a.groups) != len(b.groups):
-        return False
+    if len(a.groups) != len(b.groups) or a.geometry != b.geometry:
+        return False  # the peer was shown another layout of these rows
     for x, y in zip(a.groups, b.groups):
         if x.layer_group != y.layer_group or x.region != y.region:
             return False

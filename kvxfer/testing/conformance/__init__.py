@@ -33,6 +33,11 @@ from kvxfer.testing.conformance.delivery_checks import (
     check_shutdown,
     check_wake_after_visible,
 )
+from kvxfer.testing.conformance.geometry_checks import (
+    check_geometry_block_outside_refused,
+    check_geometry_heads_refused,
+    check_geometry_mismatch_refused,
+)
 from kvxfer.testing.conformance.hint_checks import (
     check_hint_only_for_its_audience,
     check_hint_used_once,
@@ -57,6 +62,9 @@ CHECKS: tuple[Callable[[PairFactory, TransferMode], None], ...] = (
     check_describe_refuses_what_a_submission_would,
     check_register_skips_unreachable_kinds,
     check_layout_mismatch_refused,
+    check_geometry_mismatch_refused,
+    check_geometry_block_outside_refused,
+    check_geometry_heads_refused,
     check_hint_used_once,
     check_hint_only_for_its_audience,
     check_withdraw,

@@ -10,7 +10,8 @@ from kvxfer.testing.conformance.transfers import _fill, _finish, _groups, _Plan,
 
 
 def _expect_refusal(pair: Pair, plan: _Plan, local_op: str, local_is_source: bool, view: View, hint: Hint,
-                    what: str = "a bad submission", warm: bool = True) -> None:
+                    what: str = "a bad submission", warm: bool = True, peer_waits: bool = True,
+                    match: str | None = None) -> None:
     """``local_op`` of ``view`` with ``hint`` raises InvalidSubmission and lets nothing escape:
     no row at either end changes, wake never runs, no attempt is left behind, and the peer is
     told nothing. The last is only observable while the peer has an attempt for this
@@ -18,14 +19,17 @@ def _expect_refusal(pair: Pair, plan: _Plan, local_op: str, local_is_source: boo
     fetch in push, its publish in pull) waits during the refusal and must not conclude. (When
     the local end is passive the peer would be the active end, which moves bytes whatever
     this end does; it is not started.) ``warm=False``: the ends have moved rows together
-    already, and the caller's rows are kept as they are."""
+    already, and the caller's rows are kept as they are. ``peer_waits=False``: the peer has
+    no attempt it could wait with (its own view does not meet ``view`` either), so that the
+    peer heard nothing is not observed; the rest is checked the same."""
     local_active = (local_op == "publish") == (pair.mode is TransferMode.PUSH)
     peer_op = "fetch" if local_op == "publish" else "publish"
     if local_active and warm:
         _introduce(pair, plan, local_op, local_is_source)
     before = _rows_at_both_ends(pair, plan)
-    handle = pair.peer.start(peer_op, plan.peer_view, pair.local.describe(plan.local_view)) if local_active else None
-    waker = _submit_refused(pair, local_op, view, hint, what)
+    waits = local_active and peer_waits
+    handle = pair.peer.start(peer_op, plan.peer_view, pair.local.describe(plan.local_view)) if waits else None
+    waker = _submit_refused(pair, local_op, view, hint, what, match)
     if handle is None:
         time.sleep(0.05)
     else:
@@ -70,8 +74,9 @@ def _assert_rows_kept(pair: Pair, plan: _Plan, before: _Rows, what: str, when: s
             f"refusal of {what} touched peer rows ({when})"
 
 
-def _submit_refused(pair: Pair, local_op: str, view: View, hint: Hint, what: str) -> _Waker:
-    """Submit ``view`` at the local end, which must raise InvalidSubmission; the wake callback given."""
+def _submit_refused(pair: Pair, local_op: str, view: View, hint: Hint, what: str, match: str | None = None) -> _Waker:
+    """Submit ``view`` at the local end, which must raise InvalidSubmission (naming ``match``
+    when given: refused for the right reason); the wake callback given."""
     try:
         pair.local.describe(view)
     except InvalidSubmission:
@@ -80,7 +85,8 @@ def _submit_refused(pair: Pair, local_op: str, view: View, hint: Hint, what: str
     waker = _Waker()
     try:
         attempt = submit(view, hint, waker)
-    except InvalidSubmission:
+    except InvalidSubmission as exc:
+        assert match is None or match in str(exc), f"{local_op} of {what} was refused for another reason: {exc}"
         return waker
     raise AssertionError(f"{local_op} of {what} returned {attempt!r} instead of raising InvalidSubmission")
 
