@@ -38,6 +38,12 @@ them; ``arena_bytes=0``: none, and no packed transfer to or from this backend) i
 registered once and advertised in ``Hint.extras``. ``stats()`` and ``path_of(attempt)``
 say which path carried each submission. Pull stays unpacked (see ``packed``).
 
+Engine geometries (views and hints with a ``KVGeometry``, ``GEOMETRY = True``): a submission
+between two layouts is planned by ``plan_between`` before anything is claimed (LayoutMismatch
+refuses it with nothing touched) and moves the plan's segments instead of rows, as NIXL
+descriptors or, for a push, packed through the arenas and scattered at the fetcher into its
+layout (``geometry_path``, ``geometry_packed``); its masks prove blocks whose every run arrived.
+
 UCX is progressed by this thread, which pauses ``poll_s`` between steps while transfers are
 pending (a packed push waits on notification round trips, so a smaller pause helps it where
 cores are spare). (NIXL's own progress thread spins a core per agent);
@@ -71,12 +77,14 @@ from kvxfer.backends.common.devices import cuda_device_count, cuda_present, uniq
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclude_from_record
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
+from kvxfer.backends.common.transform import plan_between
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown
+from kvxfer.backends.nixl.geometry_packed import landing_slots_ahead
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion
 from kvxfer.backends.nixl.liveness import HEARTBEAT, Liveness, LivenessHooks
 from kvxfer.backends.nixl.notes import NOTE_PREFIX, decode_note, ints
 from kvxfer.backends.nixl.packed import ARENA_EXTRA, Arena, PackedJob
-from kvxfer.backends.nixl.paths import MIN_DESCRIPTORS, PackedMode, Path, slots_ahead
+from kvxfer.backends.nixl.paths import MIN_DESCRIPTORS, PackedMode, Path
 from kvxfer.backends.nixl.plan import ChunkBytes
 from kvxfer.backends.nixl.receiver import PackedReceiver, ReceiverHooks
 from kvxfer.backends.nixl.sender import SendPolicy, plan_job, start_job, step_job
@@ -141,6 +149,7 @@ class NixlBackend(BackendEngine):
 
     KIND = BACKEND_KIND
     TITLE = "nixl"
+    GEOMETRY = True  # engine geometries too (geometry_path, geometry_packed)
 
     def __init__(
         self,
@@ -304,8 +313,10 @@ class NixlBackend(BackendEngine):
 
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         admitted = self._admit(view, hint, fetching=fetching)
+        # Two geometries: the plan, or LayoutMismatch with nothing touched (geometry_path).
+        transform = plan_between(view, hint, fetching=fetching) if view.geometry is not None else None
         attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
-        matches = match_rows(view, hint) if admitted.active else []
+        matches = match_rows(view, hint) if admitted.active and transform is None else []
         try:
             ready = self._agent.ensure_peer(hint.agent, hint.endpoint)
         except ValueError as exc:
@@ -324,12 +335,13 @@ class NixlBackend(BackendEngine):
                 # every heartbeat until answered, and now that we hold its metadata the next ask is.
                 policy = self._policy()
                 job = plan_job(policy, attempt, view, hint, matches, deadline, ready=ready, fetching=fetching,
-                               arena=self._arena, agent=self.name)
+                               arena=self._arena, agent=self.name, transform=transform)
                 self._claim(hint, attempt)  # before anything is posted: withdraw() must see it
                 self._start_job(policy, job)
                 self._active.append(job)
             else:
-                self._start_wait(PassiveWait(attempt, view, hint, admitted.own_id, deadline), fetching)
+                self._start_wait(PassiveWait(attempt, view, hint, admitted.own_id, deadline, transform=transform),
+                                 fetching)
         self._own.consume(view, admitted.own_id)
         self._kick.set()
         return attempt
@@ -356,8 +368,8 @@ class NixlBackend(BackendEngine):
 
     def _start_wait(self, wait: PassiveWait, fetching: bool) -> None:
         """Under the jobs lock: a passive wait, granted landing slots ahead where it pays."""
-        ahead = slots_ahead(wait.view, wait.hint, self._arena, packed=self.packed,
-                            min_descriptors=self.packed_min_descriptors) if fetching else 0
+        ahead = landing_slots_ahead(wait, self._arena, packed=self.packed,
+                                    min_descriptors=self.packed_min_descriptors) if fetching else 0
         if ahead:
             self._receiver.grant_ahead(wait, ahead)
         self._passive[wait.own_id] = wait
@@ -550,7 +562,7 @@ def conclude_packed(wait: PassiveWait, record: CompletionRecord) -> None:
         return
     scattered = wait.masks()
     if record.status is RecordStatus.DELIVERED:
-        if all(bool(m.all()) for m in scattered):
+        if wait.inbound is not None and wait.inbound.landed_all:
             wait.attempt.conclude(Delivered(tuple(scattered)))
         else:
             wait.attempt.conclude(Failed("peer reported delivery but packed chunks are missing", scattered))

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.transform import Oriented
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, XferError
 from kvxfer.backends.nixl.notes import Inbound
 from kvxfer.contract import (
@@ -118,6 +119,7 @@ class PassiveWait:
     ask_again: float = 0.0  # when to ask the peer to stop (CANCEL_REQUEST), again while unanswered
     stop_reason: str = ""
     inbound: Inbound | None = None  # packed landing: set by the peer's request, or by fetch() granting ahead
+    transform: Oriented | None = None  # between two geometries: the plan (made at submission)
 
     def masks(self) -> list[BoolArray]:
         """Rows known to be in place at this end: those scattered from packed chunks, else none."""

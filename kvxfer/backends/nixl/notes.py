@@ -62,10 +62,22 @@ class Inbound:
     grant: list[int] = field(default_factory=list)  # to send: new slots
     ok: list[int] = field(default_factory=list)     # to send: chunks scattered
     no: list[int] = field(default_factory=list)     # to send: chunks dropped
+    # Between two geometries (``geometry_packed.Shaped``): the plan's segments scattered, and
+    # ``expected`` counts segments, not rows.
+    shaped: Any = None
 
     @property
     def complete(self) -> bool:
+        if self.shaped is not None:
+            return self.expected >= 0 and self.shaped.count == self.expected
         return self.expected >= 0 and sum(int(m.sum()) for m in self.scattered) == self.expected
+
+    @property
+    def landed_all(self) -> bool:
+        """Every row (between geometries: every segment of the plan) was scattered."""
+        if self.shaped is not None:
+            return bool(self.shaped.landed.all())
+        return all(bool(m.all()) for m in self.scattered)
 
     def on_request(self, chunks: int, rows: int, held: int) -> None:
         """The sender's ``req`` after slots were granted at fetch(): it holds ``held`` of them

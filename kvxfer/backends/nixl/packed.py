@@ -168,6 +168,15 @@ class Arena:
         finally:
             self._settle()
 
+    def transform(self, calls: list[dict[str, Any]]) -> None:
+        """Each a ``native.transform_copy`` call (addresses, tokens, geometry) between the arena
+        and a geometry's planes, in this arena's memory; as ``gather``."""
+        try:
+            for call in calls:
+                native.transform_copy(**call, **self._copy_options())
+        finally:
+            self._settle()
+
     def scatter(self, parts: list[tuple[int, SlotRegion, IndexArray]]) -> None:
         """Each (arena slot, region, its slots): the slot's rows into the region; as ``gather``."""
         try:
@@ -268,6 +277,18 @@ class PackedJob(ActiveJob):
             return False
         return stopping or len(self.done) == len(self.chunks)
 
+    # What the path of a submission's rows needs (``geometry_packed.GeometryPackedJob`` moves
+    # segments of a plan instead): what the ``req`` note counts, the gather, the chunk note.
+    def carried(self) -> int:
+        return sum(c.rows for c in self.chunks)
+
+    def gather(self, arena: Arena, parts: list[tuple[Any, int]]) -> None:
+        arena.gather([(chunk.region, chunk.local_slots, slot) for chunk, slot in parts])
+
+    def chunk_fields(self, chunk: Any) -> dict[str, Any]:
+        starts, lengths = runs_of(chunk.peer_rows)
+        return {"g": chunk.peer_group, "rs": starts, "rl": lengths}
+
     def on_credit(self, grant: list[int], ok: list[int], no: list[int]) -> None:
         assert self.remote is not None
         # Acknowledgements first: a bad grant in the same note must not strand chunks the
@@ -294,7 +315,7 @@ def request_slots(job: PackedJob, agent: NixlAgent) -> bool:
         return False
     peer = job.hint.agent
     try:
-        rows = -1 if job.injected else sum(c.rows for c in job.chunks)
+        rows = -1 if job.injected else job.carried()
         agent.notify(peer, encode_note("req", t=job.hint.transfer_id, n=len(job.chunks), r=rows,
                                        h=len(job.credits)))
         job.requested = True
@@ -347,15 +368,14 @@ def step_packed(job: PackedJob, agent: NixlAgent, arena: Arena, *, pause_s: floa
     return False
 
 
-def _gathered_batch(job: PackedJob, arena: Arena, now: float, pause_s: float) -> list[tuple[int, PackedChunk, int, int]]:
+def _gathered_batch(job: PackedJob, arena: Arena, now: float, pause_s: float) -> list[tuple[int, Any, int, int]]:
     """The chunks to post now (chunk index, chunk, local slot, remote slot), gathered into
     their local arena slots; none when the gather fails (the job then fails)."""
-    batch: list[tuple[int, PackedChunk, int, int]] = []
+    batch: list[tuple[int, Any, int, int]] = []  # a PackedChunk, or a geometry's segments
     while (job.failure is None and not job.attempt.cancel_requested and job.requested and job.credits
            and arena.free_out and job.next_chunk < len(job.chunks)
            and now >= job.not_before):
         chunk = job.chunks[job.next_chunk]
-        assert isinstance(chunk, PackedChunk)
         batch.append((job.next_chunk, chunk, arena.free_out.popleft(), job.credits.popleft()))
         job.next_chunk += 1
         if pause_s:
@@ -363,7 +383,7 @@ def _gathered_batch(job: PackedJob, arena: Arena, now: float, pause_s: float) ->
             break
     if batch:
         try:
-            arena.gather([(chunk.region, chunk.local_slots, slot) for _, chunk, slot, _ in batch])
+            job.gather(arena, [(chunk, slot) for _, chunk, slot, _ in batch])
         except native.RowCopyError as exc:
             arena.free_out.extend(slot for _, _, slot, _ in batch)
             job.failure = f"gathering packed chunks {batch[0][0]}-{batch[-1][0]}: {exc}"
@@ -371,13 +391,11 @@ def _gathered_batch(job: PackedJob, arena: Arena, now: float, pause_s: float) ->
     return batch
 
 
-def _post_packed(job: PackedJob, agent: NixlAgent, arena: Arena, index: int, chunk: PackedChunk, slot: int,
+def _post_packed(job: PackedJob, agent: NixlAgent, arena: Arena, index: int, chunk: Any, slot: int,
                  remote_slot: int) -> None:
     """WRITE one gathered chunk into the peer's granted slot, its ``chunk`` note riding along."""
     assert job.remote is not None
-    starts, lengths = runs_of(chunk.peer_rows)
-    note = encode_note("chunk", t=job.hint.transfer_id, c=index, s=remote_slot, g=chunk.peer_group,
-                       rs=starts, rl=lengths)
+    note = encode_note("chunk", t=job.hint.transfer_id, c=index, s=remote_slot, **job.chunk_fields(chunk))
     local = np.array([[arena.slot_address(slot), chunk.nbytes, arena.device_id]], dtype=np.uint64)
     remote = np.array([[job.remote.address + remote_slot * job.remote.slot_bytes, chunk.nbytes,
                         job.remote.device_id]], dtype=np.uint64)
@@ -405,3 +423,4 @@ class Landing:
     rows: IndexArray     # rows of that group, in the chunk's order
     region: SlotRegion
     slots: IndexArray    # the region slots of those rows
+    segments: tuple[int, int] | None = None  # a geometry's chunk: plan segments [first, end) instead of rows

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.transfers import put_bounded
+from kvxfer.backends.nixl.geometry_packed import landing_segments, packed_bytes, request_limit, scatter_calls, shaped
 from kvxfer.backends.nixl.jobs import PassiveWait
 from kvxfer.backends.nixl.notes import Inbound, ints
 from kvxfer.backends.nixl.packed import Arena, Landing, rows_from_runs
@@ -59,7 +60,7 @@ class PackedReceiver:
 
     def grant_ahead(self, wait: PassiveWait, slots: int) -> None:
         """Under the jobs lock, at fetch(): slots to grant before the sender asks."""
-        wait.inbound = Inbound(wait.hint.agent, slots, wait.view.row_masks(), -1, requested=False)
+        wait.inbound = Inbound(wait.hint.agent, slots, wait.view.row_masks(), -1, requested=False, shaped=shaped(wait))
         self.inbound[wait.own_id] = wait
 
     def release(self, wait: PassiveWait) -> None:
@@ -89,11 +90,12 @@ class PackedReceiver:
             log.warning("nixl backend %s: ignored a packed request from %r for transfer %s", self.name, sender,
                         transfer_id)
             return
-        if not 0 < chunks <= max(1, wait.view.rows) or not -1 <= rows <= wait.view.rows or held < 0:
+        limit = request_limit(wait)  # rows; between geometries, segments of the plan
+        if not 0 < chunks <= max(1, limit) or not -1 <= rows <= limit or held < 0:
             raise ValueError(f"a packed request for {chunks} chunks of {rows} rows ({held} slots held), the "
-                             f"transfer has {wait.view.rows} rows")
+                             f"transfer has {limit} rows")
         if inbound is None:
-            wait.inbound = Inbound(sender, chunks, wait.view.row_masks(), rows)
+            wait.inbound = Inbound(sender, chunks, wait.view.row_masks(), rows, shaped=shaped(wait))
         else:
             inbound.on_request(chunks, rows, held)  # slots were granted at fetch(); chunks may have landed
         with self._lock:
@@ -206,7 +208,7 @@ class PackedReceiver:
         if not landings:
             return
         try:
-            arena.scatter([(x.slot, x.region, x.slots) for x in landings])
+            _scatter(arena, landings)
             failure = None
         except RowCopyError as exc:
             failure = str(exc)
@@ -218,16 +220,16 @@ class PackedReceiver:
                 wait.attempt.conclude(Failed(f"packed chunk {x.chunk} from {inbound.sender!r}: {failure}",
                                              wait.masks()))
                 continue
-            inbound.scattered[x.group][x.rows] = True
             inbound.ok.append(x.chunk)
-            self._hooks.count(chunks_scattered=1, bytes_scattered=int(x.rows.size) * x.region.slot_bytes)
+            self._hooks.count(chunks_scattered=1, bytes_scattered=_landed(x))
             self.finish_if_complete(wait)
 
     def _landing(self, sender: str, note: dict[str, Any]) -> Landing | None:
         """Where a chunk's rows go; None when it is dropped unscattered (its slot freed, the
         sender told ``no``). ValueError for a chunk that is not ours to land."""
         transfer_id = note["t"]
-        chunk, slot, group = ints([note.get("c"), note.get("s"), note.get("g")], "c/s/g")
+        chunk, slot = ints([note.get("c"), note.get("s")], "c/s")
+        group = -1 if "a" in note else ints([note.get("g")], "g")[0]  # "a": segments of a geometry's plan
         wait = self._hooks.wait_for(transfer_id)
         inbound = wait.inbound if wait is not None else None
         arena = self.arena
@@ -242,6 +244,11 @@ class PackedReceiver:
             arena.free_in.append(slot)
             return None
         try:
+            if inbound.shaped is not None:  # between two geometries: segments of the plan, not rows
+                rows_group = wait.view.groups[0]
+                found = landing_segments(inbound.shaped, note, arena)
+                return Landing(wait, chunk, slot, 0, rows_group.slots[:0], rows_group.region, rows_group.slots[:0],
+                               segments=found)
             if not 0 <= group < len(wait.view.groups):
                 raise ValueError(f"group {group} of a view with {len(wait.view.groups)} groups")
             rows_group = wait.view.groups[group]
@@ -260,3 +267,22 @@ class PackedReceiver:
             wait.attempt.conclude(Failed(f"packed chunk {chunk} from {sender!r}: {exc}", wait.masks()))
             return None
         return Landing(wait, chunk, slot, group, rows, region, slots)
+
+
+def _scatter(arena: Arena, landings: list[Landing]) -> None:
+    """Every landing's slot into its rows (a geometry's: into its layout); RowCopyError."""
+    rows = [x for x in landings if x.segments is None]
+    if rows:
+        arena.scatter([(x.slot, x.region, x.slots) for x in rows])
+    if len(rows) < len(landings):
+        arena.transform(scatter_calls(arena, [x for x in landings if x.segments is not None]))
+
+
+def _landed(x: Landing) -> int:
+    """Mark a scattered landing's rows in place; its bytes."""
+    inbound = x.wait.inbound
+    if x.segments is not None:
+        inbound.scattered = inbound.shaped.mark(*x.segments)
+        return packed_bytes(inbound.shaped.transform.plan, *x.segments)
+    inbound.scattered[x.group][x.rows] = True
+    return int(x.rows.size) * x.region.slot_bytes

@@ -1,5 +1,6 @@
 """The sending side of a NIXL submission: the job a submission becomes (packed or one
-descriptor per run), the posts publish() makes itself, and each progress step's posts.
+descriptor per run; between two geometries, ``geometry_packed``), the posts publish() makes
+itself, and each progress step's posts.
 
 The backend snapshots its knobs into a ``SendPolicy`` per call, so that a test or tool that
 changes one (``fail_after_rows``, ``chunk_pause_s``) affects the next submission.
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.matching import GroupMatch
+from kvxfer.backends.common.transform import Oriented
 from kvxfer.backends.nixl.agent import NixlAgent
+from kvxfer.backends.nixl.geometry_packed import plan_geometry_job
 from kvxfer.backends.nixl.jobs import ActiveJob, step_chunks
 from kvxfer.backends.nixl.packed import Arena, PackedJob, plan_packed, request_slots, step_packed
 from kvxfer.backends.nixl.paths import PackedMode, packed_target, posts_inline
@@ -44,9 +47,13 @@ class Posted:
 
 
 def plan_job(policy: SendPolicy, attempt: TrackedAttempt, view: View, hint: Hint, matches: list[GroupMatch],
-             deadline: float, *, ready: bool, fetching: bool, arena: Arena | None, agent: str) -> ActiveJob:
+             deadline: float, *, ready: bool, fetching: bool, arena: Arena | None, agent: str,
+             transform: Oriented | None = None) -> ActiveJob:
     """This end's job, packed or not; nothing posted. InvalidSubmission for a peer arena that
-    cannot be read."""
+    cannot be read. With a ``transform`` (two geometries) the plan's segments move, not rows."""
+    if transform is not None:
+        return plan_geometry_job(policy, attempt, view, hint, transform, deadline, ready=ready, fetching=fetching,
+                                 arena=arena)
     total = sum(int(m.local_rows.size) for m in matches if m.peer is not None)
     limit = policy.fail_after_rows
     injected = f"injected fault after {limit} rows" if limit is not None and limit < total else None
