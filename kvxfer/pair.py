@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvxfer.engine import LlamaModel, colocated_generate, synthetic_prompts
+from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
 from kvxfer.router.router import KEY_PATTERN
 from kvxfer.router.serve import KEEPALIVE_S
 from kvxfer.serving.http import HttpError, request_text, stream_json
@@ -211,6 +212,14 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.2f} ms"
 
 
+def _kv_line(kv: dict[str, Any] | None) -> list[str]:
+    if not kv:
+        return []
+    ends = [f"{role} TP {e['tp']}, {e['block_tokens']}-token {e['layout'].replace('_', '-')}"
+            for role, e in kv.items()]
+    return [f"  KV           {' -> '.join(ends)} (engine geometries, one transfer per rank pair)"]
+
+
 def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     c = report["config"]
     gbps = report["transfer_gb_per_s"]
@@ -223,6 +232,7 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     lines = [
         f"kvxfer pair: {c['backend']} ({mode}, {c['lender']} lender), {c['prefill_workers']} prefill + "
         f"{c['decode_workers']} decode workers, model {c['model']}{placed}",
+        *_kv_line(c.get("engine_kv")),
         f"  requests     {report['requests']} sent, {report['completed']} completed, "
         f"{report['matched']} token-identical to colocated generation, {report['mismatched']} differ, "
         f"{report['failed']} failed",
@@ -281,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prefill workers' device (auto, cpu, cuda[:N]); empty: --device")
     p.add_argument("--decode-device", default="",
                    help="the decode workers' device, e.g. cuda:1 with --prefill-device cuda:0; empty: --device")
+    add_engine_kv_args(p)
     add_model_args(p)
     return p
 
@@ -425,13 +436,13 @@ def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement,
                      f"{model.config.kv_heads}kv/{model.config.dtype} on {model.device}",
             "device": str(model.device), "prefill_device": placed.prefill_device,
             "decode_device": placed.decode_device,
-            "model_config": model.config.to_json(),
+            "model_config": model.config.to_json(), "engine_kv": engine_kv_report(args),
             "log_dir": str(log_dir)}
 
 
 def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Placement) -> list[Child]:
     common = worker_args(args)
-    role_args = {role: [*common, *model_args_list(args, device)]
+    role_args = {role: [*common, *engine_kv_argv(args, role), *model_args_list(args, device)]
                  for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
     workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
                                            *role_args["prefill"]]) for i in range(args.prefill_workers)]
@@ -506,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     check_model_args(parser, args)
+    check_engine_kv_args(parser, args)
     prefill_device, decode_device = role_devices(parser, args)
     torch.set_num_threads(1)
     model = model_from_args(args)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvxfer.pool import LayerGroupSpec, PagedKVPool
+from kvxfer.pool import LayerGroupSpec, Layout, PagedKVPool
 
 GROUP = "full"
 """The single layer group of the reference model: every layer is full attention."""
@@ -80,13 +80,24 @@ class ModelConfig:
         text = json.dumps(self.to_json(), sort_keys=True).encode()
         return b"kvxfer-engine/1/" + hashlib.sha256(text).digest()
 
-    def group_spec(self) -> LayerGroupSpec:
-        return LayerGroupSpec(GROUP, layers=self.layers, block_tokens=self.block_tokens, kv_heads=self.kv_heads,
+    def group_spec(self, *, kv_heads: int | None = None, block_tokens: int | None = None) -> LayerGroupSpec:
+        """The model's one layer group. ``kv_heads`` (a tensor-parallel rank's share) and
+        ``block_tokens`` default to the config's; the ends of a transfer may page differently."""
+        tokens = self.block_tokens if block_tokens is None else block_tokens
+        heads = self.kv_heads if kv_heads is None else kv_heads
+        return LayerGroupSpec(GROUP, layers=self.layers, block_tokens=tokens, kv_heads=heads,
                               head_dim=self.head_dim, dtype=self.torch_dtype)
 
-    def make_pool(self, num_blocks: int, *, device: str = "cpu", name: str = "kv") -> PagedKVPool:
-        """A block-major pool for this model: one row = one block of all layers, K and V."""
-        return PagedKVPool([self.group_spec()], num_blocks, device=device, scope=self.scope(), name=name)
+    def make_pool(self, num_blocks: int, *, device: str = "cpu", name: str = "kv", kv_heads: int | None = None,
+                  block_tokens: int | None = None, layout: Layout = Layout.BLOCK_MAJOR,
+                  tp: tuple[int, int] = (1, 0)) -> PagedKVPool:
+        """A pool for this model, block-major by default: one row = one block of all layers, K and V.
+
+        A tensor-parallel rank passes its head count as ``kv_heads`` and ``tp=(tp, rank)``,
+        which goes into the layout identity (see ``kvxfer.engine.tp.ShardedKVCache``).
+        """
+        spec = self.group_spec(kv_heads=kv_heads, block_tokens=block_tokens)
+        return PagedKVPool([spec], num_blocks, device=device, layout=layout, scope=self.scope(), tp=tp, name=name)
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:

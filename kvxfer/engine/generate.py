@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvxfer.engine.model import LlamaModel
-from kvxfer.pool import PagedKVPool
+from kvxfer.engine.tp import ShardedKVCache
+from kvxfer.pool import Layout, PagedKVPool
 
 
 def tokens_needed(prompt_len: int, max_new_tokens: int) -> int:
@@ -21,12 +22,12 @@ def tokens_needed(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max(max_new_tokens - 1, 0)
 
 
-def decode(model: LlamaModel, pool: PagedKVPool, request: str, first_token: int, position: int,
+def decode(model: LlamaModel, pool: PagedKVPool | ShardedKVCache, request: str, first_token: int, position: int,
            max_new_tokens: int) -> Iterator[int]:
     """Yield ``max_new_tokens - 1`` tokens after ``first_token``, which sits at ``position``.
 
-    K/V for ``[0, position)`` must be in the pool, and room for
-    ``position + max_new_tokens - 1`` tokens allocated.
+    K/V for ``[0, position)`` must be in the pool (or every rank's pool of a TP group), and
+    room for ``position + max_new_tokens - 1`` tokens allocated.
     """
     token = first_token
     for step in range(max_new_tokens - 1):
@@ -37,23 +38,47 @@ def decode(model: LlamaModel, pool: PagedKVPool, request: str, first_token: int,
 def colocated_generate(model: LlamaModel, prompt: Sequence[int], max_new_tokens: int,
                        pool: PagedKVPool | None = None, request: str = "oracle") -> list[int]:
     """The oracle: prefill and decode in one process, one pool. Returns the completion."""
+    _check_request("colocated_generate", prompt, max_new_tokens)
+    cfg = model.config
+    if pool is None:
+        need = tokens_needed(len(prompt), max_new_tokens)
+        pool = cfg.make_pool(-(-need // cfg.block_tokens), device=str(model.device))
+    return _generate(model, pool, prompt, max_new_tokens, request)
+
+
+def tp_generate(model: LlamaModel, prompt: Sequence[int], max_new_tokens: int, tp: int, *,
+                block_tokens: int | None = None, layout: Layout = Layout.BLOCK_MAJOR,
+                cache: ShardedKVCache | None = None, request: str = "tp") -> list[int]:
+    """Prefill and decode on a TP group of ``tp`` ranks sharded by KV heads (a new
+    ``ShardedKVCache`` with ``block_tokens`` and ``layout``, or ``cache``). Returns the
+    completion, which is the colocated oracle's token for token."""
+    _check_request("tp_generate", prompt, max_new_tokens)
+    cfg = model.config
+    if cache is None:
+        need = tokens_needed(len(prompt), max_new_tokens)
+        bt = cfg.block_tokens if block_tokens is None else block_tokens
+        cache = ShardedKVCache.create(cfg, tp, -(-need // bt), block_tokens=bt, layout=layout,
+                                      device=model.device, name=request)
+    elif cache.tp != tp:
+        raise ValueError(f"tp_generate: tp={tp} but the cache is a group of {cache.tp}")
+    return _generate(model, cache, prompt, max_new_tokens, request)
+
+
+def _check_request(what: str, prompt: Sequence[int], max_new_tokens: int) -> None:
     if not prompt:
-        raise ValueError("colocated_generate needs a non-empty prompt")
+        raise ValueError(f"{what} needs a non-empty prompt")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    cfg = model.config
-    need = tokens_needed(len(prompt), max_new_tokens)
-    own = pool is None
-    if pool is None:
-        pool = cfg.make_pool(-(-need // cfg.block_tokens), device=str(model.device))
-    pool.allocate(request, need)
+
+
+def _generate(model: LlamaModel, kv: PagedKVPool | ShardedKVCache, prompt: Sequence[int], max_new_tokens: int,
+              request: str) -> list[int]:
+    kv.allocate(request, tokens_needed(len(prompt), max_new_tokens))
     try:
-        first = model.next_token(pool, request, list(prompt), 0)
-        return [first, *decode(model, pool, request, first, len(prompt), max_new_tokens)]
+        first = model.next_token(kv, request, list(prompt), 0)
+        return [first, *decode(model, kv, request, first, len(prompt), max_new_tokens)]
     finally:
-        pool.free(request)
-        if own:
-            del pool
+        kv.free(request)
 
 
 def synthetic_prompts(count: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

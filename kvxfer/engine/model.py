@@ -10,6 +10,11 @@ One request per forward on purpose: batching requests of different lengths chang
 shapes of the matrix products, and with them the float rounding, so a disaggregated run
 could drift from the colocated oracle. Per-request forwards make prefill-then-decode on
 two workers compute the very same operations as prefill-then-decode in one process.
+
+For the same reason attention runs one KV head at a time (``_attention``), and the cache
+may be a tensor-parallel group (``kvxfer.engine.tp.ShardedKVCache``) whose ranks each hold
+some KV heads in a pool of their own: a head's output then does not depend on which heads
+sit beside it, and a TP run is token- and byte-identical to the colocated one.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kvxfer.engine.config import GROUP, ModelConfig
+from kvxfer.engine.config import ModelConfig
+from kvxfer.engine.tp import ShardedKVCache
 from kvxfer.engine.weights import LayerWeights, Weights, seeded_weights
 from kvxfer.pool import PagedKVPool
 
@@ -53,30 +59,67 @@ class LlamaModel:
         var = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(var + self.config.rms_eps)).to(x.dtype) * weight
 
-    @torch.inference_mode()
-    def forward(self, pool: PagedKVPool, request: str, tokens: Sequence[int] | torch.Tensor, start: int) -> torch.Tensor:
-        """Run tokens ``[start, start + n)`` of ``request``; K/V for ``[0, start)`` must already
-        be in the pool. Writes their K/V, commits ``[0, start + n)``, returns the last logits."""
+    def _check(self, cache: ShardedKVCache, request: str, ids: torch.Tensor, start: int) -> int:
+        """Refuse input the forward cannot run; returns the end position."""
         cfg = self.config
-        ids = torch.as_tensor(tokens, dtype=torch.int64)  # checked on the CPU, then moved
         n = int(ids.numel())
         if n == 0:
             raise ValueError(f"request {request!r}: forward needs at least one token")
         end = start + n
         if end > cfg.max_positions:
             raise ValueError(f"request {request!r}: position {end} is past max_positions {cfg.max_positions}")
-        if end > pool.length(request):
-            raise ValueError(f"request {request!r}: tokens up to {end} but the pool holds room for {pool.length(request)}")
+        if end > cache.length(request):
+            raise ValueError(f"request {request!r}: tokens up to {end} but the pool holds room for {cache.length(request)}")
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise ValueError(f"request {request!r}: token ids must lie in [0, {cfg.vocab_size})")
-        if pool.device.type != self.device.type:
-            raise ValueError(f"request {request!r}: the pool is on {pool.device}, the model on {self.device}")
+        if cache.device.type != self.device.type:
+            raise ValueError(f"request {request!r}: the pool is on {cache.device}, the model on {self.device}")
+        return end
+
+    def _attention(self, q: torch.Tensor, heads: list[tuple[torch.Tensor, torch.Tensor]],
+                   causal: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention, one KV head at a time: ``[n, heads * head_dim]``.
+
+        Every mode, colocated or TP, runs this per KV head g: its q heads, its keys and
+        values, as contiguous tensors of the same shapes. The reduction order (which
+        products are summed in which matrix multiply) is thus chosen so a head's output
+        cannot depend on which other heads are computed alongside or which pool its K/V
+        came from: a TP group and the colocated run match bit for bit. One batched product
+        over all heads would let the kernel block the work differently for another head count.
+        """
+        cfg = self.config
+        group = cfg.heads // cfg.kv_heads
+        n = q.shape[0]
+        scale = cfg.head_dim ** -0.5
+        outs = []
+        for g, (keys, values) in enumerate(heads):
+            qg = q[:, g * group:(g + 1) * group].transpose(0, 1).contiguous()  # [group, n, head_dim]
+            scores = (qg @ keys.to(q.dtype).T).float() * scale  # [group, n, end]
+            scores = scores.masked_fill(~causal[None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            outs.append(probs @ values.to(q.dtype))  # [group, n, head_dim]
+        # Heads in order, so o_proj below multiplies exactly the colocated concatenation.
+        return torch.cat(outs).transpose(0, 1).reshape(n, cfg.heads * cfg.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, kv: PagedKVPool | ShardedKVCache, request: str, tokens: Sequence[int] | torch.Tensor,
+                start: int) -> torch.Tensor:
+        """Run tokens ``[start, start + n)`` of ``request``; K/V for ``[0, start)`` must already
+        be in the cache. Writes their K/V, commits ``[0, start + n)``, returns the last logits.
+
+        ``kv`` is one pool holding every KV head (TP 1) or a TP group (``ShardedKVCache``):
+        each rank's heads are written to its pool and read back from it. Projections, o_proj
+        and the MLP are computed once, in full, so the result is the colocated one exactly.
+        """
+        cfg = self.config
+        cache = ShardedKVCache.of(kv, cfg.kv_heads)
+        ids = torch.as_tensor(tokens, dtype=torch.int64)  # checked on the CPU, then moved
+        end = self._check(cache, request, ids, start)
+        n = end - start
         cos, sin = self._rope(torch.arange(start, end))
-        table = pool.block_table_tensor(request, GROUP)[: -(-end // cfg.block_tokens)]
-        group_size = cfg.heads // cfg.kv_heads
+        reader = cache.reader(request, end)
         # Query i (position start + i) sees keys at positions <= start + i.
         causal = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
-        scale = cfg.head_dim ** -0.5
         x = self.weights.embed[ids.to(self.device)]
         for layer, w in enumerate(self.weights.layers):
             h = self._norm(x, w.attn_norm)
@@ -84,26 +127,18 @@ class LlamaModel:
             k = (h @ w.wk.T).view(n, cfg.kv_heads, cfg.head_dim)
             v = (h @ w.wv.T).view(n, cfg.kv_heads, cfg.head_dim)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            pool.write_kv(request, GROUP, layer, start, k, v)
-            kt, vt = pool.layer_kv(GROUP, layer)
-            keys = kt[table].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end].to(q.dtype)
-            values = vt[table].reshape(-1, cfg.kv_heads, cfg.head_dim)[:end].to(q.dtype)
-            keys = keys.repeat_interleave(group_size, dim=1)
-            values = values.repeat_interleave(group_size, dim=1)
-            scores = torch.einsum("nhd,thd->hnt", q, keys).float() * scale
-            scores = scores.masked_fill(~causal[None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            attn = torch.einsum("hnt,thd->nhd", probs, values).reshape(n, cfg.heads * cfg.head_dim)
-            x = x + attn @ w.wo.T
+            cache.write_kv(request, layer, start, k, v)
+            x = x + self._attention(q, reader.heads(layer), causal) @ w.wo.T
             h = self._norm(x, w.mlp_norm)
             x = x + (F.silu(h @ w.w_gate.T) * (h @ w.w_up.T)) @ w.w_down.T
-        pool.commit(request, end)
+        cache.commit(request, end)
         last = self._norm(x[-1:], self.weights.norm)
         return (last @ self.weights.lm_head.T)[0].float()
 
-    def next_token(self, pool: PagedKVPool, request: str, tokens: Sequence[int] | torch.Tensor, start: int) -> int:
+    def next_token(self, kv: PagedKVPool | ShardedKVCache, request: str, tokens: Sequence[int] | torch.Tensor,
+                   start: int) -> int:
         """Greedy: the argmax of the last logits (ties go to the lowest id, as torch.argmax does)."""
-        return int(torch.argmax(self.forward(pool, request, tokens, start)))
+        return int(torch.argmax(self.forward(kv, request, tokens, start)))
 
 
 def _to_device(weights: Weights, device: torch.device) -> Weights:

@@ -113,7 +113,8 @@ def seconds(body: dict[str, Any], key: str) -> float:
     return float(value)
 
 
-def hint(body: dict[str, Any], key: str) -> Hint:
+def hint(body: dict[str, Any], key: str) -> tuple[Hint, ...]:
+    """The hint (or, from a TP group, the hints) in ``body[key]``."""
     raw = body.get(key)
     if not isinstance(raw, str):
         raise BadRequest(f"'{key}' must be base64 of a msgpack hint")
@@ -121,4 +122,4 @@ def hint(body: dict[str, Any], key: str) -> Hint:
         data = base64.b64decode(raw, validate=True)
     except ValueError:
         raise BadRequest(f"'{key}' is not valid base64") from None
-    return wire.decode_hint(data)  # WireError names what is wrong; the app answers 400
+    return wire.decode_hints(data)  # WireError names what is wrong; the app answers 400

@@ -19,7 +19,7 @@ class PrefillCall:
 @dataclass(frozen=True)
 class PublishCall:
     request: str
-    decode_hint: Hint
+    decode_hint: tuple[Hint, ...]  # one, or one per rank pair (a TP group's)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class AbortCall:
 
 @dataclass(frozen=True)
 class WithdrawCall:
-    hint: Hint
+    hint: tuple[Hint, ...]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class GenerateCall:
     on_failure: str = "fail"
     timeout_s: float | None = None  # None: the worker's transfer timeout
     rows_safe: bool = False
-    prefill_hint: Hint | None = None
+    prefill_hint: tuple[Hint, ...] | None = None
     first_token: int | None = None
     prompt: list[int] | None = None
     max_new_tokens: int | None = None

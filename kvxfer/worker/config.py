@@ -8,6 +8,7 @@ from kvxfer.contract import TransferMode
 from kvxfer.engine import ModelConfig
 
 ROLES = ("prefill", "decode")
+LAYOUTS = ("block_major", "layer_major")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,14 @@ class WorkerConfig:
     device: str = "cpu"             # where the pool lives (the model must be on the same device)
     busy_poll: bool = False         # ipc: spin while transfers wait, and offer a doorbell (make_backend)
     arena_bytes: int | None = None  # nixl: the packed path's bounce arena (None: the backend's default, 0: none)
+    # An engine's own KV (kvxfer.worker.ranks): a TP group sharded by KV heads, in a block
+    # size and order of its own, moved as engine geometries. ``peer_tp``: the TP of the
+    # prefill workers a decode worker takes KV from.
+    tp: int = 1
+    block_tokens: int | None = None  # None: the model's
+    layout: str = "block_major"
+    peer_tp: int = 1
+    engine_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -35,6 +44,35 @@ class WorkerConfig:
             raise ValueError(f"lender must be 'inplace' or 'staging', got {self.lender!r}")
         if self.busy_poll and self.backend != "ipc":
             raise ValueError(f"busy_poll applies to the ipc backend only, not {self.backend!r}")
+        if self.tp != 1 or self.peer_tp != 1 or self.block_tokens is not None or self.layout != "block_major":
+            object.__setattr__(self, "engine_kv", True)
+        if self.engine_kv:
+            self._check_engine_kv()
         if self.arena_bytes is not None and (self.backend != "nixl" or self.arena_bytes < 0):
             raise ValueError(f"arena_bytes applies to the nixl backend only and is >= 0, got {self.arena_bytes} "
                              f"with {self.backend!r}")
+
+    def _check_engine_kv(self) -> None:
+        for name in ("tp", "peer_tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.block_tokens is not None and (not isinstance(self.block_tokens, int) or self.block_tokens < 1):
+            raise ValueError(f"block_tokens must be a positive int, got {self.block_tokens!r}")
+        if self.lender != "inplace":
+            raise ValueError("a TP group (--tp, --kv-block-tokens, --kv-layout) lends in place: --lender staging "
+                             "moves pool rows only")
+        if self.prefix_cache:
+            raise ValueError("a TP group (--tp, --kv-block-tokens, --kv-layout) does not share prompt prefixes: "
+                             "pass --no-prefix-cache (prefix_cache=False)")
+        if self.backend not in ("nixl", "ipc", "loopback"):
+            raise ValueError(f"the {self.backend} backend moves pool rows only; a TP group needs nixl, ipc or loopback")
+        kv_heads = self.model.kv_heads
+        for name, tp in (("tp", self.tp), ("peer_tp", self.peer_tp)):
+            if tp <= kv_heads and kv_heads % tp:
+                raise ValueError(f"{name} {tp} does not divide the model's {kv_heads} KV heads")
+            if tp > kv_heads and tp % kv_heads:
+                raise ValueError(f"{name} {tp} is not a multiple of the model's {kv_heads} KV heads "
+                                 "(ranks replicate whole heads)")

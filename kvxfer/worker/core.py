@@ -21,9 +21,10 @@ import torch
 from kvxfer.backends.common.transfers import MAX_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import Backend
-from kvxfer.engine import LlamaModel
+from kvxfer.engine import LlamaModel, ShardedKVCache
 from kvxfer.lender import InPlaceLender, Lender, StagingLender
 from kvxfer.pool import PagedKVPool
+from kvxfer.pool.spec import Layout
 from kvxfer.worker.backends import make_backend
 from kvxfer.worker.calls import AbortCall, GenerateCall, PrefillCall, PublishCall, ReserveCall, WithdrawCall
 from kvxfer.worker.config import ROLES, WorkerConfig
@@ -31,7 +32,9 @@ from kvxfer.worker.decode import DecodeRole, Reserved
 from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.errors import Aborted, Refused
 from kvxfer.worker.meters import outcome_bytes, reason_label
+from kvxfer.worker.movers import GroupMover
 from kvxfer.worker.prefill import Held, PrefillRole
+from kvxfer.worker.ranks import GroupLender
 from kvxfer.worker.state import WorkerState
 
 # Where callers have always found them.
@@ -91,6 +94,9 @@ class Worker:
 
     def _build(self) -> None:
         cfg, s = self.config, self._state
+        if cfg.engine_kv:
+            self._build_group()
+            return
         s.pool = pool = cfg.model.make_pool(cfg.num_blocks, device=self.device, name=f"{self.name}-kv")
         if cfg.lender == "staging":
             row = cfg.model.group_spec().row_bytes
@@ -98,11 +104,27 @@ class Worker:
                                      max_bytes=max(cfg.num_blocks // 2, 1) * row)
         else:
             s.lender = InPlaceLender(pool)
+        self._make_backend(_cuda_index(pool))
+
+    def _build_group(self) -> None:
+        """A TP group of pools, one per rank, lent in place and moved as engine geometries."""
+        cfg, s = self.config, self._state
+        layout = Layout.LAYER_MAJOR if cfg.layout == "layer_major" else Layout.BLOCK_MAJOR
+        cache = ShardedKVCache.create(cfg.model, cfg.tp, cfg.num_blocks, block_tokens=cfg.block_tokens,
+                                      layout=layout, device=self.device, name=f"{self.name}-kv")
+        s.pool = cache
+        s.lender = lender = GroupLender(cache, cfg.model.kv_heads)
+        s.mover = GroupMover(lender, cfg.model.kv_heads, cfg.peer_tp)
+        self._make_backend(_cuda_index(cache.pool(0)))
+
+    def _make_backend(self, device: int) -> None:
+        cfg, s = self.config, self._state
+        assert s.lender is not None
         backend_name = f"kvxfer-{self.name}" if cfg.backend != "nixl" else ""
         s.backend = make_backend(cfg.backend, cfg.mode, name=backend_name or _nixl_name(self.name),
                                  deadline_s=cfg.transfer_timeout_s, fabric=self._fabric,
                                  chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s,
-                                 busy_poll=cfg.busy_poll, device=_cuda_index(pool),
+                                 busy_poll=cfg.busy_poll, device=device,
                                  arena_bytes=cfg.arena_bytes, hint_ttl_s=min(cfg.hold_s, MAX_HINT_TTL_S))
         skipped = s.backend.register(s.lender.regions)
         if skipped:
@@ -195,7 +217,10 @@ class Worker:
         backend = self._state.backend
         if backend is None or self._state.closed:
             raise Refused("worker is shutting down")
-        return {"withdrawn": await self._run(backend.withdraw, call.hint)}
+        # Every hint of a TP group's set is withdrawn (no short cut): the rows are safe only
+        # when none of them can reach them.
+        answers = [await self._run(backend.withdraw, h) for h in call.hint]
+        return {"withdrawn": all(answers)}
 
     # --- health and metrics ----------------------------------------------------------------
     def health(self) -> dict[str, Any]:

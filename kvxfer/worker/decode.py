@@ -17,7 +17,6 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer import wire
 from kvxfer.contract import Attempt, KvxferError, Outcome, Peer, View
 from kvxfer.engine import tokens_needed
 from kvxfer.lender import Lease
@@ -100,7 +99,7 @@ class DecodeRole:
                 raise Refused("no staging slots free for this reservation now; retry later")
             # Bound to one publisher: in push mode hint D lets its holder WRITE into these rows,
             # which later hold a cached prefix; no other worker, nor a restart of this one, may.
-            hint = wire.encode_hint(backend.describe(view, publisher))
+            hint = s.mover.describe_write(backend, lease, view, publisher)
         except BaseException:
             if lease is not None:
                 lease.release()  # no hint went out: nothing can touch these rows
@@ -294,7 +293,7 @@ class DecodeRole:
     def _fetch_sync(self, reserved: Reserved, prefill_hint: Any, wake: Callable[[], None]) -> Attempt:
         backend = self._s.backend
         assert backend is not None
-        attempt = backend.fetch(reserved.view, prefill_hint, wake)
+        attempt = self._s.mover.fetch(backend, reserved.lease, reserved.view, prefill_hint, wake)
         reserved.lease.track(attempt)
         return attempt
 

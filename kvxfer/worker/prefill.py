@@ -14,7 +14,6 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer import wire
 from kvxfer.contract import Attempt, InvalidSubmission, SubmissionRejected, View
 from kvxfer.lender import Lease
 from kvxfer.worker.calls import PrefillCall, PublishCall
@@ -91,7 +90,7 @@ class PrefillRole:
 
     def _publish_sync(self, rid: str, n: int, decode_hint: Any, wake: Callable[[], None]
                       ) -> tuple[Lease, View, bytes, Attempt, float]:
-        lender, backend = self._s.lender, self._s.backend
+        lender, backend, mover = self._s.lender, self._s.backend, self._s.mover
         assert lender is not None and backend is not None
         lease = lender.lend_read(rid, (0, n))
         try:
@@ -99,13 +98,13 @@ class PrefillRole:
             if view is None:
                 raise RuntimeError(f"read lease of {rid!r} is not ready (staging copy pending)")
             # Bound to the decode end that sent hint D: in pull mode hint P lets it READ these rows.
-            prefill_hint = wire.encode_hint(backend.describe(view, decode_hint.peer))
+            prefill_hint = mover.describe_read(backend, lease, view, decode_hint)
             submitted = time.perf_counter()
         except BaseException:
             lease.release()
             raise
         try:
-            attempt = backend.publish(view, decode_hint, wake)
+            attempt = mover.publish(backend, lease, view, decode_hint, wake)
         except (InvalidSubmission, SubmissionRejected):
             lease.release()  # the backend promises that nothing escaped
             raise

@@ -18,6 +18,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -139,7 +140,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause,
                           device=str(model.device), busy_poll=args.busy_poll,
-                          arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20)
+                          arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20,
+                          **engine_kv_fields(args))
     worker = Worker(config, model=model)
     await worker.start()
     server = HttpServer(make_handler(worker), args.host, args.port)
@@ -208,8 +210,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
     p.add_argument("--json", default="", metavar="PATH", help="on exit, write a JSON report (shutdown, metrics)")
     p.add_argument("--log-level", default="WARNING")
+    g = p.add_argument_group("engine KV: a TP group sharded by KV heads, paged its own way (kvxfer.worker.ranks)")
+    g.add_argument("--engine-kv", action="store_true",
+                   help="move KV as engine geometries (implied by the flags below); both ends must")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
+    g.add_argument("--peer-tp", type=int, default=1, help="decode: the TP of the prefill workers it fetches from")
+    g.add_argument("--kv-block-tokens", type=int, default=0, help="tokens per KV block (0: the model's)")
+    g.add_argument("--kv-layout", default="block_major", choices=["block_major", "layer_major"])
     add_model_args(p)
     return p
+
+
+def engine_kv_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The WorkerConfig fields of the engine-KV flags."""
+    return {"engine_kv": args.engine_kv, "tp": args.tp, "peer_tp": args.peer_tp,
+            "block_tokens": args.kv_block_tokens or None, "layout": args.kv_layout}
+
+
+def check_engine_kv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The engine-KV flags, checked as the worker will check them, before anything starts."""
+    try:
+        WorkerConfig(role=args.role, model=ModelConfig(kv_heads=args.kv_heads, heads=args.heads),
+                     backend=args.backend, lender=args.lender, prefix_cache=not args.no_prefix_cache,
+                     **engine_kv_fields(args))
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -232,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     check_numbers(parser, args)
     check_model_args(parser, args)
+    check_engine_kv(parser, args)
     try:
         device = parse_device(args.device)
         check_visible(device)

@@ -5,7 +5,7 @@ starts), the calls in progress, the set-aside rows and the meters."""
 from __future__ import annotations
 
 from kvxfer.contract import Backend
-from kvxfer.engine import LlamaModel
+from kvxfer.engine import LlamaModel, ShardedKVCache
 from kvxfer.lender import Lease, Lender
 from kvxfer.pool import PagedKVPool
 from kvxfer.worker.config import WorkerConfig
@@ -13,7 +13,9 @@ from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.errors import Refused
 from kvxfer.worker.inflight import InFlight
 from kvxfer.worker.meters import Meters
+from kvxfer.worker.movers import Mover, PoolMover
 from kvxfer.worker.quarantine import Quarantine
+from kvxfer.worker.ranks import GroupLender
 
 
 class WorkerState:
@@ -26,9 +28,12 @@ class WorkerState:
         self.meters = Meters()
         self.calls = InFlight(config.hold_s)
         self.quarantine = Quarantine(self.meters)
-        self.pool: PagedKVPool | None = None
-        self.lender: Lender | None = None
+        # One pool and its lender; or, for a TP group (``config.engine_kv``), the group's
+        # ShardedKVCache and GroupLender, which offer the same calls (kvxfer.worker.ranks).
+        self.pool: PagedKVPool | ShardedKVCache | None = None
+        self.lender: Lender | GroupLender | None = None
         self.backend: Backend | None = None
+        self.mover: Mover = PoolMover()
         self.closed = False
 
     def need(self, role: str) -> None:

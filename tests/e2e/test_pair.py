@@ -14,23 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer.backends.ucx.transport import ucxx_unavailable
-from kvxfer.worker.procs import port_open
-
-
-def gone(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rfind(")") + 2] == "Z"  # a zombie runs nothing and holds no port
-
-
-def assert_nothing_left(processes: list[dict[str, int]]) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all(gone(p["pid"]) for p in processes):
-        time.sleep(0.1)
-    assert [p for p in processes if not gone(p["pid"])] == []
-    assert [p for p in processes if port_open(p["port"])] == []
+from kvxfer.testing.processes import assert_nothing_left
 
 
 def test_pair_twenty_mixed_prompts_token_identical(tmp_path: Path) -> None:
