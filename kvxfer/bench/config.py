@@ -295,9 +295,27 @@ GPU2_CASES = ("local_copy", "ipc_kernel", "ipc", "local_rows", "nixl_one_desc", 
               "nixl_2p")
 
 
+# The engine-layouts workload (kvxfer.bench.layouts): one request, prefill TP 1 -> decode TP 2.
+LAYOUT_CASES = ("layouts_copy", "layouts_ipc", "layouts_nixl_packed", "layouts_nixl_per_piece", "layouts_nixl_unpacked")
+
+
+def _layouts() -> BenchConfig:
+    """A 64 KiB row is one 16-token prefill block of one layer (K and V, 8 heads x 128, fp16):
+    4096 tokens x 32 layers (512 MiB) on a GPU; 1024 tokens x 8 layers (32 MiB) on the host."""
+    return BenchConfig(
+        name="layouts", cases=LAYOUT_CASES,
+        throughput=(ThroughputSweep(row_bytes=(64 * K,), request_bytes=512 * M, groups=(32,), memory=("device",),
+                                    slots=("scattered",)),
+                    ThroughputSweep(row_bytes=(64 * K,), request_bytes=32 * M, groups=(8,), memory=("host",),
+                                    slots=("scattered",))),
+        repetition=Repetition(warmup=2, reps=20, budget_s=3.0),
+    )
+
+
 def preset(name: str) -> BenchConfig:
     """Named figure sets. ``cpu``: a few minutes on a 2-core host; ``gpu``: issue 5's set on one
-    GPU; ``gpu2``: issue 8's, prefill on GPU 0 and decode on GPU 1; ``tiny``: tests."""
+    GPU; ``gpu2``: issue 8's, prefill on GPU 0 and decode on GPU 1; ``layouts``: the engine-layouts
+    workload (device figures where a GPU is, host figures everywhere); ``tiny``: tests."""
     if name == "tiny":
         return BenchConfig(
             name="tiny", cases=("local_copy", "loopback"),
@@ -355,7 +373,9 @@ def preset(name: str) -> BenchConfig:
             latency=LatencySweep(rows=(1, 32), row_bytes=64 * K, memory=("device",), samples=500, warmup=50),
             repetition=Repetition(warmup=3, reps=20, budget_s=4.0),
         )
+    if name == "layouts":
+        return _layouts()
     raise ConfigError(f"unknown preset {name!r}: choose {', '.join(PRESETS)}")
 
 
-PRESETS = ("cpu", "gpu", "gpu2", "tiny")
+PRESETS = ("cpu", "gpu", "gpu2", "layouts", "tiny")

@@ -149,7 +149,12 @@ def _shape(f: Figure) -> str:
 
 
 def targets_for(result: BenchResult) -> tuple[Target, ...]:
-    """Issue 8's targets for a run across two GPUs, docs/performance.md's for everything else."""
+    """The engine-layouts targets for a ``layouts`` run; issue 8's for a run across two GPUs;
+    docs/performance.md's for everything else."""
+    if result.config.get("name") == "layouts":
+        from kvxfer.bench.layouts_targets import TARGETS as LAYOUT_TARGETS  # it imports this module
+
+        return LAYOUT_TARGETS
     p, d = result.config.get("devices") or (0, 0)
     return TWO_GPU_TARGETS if p != d else TARGETS
 
