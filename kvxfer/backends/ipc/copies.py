@@ -19,6 +19,7 @@ import numpy as np
 from kvxfer.backends.common.matching import GroupMatch
 from kvxfer.backends.ipc.bells import BELL_WORDS, EXTRA_BELL, BellOpener, bell_export, bell_value, parse_bell
 from kvxfer.backends.ipc.frames import CompletionFrames
+from kvxfer.backends.ipc.geometry import queue_transform
 from kvxfer.backends.ipc.jobs import ActiveJob
 from kvxfer.backends.ipc.mappings import EXTRA_PREFIX, Export, Mappings
 from kvxfer.contract import Hint, InvalidSubmission, MemoryKind, constant_mask
@@ -77,23 +78,29 @@ class CopyQueue:
                 continue
             if peer.memory_kind is not MemoryKind.DEVICE:
                 raise InvalidSubmission(f"peer group {peer.layer_group!r} is {peer.memory_kind.name} memory")
-            data = hint.extra(EXTRA_PREFIX + peer.region)
-            if data is None:
-                raise InvalidSubmission(f"the peer's hint has no IPC handle for region {peer.region!r}")
-            export = self._export_cache.get(data)
-            if export is None:
-                try:
-                    export = Export.unpack(data, peer.region)
-                except ValueError as exc:
-                    raise InvalidSubmission(str(exc)) from exc
-                if len(self._export_cache) >= 4096:
-                    self._export_cache.clear()
-                self._export_cache[data] = export
-            offset = peer.address - export.alloc_base
-            if offset < 0 or offset + peer.slot_bytes * peer.region_slots > export.alloc_size:
-                raise InvalidSubmission(f"peer region {peer.region!r} lies outside the allocation it exported")
-            exports[peer.region] = export
+            exports[peer.region] = self.export_of(hint, peer.region, peer.address,
+                                                  peer.slot_bytes * peer.region_slots)
         return exports
+
+    def export_of(self, hint: Hint, region: str, address: int, nbytes: int) -> Export:
+        """The allocation the peer exported for ``region`` (``[address, +nbytes)`` in the
+        peer's process), checked to hold it; InvalidSubmission when the hint lacks it."""
+        data = hint.extra(EXTRA_PREFIX + region)
+        if data is None:
+            raise InvalidSubmission(f"the peer's hint has no IPC handle for region {region!r}")
+        export = self._export_cache.get(data)
+        if export is None:
+            try:
+                export = Export.unpack(data, region)
+            except ValueError as exc:
+                raise InvalidSubmission(str(exc)) from exc
+            if len(self._export_cache) >= 4096:
+                self._export_cache.clear()
+            self._export_cache[data] = export
+        offset = address - export.alloc_base
+        if offset < 0 or offset + nbytes > export.alloc_size:
+            raise InvalidSubmission(f"peer region {region!r} lies outside the allocation it exported")
+        return export
 
     def peer_bell(self, hint: Hint) -> tuple[str, int] | None:
         data = hint.extra(EXTRA_BELL)
@@ -120,7 +127,10 @@ class CopyQueue:
         kernel, the doorbell store and the event go in one native call (cuda_copy_rows_then):
         on a small transfer each call through the binding, and the Python between two calls,
         costs microseconds."""
-        self._queue(job, fail_after_rows)
+        if job.transform is not None:
+            queue_transform(self, job, fail_after_rows)  # engine geometries: one kernel (geometry)
+        else:
+            self._queue(job, fail_after_rows)
         self.in_flight.append(job)
 
     def _queue(self, job: ActiveJob, fail_after_rows: int | None) -> None:
@@ -129,8 +139,8 @@ class CopyQueue:
         if not plan:
             self._set_masks(job, copied)
             return
-        event, event_error = self._take_event()
-        bell_ptr, bell_value = self._bell_target(job, rows)
+        event, event_error = self.take_event()
+        bell_ptr, bell_value = self.bell_target(job, rows)
         recorded = False
         for k, (gi, match, n, src, dst) in enumerate(plan):
             row = match.local.region.slot_bytes
@@ -157,6 +167,14 @@ class CopyQueue:
             job.nbytes += n * row
             job.launched = True
             copied.append((gi, match, n))
+        if not self.seal(job, event, recorded, event_error):
+            copied = []
+        self._set_masks(job, copied)
+
+    def seal(self, job: ActiveJob, event: int, recorded: bool, event_error: str | None) -> bool:
+        """After a job's kernels: its event recorded (unless the last launch did), or, when
+        none can be, the whole stream waited for (job.failure says why). False when the
+        stream failed: then nothing says which of the job's bytes landed."""
         if event and not recorded and event_error is None:
             try:
                 self.native.event_record(event, self.stream)
@@ -165,17 +183,17 @@ class CopyQueue:
                 event_error = str(exc)
         if recorded:
             job.event = event
-        else:
-            # Without an event we cannot tell when the kernels end: wait for the whole stream.
-            if event:
-                self.drop_event(event)
-            job.failure = f"cannot record a completion event: {event_error}"
-            try:
-                self.native.stream_synchronize(self.stream)
-            except self.native.CopyError as sync_exc:
-                job.failure = f"the copy stream failed: {sync_exc}"
-                copied = []
-        self._set_masks(job, copied)
+            return True
+        # Without an event we cannot tell when the kernels end: wait for the whole stream.
+        if event:
+            self.drop_event(event)
+        job.failure = f"cannot record a completion event: {event_error}"
+        try:
+            self.native.stream_synchronize(self.stream)
+        except self.native.CopyError as sync_exc:
+            job.failure = f"the copy stream failed: {sync_exc}"
+            return False
+        return True
 
     def _plan(self, job: ActiveJob, fail_after_rows: int | None) -> tuple[list[Launch], int]:
         """(group, match, rows, src, dst) of each kernel to queue, with the peer's mappings
@@ -219,7 +237,7 @@ class CopyQueue:
             budget -= n
         return plan, planned
 
-    def _take_event(self) -> tuple[int, str | None]:
+    def take_event(self) -> tuple[int, str | None]:
         """A completion event (recycled, or new) and None; or 0 and why none could be made."""
         try:
             return (self._events.pop() if self._events else self.native.event_create(self.device)), None
@@ -234,7 +252,7 @@ class CopyQueue:
         except self.native.CopyError as exc:
             log.warning("IPC backend %s: cannot destroy a completion event: %s", self.name, exc)
 
-    def _bell_target(self, job: ActiveJob, rows: int) -> tuple[int, int]:
+    def bell_target(self, job: ActiveJob, rows: int) -> tuple[int, int]:
         """(address, value) of the store into the passive end's doorbell word, queued after the
         job's kernels; (0, 0) for none. Only when every row of its hint is being copied (the
         doorbell means DELIVERED, all rows). A ring that cannot be opened costs only the
