@@ -1,8 +1,9 @@
 """The CUDA calls IpcBackend makes, emulated over shared host memory: its control path
 (records, cancels, dead peers, masks, mappings) then runs in CI, where no GPU exists.
 
-Only what the backend and ``kvxfer.testing.ipc_pairs.DeviceRows`` call is here, with the same names and
-signatures as ``kvxfer._native``. "Device memory" is a ``memfd`` mapped into this process;
+Only what the backend and ``kvxfer.testing.ipc_pairs.DeviceRows`` call is here, with the
+same names and signatures as ``kvxfer._native`` (the layout transform of engine geometries
+runs ``kvxfer.native.transform_copy`` over host memory). "Device memory" is a ``memfd`` mapped into this process;
 its IPC handle names the file descriptor through ``/proc/<pid>/fd/<n>`` and the file's inode
 (fd numbers are reused; a handle must never name another allocation), so that another
 process maps the same pages (and, as with CUDA, the exporting process may not open its own
@@ -190,6 +191,43 @@ def cuda_copy_rows_then(src_base: int, src_stride: int, src_index: Any, dst_base
                         dst_index: Any, n_rows: int, row_bytes: int, stream: int, device: int, bell_ptr: int,
                         bell_value: int, event: int) -> tuple[str, str]:
     cuda_copy_rows(src_base, src_stride, src_index, dst_base, dst_stride, dst_index, n_rows, row_bytes, stream, device)
+    return _then(device, stream, bell_ptr, bell_value, event)
+
+
+def cuda_transform_copy(src_addr: Any, dst_addr: Any, tokens: Any, heads: int, unit_bytes: int,
+                        src_token_stride: int, src_head_stride: int, dst_token_stride: int, dst_head_stride: int,
+                        stream: int, device: int = -1) -> None:
+    # Copies: the caller may reuse its arrays once the launch returns, as with the real one.
+    src, dst, tok = (np.array(a, dtype=np.int64, copy=True) for a in (src_addr, dst_addr, tokens))
+    if not src.ndim == dst.ndim == tok.ndim == 1 or not src.size == dst.size == tok.size:
+        raise CopyError("src_addr, dst_addr and tokens must be one-dimensional, one entry per segment")
+    if tok.size and int(tok.min()) < 0:
+        raise CopyError("a segment's token count is negative")  # refused at once, as the real launch does
+    if heads < 1 or unit_bytes < 1 or min(src_token_stride, src_head_stride, dst_token_stride, dst_head_stride) < 0:
+        raise CopyError("heads and unit_bytes must be at least 1, strides non-negative")
+
+    def copy() -> None:
+        try:
+            native.transform_copy(src, dst, tok, heads=heads, unit_bytes=unit_bytes,
+                                  src_strides=(src_token_stride, src_head_stride),
+                                  dst_strides=(dst_token_stride, dst_head_stride), memory=MemoryKind.HOST)
+        except native.RowCopyError as exc:  # a launch run at once raises what the real one does
+            raise CopyError(f"layout transform: {exc}") from exc
+
+    _enqueue(stream, copy)
+
+
+def cuda_transform_copy_then(src_addr: Any, dst_addr: Any, tokens: Any, heads: int, unit_bytes: int,
+                             src_token_stride: int, src_head_stride: int, dst_token_stride: int,
+                             dst_head_stride: int, stream: int, device: int, bell_ptr: int, bell_value: int,
+                             event: int) -> tuple[str, str]:
+    cuda_transform_copy(src_addr, dst_addr, tokens, heads, unit_bytes, src_token_stride, src_head_stride,
+                        dst_token_stride, dst_head_stride, stream, device)
+    return _then(device, stream, bell_ptr, bell_value, event)
+
+
+def _then(device: int, stream: int, bell_ptr: int, bell_value: int, event: int) -> tuple[str, str]:
+    """The doorbell store and the event record queued after a copy: (store error, event error)."""
     errors = ["", ""]
     for i, (wanted, call) in enumerate(((bell_ptr, lambda: stream_write_word(device, stream, bell_ptr, bell_value)),
                                          (event, lambda: event_record(event, stream)))):

@@ -4,12 +4,15 @@ CUDA refuses to open an IPC handle in the process that exported it, so the other
 IpcBackend under test lives in a child process: :class:`ChildPeer` is a conformance-kit
 ``PeerEnd`` that drives an IpcBackend in a spawned child over a pipe. Device row memory is
 plain ``cudaMalloc`` memory from ``kvxfer._native`` (no framework needed); rows are read and
-written through the native gather/scatter kernels and a staging buffer.
+written through the native gather/scatter kernels and a staging buffer. An engine's own KV
+(``DeviceKV``, torch tensors) serves transfers between engine geometries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -25,7 +28,9 @@ import numpy.typing as npt
 from kvxfer import native
 from kvxfer.backends.ipc.channel import CHANNEL_DIR_PREFIX
 from kvxfer.contract import (
+    BlockOrder,
     CacheKind,
+    HeadOrder,
     Hint,
     LayerGroupRows,
     MemoryKind,
@@ -99,11 +104,149 @@ class DeviceRows(RowMemory):
         self._ptrs.clear()
 
 
+KV_OFFSET = 4096  # over host_cuda, where an engine's first tensor starts in its allocation
+
+
+class DeviceKV(RowMemory):
+    """An engine's own KV (``EngineKV``, float16) in device memory, built from a JSON-able spec,
+    for transfers between engine geometries::
+
+        {"kind": "layers" | "pool", "layers": 2, "kv_heads": 4, "head_dim": 8, "heads": [0, 4],
+         "blocks": 12, "block_tokens": 16, "order": "nhd" | "hnd"}
+
+    ``"layers"``: one tensor per layer, ``[2, blocks, bt, H, D]`` (NHD) or ``[2, blocks, H, bt,
+    D]`` (HND); ``"pool"``: one block-major tensor ``[blocks, layers, 2, bt, H, D]`` (NHD), as a
+    kvxfer pool lays out a group. Over CUDA (``cuda`` None) the tensors come from torch's
+    caching allocator, after a small one, so that they start inside an allocation; over
+    ``kvxfer.testing.host_cuda`` they are carved out of one allocation from ``KV_OFFSET`` on.
+    The regions are DEVICE memory either way (a region's slots are its float16 elements);
+    ``offsets`` says where each starts in its allocation."""
+
+    def __init__(self, spec: dict[str, Any], device: int = 0, cuda: Any = None, name: str = "kv") -> None:
+        self._n = cuda or native.cuda_module()
+        self.device = device
+        self._on_gpu = cuda is None
+        self._arena = 0
+        layers, held = int(spec["layers"]), int(spec["heads"][1]) - int(spec["heads"][0])
+        blocks, bt, dim = int(spec["blocks"]), int(spec["block_tokens"]), int(spec["head_dim"])
+        order = HeadOrder(spec.get("order", "nhd"))
+        shapes: list[tuple[int, ...]]
+        if spec["kind"] == "pool":
+            shapes = [(blocks, layers, 2, bt, held, dim)]
+        else:
+            shapes = [(2, blocks, bt, held, dim) if order is HeadOrder.NHD else (2, blocks, held, bt, dim)] * layers
+        self._keep: list[Any] = []
+        self.tensors = self._gpu_tensors(shapes) if self._on_gpu else self._arena_tensors(shapes)
+        try:
+            self.kv = _engine_kv(spec, self.tensors, name, device)
+            self.offsets = {r.name: r.address - int(self._n.ipc_export(device, r.address)[1]) for r in self.kv.regions}
+        except BaseException:
+            self.close()
+            raise
+
+    def _gpu_tensors(self, shapes: list[tuple[int, ...]]) -> list[Any]:
+        import torch
+
+        where = torch.device("cuda", self.device)
+        self._keep.append(torch.empty(512, dtype=torch.uint8, device=where))  # the segment's first block
+        tensors = [torch.zeros(shape, dtype=torch.float16, device=where) for shape in shapes]
+        torch.cuda.synchronize(where)
+        return tensors
+
+    def _arena_tensors(self, shapes: list[tuple[int, ...]]) -> list[Any]:
+        import torch
+
+        sizes = [2 * int(np.prod(shape)) for shape in shapes]
+        starts = KV_OFFSET + np.concatenate(([0], np.cumsum([-(-n // 256) * 256 for n in sizes])))
+        self._arena = self._n.device_alloc(self.device, int(starts[-1]))
+        tensors = []
+        for shape, start, nbytes in zip(shapes, starts.tolist(), sizes):
+            buffer = (ctypes.c_char * nbytes).from_address(self._arena + start)
+            tensors.append(torch.frombuffer(buffer, dtype=torch.float16).view(shape))
+        return tensors
+
+    @property
+    def regions(self) -> tuple[SlotRegion, ...]:
+        return self.kv.regions
+
+    def shared(self) -> tuple[Any, dict[str, int]]:
+        """(the EngineKV without its tensors, for another process to lend views of; offsets)."""
+        return type(self.kv)(self.kv.geometry, self.kv.layout, ()), dict(self.offsets)
+
+    def fill(self, seed: int) -> None:
+        """Random KV (torch's generator, ``seed``) in every tensor."""
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        for t in self.tensors:
+            t.copy_(torch.randn(t.shape, generator=g).to(torch.float16))
+        self._sync()
+
+    def bytes_of(self, region: str) -> np.ndarray:
+        """A copy of the region's bytes."""
+        return np.array(self._flat(region).cpu().numpy(), copy=True)
+
+    def write(self, region: str, slots: Index, data: bytes) -> None:
+        import torch
+
+        data_bytes = self.bytes_of(region)
+        rows = data_bytes.reshape(-1, self._slot(region))
+        rows[np.asarray(slots, dtype=np.int64)] = np.frombuffer(data, dtype=np.uint8).reshape(-1, rows.shape[1])
+        self._flat(region).copy_(torch.from_numpy(data_bytes))
+        self._sync()
+
+    def read(self, region: str, slots: Index) -> bytes:
+        rows = self.bytes_of(region).reshape(-1, self._slot(region))
+        return rows[np.asarray(slots, dtype=np.int64)].tobytes()
+
+    def _slot(self, region: str) -> int:
+        return next(r.slot_bytes for r in self.kv.regions if r.name == region)
+
+    def _flat(self, region: str) -> Any:
+        import torch
+
+        index = next(i for i, r in enumerate(self.kv.regions) if r.name == region)
+        return self.tensors[index].reshape(-1).view(torch.uint8)
+
+    def _sync(self) -> None:
+        if self._on_gpu:
+            import torch
+
+            torch.cuda.synchronize(torch.device("cuda", self.device))
+
+    def close(self) -> None:
+        """Drop the tensors (their memory back to torch's cache, or the allocation freed)."""
+        self.tensors = []
+        self._keep.clear()
+        if self._arena:
+            self._n.device_free(self.device, self._arena)
+            self._arena = 0
+
+
+def _engine_kv(spec: dict[str, Any], tensors: list[Any], name: str, device: int) -> Any:
+    """The spec's EngineKV over ``tensors``, its regions DEVICE memory of ``device``."""
+    from kvxfer.lender.engine_kv import EngineKV  # torch: imported only where an engine's KV is made
+
+    heads, kv_heads = (int(spec["heads"][0]), int(spec["heads"][1])), int(spec["kv_heads"])
+    if spec["kind"] == "pool":
+        t = tensors[0]
+        layers = range(int(spec["layers"]))
+        kv = EngineKV.from_planes([t[:, i, 0] for i in layers], [t[:, i, 1] for i in layers], tensors=(t,),
+                                  kv_heads=kv_heads, heads=heads, head_order=HeadOrder.NHD,
+                                  order=BlockOrder.BLOCK_MAJOR, name=name)
+    else:
+        kv = EngineKV.per_layer(tensors, kv_heads=kv_heads, heads=heads, head_order=HeadOrder(spec.get("order", "nhd")),
+                                name=name)
+    regions = tuple(dataclasses.replace(r, memory_kind=MemoryKind.DEVICE, device_id=device) for r in kv.regions)
+    return EngineKV(dataclasses.replace(kv.geometry, regions=regions), kv.layout, kv.tensors)
+
+
 # --- the child process ------------------------------------------------------------------
 @dataclass(frozen=True)
 class PeerSpec:
     mode: TransferMode
     geometry: tuple[tuple[str, int, int], ...] = PEER_GEOMETRY
+    kv: dict[str, Any] | None = None  # an engine's KV (DeviceKV) instead of row memory
     device: int = 0
     deadline_s: float = 10.0
     key: bytes | None = None
@@ -125,7 +268,8 @@ def _serve(conn: Connection, spec: PeerSpec) -> None:
     from kvxfer.backends.ipc import IpcBackend
 
     cuda = cuda_calls(spec.emulated)
-    memory = DeviceRows(spec.geometry, spec.device, cuda)
+    memory: Any = DeviceRows(spec.geometry, spec.device, cuda) if spec.kv is None else DeviceKV(
+        spec.kv, spec.device, cuda, name="peer-kv")
     backend = IpcBackend("child", spec.mode, device=spec.device, deadline_s=spec.deadline_s, key=spec.key,
                          busy_poll=spec.busy_poll, doorbell=spec.doorbell, cuda=cuda)
     backend.register(memory.regions)
@@ -149,7 +293,7 @@ def _serve(conn: Connection, spec: PeerSpec) -> None:
         memory.close()
 
 
-def _handle(cmd: str, args: list[Any], backend: Any, memory: DeviceRows, attempts: dict[int, Any],
+def _handle(cmd: str, args: list[Any], backend: Any, memory: Any, attempts: dict[int, Any],
             visible: dict[int, int]) -> Any:
     if cmd == "describe":
         return backend.describe(*args)
@@ -189,6 +333,11 @@ def _handle(cmd: str, args: list[Any], backend: Any, memory: DeviceRows, attempt
         return True
     if cmd == "bells":
         return backend.bells_rung
+    if cmd == "kv":
+        return memory.shared()
+    if cmd == "fill":
+        memory.fill(args[0])
+        return None
     if cmd == "shutdown":
         return len(backend.shutdown())
     raise ValueError(f"unknown command {cmd!r}")
@@ -255,6 +404,15 @@ class ChildPeer(PeerEnd):
 
     def inject_fault(self, rows: int | None) -> bool:
         return bool(self._call("inject", rows))
+
+    def kv(self) -> tuple[Any, dict[str, int]]:
+        """A KV child's (PeerSpec.kv) EngineKV, without tensors (the memory is the child's), and
+        where each of its regions starts in its allocation."""
+        return self._call("kv")  # type: ignore[no-any-return]
+
+    def fill(self, seed: int) -> None:
+        """Random KV in a KV child's tensors."""
+        self._call("fill", seed)
 
     def shutdown(self) -> int:
         return int(self._call("shutdown"))

@@ -2,19 +2,37 @@
 ``tests/gpu/test_ipc.py`` and over ``kvxfer.testing.host_cuda`` by
 ``tests/twoproc/test_ipc_emulated.py`` (``cuda`` picks which: None is kvxfer._native).
 Each raises AssertionError naming what went wrong, and closes everything it started first.
+The scenarios between engine geometries (``geometry_ends``) are run by
+``tests/gpu/test_ipc_geometry_gpu.py`` and ``tests/twoproc/test_ipc_geometry.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
+from kvxfer.backends.common.transform import Rows, TransformPlan, plan_transform
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.backends.ipc.bells import EXTRA_BELL
-from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, SlotRegion, TokenRange, TransferMode, View
-from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
+from kvxfer.contract import (
+    CacheKind,
+    Delivered,
+    Failed,
+    KVGeometry,
+    LayerGroupRows,
+    LayoutMismatch,
+    SlotRegion,
+    TokenRange,
+    TransferMode,
+    View,
+)
+from kvxfer.testing.ipc_pairs import ChildPeer, DeviceKV, DeviceRows, PeerSpec
 
 
 def views(local: SlotRegion, peer: SlotRegion, n: int, seed: int,
@@ -30,7 +48,7 @@ def views(local: SlotRegion, peer: SlotRegion, n: int, seed: int,
     return lv, pv, ls, ps
 
 
-def close_all(local: IpcBackend, peers: list[ChildPeer], memory: DeviceRows) -> None:
+def close_all(local: IpcBackend, peers: list[ChildPeer], memory: DeviceRows | DeviceKV) -> None:
     """Close everything, then assert that the backend's shutdown left no attempt unquiesced."""
     try:
         left = local.shutdown()
@@ -149,3 +167,198 @@ def doorbells_conclude_waits(mode: TransferMode, *, cuda: ModuleType | None, doo
         assert rung == (transfers if doorbell else 0), f"{rung} of {transfers} waits ended by their doorbell"
     finally:
         close_all(local, [peer], memory)
+
+
+# --- engine geometries ------------------------------------------------------------------
+GEO_TOKENS = 100  # not a whole number of blocks at either end
+KV_BASE = {"kind": "layers", "layers": 2, "kv_heads": 4, "head_dim": 8, "heads": [0, 4], "blocks": 12,
+           "block_tokens": 16, "order": "nhd"}
+
+
+def kv_spec(**changes: Any) -> dict[str, Any]:
+    return {**KV_BASE, **changes}
+
+
+# name: (the source's KV, the destination's, the heads the destination's view narrows to)
+GEOMETRY_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[int, int] | None]] = {
+    "tp1-to-rank1of2": (kv_spec(), kv_spec(heads=[2, 4]), None),
+    "rank1of2-to-tp1-narrowed": (kv_spec(heads=[2, 4]), kv_spec(), (2, 4)),
+    "bt16-to-bt32": (kv_spec(), kv_spec(block_tokens=32), None),
+    "bt64-to-bt16": (kv_spec(block_tokens=64, blocks=4), kv_spec(), None),
+    "nhd-to-hnd": (kv_spec(), kv_spec(order="hnd", block_tokens=32), None),
+    "hnd-to-nhd": (kv_spec(order="hnd", block_tokens=32), kv_spec(heads=[1, 3]), None),
+    "layer-major-to-block-major-pool": (kv_spec(), kv_spec(kind="pool", block_tokens=32, heads=[0, 2]), None),
+}
+
+
+def kv_tokens(geometry: KVGeometry, memory: dict[str, np.ndarray], table: Any, tokens: int) -> np.ndarray:
+    """``[planes, tokens, heads, unit_bytes]`` uint8 of a request whose logical block i is
+    ``table[i]``, read through ``geometry`` from ``memory`` (region name -> its bytes)."""
+    t = np.arange(tokens, dtype=np.int64)
+    block = np.asarray(table, dtype=np.int64)[t // geometry.block_tokens]
+    at = block * geometry.block_stride + (t % geometry.block_tokens) * geometry.token_stride
+    at = at[:, None] + np.arange(geometry.head_count, dtype=np.int64)[None, :] * geometry.head_stride
+    at = at[..., None] + np.arange(geometry.unit_bytes, dtype=np.int64)
+    return np.stack([memory[geometry.regions[region].name][offset + at] for region, offset in geometry.planes])
+
+# Cases that cannot meet: both ends refuse them by name, before anything moves.
+REFUSED_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[int, int] | None]] = {
+    "heads-the-publisher-lacks": (kv_spec(heads=[0, 2]), kv_spec(), None),
+}
+
+
+@dataclass
+class GeometryEnds:
+    """One transfer between two engine geometries, set up, not submitted: this process's
+    IpcBackend over ``memory`` and the child's, one the source (filled with random KV) and
+    the other the destination (zeros); ``read`` and ``write`` are the two ends' views."""
+
+    local: IpcBackend
+    peer: ChildPeer
+    memory: DeviceKV
+    peer_offsets: dict[str, int]
+    read: View
+    write: View
+    local_is_source: bool
+    mode: TransferMode
+
+    @property
+    def local_active(self) -> bool:
+        return self.local_is_source == (self.mode is TransferMode.PUSH)
+
+    def start(self) -> tuple[Any, int]:
+        """Each end describes its view before the other submits; (our attempt, the child's handle)."""
+        mine, theirs = (self.read, self.write) if self.local_is_source else (self.write, self.read)
+        peer_hint = self.peer.describe(theirs)
+        handle = self.peer.start("fetch" if self.local_is_source else "publish", theirs, self.local.describe(mine))
+        submit = self.local.publish if self.local_is_source else self.local.fetch
+        return submit(mine, peer_hint), handle
+
+    def _bytes(self, source: bool) -> dict[str, np.ndarray]:
+        regions = (self.read if source else self.write).geometry.regions  # type: ignore[union-attr]
+        if source == self.local_is_source:
+            return {r.name: self.memory.bytes_of(r.name) for r in regions}
+        return {r.name: np.frombuffer(self.peer.read(r.name, np.arange(r.slots, dtype=np.int64)), dtype=np.uint8)
+                for r in regions}
+
+    def expected(self) -> np.ndarray:
+        """``[planes, tokens, heads, unit]`` bytes the destination's view should end with."""
+        src, dst = self.read.geometry, self.write.geometry
+        assert src is not None and dst is not None
+        want = kv_tokens(src, self._bytes(True), self.read.groups[0].slots, GEO_TOKENS)
+        first = dst.heads[0] - src.heads[0]
+        return want[:, :, first:first + dst.head_count]
+
+    def got(self) -> np.ndarray:
+        assert self.write.geometry is not None
+        return kv_tokens(self.write.geometry, self._bytes(False), self.write.groups[0].slots, GEO_TOKENS)
+
+    def plan(self) -> TransformPlan:
+        """The transfer's plan, as either end makes it (at its own addresses)."""
+        assert self.read.geometry is not None and self.write.geometry is not None
+        return plan_transform(self.read.geometry, Rows.of_view(self.read), self.write.geometry,
+                              Rows.of_view(self.write))
+
+    def plan_masks(self, runs: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(source rows, destination rows) that the first ``runs`` runs (all: None) prove."""
+        plan = self.plan()
+        return plan.masks(plan.runs if runs is None else runs)
+
+
+@contextlib.contextmanager
+def geometry_ends(mode: TransferMode, case: str, *, cuda: ModuleType | None, local_is_source: bool,
+                  devices: tuple[int, int] = (0, 0), seed: int = 7, busy_poll: bool = False) -> Iterator[GeometryEnds]:
+    """The ends of GEOMETRY_CASES[case] (or REFUSED_CASES[case]); ``busy_poll``: the child's
+    backend busy-polls, with its doorbell. Everything is closed on the way out, and our
+    backend's shutdown must leave no attempt unquiesced."""
+    from kvxfer.lender.external import ExternalLender  # torch: only where an engine's KV is made
+
+    src_spec, dst_spec, heads = {**GEOMETRY_CASES, **REFUSED_CASES}[case]
+    local_spec, peer_spec = (src_spec, dst_spec) if local_is_source else (dst_spec, src_spec)
+    peer = ChildPeer(PeerSpec(mode, kv=peer_spec, device=devices[1], emulated=cuda is not None, busy_poll=busy_poll))
+    try:
+        memory = DeviceKV(local_spec, devices[0], cuda, name="local-kv")
+    except BaseException:
+        peer.close()
+        raise
+    local = IpcBackend("local", mode, device=devices[0], cuda=cuda)
+    try:
+        local.register(memory.regions)
+        if local_is_source:
+            memory.fill(seed)
+        else:
+            peer.fill(seed)
+        theirs, peer_offsets = peer.kv()
+        src, dst = (memory.kv, theirs) if local_is_source else (theirs, memory.kv)
+        rng = np.random.default_rng(seed)
+        s_table = rng.permutation(src_spec["blocks"])[: -(-GEO_TOKENS // src_spec["block_tokens"])]
+        d_table = rng.permutation(dst_spec["blocks"])[: -(-GEO_TOKENS // dst_spec["block_tokens"])]
+        read = ExternalLender(src).lend_read("req", s_table, (0, GEO_TOKENS)).view()
+        write = ExternalLender(dst).lend_write("req", d_table, (0, GEO_TOKENS), heads=heads).view()
+        yield GeometryEnds(local, peer, memory, peer_offsets, read, write, local_is_source, mode)
+    finally:
+        close_all(local, [peer], memory)
+
+
+def _finish(ends: GeometryEnds, attempt: Any, handle: int) -> tuple[Any, Any]:
+    assert attempt.wait(30), "our attempt did not end"
+    theirs, quiet = ends.peer.result(handle, 30)
+    assert quiet, f"the child's attempt did not quiesce ({theirs!r})"
+    return attempt.poll(), theirs
+
+
+def geometry_moves_byte_exact(ends: GeometryEnds) -> None:
+    """The whole request's KV lands in the destination's layout, byte for byte; every row of
+    both ends Delivered; at least one region of each end starts inside its allocation."""
+    assert not ends.got().any(), "the destination is not zeros before the transfer"
+    ours, theirs = _finish(ends, *ends.start())
+    for outcome in (ours, theirs):
+        assert isinstance(outcome, Delivered) and outcome.all_delivered, outcome
+    src_mask, dst_mask = ends.plan_masks()
+    assert src_mask.all() and dst_mask.all()
+    import torch
+
+    got, want = torch.from_numpy(ends.got()), torch.from_numpy(ends.expected())
+    assert torch.equal(got, want), "the destination's KV differs from the source's"
+    assert any(ends.memory.offsets.values()) and any(ends.peer_offsets.values()), (
+        f"no region starts inside its allocation: {ends.memory.offsets}, {ends.peer_offsets}")
+
+
+def geometry_fault_marks_whole_blocks(ends: GeometryEnds, runs: int) -> None:
+    """The active end copies only the first ``runs`` runs (fail_after_rows counts runs): both
+    ends fail with the plan's masks, and those rows, no more, hold the source's KV."""
+    if ends.local_active:
+        ends.local.fail_after_rows = runs
+    else:
+        assert ends.peer.inject_fault(runs)
+    ours, theirs = _finish(ends, *ends.start())
+    assert isinstance(ours, Failed) and isinstance(theirs, Failed), (ours, theirs)
+    src_mask, dst_mask = ends.plan_masks(runs)
+    local_mask, peer_mask = (src_mask, dst_mask) if ends.local_is_source else (dst_mask, src_mask)
+    assert np.array_equal(ours.masks[0], local_mask), (ours.masks[0], local_mask)
+    assert np.array_equal(theirs.masks[0], peer_mask), (theirs.masks[0], peer_mask)
+    # Runs go in token order from the request's first token: these tokens, no more, arrived.
+    copied = int(ends.plan().run_tokens[:runs].sum())
+    got, want = ends.got(), ends.expected()
+    assert np.array_equal(got[:, :copied], want[:, :copied]), "the runs copied do not hold the source's KV"
+    assert not got[:, copied:].any(), "bytes past the runs copied arrived"
+
+
+def geometry_refused_touching_nothing(ends: GeometryEnds, match: str) -> None:
+    """Both ends refuse the submission with a LayoutMismatch naming ``match`` (ours before the
+    child's, whichever is active), and the destination's KV stays zeros."""
+    mine, theirs = (ends.read, ends.write) if ends.local_is_source else (ends.write, ends.read)
+    peer_hint = ends.peer.describe(theirs)
+    local_hint = ends.local.describe(mine)
+    submit = ends.local.publish if ends.local_is_source else ends.local.fetch
+    refusals: list[Exception] = []
+    for attempt in (lambda: submit(mine, peer_hint),
+                    lambda: ends.peer.start("fetch" if ends.local_is_source else "publish", theirs, local_hint)):
+        try:
+            attempt()
+        except LayoutMismatch as exc:
+            refusals.append(exc)
+    assert len(refusals) == 2, f"refused by {len(refusals)} of the two ends: {refusals}"
+    assert all(match in str(exc) for exc in refusals), refusals
+    time.sleep(0.1)
+    assert not ends.got().any(), "a refused transfer wrote the destination"

@@ -1,4 +1,5 @@
-"""Same-node GPU-to-GPU backend: the peer's pool mapped through CUDA IPC, one kernel per group.
+"""Same-node GPU-to-GPU backend: the peer's pool (or an engine's KV) mapped through CUDA IPC,
+one kernel per group (per submission between two engine geometries).
 
 It keeps the protocol every backend keeps (``kvxfer.backends.common.engine``): describe()
 mints a transfer id; the active end (push: the publisher; pull: the fetcher) moves the
@@ -7,14 +8,17 @@ asks the active end to stop (CANCEL_REQUEST) when it is cancelled or times out, 
 unquiesced until the active end confirms. Here:
 
 - describe() carries, in ``Hint.extras``, a CUDA IPC handle for the allocation behind each
-  region of the view (``ipc.region.<name>``) and this node's boot id (``ipc.node``); the
-  ``endpoint`` is this backend's Unix socket, and the agent name is that socket's path.
+  region of the view (``ipc.region.<name>``; for an engine view, each region of its
+  geometry) and this node's boot id (``ipc.node``); the ``endpoint`` is this backend's Unix
+  socket, and the agent name is that socket's path.
 - The active end opens each peer allocation once and caches the mapping (``mappings``),
   then queues one native row-copy kernel per view group on a stream it owns and records a
-  CUDA event (``copies``); its progress thread polls the event, and only then are rows True
-  in masks. The kernels are queued inside publish()/fetch() itself: a launch is
-  asynchronous and takes microseconds, and handing it to the progress thread would add a
-  thread wake-up (tens of microseconds) to every small transfer's latency.
+  CUDA event (``copies``); between two engine geometries, one layout-transform kernel for
+  the whole submission, planned before anything is claimed (``geometry``). Its progress
+  thread polls the event, and only then are rows True in masks. The kernels are queued
+  inside publish()/fetch() itself: a launch is asynchronous and takes microseconds, and
+  handing it to the progress thread would add a thread wake-up (tens of microseconds) to
+  every small transfer's latency.
 - Records travel as ``kvxfer.wire.encode_completion`` frames over Unix sockets
   (``channel``), signed when a key is set. A peer whose socket closes is gone: no new
   copy goes into its mappings, which close once the copies in flight have ended.
@@ -53,6 +57,7 @@ from kvxfer.backends.ipc.bells import EXTRA_BELL, bell_slot, bell_value
 from kvxfer.backends.ipc.channel import Channel, PeerBusy
 from kvxfer.backends.ipc.copies import CopyQueue
 from kvxfer.backends.ipc.frames import DONE_PREFIX, TOKEN_FRAME_BYTES, CompletionFrames
+from kvxfer.backends.ipc.geometry import export_names, peer_exports, plan_submission
 from kvxfer.backends.ipc.jobs import ActiveJob, PassiveWait
 from kvxfer.backends.ipc.mappings import EXTRA_PREFIX, Export
 from kvxfer.backends.ipc.waits import PassiveWaits
@@ -118,6 +123,7 @@ class IpcBackend(BackendEngine):
 
     KIND = BACKEND_KIND
     TITLE = "IPC"
+    GEOMETRY = True  # engine geometries too: one layout-transform kernel per submission (geometry)
 
     def __init__(
         self,
@@ -208,7 +214,7 @@ class IpcBackend(BackendEngine):
 
     def describe(self, view: View, audience: Peer | None = None) -> Hint:
         transfer_id = self._describe_checked(view)
-        names = dict.fromkeys(g.region.name for g in view.groups)
+        names = export_names(view)  # an engine view's: every region of its geometry
         extras = ((EXTRA_NODE, self._node),) + tuple((EXTRA_PREFIX + n, self._exports[n].pack()) for n in names)
         extras += self._frames.hint_extras(transfer_id, view.request)
         ring = self._waits.make_ring()
@@ -257,13 +263,15 @@ class IpcBackend(BackendEngine):
 
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         admitted = self._admit(view, hint, fetching=fetching)
+        # Two geometries: the plan, or LayoutMismatch with nothing claimed, mapped or told (geometry).
+        transform = plan_submission(view, hint, fetching=fetching, active=admitted.active)
         attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
         if admitted.active:
             copies = self._copies
-            matches = match_rows(view, hint)
-            exports = copies.peer_exports(hint, matches)
+            matches = match_rows(view, hint) if transform is None else []
+            exports = copies.peer_exports(hint, matches) if transform is None else peer_exports(copies, hint)
             job = ActiveJob(attempt, view, hint, matches, exports, writes_peer=not fetching,
-                            bell=copies.peer_bell(hint))
+                            bell=copies.peer_bell(hint), transform=transform)
             # launch_lock before _jobs_lock, here and wherever both are taken.
             with copies.launch_lock:
                 with self._jobs_lock:

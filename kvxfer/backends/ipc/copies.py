@@ -2,7 +2,8 @@
 
 ``CopyQueue`` owns the stream, the pool of completion events, the mappings of peers'
 allocations and doorbell rings (``mappings``), and the jobs in flight in launch order.
-The owner thread plans and queues a job's kernels (``launch``, under ``launch_lock``);
+The owner thread plans and queues a job's kernels (``launch``, under ``launch_lock``; a job
+between two engine geometries is one layout-transform kernel, queued by ``geometry``);
 the progress thread polls the oldest job's event (``next_finished``) and gives its
 mappings and event back (``retire``). What a finished job tells the peer is the backend's.
 """

@@ -1,9 +1,10 @@
 """The IPC backend's bookkeeping for one attempt.
 
-An active job (push publisher, pull fetcher) queues row-copy kernels and then tells the
-passive end what landed; a passive wait (push fetcher, pull publisher) waits for that word,
-by socket frame or doorbell. The owner thread makes them at submission; after that the
-progress thread changes them, except for the fields that say otherwise.
+An active job (push publisher, pull fetcher) queues row-copy kernels (between two engine
+geometries, one layout-transform kernel) and then tells the passive end what landed; a
+passive wait (push fetcher, pull publisher) waits for that word, by socket frame or
+doorbell. The owner thread makes them at submission; after that the progress thread
+changes them, except for the fields that say otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.matching import GroupMatch
+from kvxfer.backends.common.transform import Oriented
 from kvxfer.backends.ipc.mappings import Export, Mapping
 from kvxfer.contract import Delivered, Hint, View
 
@@ -30,6 +32,7 @@ class ActiveJob:
     exports: dict[str, Export]  # peer region name -> its allocation
     writes_peer: bool
     bell: tuple[str, int] | None = None  # the passive end's doorbell: (ring path, slot)
+    transform: Oriented | None = None  # engine geometries at both ends: this plan moves the bytes (geometry)
     cancelled_by_peer: bool = False
     launched: bool = False
     event: int = 0
