@@ -25,56 +25,26 @@
 #include <string>
 
 #include "cuda_api.h"
+#include "cuda_common.cuh"
 #include "fill_helpers.h"
 #include "spin_poll.h"
 
 namespace kvxfer::cuda {
 namespace {
 
+using common::DeviceScope;
+using common::Vec;
+using common::fail;
+
 constexpr int kThreads = 256;
 constexpr int kInlineRows = 64;    // 2 x 64 x 8 B of indices ride in the launch parameters
 constexpr std::int64_t kMaxGrid = 1ll << 20;
-
-std::string fail(const char* what, cudaError_t err) {
-  // Clear the sticky "last error" of a non-fatal failure so a later call is not blamed.
-  (void)cudaGetLastError();
-  return std::string(what) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
-}
-
-// Runs with `device` current and restores the caller's device afterwards, so that embedding
-// frameworks (torch) keep their notion of the current device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (device < 0) return;
-    err_ = cudaGetDevice(&previous_);
-    if (err_ == cudaSuccess && previous_ != device) {
-      err_ = cudaSetDevice(device);
-      switched_ = err_ == cudaSuccess;
-    }
-  }
-  ~DeviceScope() {
-    if (switched_) (void)cudaSetDevice(previous_);
-  }
-  cudaError_t error() const { return err_; }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-  cudaError_t err_ = cudaSuccess;
-};
 
 // Selects `device` for the rest of the enclosing function, which returns the error text when
 // it cannot be selected (every entry point below starts so).
 #define KVXFER_DEVICE_SCOPE(device)                                  \
   DeviceScope device_scope_(device);                                 \
   if (device_scope_.error() != cudaSuccess) return fail("selecting the device", device_scope_.error())
-
-template <int W> struct Vec;
-template <> struct Vec<16> { using T = uint4; };
-template <> struct Vec<8> { using T = uint2; };
-template <> struct Vec<4> { using T = unsigned int; };
-template <> struct Vec<1> { using T = unsigned char; };
 
 struct Indices {
   const std::int64_t* src;  // null: row i is slot i

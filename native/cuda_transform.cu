@@ -15,10 +15,15 @@
 #include <vector>
 
 #include "cuda_api.h"
+#include "cuda_common.cuh"
 #include "transform.h"
 
 namespace kvxfer::cuda {
 namespace {
+
+using common::DeviceScope;
+using common::Vec;
+using common::fail;
 
 constexpr int kThreads = 256;
 constexpr int kInlineSegs = 128;  // 3 x 8 B per segment ride in the launch parameters (3 KiB of the 4)
@@ -35,42 +40,6 @@ constexpr std::int64_t kMaxGrid = 1ll << 20;
 // is 32-bit (64-bit division costs tens of instructions per vector); larger segments are cut
 // at token boundaries on the host.
 constexpr std::int64_t kMaxSegVectors = 1ll << 30;
-
-std::string fail(const char* what, cudaError_t err) {
-  (void)cudaGetLastError();  // a non-fatal failure must not be blamed on a later call
-  return std::string(what) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
-}
-
-// As in cuda_rowcopy.cu: `device` is current for the enclosing function and the caller's
-// device comes back afterwards, so that embedding frameworks keep theirs.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (device < 0) return;
-    err_ = cudaGetDevice(&previous_);
-    if (err_ == cudaSuccess && previous_ != device) {
-      err_ = cudaSetDevice(device);
-      switched_ = err_ == cudaSuccess;
-    }
-  }
-  ~DeviceScope() {
-    if (switched_) (void)cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-  cudaError_t error() const { return err_; }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-  cudaError_t err_ = cudaSuccess;
-};
-
-template <int W> struct Vec;
-template <> struct Vec<16> { using T = uint4; };
-template <> struct Vec<8> { using T = uint2; };
-template <> struct Vec<4> { using T = unsigned int; };
-template <> struct Vec<1> { using T = unsigned char; };
 
 // A divisor that is usually a power of two (vectors per unit, heads): a shift then, a
 // division only where it is not.
