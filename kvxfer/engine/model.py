@@ -25,16 +25,22 @@ import torch
 import torch.nn.functional as F
 
 from kvxfer.engine.config import ModelConfig
+from kvxfer.engine.tokenizer import Tokenizer
 from kvxfer.engine.tp import ShardedKVCache
 from kvxfer.engine.weights import LayerWeights, Weights, seeded_weights
 from kvxfer.pool import PagedKVPool
 
 
 class LlamaModel:
-    """Weights plus the forward pass. Stateless between calls: the KV lives in the pool."""
+    """Weights plus the forward pass. Stateless between calls: the KV lives in the pool.
 
-    def __init__(self, config: ModelConfig, weights: Weights | None = None, device: str | torch.device = "cpu") -> None:
+    ``tokenizer`` is the model's text side where it has one (a GGUF model); the seeded toy
+    model takes token ids only and has None."""
+
+    def __init__(self, config: ModelConfig, weights: Weights | None = None, device: str | torch.device = "cpu",
+                 tokenizer: Tokenizer | None = None) -> None:
         self.config = config
+        self.tokenizer = tokenizer
         self.device = torch.device(device)
         weights = weights if weights is not None else seeded_weights(config)  # drawn on the CPU: same everywhere
         self.weights = _to_device(weights, self.device) if self.device.type != "cpu" else weights

