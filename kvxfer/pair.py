@@ -34,12 +34,14 @@ from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine
 from kvxfer.router.router import KEY_PATTERN
 from kvxfer.router.serve import KEEPALIVE_S
 from kvxfer.serving.http import HttpError, request_text, stream_json
+from kvxfer.serving.startup import check_serving
 from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
     ARENA_HELP,
     add_model_args,
     arena_mib,
+    check_backend,
     check_model_args,
     check_visible,
     model_args_list,
@@ -519,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    check_serving(parser, "127.0.0.1", 0)  # the hint key, which every worker would refuse
+    check_backend(parser, args.backend)
     check_model_args(parser, args)
     check_engine_kv_args(parser, args)
     prefill_device, decode_device = role_devices(parser, args)

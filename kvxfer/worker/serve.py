@@ -33,8 +33,10 @@ from kvxfer.engine import (
     load_model,
     model_shape,
 )
+from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import HttpServer
+from kvxfer.serving.startup import LOG_LEVELS, check_serving, log_level
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
 from kvxfer.worker.core import Worker, WorkerConfig
@@ -124,7 +126,7 @@ def _model_fields(args: argparse.Namespace) -> dict[str, object]:
 
 def _model_error(prog: str, exc: CheckpointError) -> SystemExit:
     """A model that cannot load: one line on stderr and exit status 2, as a usage error, no traceback."""
-    print(f"{prog}: {exc}", file=sys.stderr, flush=True)
+    print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
     return SystemExit(2)
 
 
@@ -196,12 +198,19 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        port = await server.start()
+        try:
+            port = await server.start()
+        except OSError as exc:  # the port was taken after check_serving's probe
+            print(f"kvxfer serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+                  file=sys.stderr, flush=True)
+            return 2
         if args.parent_watch:
             watch_stdin(loop, stop)
         announce({"event": "ready", "role": args.role, "port": port, "url": f"http://{args.host}:{port}",
                   "pid": os.getpid(), "backend": args.backend, "name": worker.name,
                   "device": worker.device}, args.port_file, ready_fd)
+        print(f"kvxfer serve: {args.role} worker {worker.name!r} listening on http://{args.host}:{port}",
+              file=sys.stderr, flush=True)
         await stop.wait()
     finally:
         await server.close()
@@ -255,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 avoids oversubscription)")
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
     p.add_argument("--json", default="", metavar="PATH", help="on exit, write a JSON report (shutdown, metrics)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=log_level, help=", ".join(LOG_LEVELS))
     g = p.add_argument_group("engine KV: a TP group sharded by KV heads, paged its own way (kvxfer.worker.ranks)")
     g.add_argument("--engine-kv", action="store_true",
                    help="move KV as engine geometries (implied by the flags below); both ends must")
@@ -296,12 +305,22 @@ def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--nixl-chunk-pause must not be negative, got {args.nixl_chunk_pause}")
 
 
+def check_backend(parser: argparse.ArgumentParser, backend: str) -> None:
+    """A backend that cannot run on this machine, named before anything is built."""
+    if backend == "ipc":
+        info = native_info()
+        if not info.cuda_usable:
+            parser.error(f"--backend ipc needs a visible CUDA GPU and kvxfer._native built with CUDA: {info.reason}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.busy_poll and args.backend != "ipc":
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     check_numbers(parser, args)
+    check_serving(parser, args.host, args.port)
+    check_backend(parser, args.backend)
     check_model_args(parser, args)
     check_engine_kv(parser, args)
     try:

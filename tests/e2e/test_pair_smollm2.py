@@ -51,7 +51,7 @@ def cut_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_serve_refuses_a_bad_model_in_one_line(cut_gguf: Path, tmp_path: Path) -> None:
     line = _one_line_exit_2(["serve", "--role", "prefill", "--model", "llama9"])
-    assert line == "kvxfer serve: unknown model 'llama9': use toy, smollm2 or a path to a .gguf file"
+    assert line == "kvxfer serve: error: unknown model 'llama9': use toy, smollm2 or a path to a .gguf file"
     (tmp_path / "notes.gguf").write_text("notes")
     assert "notes.gguf is not a GGUF file" in _one_line_exit_2(["serve", "--role", "decode", "--model",
                                                                  str(tmp_path / "notes.gguf")])
@@ -60,7 +60,7 @@ def test_serve_refuses_a_bad_model_in_one_line(cut_gguf: Path, tmp_path: Path) -
 
 
 def test_pair_refuses_a_bad_model_in_one_line(cut_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, words in ((["--model", "nope"], "kvxfer pair: unknown model 'nope'"),
+    for argv, words in ((["--model", "nope"], "kvxfer pair: error: unknown model 'nope'"),
                         (["--model", "smollm2", "--checkpoint", "x"], "both name weights: give one"),
                         (["--model", str(cut_gguf)], "cut.gguf is not a readable GGUF file"),
                         # The shape flags take the file's shape: SmolLM2 has 3 KV heads, not the toy's 2.

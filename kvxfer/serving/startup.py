@@ -1,0 +1,58 @@
+"""Start-up checks every server command runs before it builds anything: one line naming the
+problem, exit status 2 (``parser.error``), never a traceback and never a half-built worker.
+
+A port in use is found before pools, agents and models are made (a bind probe; a second
+process may still take the port between the probe and the real bind, which the server's own
+start then reports in one line too). A malformed ``KVXFER_HINT_KEY`` is refused here rather
+than on the first request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+
+from kvxfer.wire import WireError, hint_key_from_env
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """``--log-level``'s type: any case of LOG_LEVELS."""
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return level
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served (in use, or not an address of this machine), or
+    None; port 0 (ephemeral) always can."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"--host {host} does not resolve: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use: stop what listens there, or pass another --port (0: any)"
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None
+
+
+def check_serving(parser: argparse.ArgumentParser, host: str, port: int) -> None:
+    """The checks of every server command: the port, and the hint key."""
+    reason = port_in_use(host, port)
+    if reason is not None:
+        parser.error(reason)
+    try:
+        hint_key_from_env()
+    except WireError as exc:
+        parser.error(str(exc))
