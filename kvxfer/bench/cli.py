@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", type=Path, help="write the versioned JSON result here")
     o.add_argument("--markdown", type=Path, help="write the markdown tables here")
     o.add_argument("--plots", type=Path, help="write PNG plots into this folder (needs matplotlib)")
-    o.add_argument("--out", type=Path, help="write JSON, markdown and plots into this folder, named after the machine")
+    o.add_argument("--out", type=Path, help="write JSON, markdown and (with matplotlib) plots into this folder, named after the machine")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     o.add_argument("--time-limit", type=float,
                    help="seconds after which no new figure starts; the rest are reported skipped and outputs written")
@@ -244,6 +244,19 @@ def _write_plots(result: results.BenchResult, plot_dir: Path, stem: str) -> None
         print(f"wrote {path}", file=sys.stderr)
 
 
+GPU_PRESETS = ("gpu", "gpu2")
+
+
+def _refuse_unrunnable(args: argparse.Namespace) -> None:
+    """What the run could not deliver, refused before it starts (ConfigError: exit 2)."""
+    if args.plots and not plots.available():
+        raise ConfigError("--plots needs matplotlib, which is not installed: pip install 'kvxfer[bench]' "
+                          "(or pip install matplotlib), or drop --plots")
+    if args.preset in GPU_PRESETS and not args.cases and requirement_missing(Requirement.CUDA) is not None:
+        raise ConfigError(f"--preset {args.preset} measures device memory, and this machine has "
+                          f"{requirement_missing(Requirement.CUDA)}: --preset cpu runs here")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -251,14 +264,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _compare(args)
         if args.list_cases:
             return _list_cases()
+        _refuse_unrunnable(args)
         cfg, figures = _planned(args)
     except (ConfigError, results.ResultError, ValueError) as err:
         print(f"kvxfer bench: {err}", file=sys.stderr)
         return 2
-    result = _measure(cfg, args, figures)
+    try:
+        result = _measure(cfg, args, figures)
+    except KeyboardInterrupt:  # before any figure could be kept (a case being built)
+        print("\nkvxfer bench: interrupted; nothing measured", file=sys.stderr)
+        return 130
     targets = evaluate(result)
     print(report.render_text(result, targets), end="")
     _write_outputs(args, cfg, result, targets)
+    if any(f.reason == runner.INTERRUPTED for f in result.figures):
+        print("kvxfer bench: interrupted; the figures measured before it are written", file=sys.stderr)
+        return 130
     return 1 if any(f.status == "error" for f in result.figures) else 0
 
 

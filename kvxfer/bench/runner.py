@@ -79,6 +79,9 @@ def _measure(runner: CaseRunner, item: _Item, config: BenchConfig) -> Measuremen
     return runner.overhead(item.point, config.overhead)
 
 
+INTERRUPTED = "not run: the run was interrupted"
+
+
 def run(config: BenchConfig, progress: Progress | None = None,
         specs: dict[str, CaseSpec] | None = None, log: Callable[[str], None] | None = None,
         time_limit_s: float | None = None) -> BenchResult:
@@ -212,7 +215,7 @@ class _FirstPass:
         try:
             return _measure(runner, item, self._config)
         except KeyboardInterrupt:
-            self.stop_reason = "not run: the run was interrupted"
+            self.stop_reason = INTERRUPTED
             raise Skip("interrupted while measuring") from None
 
 

@@ -178,15 +178,50 @@ def test_plots_write_png_per_panel(tmp_path: Path) -> None:
     assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_says_which_dependency_plots_need(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_plots_without_matplotlib_before_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     from kvxfer.bench import plots
 
     monkeypatch.setattr(plots, "available", lambda: False)
     assert cli.main(["--preset", "tiny", "--cases", "local_copy", "--no-latency", "--no-overhead", "--no-progress",
-                     "--plots", str(tmp_path)]) == 0
-    assert "matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().err
+                     "--plots", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--plots needs matplotlib, which is not installed" in err and "local_copy" not in err
     assert list(tmp_path.iterdir()) == []
+    # --out asks for JSON and markdown, and plots only where matplotlib is there.
+    assert cli.main(["--preset", "tiny", "--cases", "local_copy", "--no-latency", "--no-overhead", "--no-progress",
+                     "--out", str(tmp_path)]) == 0
+    assert "matplotlib is not installed (pip install matplotlib)" in capsys.readouterr().err
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]
+
+
+def test_cli_refuses_a_gpu_preset_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.bench.cases import Requirement, requirement_missing
+
+    if requirement_missing(Requirement.CUDA) is None:
+        pytest.skip("this machine has a GPU")
+    for name in ("gpu", "gpu2"):
+        assert cli.main(["--preset", name, "--no-progress"]) == 2
+        assert f"--preset {name} measures device memory" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_writes_what_it_measured_and_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.bench import runner
+
+    real = runner._measure
+    calls = []
+
+    def interrupt_second(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "_measure", interrupt_second)
+    out = tmp_path / "r.json"
+    assert cli.main(["--preset", "tiny", "--no-latency", "--no-overhead", "--no-progress", "--json", str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().err and out.exists()
 
 
 def test_relative_compare_cancels_a_slower_machine() -> None:
