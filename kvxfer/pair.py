@@ -457,7 +457,7 @@ def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Place
 
 
 def _start_router(group: ProcessGroup, args: argparse.Namespace, workers: list[Child]) -> Child:
-    router_argv = ["router", "--selection", args.selection, "--on-failure", args.on_failure,
+    router_argv = ["router", "--port", "0", "--selection", args.selection, "--on-failure", args.on_failure,
                    "--timeout", str(args.timeout)]
     for w in workers:
         router_argv += [f"--{w.info['role']}", w.url]
@@ -502,7 +502,10 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
         group.wait_ready(workers, args.startup_timeout)
         router = _start_router(group, args, workers)
         config["processes"] = _processes(group)
-        (log_dir / "processes.json").write_text(json.dumps(config["processes"]) + "\n")
+        # Atomically: a reader (a test, a supervisor) may poll for the file and must never see half of it.
+        staged = log_dir / "processes.json.tmp"
+        staged.write_text(json.dumps(config["processes"]) + "\n")
+        staged.replace(log_dir / "processes.json")
         if not args.quiet:
             print(f"kvxfer pair: {len(workers)} workers and a router up (logs in {log_dir}); "
                   f"{args.requests} requests, concurrency {args.concurrency}", file=sys.stderr, flush=True)

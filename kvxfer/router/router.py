@@ -6,7 +6,7 @@
         if isinstance(item, Token): ...       # index, token, seconds since the request began
         else: completion = item               # the last item: a Completion (tokens, figures, error)
     completion = await router.generate(prompt_ids, 32)   # the same, collected
-    await router.close()   # before the loop ends: lets the aborts it sent in the background land
+    await router.close()   # before the loop ends: lets its background aborts land, closes its HTTP session
 
 A ``request`` id given to ``stream``/``generate`` is the client's: it comes back as
 ``Completion.request`` and goes to no worker. The workers see an id the router makes per
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -37,9 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
-from kvxfer.serving.http import HttpError, request_json, request_text, stream_json
+from kvxfer.serving.http import HttpClient, HttpError, check_url
 from kvxfer.serving.metrics import Registry
+
+log = logging.getLogger("kvxfer.router")
 
 SELECTIONS = ("round_robin", "least_outstanding")
 POLICIES = ("fail", "recompute")
@@ -116,8 +120,8 @@ class Router:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
         if on_failure not in POLICIES:
             raise ValueError(f"on_failure must be one of {POLICIES}, got {on_failure!r}")
-        self.prefill = [_Endpoint(u.rstrip("/"), "prefill") for u in prefill]
-        self.decode = [_Endpoint(u.rstrip("/"), "decode") for u in decode]
+        self.prefill = [_Endpoint(check_url(u), "prefill") for u in prefill]  # ValueError for one without a port
+        self.decode = [_Endpoint(check_url(u), "decode") for u in decode]
         self.selection = selection
         self.on_failure = on_failure
         self.timeout_s = timeout_s
@@ -130,7 +134,8 @@ class Router:
         # tag keeps this router's keys apart from another's, the counter apart from its own.
         self._tag = uuid.uuid4().hex[:12]
         self._background: set[asyncio.Task[None]] = set()  # aborts nobody waits for (see _abort_later)
-        self._metrics()
+        self._http = HttpClient()  # one pooled session for every worker call; closed by close()
+        self.meters = RouterMeters(lambda: self.prefill + self.decode)
 
     # --- selection ---------------------------------------------------------------------------
     def _pick(self, endpoints: list[_Endpoint], exclude: frozenset[str] = frozenset()) -> _Endpoint | None:
@@ -149,8 +154,9 @@ class Router:
     def _down(self, endpoint: _Endpoint, exc: BaseException) -> None:
         if isinstance(exc, HttpError) and exc.status == 400:
             return  # the worker is fine: it named what is wrong with the request
+        log.warning("%s worker %s failed: %s", endpoint.role, endpoint.url, exc)
         endpoint.failures += 1
-        self.m_worker_failures.inc(role=endpoint.role, worker=endpoint.url)
+        self.meters.worker_failures.inc(role=endpoint.role, worker=endpoint.url)
         if isinstance(exc, HttpError) and exc.unreachable:
             endpoint.down_until = time.monotonic() + self.probe_interval_s
             endpoint.publisher = None  # it may come back as another run: ask again
@@ -177,7 +183,7 @@ class Router:
         completion = Completion(
             run.rid, len(run.prompt), tuple(run.emitted), run.ttft, time.perf_counter() - run.start, run.prefill,
             run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events))
-        self._count(completion)
+        self.meters.count(completion)
         yield completion
 
     def _key(self) -> str:
@@ -189,7 +195,7 @@ class Router:
     async def health(self) -> dict[str, bool]:
         async def one(e: _Endpoint) -> tuple[str, bool]:
             try:
-                await request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
+                await self._http.request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
                 e.down_until = 0.0
                 return e.url, True
             except HttpError:
@@ -215,7 +221,7 @@ class Router:
         if self._limits is None:
             for e in self.decode + self.prefill:
                 try:
-                    health = await request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
+                    health = await self._http.request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
                 except HttpError:
                     continue
                 limits = health.get("limits") if isinstance(health, dict) else None
@@ -228,7 +234,7 @@ class Router:
     async def _identify(self, p: _Endpoint) -> str | None:
         """Learn a prefill worker's {agent, run}, which hint D is bound to; what went wrong, or None."""
         try:
-            health = await request_json(p.url, "GET", "/health", timeout=self.connect_timeout_s)
+            health = await self._http.request_json(p.url, "GET", "/health", timeout=self.connect_timeout_s)
         except HttpError as exc:
             self._down(p, exc)
             return f"prefill worker {p.url}: {exc}"
@@ -300,7 +306,7 @@ class Router:
                 yield tok
             return
         # Publish: the prefill worker answers with its hint as soon as the transfer is posted.
-        publish = stream_json(p.url, "/publish", {"request": run.key, "hint": reserved["hint"]}, t, t)
+        publish = self._http.stream_json(p.url, "/publish", {"request": run.key, "hint": reserved["hint"]}, t, t)
         try:
             published = await publish.__anext__()
             if published.get("event") != "published":
@@ -329,9 +335,9 @@ class Router:
     async def _reserve_and_prefill(self, run: _Run, p: _Endpoint, d: _Endpoint, ask: dict[str, Any]) -> tuple[Any, Any]:
         """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised."""
         t = self.timeout_s
-        reserve = asyncio.create_task(request_json(d.url, "POST", "/reserve", ask, t))
-        prefill = asyncio.create_task(request_json(p.url, "POST", "/prefill", {"request": run.key,
-                                                                                 "prompt": run.prompt}, t))
+        reserve = asyncio.create_task(self._http.request_json(d.url, "POST", "/reserve", ask, t))
+        prefill = asyncio.create_task(self._http.request_json(p.url, "POST", "/prefill",
+                                                              {"request": run.key, "prompt": run.prompt}, t))
         reserved: Any
         prefilled: Any
         try:
@@ -362,7 +368,7 @@ class Router:
         run.events.append(f"prefill worker {p.url} is another run now: reserved again for it")
         await self._abort(d, {"request": run.key, "rows_safe": True})
         try:
-            return await request_json(d.url, "POST", "/reserve", {**ask, "publisher": p.publisher}, self.timeout_s)
+            return await self._http.request_json(d.url, "POST", "/reserve", {**ask, "publisher": p.publisher}, self.timeout_s)
         except HttpError as exc:
             return exc
 
@@ -407,32 +413,19 @@ class Router:
         wait, before its first event says how it resumes: the router waits that long too, or
         its own timer would fire first and policy recompute could never resume there."""
         idle = self.timeout_s + WORKER_SETTLE_S
+        events = self._http.stream_json(d.url, "/generate", body, self.timeout_s, idle)
         try:
-            async for event in stream_json(d.url, "/generate", body, self.timeout_s, idle):
-                kind = event.get("event")
-                if kind == "token":
-                    tok = run.token(int(event["index"]), int(event["token"]))
-                    if tok is not None:
-                        yield tok
-                elif kind == "resume":
-                    if event.get("transfer") and run.transfer is None:
-                        run.transfer = TransferFigures.from_event(event["transfer"])
-                    if event.get("recompute_tokens"):
-                        run.recomputed += int(event["recompute_tokens"])
-                        if run.path == "disaggregated":
-                            run.path = "resumed"
-                        run.events.append(f"decode {d.url} resumed at {event['position']} and recomputed "
-                                          f"{event['recompute_tokens']} prompt tokens")
-                elif kind == "error":
-                    # Under policy fail the worker's error is where the transfer's figures come.
-                    if event.get("transfer") and run.transfer is None:
-                        run.transfer = TransferFigures.from_event(event["transfer"])
-                    raise _Failure(f"decode {d.url}: {event.get('error')}", dead=False)
+            async for event in events:
+                tok = _generated(run, d, event)
+                if tok is not None:
+                    yield tok
         except HttpError as exc:
             if exc.status == 400:  # the worker is fine: it named what is wrong with the request
                 raise _Failure(f"decode {d.url} refused the request: {exc}", dead=False) from None
             self._down(d, exc)
             raise _Failure(f"decode {d.url} failed: {exc}", dead=True) from None
+        finally:
+            await events.aclose()  # now, not at garbage collection: the worker sees the router leave
 
     async def _after_prefill_loss(self, run: _Run, p: _Endpoint, d: _Endpoint, what: str,
                                   rows_safe: bool) -> AsyncIterator[Token]:
@@ -482,12 +475,6 @@ class Router:
         finally:
             d.outstanding -= 1
 
-    async def _quiet(self, call: Any) -> None:
-        try:
-            await call
-        except HttpError:
-            pass
-
     def _abandon(self, key: str, p: _Endpoint, d: _Endpoint) -> None:
         """Drop a request's prefill and reservation in the background: called where the
         request's own task is being closed and can await nothing more."""
@@ -495,9 +482,12 @@ class Router:
         self._abort_later(d, {"request": key, "rows_safe": True})
 
     async def _abort(self, e: _Endpoint, body: dict[str, Any]) -> None:
-        """POST /abort to ``e``, quietly: the worker may be down, and then its sweeper (or
-        its restart) drops what the abort would have."""
-        await self._quiet(request_json(e.url, "POST", "/abort", body, self.timeout_s))
+        """POST /abort to ``e``; a failure is a warning, not an error: the worker may be down,
+        and then its sweeper (or its restart) drops what the abort would have."""
+        try:
+            await self._http.request_json(e.url, "POST", "/abort", body, self.timeout_s)
+        except HttpError as exc:
+            log.warning("%s worker %s: abort of %s failed: %s", e.role, e.url, body.get("request"), exc)
 
     def _abort_later(self, e: _Endpoint, body: dict[str, Any]) -> None:
         """``_abort`` in the background, for a caller that can await nothing more."""
@@ -508,7 +498,7 @@ class Router:
     async def _withdrawn(self, p: _Endpoint, hint: str) -> bool:
         """The prefill worker took hint D back: it can reach the decode rows no more."""
         try:
-            answer = await request_json(p.url, "POST", "/withdraw", {"hint": hint}, self.connect_timeout_s)
+            answer = await self._http.request_json(p.url, "POST", "/withdraw", {"hint": hint}, self.connect_timeout_s)
         except HttpError as exc:
             # Gone (refused or cut): a dead process writes nothing more either.
             return exc.unreachable and exc.status == 0
@@ -526,10 +516,11 @@ class Router:
                 if not withdrawn:
                     continue
                 try:
-                    answer = await request_json(d.url, "POST", "/abort", {"request": key, "rows_safe": True},
-                                                self.timeout_s)
-                except HttpError:
-                    return  # the decode worker is gone or refuses: nothing to give back there
+                    answer = await self._http.request_json(d.url, "POST", "/abort", {"request": key, "rows_safe": True},
+                                                           self.timeout_s)
+                except HttpError as exc:  # the decode worker is gone or refuses: nothing to give back there
+                    log.warning("decode worker %s: abort of %s failed: %s", d.url, key, exc)
+                    return
                 if isinstance(answer, dict) and answer.get("dropped") in ("quarantined", "reserved"):
                     return
         task = asyncio.get_running_loop().create_task(run())
@@ -538,38 +529,22 @@ class Router:
 
     async def close(self) -> None:
         """Give the background aborts ``connect_timeout_s`` to land, then cancel the rest
-        (a worker's sweeper drops what they did not reach). The router stays usable."""
+        (a worker's sweeper drops what they did not reach), and close the HTTP session. The
+        router stays usable."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.connect_timeout_s)
         left = list(self._background)
         for task in left:
             task.cancel()
         await asyncio.gather(*left, return_exceptions=True)
+        await self._http.close()  # its connections; the next call opens a new session
 
     # --- metrics --------------------------------------------------------------------------------
-    def _metrics(self) -> None:
-        r = self.metrics = Registry()
-        self.m_requests = r.counter("kvxfer_router_requests_total", "Requests by result and path.")
-        self.m_tokens = r.counter("kvxfer_router_tokens_total", "Tokens streamed to clients.")
-        self.m_ttft = r.histogram("kvxfer_router_ttft_seconds", "Request start to first token.")
-        self.m_total = r.histogram("kvxfer_router_request_seconds", "Request start to its last token.")
-        self.m_transfer = r.histogram("kvxfer_router_transfer_seconds", "Publish submission to outcome.")
-        self.m_bytes = r.counter("kvxfer_router_transfer_bytes_total", "Bytes delivered by transfers.")
-        self.m_rows = r.counter("kvxfer_router_transfer_rows_total", "Rows delivered by transfers.")
-        self.m_worker_failures = r.counter("kvxfer_router_worker_failures_total", "Failed calls, by worker.")
-        self.g_outstanding = r.gauge("kvxfer_router_outstanding", "Requests in flight, by worker.", lambda: {
-            (("role", e.role), ("worker", e.url)): float(e.outstanding) for e in self.prefill + self.decode})
-
-    def _count(self, c: Completion) -> None:
-        self.m_requests.inc(result="ok" if c.ok else "failed", path=c.path)
-        self.m_tokens.inc(len(c.tokens))
-        if c.ttft_s is not None:
-            self.m_ttft.observe(c.ttft_s)
-        self.m_total.observe(c.total_s)
-        if c.transfer is not None:
-            self.m_transfer.observe(c.transfer.seconds)
-            self.m_bytes.inc(c.transfer.bytes)
-            self.m_rows.inc(c.transfer.rows_delivered)
+    @property
+    def metrics(self) -> Registry:
+        """This router's metrics: a prometheus_client CollectorRegistry of its own, which an
+        embedder may register in theirs (``REGISTRY.register(router.metrics)``)."""
+        return self.meters.registry
 
     def metrics_text(self) -> str:
         return self.metrics.render()
@@ -579,10 +554,30 @@ class Router:
         out = {}
         for e in self.prefill + self.decode:
             try:
-                out[e.url] = await request_text(e.url, "/metrics", self.connect_timeout_s)
+                out[e.url] = await self._http.request_text(e.url, "/metrics", self.connect_timeout_s)
             except HttpError:
                 pass
         return out
+
+
+def _generated(run: _Run, d: _Endpoint, event: dict[str, Any]) -> Token | None:
+    """One /generate event: a token to stream (None when the router has it already), a
+    resume's figures, or the worker's error (_Failure)."""
+    kind = event.get("event")
+    if kind == "token":
+        return run.token(int(event["index"]), int(event["token"]))
+    # Under policy fail the worker's error is where the transfer's figures come.
+    if kind in ("resume", "error") and event.get("transfer") and run.transfer is None:
+        run.transfer = TransferFigures.from_event(event["transfer"])
+    if kind == "resume" and event.get("recompute_tokens"):
+        run.recomputed += int(event["recompute_tokens"])
+        if run.path == "disaggregated":
+            run.path = "resumed"
+        run.events.append(f"decode {d.url} resumed at {event['position']} and recomputed "
+                          f"{event['recompute_tokens']} prompt tokens")
+    elif kind == "error":
+        raise _Failure(f"decode {d.url}: {event.get('error')}", dead=False)
+    return None
 
 
 def _rows_safe(exc: BaseException) -> bool:

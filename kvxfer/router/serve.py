@@ -5,8 +5,12 @@
             {"event": "done", "final": true, "completion": {...}}  (completion.error set on failure)
             and {"event": "waiting"} whenever KEEPALIVE_S passed without another event
          "request" comes back as completion.request; the workers see the router's own id instead
-    GET  /metrics  -> Prometheus text (router metrics)
+    GET  /metrics  -> Prometheus text (prometheus_client's, of ``Router.metrics``)
     GET  /health   -> {"status": "ok", "workers": {url: reachable}}
+    HEAD on either -> the GET's status and headers, no body
+
+Every request gets an access log line at INFO (logger ``kvxfer.router.access``: method,
+path, status, seconds), and a failed worker call a warning (``kvxfer.router``).
 
 A /generate the workers' model cannot serve (ids past its vocabulary, more tokens than its
 positions: the limits every worker's /health states) is answered 400, as is malformed JSON.
@@ -31,7 +35,9 @@ from typing import Any
 from kvxfer.router.results import Completion
 from kvxfer.router.router import POLICIES, SELECTIONS, Router
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
-from kvxfer.serving.http import BadRequest, HttpServer, Request, Response
+from kvxfer.serving.http import BadRequest, HttpServer, Request, Response, check_url
+from kvxfer.serving.metrics import CONTENT_TYPE
+from kvxfer.serving.startup import LOG_LEVELS, check_serving, log_level
 
 
 def completion_json(c: Completion) -> dict[str, Any]:
@@ -49,7 +55,7 @@ def make_handler(router: Router, keepalive_s: float = KEEPALIVE_S):  # type: ign
     async def handle(request: Request) -> Response:
         path = request.path.strip("/")
         if request.method == "GET" and path == "metrics":
-            return Response(200, router.metrics_text().encode(), "text/plain; version=0.0.4")
+            return Response(200, router.metrics_text().encode(), CONTENT_TYPE)
         if request.method == "GET" and path in ("", "health"):
             return Response.json({"status": "ok", "workers": await router.health()})
         if request.method == "POST" and path == "generate":
@@ -110,17 +116,23 @@ async def _events(router: Router, prompt: list[int], max_new: int, rid: str | No
 async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
     router = Router(args.prefill, args.decode, selection=args.selection, on_failure=args.on_failure,
                     timeout_s=args.timeout)
-    server = HttpServer(make_handler(router), args.host, args.port)
+    server = HttpServer(make_handler(router), args.host, args.port, access_log="kvxfer.router.access")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        port = await server.start()
+        try:
+            port = await server.start()
+        except OSError as exc:  # the port was taken after check_serving's probe
+            print(f"kvxfer router: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+                  file=sys.stderr, flush=True)
+            return 2
         if args.parent_watch:
             watch_stdin(loop, stop)
         announce({"event": "ready", "role": "router", "port": port, "url": f"http://{args.host}:{port}",
                   "pid": os.getpid()}, args.port_file, ready_fd)
+        print(f"kvxfer router: listening on http://{args.host}:{port}", file=sys.stderr, flush=True)
         await stop.wait()
     finally:
         await server.close()  # closes the streams still open: their requests' aborts start now
@@ -140,20 +152,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-failure", default="fail", choices=POLICIES)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per worker call or stream event")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--port", type=int, default=8000, help="0 = ephemeral (announced on stdout)")
     p.add_argument("--port-file", default="")
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
     p.add_argument("--json", default="", metavar="PATH", help="on exit, write a JSON report (metrics)")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", type=log_level, help=", ".join(LOG_LEVELS))
     return p
 
 
 def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse numbers that cannot work, by flag, before anything starts (exit 2)."""
+    """Refuse numbers and worker URLs that cannot work, by flag, before anything starts (exit 2)."""
     if not 0 < args.timeout < float("inf"):
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be 0 to 65535, got {args.port}")
+    for url in args.prefill + args.decode:
+        try:
+            check_url(url)
+        except ValueError as exc:
+            parser.error(f"worker URL {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_numbers(parser, args)
     if not args.decode:
-        print("kvxfer router: at least one --decode URL is required", file=sys.stderr)
-        return 2
+        parser.error("at least one --decode URL is required")
+    check_serving(parser, args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve_router(args, reserve_stdout()))

@@ -1,4 +1,5 @@
-"""kvxfer.serving: what the worker and the router both serve with, owned by neither: the
-HTTP/1.1 server and client (``http``), Prometheus metrics (``metrics``) and the readiness
-announcement a launched process prints (``announce``). The worker and the router import
-this, never each other."""
+"""kvxfer.serving: what the worker and the router both serve with, owned by neither: HTTP on
+aiohttp (``http``: the server, ``server``, and the pooled client, ``client``, over the shared
+vocabulary of ``exchange``), Prometheus metrics on prometheus_client (``metrics``), the
+start-up checks (``startup``) and the readiness announcement a launched process prints
+(``announce``). The worker and the router import this, never each other."""

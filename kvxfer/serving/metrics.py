@@ -1,155 +1,119 @@
-"""Prometheus text-format metrics: counters, gauges and histograms with labels.
+"""The router's and the workers' Prometheus metrics, on ``prometheus_client``.
 
-Single-threaded by design (the worker and router update them from their event loop), so
-no locks. ``render()`` writes the text exposition format, version 0.0.4.
+Each router and each worker has its own ``Registry``: a ``prometheus_client.CollectorRegistry``
+(never the process-wide default, so that two routers or workers in one process keep their
+counts apart). An embedder merges it into their own registry, or serves it as it is::
+
+    from prometheus_client import REGISTRY, generate_latest
+    REGISTRY.register(router.metrics)          # a registry is a collector of all it holds
+    generate_latest(router.metrics)            # or this one alone (what /metrics answers)
+
+Counters and histograms are prometheus_client's, behind a thin adapter that takes the label
+values as keywords (``requests.inc(path="local", result="ok")``). Gauges are read when
+scraped: from a function (``read``), or from the last values ``set`` (a worker sets its
+gauges from the engine thread before it renders: ``Worker.refresh_metrics``).
+
+The names and labels are the API (README, dashboards, tests). Counters render with their
+``_total`` name, a ``_created`` series beside them (prometheus_client's), and values as
+floats (``3.0``).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import prometheus_client
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-Labels = tuple[tuple[str, str], ...]
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+"""The text format ``render()`` writes, as a /metrics answer's Content-Type."""
+LabelValues = tuple[str, ...]
 
 
-def _escape(value: str) -> str:
-    """A label value as the text format wants it (a quote or newline would break the line)."""
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class Counter:
+    """A prometheus_client Counter, its label values given as keywords."""
 
-
-def _num(value: float) -> str:
-    """A sample value, exact: ``%g`` kept 6 digits, so 1234567 bytes rendered as 1.23457e+06."""
-    value = float(value)
-    if value != value:
-        return "NaN"
-    if value in (float("inf"), float("-inf")):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return f"{value:.15g}"  # 15 digits: no float noise (7.105, not 7.1050000000000004)
-
-
-def _labels(labels: Labels, extra: str = "") -> str:
-    parts = [f'{k}="{_escape(v)}"' for k, v in labels]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-class _Metric:
-    kind = "untyped"
-
-    def __init__(self, name: str, help_text: str) -> None:
-        self.name, self.help = name, help_text
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str) -> None:
-        super().__init__(name, help_text)
-        self.values: dict[Labels, float] = {}
+    def __init__(self, metric: prometheus_client.Counter) -> None:
+        self.metric = metric
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def get(self, **labels: str) -> float:
-        return self.values.get(tuple(sorted(labels.items())), 0.0)
-
-    def lines(self) -> list[str]:
-        return [f"{self.name}{_labels(k)} {_num(v)}" for k, v in sorted(self.values.items())]
+        (self.metric.labels(**labels) if labels else self.metric).inc(amount)
 
 
-class Gauge(_Metric):
-    """A value read when rendered (``fn``) or set."""
+class Histogram:
+    """A prometheus_client Histogram, its label values given as keywords."""
 
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, fn: Callable[[], dict[Labels, float]] | None = None) -> None:
-        super().__init__(name, help_text)
-        self.fn = fn
-        self.values: dict[Labels, float] = {}
-
-    def set(self, value: float, **labels: str) -> None:
-        self.values[tuple(sorted(labels.items()))] = value
-
-    def lines(self) -> list[str]:
-        values = self.fn() if self.fn is not None else self.values
-        return [f"{self.name}{_labels(k)} {_num(v)}" for k, v in sorted(values.items())]
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        super().__init__(name, help_text)
-        self.buckets = tuple(buckets)
-        self.series: dict[Labels, tuple[list[int], list[float]]] = {}  # counts per bucket (+Inf), [sum, count]
+    def __init__(self, metric: prometheus_client.Histogram) -> None:
+        self.metric = metric
 
     def observe(self, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        counts, total = self.series.setdefault(key, ([0] * (len(self.buckets) + 1), [0.0, 0.0]))
-        counts[bisect.bisect_left(self.buckets, value)] += 1
-        total[0] += value
-        total[1] += 1
-
-    def count(self, **labels: str) -> int:
-        series = self.series.get(tuple(sorted(labels.items())))
-        return int(series[1][1]) if series else 0
-
-    def lines(self) -> list[str]:
-        out = []
-        for key, (counts, total) in sorted(self.series.items()):
-            running = 0
-            for bound, c in zip((*self.buckets, float("inf")), counts):
-                running += c
-                le = "+Inf" if bound == float("inf") else f"{bound:g}"
-                tag = 'le="' + le + '"'
-                out.append(f"{self.name}_bucket{_labels(key, tag)} {running}")
-            out.append(f"{self.name}_sum{_labels(key)} {_num(total[0])}")
-            out.append(f"{self.name}_count{_labels(key)} {int(total[1])}")
-        return out
+        (self.metric.labels(**labels) if labels else self.metric).observe(value)
 
 
-_M = TypeVar("_M", bound=_Metric)
+class Gauge:
+    """A gauge read when scraped (a prometheus_client custom collector): ``read()``'s values
+    ({label values in ``labels`` order: value}), or else those last ``set``. No series until
+    it has a value."""
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str] = (),
+                 read: Callable[[], dict[LabelValues, float]] | None = None) -> None:
+        self.name, self.help, self.labels = name, help_text, tuple(labels)
+        self.read = read
+        self.values: dict[LabelValues, float] = {}
+
+    def set(self, value: float, **labels: str) -> None:
+        if set(labels) != set(self.labels):
+            raise ValueError(f"{self.name}: labels {sorted(labels)}, not {sorted(self.labels)}")
+        self.values[tuple(str(labels[k]) for k in self.labels)] = float(value)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.help, labels=self.labels)
+        values = self.read() if self.read is not None else dict(self.values)  # a copy: a scrape may run on another thread
+        for key, value in sorted(values.items()):
+            family.add_metric(list(key), value)
+        yield family
 
 
-class Registry:
-    def __init__(self) -> None:
-        self.metrics: list[_Metric] = []
+class Registry(prometheus_client.CollectorRegistry):
+    """One router's or worker's metrics; ``render()`` and ``snapshot()`` for its own use."""
 
-    def counter(self, name: str, help_text: str) -> Counter:
-        return self._add(Counter(name, help_text))
+    def counter(self, name: str, help_text: str, labels: Iterable[str] = ()) -> Counter:
+        return Counter(prometheus_client.Counter(name, help_text, sorted(labels), registry=self))
 
-    def gauge(self, name: str, help_text: str, fn: Callable[[], dict[Labels, float]] | None = None) -> Gauge:
-        return self._add(Gauge(name, help_text, fn))
+    def histogram(self, name: str, help_text: str, labels: Iterable[str] = (),
+                  buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(prometheus_client.Histogram(name, help_text, sorted(labels), buckets=buckets, registry=self))
 
-    def histogram(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
-        return self._add(Histogram(name, help_text, buckets))
-
-    def _add(self, metric: _M) -> _M:
-        self.metrics.append(metric)
-        return metric
-
-    def snapshot(self) -> dict[str, float]:
-        """Every sample line as ``{"name{labels}": value}`` (for JSON reports)."""
-        out: dict[str, float] = {}
-        for metric in self.metrics:
-            for line in metric.lines():  # type: ignore[attr-defined]
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+    def gauge(self, name: str, help_text: str, labels: Iterable[str] = (),
+              read: Callable[[], dict[LabelValues, float]] | None = None) -> Gauge:
+        # Registered without a describe(): so a gauge may share its name with a counter's
+        # (kvxfer_quarantined_slots beside kvxfer_quarantined_slots_total), which
+        # prometheus_client's name check would refuse.
+        gauge = Gauge(name, help_text, sorted(labels), read)
+        self.register(gauge)  # type: ignore[arg-type]
+        return gauge
 
     def render(self) -> str:
-        lines: list[str] = []
-        for metric in self.metrics:
-            lines.extend(metric.header())
-            lines.extend(metric.lines())  # type: ignore[attr-defined]
-        return "\n".join(lines) + "\n"
+        """The Prometheus text format (``CONTENT_TYPE``)."""
+        return prometheus_client.generate_latest(self).decode()
 
+    def snapshot(self) -> dict[str, float]:
+        """Every sample as ``{"name{labels}": value}``, as rendered, without the ``_created``
+        series (for JSON reports)."""
+        out: dict[str, float] = {}
+        for family in self.collect():
+            for sample in family.samples:
+                if family.type in ("counter", "histogram") and sample.name.endswith("_created"):
+                    continue
+                out[sample.name + _labels(sample.labels)] = float(sample.value)
+        return out
+
+
+def _labels(labels: dict[str, Any]) -> str:
+    if not labels:
+        return ""
+    escaped = (str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for v in labels.values())
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(zip(labels, escaped))) + "}"

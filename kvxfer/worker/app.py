@@ -1,7 +1,8 @@
 """The worker's HTTP control API (JSON in and out; hints as base64 of msgpack bytes).
 
     GET  /health                      -> {"status": "ok", "role": ..., ...}
-    GET  /metrics                     -> Prometheus text
+    GET  /metrics                     -> Prometheus text (prometheus_client's, of ``Worker.metrics``)
+    HEAD on either                    -> the GET's status and headers, no body
     POST /prefill  {request, prompt}  -> {"token": first, "compute_s": ...}          (prefill)
     POST /publish  {request, hint}    -> NDJSON: published {hint}, transfer {...}     (prefill)
     POST /reserve  {request, prompt, max_new_tokens, publisher} -> {"hint": ...}    (decode)
@@ -37,6 +38,7 @@ from kvxfer.contract import InvalidSubmission, SubmissionRejected
 from kvxfer.lender import LeaseError
 from kvxfer.pool import PoolExhausted, UnknownRequest
 from kvxfer.serving.http import BadRequest, Request, Response
+from kvxfer.serving.metrics import CONTENT_TYPE
 from kvxfer.wire import WireError
 from kvxfer.worker import bodies
 from kvxfer.worker.core import Aborted, Refused, Worker
@@ -76,7 +78,7 @@ async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
         if endpoint == "health":
             return Response.json(worker.health())
         if endpoint == "metrics":
-            return Response(200, (await worker.metrics_text()).encode(), "text/plain; version=0.0.4")
+            return Response(200, (await worker.metrics_text()).encode(), CONTENT_TYPE)
         return Response.json({"error": f"no GET /{endpoint}"}, 404)
     if request.method != "POST":
         return Response.json({"error": f"method {request.method} not allowed"}, 405)

@@ -62,7 +62,7 @@ class Worker:
         self._prefill = PrefillRole(self._state)
         self._decode = DecodeRole(self._state)
         self._sweeper: asyncio.Task[None] | None = None
-        self.metrics = self._state.meters.registry
+        self.metrics = self._state.meters.registry  # a CollectorRegistry: an embedder may register it in theirs
         self.m_requests = self._state.meters.requests  # the HTTP adapter counts its calls here
 
     @property
@@ -237,14 +237,21 @@ class Worker:
         and from /prefill); None before start()."""
         return self._state.publisher()
 
-    async def metrics_text(self) -> str:
-        """Gauges are read on the engine thread (lender and pool are not thread-safe)."""
+    async def refresh_metrics(self) -> None:
+        """Set the gauges (open leases, set-aside rows, pool blocks, active streams) from
+        what they count now: read on the engine thread (lender and pool are not thread-safe).
+        An embedder that scrapes ``metrics`` itself calls this first."""
         if not self._state.closed:
             snapshot = await self._run(self._gauges)
             for key, value in snapshot.items():
                 gauge, labels = key
                 gauge.set(value, **dict(labels))
         self._state.meters.active.set(float(self._active))
+
+    async def metrics_text(self) -> str:
+        """The Prometheus text of ``metrics`` (a prometheus_client CollectorRegistry of this
+        worker's own), its gauges refreshed first."""
+        await self.refresh_metrics()
         return self.metrics.render()
 
     def _gauges(self) -> dict[tuple[Any, tuple[tuple[str, str], ...]], float]:

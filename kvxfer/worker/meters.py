@@ -29,15 +29,17 @@ def _status(outcome: Outcome) -> str:
 
 
 class Meters:
-    """The counters, histograms and gauges of one worker, in one registry."""
+    """The counters, histograms and gauges of one worker, in one registry of its own (a
+    prometheus_client CollectorRegistry: ``Worker.metrics``)."""
 
     def __init__(self) -> None:
         r = self.registry = Registry()
-        self.requests = r.counter("kvxfer_worker_requests_total", "Control API calls, by endpoint and result.")
-        self.transfers = r.counter("kvxfer_transfers_total", "Transfers concluded, by status.")
+        self.requests = r.counter("kvxfer_worker_requests_total", "Control API calls, by endpoint and result.",
+                                  ("endpoint", "result"))
+        self.transfers = r.counter("kvxfer_transfers_total", "Transfers concluded, by status.", ("status",))
         self.transfer_bytes = r.counter("kvxfer_transfer_bytes_total", "Bytes delivered by transfers.")
         self.transfer_rows = r.counter("kvxfer_transfer_rows_total", "Rows delivered by transfers.")
-        self.failures = r.counter("kvxfer_transfer_failures_total", "Transfers that failed, by reason.")
+        self.failures = r.counter("kvxfer_transfer_failures_total", "Transfers that failed, by reason.", ("reason",))
         self.recomputed = r.counter("kvxfer_recomputed_tokens_total", "Prompt tokens recomputed after a transfer.")
         self.tokens = r.counter("kvxfer_generated_tokens_total", "Tokens produced by this worker.")
         self.latency = r.histogram("kvxfer_transfer_seconds", "Submission to outcome, per transfer.")
@@ -50,7 +52,7 @@ class Meters:
                                      "Rows set aside because a peer may still touch them.")
         self.reclaimed = r.counter("kvxfer_reclaimed_slots_total",
                                    "Set-aside rows given back once no peer could touch them.")
-        self.blocks = r.gauge("kvxfer_pool_blocks", "Pool blocks by state.")
+        self.blocks = r.gauge("kvxfer_pool_blocks", "Pool blocks by state.", ("group", "state"))
         self.active = r.gauge("kvxfer_worker_active_streams", "Publish or generate streams in progress.")
 
     def count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:

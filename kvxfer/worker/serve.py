@@ -320,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     check_numbers(parser, args)
     check_serving(parser, args.host, args.port)
-    check_backend(parser, args.backend)
     check_model_args(parser, args)
     check_engine_kv(parser, args)
     try:
@@ -328,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         check_visible(device)
     except ValueError as exc:
         parser.error(str(exc))
+    check_backend(parser, args.backend)  # after the device: a device that is not there says more
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)

@@ -84,7 +84,7 @@ async def no_open_leases(urls: list[str]) -> None:
     pending = list(urls)
     while pending and time.monotonic() < deadline:
         texts = [await request_text(u, "/metrics") for u in pending]
-        pending = [u for u, t in zip(pending, texts) if "kvxfer_open_leases 0\n" not in t]
+        pending = [u for u, t in zip(pending, texts) if "kvxfer_open_leases 0.0\n" not in t]
         await asyncio.sleep(0.2)
     assert pending == [], "surviving workers still hold leases"
     for url in urls:
@@ -148,7 +148,7 @@ def test_prefill_worker_killed_mid_transfer_resumes_from_what_arrived(tmp_path: 
             router = Router([p.url], [d.url], on_failure="recompute", timeout_s=20)
             task = asyncio.create_task(router.generate(prompt, 8))
             deadline = time.monotonic() + 30
-            while "kvxfer_worker_active_streams 1" not in await request_text(d.url, "/metrics"):
+            while "kvxfer_worker_active_streams 1.0\n" not in await request_text(d.url, "/metrics"):
                 assert time.monotonic() < deadline and not task.done()
                 await asyncio.sleep(0.02)
             await asyncio.sleep(KILL_AFTER)  # not a wait for an event: see the docstring

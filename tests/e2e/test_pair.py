@@ -38,11 +38,11 @@ def test_pair_twenty_mixed_prompts_token_identical(tmp_path: Path) -> None:
     assert "token-identical to colocated generation" in proc.stdout
     logs = tmp_path / "logs"
     router = (logs / "router.metrics").read_text()
-    assert 'kvxfer_router_requests_total{path="disaggregated",result="ok"} 21' in router  # 20 + the warm-up
+    assert 'kvxfer_router_requests_total{path="disaggregated",result="ok"} 21.0\n' in router  # 20 + the warm-up
     decode = (logs / "decode0.metrics").read_text()
-    assert 'kvxfer_transfers_total{status="delivered"} 21' in decode
-    assert "kvxfer_open_leases 0" in decode and "kvxfer_quarantined_slots 0" in decode
-    assert 'kvxfer_generated_tokens_total 315' in decode  # 21 requests x 15 tokens after the first
+    assert 'kvxfer_transfers_total{status="delivered"} 21.0\n' in decode
+    assert "kvxfer_open_leases 0.0\n" in decode and "kvxfer_quarantined_slots 0.0\n" in decode
+    assert 'kvxfer_generated_tokens_total 315.0\n' in decode  # 21 requests x 15 tokens after the first
     assert_nothing_left(report["config"]["processes"])
 
 
@@ -89,5 +89,5 @@ def test_pair_over_the_ucx_backend_push_and_pull_token_identical(tmp_path: Path)
         assert all(r["transfer"]["status"] == "delivered" for r in report["results"])
         assert report["rows"] + report["rows_cached_at_decode"] == report["rows_requested"]
         decode = (tmp_path / f"logs-{mode}" / "decode0.metrics").read_text()
-        assert "kvxfer_open_leases 0" in decode and "kvxfer_quarantined_slots 0" in decode
+        assert "kvxfer_open_leases 0.0\n" in decode and "kvxfer_quarantined_slots 0.0\n" in decode
         assert_nothing_left(report["config"]["processes"])

@@ -73,10 +73,10 @@ def test_pair_prefill_on_cuda0_decode_on_cuda1_token_identical(backend: str, mod
     assert all(r["transfer"]["status"] == "delivered" for r in report["results"])
     assert report["transfers"] == REQUESTS and report["rows"] > 0 and report["transfer_bytes"] > 0
     decode = (logs / "decode0.metrics").read_text()
-    assert f'kvxfer_transfers_total{{status="delivered"}} {REQUESTS + 1}' in decode  # + the warm-up
+    assert f'kvxfer_transfers_total{{status="delivered"}} {REQUESTS + 1}.0\n' in decode  # + the warm-up
     assert _counter(decode, "kvxfer_transfer_bytes_total") >= report["transfer_bytes"]
     assert _counter((logs / "prefill0.metrics").read_text(), "kvxfer_transfer_bytes_total") > 0
-    assert "kvxfer_open_leases 0" in decode and "kvxfer_quarantined_slots 0" in decode
+    assert "kvxfer_open_leases 0.0\n" in decode and "kvxfer_quarantined_slots 0.0\n" in decode
 
 
 def test_worker_on_cuda1_runs_its_ipc_backend_and_engine_thread_there() -> None:

@@ -31,6 +31,7 @@ class Cluster:
     prefill: list[str]
     decode: list[str]
     workers: dict[str, Worker]
+    servers: list[HttpServer]
 
 
 @contextlib.asynccontextmanager
@@ -52,7 +53,7 @@ async def cluster(n_prefill: int = 1, n_decode: int = 1, **config: object) -> As
                 url = f"http://127.0.0.1:{port}"
                 workers[url] = worker
                 urls[role].append(url)
-        yield Cluster(urls["prefill"], urls["decode"], workers)
+        yield Cluster(urls["prefill"], urls["decode"], workers, servers)
     finally:
         for server in servers:
             await server.close()
@@ -97,9 +98,9 @@ def test_router_streams_token_identical_completions() -> None:
                 assert done.transfer.bytes == blocks * CFG.group_spec().row_bytes
                 assert done.ttft_s is not None and 0 < done.ttft_s <= done.total_s
             text = await request_text(c.decode[0], "/metrics")
-            assert f'kvxfer_transfers_total{{status="delivered"}} {len(prompts)}' in text
-            assert "kvxfer_open_leases 0" in text
-            assert f'kvxfer_router_requests_total{{path="disaggregated",result="ok"}} {len(prompts)}' \
+            assert f'kvxfer_transfers_total{{status="delivered"}} {len(prompts)}.0\n' in text
+            assert "kvxfer_open_leases 0.0\n" in text
+            assert f'kvxfer_router_requests_total{{path="disaggregated",result="ok"}} {len(prompts)}.0\n' \
                 in router.metrics_text()
 
     asyncio.run(main())
@@ -145,8 +146,8 @@ def test_partial_transfer_follows_the_failure_policy(policy: str) -> None:
                 assert list(done.tokens) == oracle(prompt, 5)
                 assert done.path == "resumed" and done.recomputed_tokens == 30 - 2 * CFG.block_tokens
             text = await request_text(c.decode[0], "/metrics")
-            assert 'kvxfer_transfer_failures_total{reason="injected"} 1' in text
-            assert "kvxfer_open_leases 0" in text
+            assert 'kvxfer_transfer_failures_total{reason="injected"} 1.0\n' in text
+            assert "kvxfer_open_leases 0.0\n" in text
 
     asyncio.run(main())
 
@@ -256,7 +257,7 @@ def test_workers_of_different_models_refuse_each_other_before_any_byte_moves() -
                     assert done.error is not None and "token 0 diverged on recompute" in done.error
                     assert done.path == "local" and list(done.tokens) == colocated_generate(MODEL, prompt, 1)
             text = await request_text(urls[1], "/metrics")
-            assert "kvxfer_quarantined_slots 0" in text and "kvxfer_open_leases 0" in text
+            assert "kvxfer_quarantined_slots 0.0\n" in text and "kvxfer_open_leases 0.0\n" in text
             assert 'kvxfer_transfers_total' not in text.replace("# HELP kvxfer_transfers_total", "").replace(
                 "# TYPE kvxfer_transfers_total", "")  # no transfer was ever submitted
         finally:
@@ -280,8 +281,8 @@ def test_reservation_dropped_without_proof_is_quarantined() -> None:
                 dropped = await request_json(d, "POST", "/abort", {"request": rid, "rows_safe": safe})
                 assert dropped["dropped"] == "reserved"
             text = await request_text(d, "/metrics")
-            assert "kvxfer_quarantined_slots 3" in text  # request a: 10 tokens = 3 blocks of 4
-            assert "kvxfer_open_leases 1" in text  # a's lease is held for good; b's was released
+            assert "kvxfer_quarantined_slots 3.0\n" in text  # request a: 10 tokens = 3 blocks of 4
+            assert "kvxfer_open_leases 1.0\n" in text  # a's lease is held for good; b's was released
             blocks = {line.split("} ")[0]: float(line.split("} ")[1]) for line in text.splitlines()
                       if line.startswith("kvxfer_pool_blocks{")}
             assert blocks['kvxfer_pool_blocks{group="full",state="pinned"'] == 3
@@ -322,10 +323,10 @@ def test_a_client_that_leaves_mid_stream_stops_the_decode_and_frees_its_rows() -
             d = c.decode[0]
             for _ in range(100):
                 text = await request_text(d, "/metrics")
-                if "kvxfer_worker_active_streams 0" in text:
+                if "kvxfer_worker_active_streams 0.0\n" in text:
                     break
                 await asyncio.sleep(0.02)
-            assert "kvxfer_worker_active_streams 0" in text and "kvxfer_open_leases 0" in text
+            assert "kvxfer_worker_active_streams 0.0\n" in text and "kvxfer_open_leases 0.0\n" in text
             produced = float(text.split("\nkvxfer_generated_tokens_total ")[1].split()[0])
             assert produced < 100  # stopped long before the 400 tokens asked for
             assert c.workers[d].pool is not None and c.workers[d].pool.requests == ()
@@ -351,7 +352,7 @@ def test_a_client_that_leaves_before_the_transfer_frees_both_ends() -> None:
                 await asyncio.sleep(0.01)
             text = await request_text(d, "/metrics")
             assert c.workers[d].pool.requests == () and c.workers[p].pool.requests == ()  # type: ignore[union-attr]
-            assert "kvxfer_open_leases 0" in text and "kvxfer_quarantined_slots 0" in text, text
+            assert "kvxfer_open_leases 0.0\n" in text and "kvxfer_quarantined_slots 0.0\n" in text, text
 
     asyncio.run(main())
 

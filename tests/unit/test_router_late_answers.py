@@ -55,7 +55,7 @@ async def _nothing_held(workers: dict[str, Worker]) -> None:
         assert worker._held == {} and worker._reserved == {} and worker._aborted == set(), url
         assert worker.pool is not None and worker.pool.requests == (), (url, worker.pool.requests)
         text = await request_text(url, "/metrics")
-        assert "kvxfer_open_leases 0\n" in text and "kvxfer_quarantined_slots 0\n" in text, (url, text)
+        assert "kvxfer_open_leases 0.0\n" in text and "kvxfer_quarantined_slots 0.0\n" in text, (url, text)
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

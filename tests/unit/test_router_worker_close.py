@@ -90,5 +90,5 @@ def test_a_publish_that_raises_keeps_its_rows_out_of_reuse() -> None:
             return await request_text(p, "/metrics")
 
     text = asyncio.run(main())
-    assert "kvxfer_open_leases 1\n" in text and "kvxfer_quarantined_slots 3\n" in text
-    assert 'kvxfer_pool_blocks{group="full",state="pinned"} 3\n' in text
+    assert "kvxfer_open_leases 1.0\n" in text and "kvxfer_quarantined_slots 3.0\n" in text
+    assert 'kvxfer_pool_blocks{group="full",state="pinned"} 3.0\n' in text

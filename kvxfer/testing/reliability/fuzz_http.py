@@ -5,8 +5,9 @@ and then broken (wrong types, huge numbers, deep nesting, unknown fields, bad ba
 mutated real hints, bad token ids, bad ids, whole bodies that are not objects), sent to the
 right worker and sometimes to the wrong one; and malformed raw HTTP (request lines,
 methods, paths, Content-Length values, oversized headers, truncated and pipelined
-requests). Each answer's status is counted. A 500, or a connection closed without a status
-after a complete request, or no answer at all, is a finding. Afterwards every id this run
+requests). Each answer's status is counted (every request says ``Connection: close``, so the
+server's close ends its answer). A 500, or a connection closed without a status after a
+complete request, or no answer at all, is a finding. Afterwards every id this run
 got a prefill or a reservation for is aborted, and both workers must still answer /health
 and hold nothing.
 """
@@ -17,6 +18,7 @@ import asyncio
 import base64
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,8 +192,10 @@ class CaseMaker:
         endpoint = r.choice(["/reserve", "/prefill", "/publish", "/generate", "/abort", "/health", "/metrics"])
         body = b'{"request": "raw"}'
         cases: list[tuple[str, Callable[[], bytes], bool, bool]] = [
-            ("request-line", lambda: r.choice([b"GARBAGE\r\n\r\n", b"\r\n\r\n", b"GET\r\n\r\n",
+            ("request-line", lambda: r.choice([b"GARBAGE\r\n\r\n", b"GET\r\n\r\n",
                                                b"GET /health\r\n\r\n", r.randbytes(40) + b"\r\n\r\n"]), True, True),
+            # Empty lines before a request line are skipped (RFC 9112, 2.2): no request came, none is answered.
+            ("empty-lines", lambda: b"\r\n\r\n", False, True),
             ("method", lambda: _frame(r.choice(["PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "G\x00T", "post",
                                                 "GET"]), endpoint, body), True, True),
             ("path", lambda: _frame("POST", r.choice(["/", "//reserve", "/reserve/", "/../etc/passwd", "/%00",
@@ -257,25 +261,46 @@ async def exchange(port: int, case: HttpCase) -> tuple[str, bytes]:
         pass  # a reset after (or instead of) the answer: what arrived decides
     finally:
         writer.close()
-    if got.startswith(b"HTTP/1.1 ") and len(got) >= 12 and got[9:12].isdigit():
-        return got[9:12].decode(), got
+    # Any version: HTTP/1.0 answers an HTTP/1.0 request and one refused before its version
+    # was read, HTTP/0.9 a request line without one.
+    status = re.match(rb"HTTP/\d\.\d (\d{3}) ", got)
+    if status is not None:
+        return status.group(1).decode(), got
     return "none", got[:200]
+
+
+def _body(answer: bytes) -> bytes:
+    """An answer's body, its chunks joined when it came chunked (a stream does)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body
+    out = bytearray()
+    while True:
+        size_line, sep, rest = body.partition(b"\r\n")
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            return bytes(out)  # cut mid-chunk: what arrived
+        if not sep or size == 0:
+            return bytes(out)
+        out += rest[:size]
+        body = rest[size + 2:]
 
 
 def _error_of(answer: bytes) -> str:
     """The "error" text of a JSON answer ('' when there is none)."""
     try:
-        error = json.loads(answer.partition(b"\r\n\r\n")[2]).get("error", "")
+        error = json.loads(_body(answer)).get("error", "")
     except (ValueError, AttributeError):
         return ""
     return error if isinstance(error, str) else ""
 
 
 def _stream_complete(answer: bytes) -> bool:
-    head, _, body = answer.partition(b"\r\n\r\n")
+    head = answer.partition(b"\r\n\r\n")[0]
     if b"application/x-ndjson" not in head:
         return True
-    lines = [line for line in body.split(b"\n") if line.strip()]
+    lines = [line for line in _body(answer).split(b"\n") if line.strip()]
     try:
         return bool(lines) and bool(json.loads(lines[-1]).get("final"))
     except (ValueError, AttributeError):  # not JSON, or JSON but not an object
@@ -320,7 +345,7 @@ async def _fuzz(children: dict[str, Child], maker: CaseMaker, cases: int, concur
                 finding("stream without its final event", case, answer)
             if status == "200" and case.label.split(":")[0] in ("prefill", "reserve"):
                 try:
-                    rid = json.loads(answer.partition(b"\r\n\r\n")[2]).get("request")
+                    rid = json.loads(_body(answer)).get("request")
                 except ValueError:
                     rid = None
                 if isinstance(rid, str):
