@@ -37,7 +37,7 @@ from kvxfer.router.router import POLICIES, SELECTIONS, Router
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import BadRequest, HttpServer, Request, Response, check_url
 from kvxfer.serving.metrics import CONTENT_TYPE
-from kvxfer.serving.startup import LOG_LEVELS, check_serving, log_level
+from kvxfer.serving.startup import LOG_LEVELS, check_serving, listen, log_level
 
 
 def completion_json(c: Completion) -> dict[str, Any]:
@@ -122,11 +122,8 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        try:
-            port = await server.start()
-        except OSError as exc:  # the port was taken after check_serving's probe
-            print(f"kvxfer router: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
-                  file=sys.stderr, flush=True)
+        port = await listen(server, "kvxfer router", args.host, args.port)
+        if port is None:
             return 2
         if args.parent_watch:
             watch_stdin(loop, stop)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import errno
 import socket
+import sys
 
+from kvxfer.serving.http import HttpServer
 from kvxfer.wire import WireError, hint_key_from_env
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -56,3 +58,13 @@ def check_serving(parser: argparse.ArgumentParser, host: str, port: int) -> None
         hint_key_from_env()
     except WireError as exc:
         parser.error(str(exc))
+
+
+async def listen(server: HttpServer, prog: str, host: str, port: int) -> int | None:
+    """The port ``server`` now listens on; None, after one line on stderr saying why, when it
+    cannot (the port was taken after ``check_serving``'s probe): the caller exits 2."""
+    try:
+        return await server.start()
+    except OSError as exc:
+        print(f"{prog}: error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+        return None

@@ -36,7 +36,7 @@ from kvxfer.engine import (
 from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import HttpServer
-from kvxfer.serving.startup import LOG_LEVELS, check_serving, log_level
+from kvxfer.serving.startup import LOG_LEVELS, check_serving, listen, log_level
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
 from kvxfer.worker.core import Worker, WorkerConfig
@@ -198,11 +198,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        try:
-            port = await server.start()
-        except OSError as exc:  # the port was taken after check_serving's probe
-            print(f"kvxfer serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
-                  file=sys.stderr, flush=True)
+        port = await listen(server, "kvxfer serve", args.host, args.port)
+        if port is None:
             return 2
         if args.parent_watch:
             watch_stdin(loop, stop)

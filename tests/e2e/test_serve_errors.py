@@ -69,3 +69,27 @@ def test_a_started_worker_says_where_it_listens() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_port_taken_after_the_probe_is_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+
+    from kvxfer.serving.http import HttpServer, Response
+    from kvxfer.serving.startup import listen
+
+    async def handler(request: object) -> Response:
+        return Response(200, b"{}")
+
+    async def main(port: int) -> int | None:
+        server = HttpServer(handler, "127.0.0.1", port)
+        try:
+            return await listen(server, "kvxfer serve", "127.0.0.1", port)
+        finally:
+            await server.close()
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert asyncio.run(main(port)) is None
+    assert capsys.readouterr().err.startswith(f"kvxfer serve: error: cannot listen on 127.0.0.1:{port}")
