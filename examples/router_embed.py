@@ -24,10 +24,7 @@ from kvxfer.worker.procs import ProcessGroup
 
 
 async def serve_requests(prefill_url: str, decode_url: str, prompts: list[list[int]]) -> list[Completion]:
-    router = Router(prefill=[prefill_url], decode=[decode_url], selection="least_outstanding",
-                    on_failure="recompute", timeout_s=30.0)
-
-    async def one(i: int, prompt: list[int]) -> Completion:
+    async def one(router: Router, i: int, prompt: list[int]) -> Completion:
         async for item in router.stream(prompt, max_new_tokens=12, request=f"embed-{i}"):
             if isinstance(item, Token):
                 if item.index == 0:
@@ -36,10 +33,13 @@ async def serve_requests(prefill_url: str, decode_url: str, prompts: list[list[i
                 return item
         raise AssertionError("the router always ends a stream with a Completion")
 
-    try:
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-    finally:
-        await router.close()  # lets the aborts it sends in the background (after a failure) land
+    # Leaving the block closes the router: the aborts it sends in the background (after a
+    # failure) land, and its HTTP session closes.
+    async with Router(prefill=[prefill_url], decode=[decode_url], selection="least_outstanding",
+                      on_failure="recompute", timeout_s=30.0) as router:
+        health = await router.health()
+        print(f"router: {health.status} ({health.reason})")
+        return list(await asyncio.gather(*(one(router, i, p) for i, p in enumerate(prompts))))
 
 
 def main() -> int:

@@ -31,8 +31,8 @@ import torch
 
 from kvxfer.engine import LlamaModel, colocated_generate, text_samples, workload_prompts
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
+from kvxfer.router.app import KEEPALIVE_S
 from kvxfer.router.router import KEY_PATTERN
-from kvxfer.router.serve import KEEPALIVE_S
 from kvxfer.serving.http import HttpError, request_text, stream_json
 from kvxfer.serving.startup import check_serving
 from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes

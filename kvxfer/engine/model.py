@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kvxfer.engine.config import ModelConfig
-from kvxfer.engine.tokenizer import Tokenizer
 from kvxfer.engine.tp import ShardedKVCache
 from kvxfer.engine.weights import LayerWeights, Weights, seeded_weights
+from kvxfer.modelfiles.tokenizer import Tokenizer
 from kvxfer.pool import PagedKVPool
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from kvxfer.engine.generate import synthetic_prompts
 from kvxfer.engine.model import LlamaModel
-from kvxfer.engine.tokenizer import Tokenizer
+from kvxfer.modelfiles.tokenizer import Tokenizer
 
 TEXT_PROMPTS = (
     "The capital of France is",

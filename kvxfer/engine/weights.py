@@ -24,18 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvxfer.contract import KvxferError
 from kvxfer.engine.config import ModelConfig, config_from_hf
+from kvxfer.modelfiles.errors import CheckpointError
 
 _ST_DTYPES: dict[str, tuple[np.dtype, torch.dtype | None]] = {
     "F64": (np.dtype("<f8"), None), "F32": (np.dtype("<f4"), None), "F16": (np.dtype("<f2"), None),
     "BF16": (np.dtype("<u2"), torch.bfloat16),
 }
 _MAX_HEADER = 100 << 20
-
-
-class CheckpointError(KvxferError):
-    """A checkpoint file is malformed, or its tensors do not fit the model config."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,10 @@ class Completion:
     path: str = "disaggregated"  # "disaggregated" | "resumed" (partial transfer) | "local" (decode prefilled)
     error: str | None = None
     events: tuple[str, ...] = ()  # what went wrong on the way, even when recovered
+    finish_reason: str = "length"
+    """Why it ended: "length" (max_new_tokens streamed), "stop" (a stop id streamed, or the
+    caller closed the stream on a stop of its own), "error" (``error`` says what), or
+    "unavailable" (no usable prefill/decode pair: no worker ran anything)."""
 
     @property
     def ok(self) -> bool:

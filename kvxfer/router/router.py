@@ -1,12 +1,18 @@
 """The embeddable router: pairs a prefill and a decode worker per request and streams tokens.
 
-    router = Router(prefill=["http://127.0.0.1:8001"], decode=["http://127.0.0.1:8002"],
-                    selection="least_outstanding", on_failure="recompute")
-    async for item in router.stream(prompt_ids, max_new_tokens=32):
-        if isinstance(item, Token): ...       # index, token, seconds since the request began
-        else: completion = item               # the last item: a Completion (tokens, figures, error)
-    completion = await router.generate(prompt_ids, 32)   # the same, collected
-    await router.close()   # before the loop ends: lets its background aborts land, closes its HTTP session
+    async with Router(prefill=["http://127.0.0.1:8001"], decode=["http://127.0.0.1:8002"],
+                      selection="least_outstanding", on_failure="recompute") as router:
+        async for item in router.stream(prompt_ids, max_new_tokens=32, stop_ids={2}):
+            if isinstance(item, Token): ...       # index, token, seconds since the request began
+            else: completion = item               # the last item: a Completion (tokens, finish_reason, error)
+        completion = await router.generate(prompt_ids, 32)   # the same, collected
+        router.add_worker("decode", "http://10.0.0.7:8002")  # or remove_worker(url), while it serves
+    # leaving the block closes it (or await router.close()): lets its background aborts land,
+    # closes its HTTP session
+
+A request the workers' model cannot serve raises ``InvalidRequest`` (``validate``), in this
+process as over HTTP. ``health()`` asks every worker and says whether a pair is usable.
+``kvxfer.router.openai`` puts text, chat and OpenAI's protocol on top.
 
 A ``request`` id given to ``stream``/``generate`` is the client's: it comes back as
 ``Completion.request`` and goes to no worker. The workers see an id the router makes per
@@ -29,52 +35,41 @@ that refuses connections is skipped for ``probe_interval_s`` and then tried agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.router.cleanup import Cleanup
+from kvxfer.router.inputs import check_limits, check_shape
 from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
-from kvxfer.serving.http import HttpClient, HttpError, check_url
+from kvxfer.router.workers import Endpoint, ModelLimits, RouterHealth, WorkerSet, judge
+from kvxfer.serving.http import HttpClient, HttpError
 from kvxfer.serving.metrics import Registry
 
 log = logging.getLogger("kvxfer.router")
 
-SELECTIONS = ("round_robin", "least_outstanding")
 POLICIES = ("fail", "recompute")
 WORKER_SETTLE_S = 15.0
 """A decode worker's waits after a fetch's deadline: cancel grace (5 s) plus quiescence (10 s)."""
 
-
-RECLAIM_S = 600.0
-"""How long the router keeps asking a prefill worker to take back a hint D whose publish
-failed in an unknown way (a timeout, a 500), so the decode worker can reuse its rows."""
-RECLAIM_POLL_S = 1.0
 
 KEY_PATTERN = r"r[0-9a-f]{12}-\d+"
 """The shape of the ids the router gives the workers (``Router._key``), for tools that read
 them out of reasons and logs."""
 
 
-@dataclass(eq=False)
-class _Endpoint:
-    url: str
-    role: str
-    outstanding: int = 0
-    down_until: float = 0.0
-    failures: int = 0
-    publisher: Any = None  # a prefill worker's {agent, run}, from its /health or /prefill
-
-
 class _Failure(KvxferError):
-    def __init__(self, message: str, *, dead: bool) -> None:
+    def __init__(self, message: str, *, dead: bool, unavailable: bool = False) -> None:
         super().__init__(message)
         self.dead = dead
+        self.unavailable = unavailable  # no usable pair: nothing of the request ran anywhere
 
 
 @dataclass(eq=False)
@@ -116,42 +111,58 @@ class Router:
             raise ValueError("a router needs at least one decode worker")
         if not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        if selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
         if on_failure not in POLICIES:
             raise ValueError(f"on_failure must be one of {POLICIES}, got {on_failure!r}")
-        self.prefill = [_Endpoint(check_url(u), "prefill") for u in prefill]  # ValueError for one without a port
-        self.decode = [_Endpoint(check_url(u), "decode") for u in decode]
-        self.selection = selection
+        self.workers = WorkerSet(prefill, decode, selection)  # ValueError for a URL without a port
         self.on_failure = on_failure
         self.timeout_s = timeout_s
-        self._limits: tuple[int, int] | None = None  # the workers' model: vocabulary, positions
+        self._limits: ModelLimits | None = None  # the workers' model, from the first /health that says it
         self.connect_timeout_s = connect_timeout_s
         self.probe_interval_s = probe_interval_s
-        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._ids = itertools.count()
         # Workers key everything by request id, and several routers may share a worker: the
         # tag keeps this router's keys apart from another's, the counter apart from its own.
         self._tag = uuid.uuid4().hex[:12]
-        self._background: set[asyncio.Task[None]] = set()  # aborts nobody waits for (see _abort_later)
         self._http = HttpClient()  # one pooled session for every worker call; closed by close()
-        self.meters = RouterMeters(lambda: self.prefill + self.decode)
+        self._cleanup = Cleanup(self._http, timeout_s, connect_timeout_s)
+        self.meters = RouterMeters(lambda: self.workers)
+
+    async def __aenter__(self) -> Router:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def prefill(self) -> list[Endpoint]:
+        return self.workers.prefill
+
+    @property
+    def decode(self) -> list[Endpoint]:
+        return self.workers.decode
+
+    @property
+    def selection(self) -> str:
+        return self.workers.selection
+
+    def add_worker(self, role: str, url: str) -> None:
+        """Serve the next requests with this worker too. ValueError for a bad role, a URL
+        without host and port, or one the router has already."""
+        self.workers.add(role, url)
+        log.info("%s worker %s added", role, url)
+
+    def remove_worker(self, url: str) -> None:
+        """Give this worker no new request; the ones it has run to their end (a decode worker
+        finishes its streams). KeyError when the router does not have it. The last decode
+        worker may go too: requests are then answered "unavailable" until one is added."""
+        e = self.workers.remove(url)
+        log.info("%s worker %s removed (%d requests of it still in flight)", e.role, e.url, e.outstanding)
 
     # --- selection ---------------------------------------------------------------------------
-    def _pick(self, endpoints: list[_Endpoint], exclude: frozenset[str] = frozenset()) -> _Endpoint | None:
-        if not endpoints:
-            return None
-        now = time.monotonic()
-        live = [e for e in endpoints if e.down_until <= now and e.url not in exclude]
-        if not live:
-            return None
-        turn = next(self._rr[endpoints[0].role])
-        ordered = live[turn % len(live):] + live[: turn % len(live)]
-        if self.selection == "least_outstanding":
-            return min(ordered, key=lambda e: e.outstanding)  # min keeps the round-robin order on ties
-        return ordered[0]
+    def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
+        return self.workers.pick(role, exclude)
 
-    def _down(self, endpoint: _Endpoint, exc: BaseException) -> None:
+    def _down(self, endpoint: Endpoint, exc: BaseException) -> None:
         if isinstance(exc, HttpError) and exc.status == 400:
             return  # the worker is fine: it named what is wrong with the request
         log.warning("%s worker %s failed: %s", endpoint.role, endpoint.url, exc)
@@ -162,29 +173,49 @@ class Router:
             endpoint.publisher = None  # it may come back as another run: ask again
 
     # --- the public surface -------------------------------------------------------------------
-    async def generate(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None) -> Completion:
-        async for item in self.stream(prompt, max_new_tokens, request):
+    async def generate(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None, *,
+                       stop_ids: Collection[int] = (), until: Callable[[Token], bool] | None = None) -> Completion:
+        async for item in self.stream(prompt, max_new_tokens, request, stop_ids=stop_ids, until=until):
             if isinstance(item, Completion):
                 return item
         raise AssertionError("stream ended without a Completion")
 
-    async def stream(self, prompt: Sequence[int], max_new_tokens: int,
-                     request: str | None = None) -> AsyncGenerator[Token | Completion, None]:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    async def stream(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None, *,
+                     stop_ids: Collection[int] = (), until: Callable[[Token], bool] | None = None
+                     ) -> AsyncGenerator[Token | Completion, None]:
+        """Tokens as they come, then the Completion. The request ends, with finish_reason
+        "stop", after a token of ``stop_ids`` or one for which ``until`` (asked once the
+        caller has taken the token: a stop string) is true. InvalidRequest, before anything
+        is sent to a worker, for a request the workers' model cannot serve (``validate``)."""
+        await self.validate(prompt, max_new_tokens, stop_ids)
         key = self._key()
-        run = _Run(request or key, key, list(prompt), max_new_tokens, time.perf_counter())
+        run = _Run(request or key, key, [int(t) for t in prompt], max_new_tokens, time.perf_counter())
+        stops = frozenset(int(t) for t in stop_ids)
         error: str | None = None
+        finish = "length"
         try:
-            async for item in self._serve(run):
-                yield item
+            async with contextlib.aclosing(self._serve(run)) as tokens:
+                async for item in tokens:
+                    yield item
+                    if item.token in stops or (until is not None and until(item)):
+                        finish = "stop"
+                        break  # closing _serve closes the decode stream: the worker stops there
         except _Failure as exc:
-            error = str(exc)
+            error, finish = str(exc), "unavailable" if exc.unavailable else "error"
         completion = Completion(
             run.rid, len(run.prompt), tuple(run.emitted), run.ttft, time.perf_counter() - run.start, run.prefill,
-            run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events))
+            run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events), finish)
         self.meters.count(completion)
         yield completion
+
+    async def validate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Collection[int] = ()) -> None:
+        """InvalidRequest naming what the workers' model cannot serve: a prompt that is not
+        token ids, ids past its vocabulary, more tokens than its positions. The limits come
+        from the workers' /health; with no worker answering, only the shape is checked."""
+        check_shape(prompt, max_new_tokens, stop_ids)
+        limits = await self.model()
+        if limits is not None:
+            check_limits(prompt, max_new_tokens, limits)
 
     def _key(self) -> str:
         """A worker-side id no other request of any router gets. A client's own id is never
@@ -192,32 +223,22 @@ class Router:
         a worker's held prefill, reservation or abort, and the later call be refused."""
         return f"r{self._tag}-{next(self._ids)}"
 
-    async def health(self) -> dict[str, bool]:
-        async def one(e: _Endpoint) -> tuple[str, bool]:
+    async def health(self) -> RouterHealth:
+        """Ask every worker's /health now: who answers, and whether a request can be served."""
+        async def one(e: Endpoint) -> tuple[str, bool]:
             try:
                 await self._http.request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
                 e.down_until = 0.0
                 return e.url, True
             except HttpError:
                 return e.url, False
-        return dict(await asyncio.gather(*(one(e) for e in self.prefill + self.decode)))
+        answers = await asyncio.gather(*(one(e) for e in self.prefill + self.decode))
+        n = len(self.prefill)
+        return judge(answers[:n], answers[n:], self.on_failure)
 
-    async def check_input(self, prompt: Sequence[int], max_new_tokens: int) -> str | None:
-        """What is wrong with a request for the workers' model (ids past its vocabulary, more
-        tokens than its positions), or None; None too when no worker said its limits yet."""
-        limits = await self._model_limits()
-        if limits is None:
-            return None
-        vocab, positions = limits
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            return f"'prompt' token ids must lie in [0, {vocab}) for the workers' model"
-        need = len(prompt) + max_new_tokens - 1  # the prompt plus every fed-back token
-        if need > positions:
-            return (f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) needs {need} positions, "
-                    f"over the workers' model's {positions}")
-        return None
-
-    async def _model_limits(self) -> tuple[int, int] | None:
+    async def model(self) -> ModelLimits | None:
+        """The workers' model as their /health states it (learnt once), or None while no
+        worker answers."""
         if self._limits is None:
             for e in self.decode + self.prefill:
                 try:
@@ -227,11 +248,13 @@ class Router:
                 limits = health.get("limits") if isinstance(health, dict) else None
                 if isinstance(limits, dict) and all(isinstance(limits.get(k), int)
                                                     for k in ("vocab_size", "max_positions")):
-                    self._limits = (limits["vocab_size"], limits["max_positions"])
+                    name = health.get("model")
+                    self._limits = ModelLimits(name if isinstance(name, str) else "", limits["vocab_size"],
+                                               limits["max_positions"])
                     break
         return self._limits
 
-    async def _identify(self, p: _Endpoint) -> str | None:
+    async def _identify(self, p: Endpoint) -> str | None:
         """Learn a prefill worker's {agent, run}, which hint D is bound to; what went wrong, or None."""
         try:
             health = await self._http.request_json(p.url, "GET", "/health", timeout=self.connect_timeout_s)
@@ -242,21 +265,21 @@ class Router:
         return None if p.publisher is not None else f"prefill worker {p.url}: its /health names no publisher"
 
     # --- one request ---------------------------------------------------------------------------
-    async def _serve(self, run: _Run) -> AsyncIterator[Token]:
-        d = self._pick(self.decode)
+    async def _serve(self, run: _Run) -> AsyncGenerator[Token, None]:
+        d = self._pick("decode")
         if d is None:
-            raise _Failure("no decode worker is reachable", dead=True)
-        p = self._pick(self.prefill)
+            raise _Failure("no decode worker is reachable", dead=True, unavailable=True)
+        p = self._pick("prefill")
         unknown = await self._identify(p) if p is not None and p.publisher is None else None
         if unknown is not None:
             # Nothing of this request is held anywhere yet: go on as without a prefill worker.
             if self.on_failure == "fail":
-                raise _Failure(unknown, dead=True)
+                raise _Failure(unknown, dead=True, unavailable=True)
             run.events.append(unknown)
             p = None
         if p is None:
             if self.on_failure == "fail":
-                raise _Failure("no prefill worker is reachable (policy fail)", dead=True)
+                raise _Failure("no prefill worker is reachable (policy fail)", dead=True, unavailable=True)
             run.events.append("no prefill worker reachable: decode prefills")
             try:
                 async for t in self._local(run, d):
@@ -277,13 +300,16 @@ class Router:
             p.outstanding -= 1
             d.outstanding -= 1
 
-    async def _disaggregated(self, run: _Run, p: _Endpoint, d: _Endpoint) -> AsyncIterator[Token]:
+    async def _disaggregated(self, run: _Run, p: Endpoint, d: Endpoint) -> AsyncIterator[Token]:
         t = self.timeout_s
         # Hint D is bound to the prefill worker's run: no other worker, nor a restart of it,
         # may write into the reservation's rows with it.
         ask = {"request": run.key, "prompt": run.prompt, "max_new_tokens": run.max_new, "publisher": p.publisher}
         reserved, prefilled = await self._reserve_and_prefill(run, p, d, ask)
-        if not isinstance(prefilled, BaseException):
+        doomed = isinstance(reserved, BaseException) and self.on_failure == "fail"
+        if not isinstance(prefilled, BaseException) and not doomed:
+            # (Under policy fail a failed reservation ends the request: it ends before its
+            # first token, which a caller can then tell from a failure midway.)
             tok = run.token(0, int(prefilled["token"]))
             if tok is not None:
                 try:
@@ -332,7 +358,7 @@ class Router:
             if figures is not None:
                 run.transfer = figures  # the publisher's view: submission to its outcome
 
-    async def _reserve_and_prefill(self, run: _Run, p: _Endpoint, d: _Endpoint, ask: dict[str, Any]) -> tuple[Any, Any]:
+    async def _reserve_and_prefill(self, run: _Run, p: Endpoint, d: Endpoint, ask: dict[str, Any]) -> tuple[Any, Any]:
         """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised."""
         t = self.timeout_s
         reserve = asyncio.create_task(self._http.request_json(d.url, "POST", "/reserve", ask, t))
@@ -353,10 +379,10 @@ class Router:
             self._down(p, prefilled)
             # A worker's handler runs on after its client gave up (a timeout here), so the
             # prefill may still be made there: drop it then, not when it expires (hold_s).
-            self._abort_later(p, {"request": run.key})
+            self._cleanup.abort_later(p, {"request": run.key})
         return reserved, prefilled
 
-    async def _rebound(self, run: _Run, p: _Endpoint, d: _Endpoint, ask: dict[str, Any], reserved: Any,
+    async def _rebound(self, run: _Run, p: Endpoint, d: Endpoint, ask: dict[str, Any], reserved: Any,
                        prefilled: dict[str, Any]) -> Any:
         """The reservation to publish into: ``reserved``, or one made again for the prefill
         worker's run when /prefill names another than the one ``ask`` bound hint D to."""
@@ -366,22 +392,22 @@ class Router:
         # run, would be refused. Hint D went nowhere, so the rows are safe to drop.
         p.publisher = prefilled.get("publisher")
         run.events.append(f"prefill worker {p.url} is another run now: reserved again for it")
-        await self._abort(d, {"request": run.key, "rows_safe": True})
+        await self._cleanup.abort(d, {"request": run.key, "rows_safe": True})
         try:
             return await self._http.request_json(d.url, "POST", "/reserve", {**ask, "publisher": p.publisher}, self.timeout_s)
         except HttpError as exc:
             return exc
 
-    async def _reserve_failed(self, run: _Run, p: _Endpoint, d: _Endpoint, exc: BaseException, prefilled: Any) -> None:
+    async def _reserve_failed(self, run: _Run, p: Endpoint, d: Endpoint, exc: BaseException, prefilled: Any) -> None:
         self._down(d, exc)
         # The reservation may still be made after our timer fired, as the prefill above.
         # Hint D never reached us, so no prefill worker can write into its rows: they
         # are reusable. In the background: this worker just failed to answer in time.
-        self._abort_later(d, {"request": run.key, "rows_safe": True})
+        self._cleanup.abort_later(d, {"request": run.key, "rows_safe": True})
         if not isinstance(prefilled, BaseException):
-            await self._abort(p, {"request": run.key})
+            await self._cleanup.abort(p, {"request": run.key})
 
-    async def _publish_failed(self, run: _Run, p: _Endpoint, d: _Endpoint,
+    async def _publish_failed(self, run: _Run, p: Endpoint, d: Endpoint,
                               publish: AsyncGenerator[dict[str, Any], None], hint: str, exc: BaseException) -> bool:
         """After /publish failed before its hint: whether the reservation's rows are safe to reuse."""
         await publish.aclose()
@@ -390,9 +416,9 @@ class Router:
         if not safe:
             # Nothing says whether the publisher wrote: ask it to take hint D back, and
             # keep asking in the background until the decode worker may reuse the rows.
-            safe = await self._withdrawn(p, hint)
+            safe = await self._cleanup.withdrawn(p, hint)
             if not safe:
-                self._reclaim_later(p, d, run.key, hint)
+                self._cleanup.reclaim_later(p, d, run.key, hint)
         return safe
 
     async def _publish_outcome(self, publish: AsyncGenerator[dict[str, Any], None]) -> TransferFigures | None:
@@ -406,7 +432,7 @@ class Router:
             await publish.aclose()
         return None
 
-    async def _generate(self, run: _Run, d: _Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
+    async def _generate(self, run: _Run, d: Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
         """Run /generate on ``d``; a cut stream raises _Failure(dead=True).
 
         The decode worker gives its fetch ``timeout_s``, then a cancel grace and a quiescence
@@ -427,12 +453,12 @@ class Router:
         finally:
             await events.aclose()  # now, not at garbage collection: the worker sees the router leave
 
-    async def _after_prefill_loss(self, run: _Run, p: _Endpoint, d: _Endpoint, what: str,
+    async def _after_prefill_loss(self, run: _Run, p: Endpoint, d: Endpoint, what: str,
                                   rows_safe: bool) -> AsyncIterator[Token]:
         run.events.append(what)
         if self.on_failure == "fail":
-            await self._abort(d, {"request": run.key, "rows_safe": rows_safe})
-            raise _Failure(f"{what} (policy fail)", dead=False)
+            await self._cleanup.abort(d, {"request": run.key, "rows_safe": rows_safe})
+            raise _Failure(f"{what} (policy fail)", dead=False, unavailable=not run.emitted)
         run.path = "local"
         body = {"request": run.key, "on_failure": "recompute", "rows_safe": rows_safe, "timeout_s": self.timeout_s}
         try:
@@ -445,17 +471,19 @@ class Router:
                 yield tok
         run.recomputed = max(run.recomputed, len(run.prompt))
 
-    async def _after_decode_loss(self, run: _Run, d: _Endpoint, what: str) -> AsyncIterator[Token]:
+    async def _after_decode_loss(self, run: _Run, d: Endpoint, what: str) -> AsyncIterator[Token]:
         run.events.append(what)
+        # Nothing streamed yet: the caller may try again later, as with no worker at all.
+        unavailable = not run.emitted
         if self.on_failure == "fail":
-            raise _Failure(f"{what} (policy fail)", dead=False)
-        other = self._pick(self.decode, exclude=frozenset({d.url}))
+            raise _Failure(f"{what} (policy fail)", dead=False, unavailable=unavailable)
+        other = self._pick("decode", exclude=frozenset({d.url}))
         if other is None:
-            raise _Failure(f"{what}; no other decode worker to recompute on", dead=False)
+            raise _Failure(f"{what}; no other decode worker to recompute on", dead=False, unavailable=unavailable)
         async for tok in self._local(run, other):
             yield tok
 
-    async def _local(self, run: _Run, d: _Endpoint) -> AsyncIterator[Token]:
+    async def _local(self, run: _Run, d: Endpoint) -> AsyncIterator[Token]:
         """The decode worker prefills the prompt plus every token streamed so far, then goes on."""
         done = len(run.emitted)
         if done >= run.max_new:
@@ -475,68 +503,17 @@ class Router:
         finally:
             d.outstanding -= 1
 
-    def _abandon(self, key: str, p: _Endpoint, d: _Endpoint) -> None:
+    def _abandon(self, key: str, p: Endpoint, d: Endpoint) -> None:
         """Drop a request's prefill and reservation in the background: called where the
         request's own task is being closed and can await nothing more."""
-        self._abort_later(p, {"request": key})
-        self._abort_later(d, {"request": key, "rows_safe": True})
-
-    async def _abort(self, e: _Endpoint, body: dict[str, Any]) -> None:
-        """POST /abort to ``e``; a failure is a warning, not an error: the worker may be down,
-        and then its sweeper (or its restart) drops what the abort would have."""
-        try:
-            await self._http.request_json(e.url, "POST", "/abort", body, self.timeout_s)
-        except HttpError as exc:
-            log.warning("%s worker %s: abort of %s failed: %s", e.role, e.url, body.get("request"), exc)
-
-    def _abort_later(self, e: _Endpoint, body: dict[str, Any]) -> None:
-        """``_abort`` in the background, for a caller that can await nothing more."""
-        task = asyncio.get_running_loop().create_task(self._abort(e, body))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _withdrawn(self, p: _Endpoint, hint: str) -> bool:
-        """The prefill worker took hint D back: it can reach the decode rows no more."""
-        try:
-            answer = await self._http.request_json(p.url, "POST", "/withdraw", {"hint": hint}, self.connect_timeout_s)
-        except HttpError as exc:
-            # Gone (refused or cut): a dead process writes nothing more either.
-            return exc.unreachable and exc.status == 0
-        return isinstance(answer, dict) and answer.get("withdrawn") is True
-
-    def _reclaim_later(self, p: _Endpoint, d: _Endpoint, key: str, hint: str) -> None:
-        """Until the prefill worker takes hint D back (or is gone), then tell the decode
-        worker its set-aside reservation may be reused; gives up after RECLAIM_S."""
-        async def run() -> None:
-            end = time.monotonic() + RECLAIM_S
-            withdrawn = False
-            while time.monotonic() < end:
-                await asyncio.sleep(RECLAIM_POLL_S)
-                withdrawn = withdrawn or await self._withdrawn(p, hint)
-                if not withdrawn:
-                    continue
-                try:
-                    answer = await self._http.request_json(d.url, "POST", "/abort", {"request": key, "rows_safe": True},
-                                                           self.timeout_s)
-                except HttpError as exc:  # the decode worker is gone or refuses: nothing to give back there
-                    log.warning("decode worker %s: abort of %s failed: %s", d.url, key, exc)
-                    return
-                if isinstance(answer, dict) and answer.get("dropped") in ("quarantined", "reserved"):
-                    return
-        task = asyncio.get_running_loop().create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._cleanup.abort_later(p, {"request": key})
+        self._cleanup.abort_later(d, {"request": key, "rows_safe": True})
 
     async def close(self) -> None:
         """Give the background aborts ``connect_timeout_s`` to land, then cancel the rest
         (a worker's sweeper drops what they did not reach), and close the HTTP session. The
         router stays usable."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=self.connect_timeout_s)
-        left = list(self._background)
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+        await self._cleanup.close()
         await self._http.close()  # its connections; the next call opens a new session
 
     # --- metrics --------------------------------------------------------------------------------
@@ -560,7 +537,7 @@ class Router:
         return out
 
 
-def _generated(run: _Run, d: _Endpoint, event: dict[str, Any]) -> Token | None:
+def _generated(run: _Run, d: Endpoint, event: dict[str, Any]) -> Token | None:
     """One /generate event: a token to stream (None when the router has it already), a
     resume's figures, or the worker's error (_Failure)."""
     kind = event.get("event")

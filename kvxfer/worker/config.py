@@ -23,6 +23,7 @@ class WorkerConfig:
     hold_s: float = 120.0
     prefix_cache: bool = True
     name: str = ""
+    model_name: str = "toy"         # what --model (or --checkpoint) named: /health says it, a router serves it by it
     chunk_bytes: int | None = None  # nixl: bytes per submission chunk (None: the backend's default)
     chunk_pause_s: float = 0.0      # nixl: pause between chunk posts (fault-injection tests)
     device: str = "cpu"             # where the pool lives (the model must be on the same device)

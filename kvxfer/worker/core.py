@@ -228,7 +228,7 @@ class Worker:
                 "backend": self.config.backend, "mode": self.config.mode.value,
                 "scope": self.config.model.scope().hex()[:24], "active": self._active,
                 "held": len(self._held), "reserved": len(self._reserved), "publisher": self.publisher(),
-                "limits": {"vocab_size": self.config.model.vocab_size,
+                "model": self.config.model_name, "limits": {"vocab_size": self.config.model.vocab_size,
                            "max_positions": self.config.model.max_positions}}
 
     def publisher(self) -> dict[str, str] | None:

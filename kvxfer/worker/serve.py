@@ -186,7 +186,7 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
                           mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
-                          chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause,
+                          model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause,
                           device=str(model.device), busy_poll=args.busy_poll,
                           arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20,
                           **engine_kv_fields(args))

@@ -12,8 +12,8 @@ import json
 import pytest
 from test_router import CFG, cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
+from kvxfer.router.app import make_handler as router_handler
 from kvxfer.router.router import Router
-from kvxfer.router.serve import make_handler as router_handler
 from kvxfer.serving.http import MAX_BODY, MAX_HEADER, HttpServer, Request, Response
 
 

@@ -14,7 +14,7 @@ from test_router import CFG, backend, cluster, oracle  # noqa: I001 - pytest put
 from kvxfer import pair
 from kvxfer.engine import synthetic_prompts
 from kvxfer.router import Router
-from kvxfer.router.serve import make_handler as router_handler
+from kvxfer.router.app import make_handler as router_handler
 from kvxfer.serving.http import HttpServer, Request, Response
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from test_hint_replay import stack  # noqa: I001 - pytest puts tests/unit on sys.path
 from test_router import CFG, oracle
 
-import kvxfer.router.router as router_module
+import kvxfer.router.cleanup as router_module
 from kvxfer.backends.loopback import LoopbackBackend
 from kvxfer.router import Router
 from kvxfer.serving.http import Request, Response, request_text

@@ -15,7 +15,7 @@ import torch
 
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
-from kvxfer.router import Completion, Router, Token
+from kvxfer.router import Completion, InvalidRequest, Router, Token
 from kvxfer.serving.http import HttpError, HttpServer, Request, Response, request_json, request_text
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.core import Worker, WorkerConfig
@@ -456,9 +456,11 @@ def test_without_prefill_workers_a_lost_decode_worker_is_replaced_and_bad_input_
                 done = await router.generate(prompt, 6)
                 assert done.ok and list(done.tokens) == oracle(prompt, 6), done.error
                 router = Router([], [c.decode[1]], on_failure="recompute")
-                bad = await router.generate([1, 2, CFG.vocab_size + 5], 3)
-                assert not bad.ok and bad.error is not None and "400" in bad.error
+                # Refused in this process, as over HTTP, before any worker sees it.
+                with pytest.raises(InvalidRequest, match=r"token ids must lie in \[0, 128\) for the workers' model 'toy'"):
+                    await router.generate([1, 2, CFG.vocab_size + 5], 3)
                 assert "kvxfer_router_worker_failures_total{" not in router.metrics_text()
+                assert "kvxfer_router_requests_total{" not in router.metrics_text()
             finally:
                 await server.close()
 

@@ -75,3 +75,15 @@ def test_router_refuses_a_bad_log_level_and_no_decode_worker(capsys: pytest.Capt
         with pytest.raises(SystemExit) as exc:
             serve.main(flags)
         assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("never_serves")
+@pytest.mark.parametrize(("model", "words"), [("llama-9000", "unknown model 'llama-9000': use toy, smollm2"),
+                                              ("/nonexistent/m.gguf", "cannot read the GGUF file /nonexistent/m.gguf")])
+def test_router_refuses_a_model_it_cannot_read_a_tokenizer_from(model: str, words: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--decode", "http://127.0.0.1:1", "--port", "0", "--model", model])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("kvxfer router: error: --model")]
+    assert exc.value.code == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in err, err

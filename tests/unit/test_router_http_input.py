@@ -9,7 +9,7 @@ import pytest
 from test_router import cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
 from kvxfer.router import Router
-from kvxfer.router.serve import make_handler as router_handler
+from kvxfer.router.app import make_handler as router_handler
 from kvxfer.serving.http import HttpError, HttpServer, Request, Response, request_json, request_text
 
 

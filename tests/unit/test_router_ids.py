@@ -11,7 +11,7 @@ from test_router import cluster, oracle  # noqa: I001 - pytest puts tests/unit o
 
 from kvxfer.engine import synthetic_prompts
 from kvxfer.router import Completion, Router, Token
-from kvxfer.router.serve import make_handler as router_handler
+from kvxfer.router.app import make_handler as router_handler
 from kvxfer.serving.http import HttpServer, Request, Response, stream_json
 from kvxfer.worker.app import make_handler
 

@@ -189,7 +189,7 @@ def test_a_client_that_leaves_while_the_router_waits_for_publish_costs_no_rows()
     # and the client leaves at one. The request is closed at the router's next item, where
     # its worker calls settle: no reservation is left to expire and be quarantined (hint D
     # had reached the prefill worker, so an abort could only have quarantined the rows).
-    from kvxfer.router.serve import make_handler as router_handler
+    from kvxfer.router.app import make_handler as router_handler
     from kvxfer.serving.http import stream_json
 
     def slow_publish(inner: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from test_router import CFG, cluster, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
-from kvxfer.router import Router
+from kvxfer.router import InvalidRequest, ModelLimits, Router
 from kvxfer.serving.http import HttpServer, Request, Response
 from kvxfer.worker.app import make_handler
 
@@ -70,6 +70,11 @@ def test_a_reservation_past_max_positions_is_the_clients_mistake() -> None:
     async def main() -> None:
         async with cluster(1, 1) as c:
             router = Router(c.prefill, c.decode)
+            with pytest.raises(InvalidRequest, match="needs 4098 positions, over the workers' model's 4096"):
+                await router.generate([1, 2, 3], CFG.max_positions)  # the router's own check
+            # The workers check too (a router's view of their limits may be stale: a worker
+            # restarted with another model): past the router's, only /reserve refuses.
+            router._limits = ModelLimits("toy", CFG.vocab_size, 10 * CFG.max_positions)
             done = await router.generate([1, 2, 3], CFG.max_positions)
             assert done.error is not None and "/reserve: HTTP 400" in done.error, done.error
             assert "over max_positions" in done.error

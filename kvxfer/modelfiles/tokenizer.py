@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.engine.weights import CheckpointError
+from kvxfer.modelfiles.errors import CheckpointError
 
 _CONTROL = 3
 """GGUF token type of control tokens (``<|im_start|>``...): special, never split or merged."""

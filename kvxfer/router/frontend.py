@@ -1,0 +1,204 @@
+"""OpenAI's completions and chat completions on a Router: text in, text out.
+
+    frontend = OpenAIFrontend(router)                  # the model and tokenizer the workers name
+    job = await frontend.prepare(parse(body, chat=True))   # OpenAIError: 400, 404 or 503
+    answer = await frontend.complete(job)              # OpenAI's chat.completion object
+    async for chunk in await frontend.open_stream(job): ...   # its chunks (503 raised before the first)
+
+The model clients name is the one the workers' /health names (``kvxfer serve --model``), or
+the one given here. Its tokenizer and chat template come from the same GGUF, read without
+the weights and without torch (``kvxfer.modelfiles.load_tokenizer``); the toy model has none and takes token ids
+only. A completion ends at the model's stop id (SmolLM2's ``<|im_end|>``), at a stop
+string, or after ``max_tokens``; the router then closes the decode worker's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.modelfiles import CheckpointError, Tokenizer, load_tokenizer
+from kvxfer.router.inputs import InvalidRequest
+from kvxfer.router.openai_api import CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, Ask, OpenAIError, Shaper, Usage, models
+from kvxfer.router.results import Completion
+from kvxfer.router.router import Router
+from kvxfer.router.text import TextStream
+
+UNAVAILABLE = "service_unavailable_error"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked request, ready to run: its prompt as ids and the tokens it may make."""
+
+    ask: Ask
+    model: str
+    ids: tuple[int, ...]
+    max_tokens: int
+    tokenizer: Tokenizer | None
+
+
+@dataclass(frozen=True)
+class _Piece:
+    text: str
+    tokens: tuple[int, ...]
+    finish: str | None = None
+    usage: Usage | None = None
+
+
+class OpenAIFrontend:
+    def __init__(self, router: Router, *, model: str | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """``model``: the name clients use and whose GGUF holds the tokenizer (default: the
+        workers'); ``tokenizer``: one already loaded (default: loaded on first use)."""
+        self.router = router
+        self._model = model
+        self._tokenizer = tokenizer
+        self._loaded = tokenizer is not None
+        self._why_none = ""  # why the model has no tokenizer here, for the 400 a text prompt gets
+        self._lock = asyncio.Lock()
+
+    async def model_id(self) -> str | None:
+        if self._model is not None:
+            return self._model
+        limits = await self.router.model()
+        return limits.name or None if limits is not None else None
+
+    async def models(self, created: int = 0) -> dict[str, Any]:
+        model = await self.model_id()
+        return models([model] if model else [], created)
+
+    async def tokenizer(self) -> Tokenizer | None:
+        """The served model's tokenizer, loaded once (a GGUF's tokenizer takes ~0.2 s)."""
+        async with self._lock:
+            if not self._loaded:
+                name = await self.model_id()
+                if name is None:
+                    return None  # no worker answers yet: try again on the next request
+                self._tokenizer, self._why_none = await asyncio.to_thread(_load, name)
+                self._loaded = True
+            return self._tokenizer
+
+    async def prepare(self, ask: Ask) -> Job:
+        model = await self.model_id()
+        if model is None:
+            raise OpenAIError("no worker answers, so no model is served yet", 503, kind=UNAVAILABLE)
+        if ask.model != model:
+            raise OpenAIError(f"model {ask.model!r} is not served here; this router serves {model!r} "
+                              "(GET /v1/models)", 404, param="model", code="model_not_found")
+        tok = await self.tokenizer()
+        ids = self._ids(ask, tok)
+        limits = await self.router.model()
+        if ask.max_tokens is not None:
+            max_tokens = ask.max_tokens
+        elif ask.chat and limits is not None:
+            max_tokens = max(1, min(CHAT_MAX_TOKENS, limits.max_positions - len(ids) + 1))
+        else:
+            max_tokens = CHAT_MAX_TOKENS if ask.chat else COMPLETION_MAX_TOKENS
+        try:
+            await self.router.validate(ids, max_tokens)
+        except InvalidRequest as exc:
+            param = "max_tokens" if "positions" in str(exc) else ("messages" if ask.chat else "prompt")
+            raise OpenAIError(str(exc), param=param) from None
+        return Job(ask, model, ids, max_tokens, tok)
+
+    def _ids(self, ask: Ask, tok: Tokenizer | None) -> tuple[int, ...]:
+        needs_text = ask.chat or isinstance(ask.prompt, str) or ask.stop
+        if tok is None and needs_text:
+            what = "chat" if ask.chat else ("a text prompt" if isinstance(ask.prompt, str) else "stop strings")
+            raise OpenAIError(f"{what} needs the model's tokenizer, and this router has none: {self._why_none}",
+                              param="messages" if ask.chat else ("prompt" if not ask.stop else "stop"))
+        if ask.chat:
+            assert tok is not None
+            try:
+                text = tok.chat([{"role": m.role, "content": m.content} for m in ask.messages])
+            except ValueError as exc:
+                raise OpenAIError(f"'messages': {exc}", param="messages") from None
+            return tuple(tok.encode(text))
+        if isinstance(ask.prompt, str):
+            assert tok is not None
+            return tuple(tok.encode(ask.prompt))
+        return ask.prompt
+
+    # --- running ------------------------------------------------------------------------------
+    async def complete(self, job: Job) -> dict[str, Any]:
+        """The whole answer; OpenAIError (503 with no usable pair, 500 for a failed request)."""
+        text: list[str] = []
+        tokens: list[int] = []
+        async with contextlib.aclosing(self._pieces(job)) as pieces:
+            async for piece in pieces:
+                text.append(piece.text)
+                tokens.extend(piece.tokens)
+                if piece.usage is not None:
+                    return Shaper(job.ask, job.model).whole("".join(text), tuple(tokens), piece.finish or "length",
+                                                            piece.usage)
+        raise AssertionError("a completion ended without its last piece")
+
+    async def open_stream(self, job: Job) -> AsyncGenerator[dict[str, Any], None]:
+        """The answer's chunks. The first token is awaited here: a request no worker pair
+        can serve raises OpenAIError (503) before any chunk; a failure after that ends the
+        stream with an ``{"error": ...}`` chunk."""
+        pieces = self._pieces(job)
+        try:
+            first = await pieces.__anext__()
+        except BaseException:
+            await pieces.aclose()
+            raise
+        return self._chunks(job, pieces, first)
+
+    async def _chunks(self, job: Job, pieces: AsyncGenerator[_Piece, None],
+                      first: _Piece) -> AsyncGenerator[dict[str, Any], None]:
+        shape = Shaper(job.ask, job.model)
+        piece: _Piece | None = first
+        opening = True
+        try:
+            while piece is not None:
+                if piece.text or piece.finish is not None or opening or not job.ask.chat:
+                    yield shape.chunk(piece.text, piece.tokens, piece.finish, first=opening and job.ask.chat)
+                    opening = False
+                if piece.usage is not None:
+                    if job.ask.include_usage:
+                        yield shape.usage_chunk(piece.usage)
+                    return
+                piece = await pieces.__anext__()
+        except OpenAIError as exc:
+            yield exc.body()
+        finally:
+            await pieces.aclose()
+
+    async def _pieces(self, job: Job) -> AsyncGenerator[_Piece, None]:
+        tok = job.tokenizer
+        texts = TextStream(tok, job.ask.stop) if tok is not None else None
+        stop_ids = tok.stop_ids if tok is not None else frozenset()
+        stream = self.router.stream(job.ids, job.max_tokens, stop_ids=stop_ids,
+                                    until=lambda _: texts is not None and texts.stopped)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                if isinstance(item, Completion):
+                    yield _last(item, texts, len(job.ids))
+                    return
+                if item.token in stop_ids or texts is None:
+                    yield _Piece("", (item.token,))  # a stop id ends the text and is not part of it
+                else:
+                    yield _Piece(texts.feed(item.token), (item.token,))
+
+
+def _last(c: Completion, texts: TextStream | None, prompt_tokens: int) -> _Piece:
+    if c.error is not None:
+        if c.finish_reason == "unavailable":
+            raise OpenAIError(f"no usable prefill/decode worker pair: {c.error}", 503, kind=UNAVAILABLE)
+        raise OpenAIError(f"the request failed: {c.error}", 500, kind="server_error")
+    rest = texts.finish() if texts is not None else ""
+    return _Piece(rest, (), c.finish_reason, Usage(prompt_tokens, len(c.tokens)))
+
+
+def _load(name: str) -> tuple[Tokenizer | None, str]:
+    """The tokenizer ``name``'s GGUF holds, or None and why (the toy model has none; a GGUF
+    or package missing on the router's host is named)."""
+    try:
+        tok = load_tokenizer(name)
+    except CheckpointError as exc:
+        return None, f"model {name!r}: {exc}"
+    return tok, "" if tok is not None else f"model {name!r} has none: send token ids"

@@ -1,0 +1,239 @@
+"""OpenAI's completions and chat completions protocol, as the router speaks it: requests
+read into ``Ask`` (every field checked, unknown ones refused), answers and stream chunks
+shaped as OpenAI's, errors in OpenAI's error shape. No I/O here: ``kvxfer.router.frontend``
+runs the requests.
+
+What differs from OpenAI, on purpose, and said in the 400 a request gets:
+- decoding is greedy: ``temperature`` absent or 0, ``top_p`` absent or 1, ``n`` 1; a seed
+  is taken and changes nothing;
+- no logprobs, no echo, no suffix, no logit bias, no penalties other than 0, no tools;
+- ``max_tokens`` absent means 16 for completions (OpenAI's default) and, for chat, the
+  model's positions left after the prompt, at most ``CHAT_MAX_TOKENS``.
+A completion's choice carries ``token_ids`` besides its text (a model without a tokenizer,
+the toy one, answers token-id prompts with ids and empty text).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.contract import KvxferError
+
+COMPLETION_MAX_TOKENS = 16
+CHAT_MAX_TOKENS = 256
+MAX_STOPS = 4
+
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "user",
+                     "seed", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"})
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
+ROLES = ("system", "user", "assistant")
+
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    # Fields a client may send at the value that asks for nothing this router lacks.
+    "temperature": (None, 0), "top_p": (None, 1), "n": (None, 1), "best_of": (None, 1),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
+    "parallel_tool_calls": (None, False, True),
+}
+_WHY = {"temperature": "this router decodes greedily: temperature must be 0 (or absent)",
+        "top_p": "this router decodes greedily: top_p must be 1 (or absent)",
+        "n": "this router makes one choice per request: n must be 1", "best_of": "best_of must be 1"}
+
+
+class OpenAIError(KvxferError):
+    """A request answered with OpenAI's error shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, message: str, status: int = 400, *, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One completion or chat completion request, checked. ``prompt`` is text or token ids
+    (completions); ``messages`` the conversation (chat); ``max_tokens`` None: the default."""
+
+    chat: bool
+    model: str
+    prompt: str | tuple[int, ...]
+    messages: tuple[Message, ...]
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse(body: Any, chat: bool) -> Ask:
+    """OpenAIError (400) naming the field that is missing, of the wrong type, unknown, or
+    asks for what this router does not do."""
+    if not isinstance(body, dict):
+        raise OpenAIError("the request body must be a JSON object")
+    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    if unknown:
+        raise OpenAIError(f"unknown field {unknown[0]!r}: this router does not support it", param=unknown[0])
+    for name, allowed in _NEUTRAL.items():
+        if name in body and not _neutral(body[name], allowed):
+            raise OpenAIError(_WHY.get(name, f"{name!r} is not supported (only {allowed[1]!r})"), param=name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("'model' is required: a model id from GET /v1/models", param="model")
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if stream not in (True, False, None):
+        raise OpenAIError("'stream' must be true or false", param="stream")
+    include_usage = _stream_options(options, bool(stream))
+    prompt: str | tuple[int, ...] = ""
+    if chat:
+        messages = _messages(body.get("messages"))
+        max_tokens = _max_tokens(body, "max_completion_tokens") or _max_tokens(body, "max_tokens")
+    else:
+        messages, prompt = (), _prompt(body.get("prompt"))
+        max_tokens = _max_tokens(body, "max_tokens")
+    _check_seed(body.get("seed"))
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise OpenAIError("'user' must be a string", param="user")
+    return Ask(chat, model, prompt, messages, max_tokens, _stops(body.get("stop")), bool(stream), include_usage)
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # 0 == False in Python: a bool matches a bool only (temperature false is no temperature).
+    return any(value is None if a is None else (value == a and isinstance(value, bool) == isinstance(a, bool))
+               for a in allowed)
+
+
+def _stream_options(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise OpenAIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            options.get("include_usage", False) not in (True, False):
+        raise OpenAIError("'stream_options' takes one field, 'include_usage': true or false", param="stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def _prompt(prompt: Any) -> str | tuple[int, ...]:
+    # OpenAI takes a string, a list of token ids, or a batch of either; one prompt per request here.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise OpenAIError("'prompt' is empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise OpenAIError("'prompt' holds several prompts: this router takes one per request", param="prompt")
+    raise OpenAIError("'prompt' must be a non-empty string or a non-empty list of token ids (ints)", param="prompt")
+
+
+def _messages(messages: Any) -> tuple[Message, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("'messages' must be a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise OpenAIError(f"{where} must be an object with 'role' and 'content' only (no tools)", param=where)
+        if m.get("role") not in ROLES:
+            raise OpenAIError(f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
+        out.append(Message(m["role"], _content(m.get("content"), where)))
+    return tuple(out)
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    raise OpenAIError(f"{where}.content must be a string or a list of text parts (no images or audio)",
+                      param=f"{where}.content")
+
+
+def _max_tokens(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise OpenAIError(f"{name!r} must be a positive integer, got {value!r}", param=name)
+    return value
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise OpenAIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them", param="stop")
+    return tuple(stops)
+
+
+def _check_seed(seed: Any) -> None:
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise OpenAIError("'seed' must be an integer", param="seed")
+
+
+# --- answers --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_json(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Shaper:
+    """The id, time and model one answer's objects share, and their shapes."""
+
+    def __init__(self, ask: Ask, model: str) -> None:
+        self.chat = ask.chat
+        self.id = ("chatcmpl-" if ask.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, tokens: tuple[int, ...], finish: str, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_json()}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": list(tokens)}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_json()}
+
+    def chunk(self, text: str, tokens: tuple[int, ...], finish: str | None, *, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
+                ({"content": text} if text or finish is None else {})
+            return {**self._head("chat.completion.chunk"),
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                             "token_ids": list(tokens)}]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage.as_json()}
+
+
+def models(names: list[str], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "kvxfer"}
+                                       for n in names]}

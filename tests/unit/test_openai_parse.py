@@ -1,0 +1,93 @@
+"""OpenAI request bodies: any JSON either reads as an ``Ask`` or is refused with an OpenAIError
+(a 400 naming the field), never another exception (which the server would answer 500)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_router import cluster  # noqa: I001 - pytest puts tests/unit on sys.path
+
+from kvxfer.router import Router
+from kvxfer.router.app import make_handler
+from kvxfer.router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, Ask, OpenAIError, parse
+from kvxfer.serving.http import HttpServer
+
+ODD = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+                st.text(max_size=8), st.lists(st.integers(-2, 70000), max_size=4),
+                st.lists(st.text(max_size=3), max_size=5), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", 5]),
+                                           "content": st.one_of(st.text(max_size=6), ODD)}), max_size=3)
+FIELDS = sorted(CHAT_FIELDS | COMPLETION_FIELDS | {"unknown_field"})
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), st.one_of(ODD, MESSAGES), max_size=6), st.booleans())
+def test_any_body_reads_or_is_refused_by_name(body: dict[str, Any], chat: bool) -> None:
+    try:
+        ask = parse(body, chat)
+    except OpenAIError as exc:
+        assert exc.status == 400 and str(exc)
+        if exc.param is not None:
+            assert exc.param.split("[")[0].split(".")[0] in FIELDS
+        return
+    assert isinstance(ask, Ask) and ask.model == body["model"] and ask.chat == chat
+    assert ask.max_tokens is None or ask.max_tokens >= 1
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt", "several prompts"),
+    ({"model": "m", "prompt": [1, True]}, "prompt", "list of token ids"),
+    ({"model": "m", "prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),
+    ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
+    ({"prompt": "x"}, "model", "'model' is required"),
+    ({"model": "m", "prompt": "x", "temperature": False}, "temperature", "temperature must be 0"),
+])
+def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(OpenAIError, match=words) as info:
+        parse(body, chat=False)
+    assert info.value.param == param
+
+
+def test_a_chat_with_tool_calls_or_images_is_refused_by_name() -> None:
+    for message, words in (({"role": "assistant", "content": "x", "tool_calls": []}, "no tools"),
+                           ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                            "no images")):
+        with pytest.raises(OpenAIError, match=words):
+            parse({"model": "m", "messages": [message]}, chat=True)
+    ask = parse({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "b"}]}]}, chat=True)
+    assert ask.messages[0].content == "ab"
+
+
+def test_odd_bodies_over_http_are_4xx_never_500() -> None:
+    bodies: list[bytes] = [b"", b"null", b"[]", b"{", b"\xff", json.dumps({"model": "toy", "prompt": [1] * 5000}).encode(),
+                           json.dumps({"model": "toy", "prompt": [1], "max_tokens": 10**30}).encode(),
+                           json.dumps({"model": "toy", "prompt": [2**63]}).encode(),
+                           json.dumps({"model": "toy", "messages": [{"role": "user", "content": "hi"}]}).encode()]
+
+    async def main() -> None:
+        async with cluster() as c, Router(c.prefill, c.decode) as router:
+            server = HttpServer(make_handler(router))
+            url = f"http://127.0.0.1:{await server.start()}"
+            try:
+                async with aiohttp.ClientSession() as http:
+                    for path in ("/v1/completions", "/v1/chat/completions"):
+                        for body in bodies:
+                            async with http.post(url + path, data=body,
+                                                 headers={"Content-Type": "application/json"}) as answer:
+                                got = await answer.json()
+                            assert 400 <= answer.status < 500, (path, body[:40], answer.status, got)
+                            assert set(got["error"]) == {"message", "type", "param", "code"}
+                    async with http.get(url + "/v1/nothing") as answer:
+                        assert answer.status == 404 and (await answer.json())["error"]["code"] == "unknown_url"
+            finally:
+                await server.close()
+
+    asyncio.run(main())
