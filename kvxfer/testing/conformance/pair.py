@@ -109,6 +109,10 @@ class Pair:
     mode: TransferMode
     inject_local_fault: Callable[[int | None], None] | None = None
     close: Callable[[], None] = field(default=lambda: None)
+    peer_hears: bool = True
+    """Whether this end's submissions can reach the peer at all (a peer backend: the active
+    end tells the passive one). False over a store, whose two ends never talk: each puts or
+    gets its own rows, so checks that a refusal "told the peer nothing" observe nothing there."""
 
 
 PairFactory = Callable[[TransferMode], Pair]

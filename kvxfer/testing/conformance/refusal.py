@@ -27,7 +27,7 @@ def _expect_refusal(pair: Pair, plan: _Plan, local_op: str, local_is_source: boo
     if local_active and warm:
         _introduce(pair, plan, local_op, local_is_source)
     before = _rows_at_both_ends(pair, plan)
-    waits = local_active and peer_waits
+    waits = local_active and peer_waits and pair.peer_hears
     handle = pair.peer.start(peer_op, plan.peer_view, pair.local.describe(plan.local_view)) if waits else None
     waker = _submit_refused(pair, local_op, view, hint, what, match)
     if handle is None:

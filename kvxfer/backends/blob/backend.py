@@ -1,0 +1,314 @@
+"""``BlobBackend``: the contract's publish and fetch over a blob store (``BlobDriver``).
+
+    backend = BlobBackend(MemoryDriver(store))            # or MooncakeDriver(...)
+    backend.register(pool_regions)                        # host memory; the driver registers it too
+    hint = backend.describe(view)                         # the rows' store keys (see names.py)
+    attempt = backend.publish(view, hint)                 # put each row under its key
+    attempt = backend.fetch(view, hint)                   # get each row: a missing key is False
+
+A store has no peer that moves bytes: this backend moves them itself, on one thread, in
+batches of ``batch_rows`` keys, round robin over its submissions so that one large request
+does not hold the others back. Per row: True only once the driver said OK for its key.
+A submission that cannot succeed whole concludes Failed with the rows that did arrive
+marked, naming what happened to the others (missing, failed, store full). Cancellation
+and the deadline act between two batches; an attempt quiesces once no batch of it is in
+the driver (drivers return only when they are done with the memory).
+
+``fetch_wait_s``: how long a fetch waits for keys that are not there yet (a publisher still
+putting them), checking with ``exists``; 0 (the default) takes what is there now, for a
+lookup before asking a prefill worker. Submissions are refused (SubmissionRejected) while
+``max_queued_rows`` rows wait: back-pressure instead of unbounded memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxfer.backends.blob.driver import BlobDriver, KeyStatus, Span, StoreError
+from kvxfer.backends.blob.names import Namer, hint_names, names_extras, request_names
+from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.matching import check_submission, match_rows
+from kvxfer.backends.common.regions import RegionTable
+from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups
+from kvxfer.contract import (
+    Attempt,
+    Backend,
+    BoolArray,
+    Cancelled,
+    Capabilities,
+    Delivered,
+    Failed,
+    Hint,
+    InvalidSubmission,
+    MemoryKind,
+    Peer,
+    SlotRegion,
+    SubmissionRejected,
+    TransferMode,
+    View,
+    WakeFn,
+)
+
+log = logging.getLogger(__name__)
+
+BACKEND_KIND = "blob"
+IDLE_S = 0.005  # how often a fetch waiting for keys checks again
+
+
+@dataclass(eq=False)
+class _Job:
+    """One submission's rows, flattened over its groups: row i goes under ``keys[i]``, from or
+    into ``addresses[i]`` (``sizes[i]`` bytes), and its mask entry is ``masks[group[i]][row[i]]``."""
+
+    put: bool
+    attempt: TrackedAttempt
+    keys: list[bytes]
+    addresses: np.ndarray
+    sizes: np.ndarray
+    group: np.ndarray
+    row: np.ndarray
+    masks: list[BoolArray]
+    deadline: float
+    wait_until: float
+    done: int = 0
+    statuses: Counter[KeyStatus] = field(default_factory=Counter)
+    first_bad: str = ""
+
+    @property
+    def left(self) -> int:
+        return len(self.keys) - self.done
+
+
+class BlobBackend(Backend):
+    """See the module docstring. The backend owns ``driver``: ``shutdown`` closes it."""
+
+    def __init__(self, driver: BlobDriver, *, name: str = "blob", mode: TransferMode = TransferMode.PUSH,
+                 namer: Namer = request_names, batch_rows: int = 256, max_queued_rows: int = 1 << 16,
+                 timeout_s: float = 30.0, fetch_wait_s: float = 0.0, hint_ttl_s: float = DEFAULT_HINT_TTL_S,
+                 memory_kinds: frozenset[MemoryKind] = frozenset({MemoryKind.HOST})) -> None:
+        if batch_rows < 1 or max_queued_rows < 1:
+            raise ValueError(f"batch_rows and max_queued_rows must be >= 1, got {batch_rows}, {max_queued_rows}")
+        if not 0 < timeout_s < float("inf") or not 0 <= fetch_wait_s < timeout_s:
+            raise ValueError(f"timeout_s must be positive and fetch_wait_s in [0, timeout_s), got {timeout_s}, "
+                             f"{fetch_wait_s}")
+        self.driver = driver
+        self.name = name
+        self.mode = mode
+        self._namer = namer
+        self.batch_rows = batch_rows
+        self.max_queued_rows = max_queued_rows
+        self.timeout_s = timeout_s
+        self.fetch_wait_s = fetch_wait_s
+        self._kinds = memory_kinds
+        self._regions = RegionTable(memory_kinds)
+        self._own = OwnTransfers(name, hint_ttl_s)
+        self._lock = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._queued_rows = 0
+        self._closed = False
+        self.bytes_moved = 0  # by this backend's finished batches (put and get), for the bench
+        self._thread = threading.Thread(target=self._run, name=f"kvxfer-blob-{name}", daemon=True)
+        self._thread.start()
+
+    # --- the contract's calls ----------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(memory_kinds=self._kinds, modes=frozenset({self.mode}),
+                            max_rows_per_submission=self.max_queued_rows)
+
+    @property
+    def peer(self) -> Peer:
+        return self._own.peer
+
+    def register(self, regions: Iterable[SlotRegion]) -> tuple[SlotRegion, ...]:
+        self._refuse_if_closed()
+        taken, skipped = self._regions.reachable(regions)
+        added = self._regions.add(taken)
+        done: list[SlotRegion] = []
+        try:
+            for region in added:
+                self.driver.register(Span(region.address, region.slot_bytes * region.slots))
+                done.append(region)
+        except StoreError as exc:
+            for region in done:
+                self.driver.unregister(Span(region.address, region.slot_bytes * region.slots))
+            self._regions = _without(self._regions, self._kinds, added)
+            raise InvalidSubmission(f"store {self.driver.name!r} refused to register {len(added)} regions: {exc}") \
+                from None
+        return skipped
+
+    def describe(self, view: View, audience: Peer | None = None) -> Hint:
+        self._refuse_if_closed()
+        self._check_view(view, fetching=True)  # the hint may serve a fetch: the stricter checks
+        extras = names_extras(view, self._namer(view))
+        return Hint(backend=BACKEND_KIND, mode=self.mode, agent=self.peer.agent, request=view.request,
+                    transfer_id=self._own.mint(view), layout=view.layout, groups=hint_groups(view), extras=extras,
+                    run=self.peer.run, audience=audience, expires_ms=self._own.expiry())
+
+    def publish(self, view: View, hint: Hint, wake: WakeFn | None = None) -> Attempt:
+        return self._submit(view, hint, wake, put=True)
+
+    def fetch(self, view: View, hint: Hint, wake: WakeFn | None = None) -> Attempt:
+        return self._submit(view, hint, wake, put=False)
+
+    def withdraw(self, hint: Hint) -> bool:
+        return self._own.withdraw(hint)
+
+    def shutdown(self) -> frozenset[Attempt]:
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            jobs = list(self._jobs)
+            self._lock.notify_all()
+        for job in jobs:
+            job.attempt.cancel()
+        self._thread.join(self.timeout_s)
+        left = frozenset(j.attempt for j in jobs if not j.attempt.quiesced())
+        if first and not self._thread.is_alive():
+            for region in self._regions:
+                self.driver.unregister(Span(region.address, region.slot_bytes * region.slots))
+            self.driver.close()
+        return left
+
+    # --- submission --------------------------------------------------------------------------
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise SubmissionRejected(f"blob backend {self.name!r} is shut down")
+
+    def _check_view(self, view: View, *, fetching: bool) -> None:
+        if not isinstance(view, View):
+            raise InvalidSubmission(f"expected a View, got {type(view).__name__}")
+        if view.geometry is not None:
+            raise InvalidSubmission(f"the blob backend stores pool rows only; request {view.request!r} lends an "
+                                    "engine's KV (a geometry)")
+        self._regions.check_view(view, for_fetch=fetching)
+
+    def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, put: bool) -> Attempt:
+        self._refuse_if_closed()
+        self._check_view(view, fetching=not put)
+        check_submission(view, hint, self._regions, BACKEND_KIND, self.mode, fetching=not put)
+        self._own.check_for_us(hint)
+        self._own.check_usable(hint)
+        attempt = TrackedAttempt(wake, label=f"{'put' if put else 'get'} {view.request}")
+        job = self._job(view, hint, attempt, put)
+        with self._lock:
+            if self._closed:
+                raise SubmissionRejected(f"blob backend {self.name!r} is shut down")
+            if self._queued_rows + len(job.keys) > self.max_queued_rows:
+                raise SubmissionRejected(f"blob backend {self.name!r}: {self._queued_rows} rows are queued; "
+                                         f"{len(job.keys)} more would pass max_queued_rows={self.max_queued_rows}")
+            self._own.use(hint, attempt)
+            self._jobs.append(job)
+            self._queued_rows += len(job.keys)
+            self._lock.notify()
+        return attempt
+
+    def _job(self, view: View, hint: Hint, attempt: TrackedAttempt, put: bool) -> _Job:
+        """The rows with a counterpart in the hint, under the hint's names (InvalidSubmission
+        if it names none); rows without one stay False."""
+        keys: list[bytes] = []
+        addresses, sizes, groups, rows = [], [], [], []
+        for i, match in enumerate(match_rows(view, hint)):
+            if match.peer is None or match.local_rows.size == 0:
+                continue
+            names = hint_names(hint, match.peer.layer_group, len(match.peer))
+            keys += [names[r] for r in match.peer_rows.tolist()]
+            region = match.local.region
+            addresses.append(region.address + match.local_slots * region.slot_bytes)
+            sizes.append(np.full(match.local_rows.size, region.slot_bytes, dtype=np.int64))
+            groups.append(np.full(match.local_rows.size, i, dtype=np.int64))
+            rows.append(match.local_rows)
+        now = time.monotonic()
+        wait = 0.0 if put else self.fetch_wait_s
+        return _Job(put, attempt, keys, _cat(addresses), _cat(sizes), _cat(groups), _cat(rows), view.row_masks(False),
+                    now + self.timeout_s, now + wait)
+
+    # --- the backend's thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._lock.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            finished = self._step(job)
+            with self._lock:
+                if finished:
+                    self._queued_rows -= len(job.keys)
+                else:
+                    self._jobs.append(job)  # round robin: the next submission's batch goes first
+                    if self._closed and not job.attempt.cancel_requested:
+                        job.attempt.cancel()
+
+    def _step(self, job: _Job) -> bool:
+        """One batch of ``job``, or its conclusion; True once it concluded and quiesced."""
+        now = time.monotonic()
+        if job.attempt.cancel_requested:
+            return self._end(job, Cancelled(False, job.masks))
+        if now > job.deadline:
+            return self._end(job, Failed(f"store {self.driver.name!r}: deadline of {self.timeout_s:g}s passed with "
+                                         f"{job.left} of {len(job.keys)} rows not {'put' if job.put else 'read'}",
+                                         job.masks))
+        if job.left == 0:
+            return self._end(job, self._verdict(job))
+        if not job.put and now < job.wait_until and not self._present(job):
+            time.sleep(IDLE_S if len(self._jobs) == 0 else 0)
+            return False
+        self._batch(job)
+        return False
+
+    def _present(self, job: _Job) -> bool:
+        try:
+            return all(self.driver.exists(job.keys[job.done:]))
+        except StoreError:
+            return False  # the get that follows names the failure per key
+
+    def _batch(self, job: _Job) -> None:
+        end = min(job.done + self.batch_rows, len(job.keys))
+        keys, addresses, sizes = job.keys[job.done:end], job.addresses[job.done:end], job.sizes[job.done:end]
+        try:
+            statuses = (self.driver.put if job.put else self.driver.get)(keys, addresses, sizes)
+        except StoreError as exc:
+            statuses = [KeyStatus.FAILED] * len(keys)
+            job.first_bad = job.first_bad or f"store {self.driver.name!r}: {exc}"
+        ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=np.bool_, count=len(keys))
+        for g in np.unique(job.group[job.done:end]).tolist():
+            sel = job.group[job.done:end] == g
+            job.masks[g][job.row[job.done:end][sel]] = ok[sel]
+        job.statuses.update(statuses)
+        if not job.first_bad and not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            job.first_bad = f"key {keys[i].hex()} of row {int(job.row[job.done + i])} is {statuses[i].value}"
+        self.bytes_moved += int(sizes[ok].sum())
+        job.done = end
+
+    def _verdict(self, job: _Job) -> Delivered | Failed:
+        bad = {s: n for s, n in job.statuses.items() if s is not KeyStatus.OK}
+        if not bad:
+            return Delivered(tuple(job.masks))
+        counts = ", ".join(f"{n} {s.value}" for s, n in sorted(bad.items(), key=lambda kv: kv[0].value))
+        return Failed(f"store {self.driver.name!r}: {sum(bad.values())} of {len(job.keys)} rows not "
+                      f"{'stored' if job.put else 'read'} ({counts}; first: {job.first_bad})", job.masks)
+
+    def _end(self, job: _Job, outcome: Delivered | Failed | Cancelled) -> bool:
+        job.attempt.conclude(outcome)
+        job.attempt.mark_quiesced()  # no batch of it is in the driver: every call has returned
+        return True
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _without(table: RegionTable, kinds: frozenset[MemoryKind], drop: list[SlotRegion]) -> RegionTable:
+    fresh = RegionTable(kinds)
+    fresh.add([r for r in table if r not in drop])
+    return fresh

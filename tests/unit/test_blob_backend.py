@@ -1,0 +1,190 @@
+"""BlobBackend over the in-memory store: what a lease holder relies on beyond the kit. Rows
+come back byte for byte; a missing, lost or failed key is False and the fetch Failed, naming
+it; a full store, a dead one, a deadline and a cancel end with exact masks; the queue is
+bounded; layouts that differ never share a key; shutdown leaves nothing running."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.backends.blob import BlobBackend, MemoryDriver, MemoryStore, request_names
+from kvxfer.contract import (
+    Attempt,
+    CacheKind,
+    Cancelled,
+    Delivered,
+    Failed,
+    LayerGroupRows,
+    Outcome,
+    SubmissionRejected,
+    TokenRange,
+    View,
+)
+from kvxfer.testing.memory import HostBuffer, HostRows
+
+ROW = 4096
+MADE: list[BlobBackend] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down() -> Iterator[None]:
+    yield
+    while MADE:
+        assert MADE.pop().shutdown() == frozenset()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-blob-")]
+
+
+def _end(store: MemoryStore, name: str, **kw: object) -> tuple[BlobBackend, HostRows]:
+    memory = HostRows([HostBuffer(f"{name}0", ROW, 64)])
+    backend = BlobBackend(MemoryDriver(store), name=name, **kw)  # type: ignore[arg-type]
+    backend.register(memory.regions)
+    MADE.append(backend)
+    return backend, memory
+
+
+def _view(memory: HostRows, request: str, slots: list[int], layout: bytes = b"layout-a") -> View:
+    region = memory.regions[0]
+    rows = LayerGroupRows("g0", CacheKind.PAGED, region, np.asarray(slots, dtype=np.int64),
+                          np.arange(len(slots), dtype=np.int64))
+    return View(request, TokenRange(0, 16 * len(slots)), (rows,), layout)
+
+
+def _done(attempt: Attempt, timeout: float = 10.0) -> Outcome:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not (attempt.poll() is not None and attempt.quiesced()):
+        time.sleep(0.002)
+    outcome = attempt.poll()
+    assert outcome is not None and attempt.quiesced(), attempt
+    return outcome
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n * ROW, dtype=np.uint8).tobytes()
+
+
+def _publish(backend: BlobBackend, memory: HostRows, view: View, data: bytes) -> Outcome:
+    memory.write(view.groups[0].region.name, view.groups[0].slots, data)
+    return _done(backend.publish(view, backend.describe(view)))
+
+
+def test_rows_put_by_one_end_come_back_byte_for_byte_at_another() -> None:
+    store = MemoryStore()
+    prefill, pm = _end(store, "prefill")
+    decode, dm = _end(store, "decode")
+    data = _payload(10)
+    assert isinstance(_publish(prefill, pm, _view(pm, "r1", [9, 3, 5, 7, 1, 0, 2, 4, 6, 8]), data), Delivered)
+    view = _view(dm, "r1", [40, 41, 12, 13, 14, 50, 51, 52, 53, 63])
+    outcome = _done(decode.fetch(view, decode.describe(view)))
+    assert isinstance(outcome, Delivered) and outcome.all_delivered
+    assert dm.read("decode0", view.groups[0].slots) == data
+    assert store.used == 10 * ROW and prefill.bytes_moved == decode.bytes_moved == 10 * ROW
+
+
+def test_a_missing_or_lost_key_is_false_and_the_fetch_fails_naming_it() -> None:
+    store = MemoryStore()
+    prefill, pm = _end(store, "prefill")
+    decode, dm = _end(store, "decode")
+    _publish(prefill, pm, _view(pm, "r1", list(range(6))), _payload(6))
+    store.lose(request_names(_view(pm, "r1", list(range(6))))[0][4:5])  # evicted: block 4
+    view = _view(dm, "r1", list(range(10, 18)))  # 8 blocks: 6 and 7 were never put
+    outcome = _done(decode.fetch(view, decode.describe(view)))
+    assert isinstance(outcome, Failed)
+    assert outcome.masks[0].tolist() == [True, True, True, True, False, True, False, False]
+    assert "3 of 8 rows not read (3 missing" in outcome.reason and "of row 4 is missing" in outcome.reason
+
+
+def test_a_full_store_refuses_what_does_not_fit_and_a_dead_one_fails_every_row() -> None:
+    store = MemoryStore(capacity_bytes=5 * ROW)
+    prefill, pm = _end(store, "prefill")
+    outcome = _publish(prefill, pm, _view(pm, "r1", list(range(8))), _payload(8))
+    assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [True] * 5 + [False] * 3
+    assert "3 full" in outcome.reason
+    store.down = True
+    decode, dm = _end(store, "decode")
+    view = _view(dm, "r1", list(range(5)))
+    outcome = _done(decode.fetch(view, decode.describe(view)))
+    assert isinstance(outcome, Failed) and outcome.rows_delivered == 0 and "5 failed" in outcome.reason
+
+
+def test_a_fetch_waits_for_keys_a_publisher_is_still_putting_when_asked_to() -> None:
+    store = MemoryStore()
+    prefill, pm = _end(store, "prefill")
+    decode, dm = _end(store, "decode", fetch_wait_s=5.0)
+    view = _view(dm, "r1", list(range(4)))
+    fetching = decode.fetch(view, decode.describe(view))
+    time.sleep(0.2)
+    assert fetching.poll() is None  # waiting, not failed
+    data = _payload(4, seed=3)
+    _publish(prefill, pm, _view(pm, "r1", [7, 6, 5, 4]), data)
+    assert isinstance(_done(fetching), Delivered) and dm.read("decode0", view.groups[0].slots) == data
+
+
+def test_deadline_and_cancel_end_between_batches_with_exact_masks() -> None:
+    store = MemoryStore()
+    prefill, pm = _end(store, "prefill", batch_rows=2, timeout_s=0.5)
+    store.delay_s = 0.2  # per batch of 2 rows: 8 rows need 0.8 s
+    outcome = _publish(prefill, pm, _view(pm, "r1", list(range(8))), _payload(8))
+    assert isinstance(outcome, Failed) and "deadline of 0.5s passed" in outcome.reason
+    delivered = outcome.masks[0]
+    assert 0 < delivered.sum() < 8 and delivered.tolist() == sorted(delivered.tolist(), reverse=True)
+    assert store.used == int(delivered.sum()) * ROW  # what the mask says is stored, is
+    store.delay_s = 0.05
+    slow, sm = _end(store, "slow", batch_rows=2)
+    view = _view(sm, "r2", list(range(8)))
+    attempt = slow.publish(view, slow.describe(view))
+    time.sleep(0.08)
+    attempt.cancel()
+    outcome = _done(attempt)
+    assert isinstance(outcome, Cancelled) and 0 < outcome.rows_delivered < 8
+
+
+def test_the_queue_is_bounded_and_a_refused_submission_touches_nothing() -> None:
+    store = MemoryStore()
+    store.delay_s = 0.05
+    prefill, pm = _end(store, "prefill", max_queued_rows=6)
+    first = _view(pm, "r1", list(range(4)))
+    attempt = prefill.publish(first, prefill.describe(first))
+    second = _view(pm, "r2", list(range(10, 14)))
+    with pytest.raises(SubmissionRejected, match="4 rows are queued; 4 more would pass max_queued_rows=6"):
+        prefill.publish(second, prefill.describe(second))
+    _done(attempt)
+    assert store.puts == 4  # nothing of r2
+    assert isinstance(_done(prefill.publish(second, prefill.describe(second))), Delivered)  # room again
+
+
+def test_layouts_that_differ_never_share_a_key() -> None:
+    store = MemoryStore()
+    a, am = _end(store, "a")
+    b, bm = _end(store, "b")
+    _publish(a, am, _view(am, "r1", [0, 1], layout=b"layout-a"), _payload(2, seed=1))
+    view = _view(bm, "r1", [5, 6], layout=b"layout-b")
+    outcome = _done(b.fetch(view, b.describe(view)))
+    assert isinstance(outcome, Failed) and outcome.rows_delivered == 0 and "2 missing" in outcome.reason
+
+
+def test_wake_comes_after_the_outcome_is_visible_and_shutdown_stops_the_thread() -> None:
+    store = MemoryStore()
+    prefill, pm = _end(store, "prefill")
+    seen: list[bool] = []
+    holder: list[Attempt] = []
+    ready = threading.Event()
+
+    def wake() -> None:
+        if holder:
+            seen.append(holder[0].poll() is not None)
+            if holder[0].quiesced():
+                ready.set()
+
+    view = _view(pm, "r1", list(range(3)))
+    holder.append(prefill.publish(view, prefill.describe(view), wake))
+    assert ready.wait(5) and all(seen)
+    assert "kvxfer-blob-prefill" in {t.name for t in threading.enumerate()}
+    assert prefill.shutdown() == frozenset()
+    assert "kvxfer-blob-prefill" not in {t.name for t in threading.enumerate()}
+    with pytest.raises(SubmissionRejected, match="shut down"):
+        prefill.publish(view, prefill.describe(view))
