@@ -37,6 +37,11 @@ class WorkerConfig:
     layout: str = "block_major"
     peer_tp: int = 1
     engine_kv: bool = False
+    # A KV store (kvxfer.worker.store): "" none, "memory" (a /dev/shm directory the host's
+    # processes share, at store_path) or "mooncake" (a Mooncake Store, its master at store_master).
+    store: str = ""
+    store_path: str = ""
+    store_master: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -49,9 +54,22 @@ class WorkerConfig:
             object.__setattr__(self, "engine_kv", True)
         if self.engine_kv:
             self._check_engine_kv()
+        if self.store:
+            self._check_store()
         if self.arena_bytes is not None and (self.backend != "nixl" or self.arena_bytes < 0):
             raise ValueError(f"arena_bytes applies to the nixl backend only and is >= 0, got {self.arena_bytes} "
                              f"with {self.backend!r}")
+
+    def _check_store(self) -> None:
+        if self.store not in ("memory", "mooncake"):
+            raise ValueError(f"store must be 'memory' or 'mooncake', got {self.store!r}")
+        if self.engine_kv:
+            raise ValueError("a TP group (--tp, --kv-block-tokens, --kv-layout) does not use a KV store: the store "
+                             "keeps pool rows under their block names")
+        if self.lender != "inplace":
+            raise ValueError("--store reads and writes the pool's rows in place: use --lender inplace")
+        if self.store == "mooncake" and not self.store_master:
+            raise ValueError("--store mooncake needs --store-master HOST:PORT (the Mooncake master)")
 
     def _check_engine_kv(self) -> None:
         for name in ("tp", "peer_tp"):

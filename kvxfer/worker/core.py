@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvxfer.backends.blob import MemoryStore
 from kvxfer.backends.common.transfers import MAX_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import Backend
@@ -36,6 +37,7 @@ from kvxfer.worker.movers import GroupMover
 from kvxfer.worker.prefill import Held, PrefillRole
 from kvxfer.worker.ranks import GroupLender
 from kvxfer.worker.state import WorkerState
+from kvxfer.worker.store import StoreSide, make_store_driver
 
 # Where callers have always found them.
 __all__ = ["ROLES", "Aborted", "Refused", "Worker", "WorkerConfig", "outcome_bytes", "reason_label"]
@@ -45,7 +47,9 @@ T = TypeVar("T")
 
 class Worker:
     def __init__(self, config: WorkerConfig, *, model: LlamaModel | None = None,
-                 fabric: LoopbackFabric | None = None) -> None:
+                 fabric: LoopbackFabric | None = None, shared_store: MemoryStore | None = None) -> None:
+        """``fabric``: the loopback backend's, for workers of one process; ``shared_store``:
+        an in-process store that ``store="memory"`` uses instead of /dev/shm (tests)."""
         self.config = config
         self.role = config.role
         # Bare "cuda" means the caller's current device, pinned here: the engine thread that
@@ -57,6 +61,7 @@ class Worker:
         self.device = str(device)  # where the pool lives (announced by ``kvxfer serve``)
         self.name = config.name or f"{config.role}"
         self._fabric = fabric
+        self._shared_store = shared_store
         self._engine = EngineThread(self.name, device)
         self._state = WorkerState(config, model, self.name, self._engine)
         self._prefill = PrefillRole(self._state)
@@ -105,6 +110,11 @@ class Worker:
         else:
             s.lender = InPlaceLender(pool)
         self._make_backend(_cuda_index(pool))
+        if cfg.store:
+            driver = make_store_driver(cfg.store, path=cfg.store_path, master=cfg.store_master,
+                                       shared=self._shared_store)
+            s.store = StoreSide(driver, pool, s.lender, self._engine, s.meters, cfg.transfer_timeout_s,
+                                f"{self.name}-store")
 
     def _build_group(self) -> None:
         """A TP group of pools, one per rank, lent in place and moved as engine geometries."""
@@ -150,6 +160,8 @@ class Worker:
         self._prefill.held.clear()
         self._engine.torn_down = True  # from here on no job touches the pool (see EngineThread)
         unquiesced = len(s.backend.shutdown()) if s.backend is not None else 0
+        if s.store is not None:
+            unquiesced += s.store.shutdown()
         if unquiesced == 0:
             s.quarantine.release_proven()  # rule 3: the backend proved nothing it submitted can touch memory
         s.reclaim()

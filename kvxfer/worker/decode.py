@@ -67,7 +67,7 @@ class DecodeRole:
         s.calls.refuse_if_aborted_early(rid)
         s.calls.starting[rid] = "reserve"
         try:
-            hint, lease, view, reused = await s.engine.run(self._reserve_sync, rid, prompt, max_new, publisher)
+            hint, lease, view, reused, stored = await self._reserve_rows(rid, prompt, max_new, publisher)
         finally:
             aborted = s.calls.end_start(rid)
         if aborted:
@@ -76,13 +76,29 @@ class DecodeRole:
             await s.engine.run(s.release_and_free, lease, rid)
             raise Aborted(f"request {rid!r} was aborted while it was reserved; its rows are released")
         self.reserved[rid] = Reserved(prompt, max_new, lease, view, time.monotonic())
-        return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows, "reused_tokens": reused}
+        return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows,
+                "reused_tokens": reused + stored, "store_tokens": stored}
 
-    def _reserve_sync(self, rid: str, prompt: list[int], max_new: int, publisher: Peer
-                      ) -> tuple[bytes, Lease, View, int]:
+    async def _reserve_rows(self, rid: str, prompt: list[int], max_new: int, publisher: Peer
+                            ) -> tuple[bytes, Lease, View, int, int]:
+        """Allocate (sharing cached prefix blocks), fetch what follows from the store when this
+        worker has one, then lend the rest for writing and describe it: hint D, the lease, its
+        view, the tokens reused here and those the store gave."""
         s = self._s
-        pool, lender, backend = s.pool, s.lender, s.backend
-        assert pool is not None and lender is not None and backend is not None
+        reused = await s.engine.run(self._allocate_reserved, rid, prompt, max_new)
+        stored = 0
+        try:
+            if s.store is not None:
+                stored = await s.store.lookup(rid, prompt, reused)
+            hint, lease, view = await s.engine.run(self._lend_reserved, rid, len(prompt), publisher)
+        except BaseException:
+            await s.engine.run(s.free, rid)
+            raise
+        return hint, lease, view, reused, stored
+
+    def _allocate_reserved(self, rid: str, prompt: list[int], max_new: int) -> int:
+        s = self._s
+        assert s.pool is not None
         need = tokens_needed(len(prompt), max_new)
         if need > s.config.model.max_positions:
             raise Refused(f"prompt plus completion is {need} tokens, over max_positions "
@@ -90,10 +106,15 @@ class DecodeRole:
         # Share cached full blocks of the prompt except its last token: at least one row
         # always moves, so every request has a transfer whose outcome says it is complete.
         ids = prompt[:-1] if s.config.prefix_cache else None
-        reused = pool.allocate(rid, need, token_ids=ids)
+        return s.pool.allocate(rid, need, token_ids=ids)
+
+    def _lend_reserved(self, rid: str, n: int, publisher: Peer) -> tuple[bytes, Lease, View]:
+        s = self._s
+        lender, backend = s.lender, s.backend
+        assert lender is not None and backend is not None
         lease = None
         try:
-            lease = lender.lend_write(rid, (0, len(prompt)))
+            lease = lender.lend_write(rid, (0, n))
             view = lease.view()
             if view is None:
                 raise Refused("no staging slots free for this reservation now; retry later")
@@ -103,9 +124,8 @@ class DecodeRole:
         except BaseException:
             if lease is not None:
                 lease.release()  # no hint went out: nothing can touch these rows
-            pool.free(rid)
             raise
-        return hint, lease, view, reused
+        return hint, lease, view
 
     # --- dropping reservations -----------------------------------------------------------------
     async def drop(self, rid: str, rows_safe: bool) -> bool:

@@ -54,6 +54,9 @@ class Meters:
                                    "Set-aside rows given back once no peer could touch them.")
         self.blocks = r.gauge("kvxfer_pool_blocks", "Pool blocks by state.", ("group", "state"))
         self.active = r.gauge("kvxfer_worker_active_streams", "Publish or generate streams in progress.")
+        self.store_rows = r.counter("kvxfer_store_rows_total", "Rows put into or read from the KV store, by "
+                                    "operation and whether the store took or held them.", ("op", "result"))
+        self.store_errors = r.counter("kvxfer_store_errors_total", "Store calls that failed as a whole.", ("op",))
 
     def count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:
         """Count a concluded transfer; its figures, as the /publish and /generate streams report them."""

@@ -55,6 +55,10 @@ class PrefillRole:
         seconds = time.perf_counter() - start
         s.meters.prefill.observe(seconds)
         s.meters.tokens.inc()
+        if s.store is not None:
+            # Before answering: the blocks are read while nothing else can free them, and a
+            # decode worker reserving for a later request with this prefix finds them.
+            await s.store.offer(rid, prompt)
         self.held[rid] = Held(prompt, first, time.monotonic())
         return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt),
                 "publisher": s.publisher()}

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvxfer.backends.blob import ShmDriver, StoreError
 from kvxfer.contract import TransferMode
 from kvxfer.engine import (
     MODELS,
@@ -40,6 +41,7 @@ from kvxfer.serving.startup import LOG_LEVELS, check_serving, listen, log_level
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
 from kvxfer.worker.core import Worker, WorkerConfig
+from kvxfer.worker.procs import port_open
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -186,10 +188,11 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
                           mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
-                          model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None, chunk_pause_s=args.nixl_chunk_pause,
+                          model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None,
+                          chunk_pause_s=args.nixl_chunk_pause,
                           device=str(model.device), busy_poll=args.busy_poll,
                           arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20,
-                          **engine_kv_fields(args))
+                          **engine_kv_fields(args), **store_fields(args))
     worker = Worker(config, model=model)
     await worker.start()
     server = HttpServer(make_handler(worker), args.host, args.port)
@@ -269,8 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peer-tp", type=int, default=1, help="decode: the TP of the prefill workers it fetches from")
     g.add_argument("--kv-block-tokens", type=int, default=0, help="tokens per KV block (0: the model's)")
     g.add_argument("--kv-layout", default="block_major", choices=["block_major", "layer_major"])
+    g = p.add_argument_group("KV store: prefill puts its prompt blocks, decode takes what it finds (kvxfer.worker.store)")
+    g.add_argument("--store", default="", choices=["", "memory", "mooncake"],
+                   help="memory: a /dev/shm directory this host's workers share; mooncake: a Mooncake Store")
+    g.add_argument("--store-path", default="/dev/shm/kvxfer-store", metavar="DIR", help="--store memory: the directory")
+    g.add_argument("--store-master", default="", metavar="HOST:PORT",
+                   help="--store mooncake: its master (python -m kvxfer.backends.blob.mooncake_master)")
     add_model_args(p)
     return p
+
+
+def store_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The WorkerConfig fields of the store flags."""
+    return {"store": args.store, "store_path": args.store_path, "store_master": args.store_master}
 
 
 def engine_kv_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -284,7 +298,7 @@ def check_engine_kv(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     try:
         WorkerConfig(role=args.role, model=ModelConfig(kv_heads=args.kv_heads, heads=args.heads),
                      backend=args.backend, lender=args.lender, prefix_cache=not args.no_prefix_cache,
-                     **engine_kv_fields(args))
+                     **engine_kv_fields(args), **store_fields(args))
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -300,6 +314,23 @@ def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--transfer-timeout must be positive, got {args.transfer_timeout}")
     if not args.nixl_chunk_pause >= 0:
         parser.error(f"--nixl-chunk-pause must not be negative, got {args.nixl_chunk_pause}")
+
+
+def check_store(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A store this worker could not open, named before anything is built: a directory it
+    cannot write, a Mooncake master that does not answer."""
+    if args.store == "memory":
+        try:
+            ShmDriver(args.store_path).close()
+        except StoreError as exc:
+            parser.error(f"--store memory: {exc}")
+    elif args.store == "mooncake":
+        host, _, port = args.store_master.rpartition(":")
+        if not host or not port.isdigit():
+            parser.error(f"--store-master must be HOST:PORT, got {args.store_master!r}")
+        if not port_open(int(port), host):
+            parser.error(f"--store mooncake: no Mooncake master answers at {args.store_master} "
+                         "(start one: python -m kvxfer.backends.blob.mooncake_master)")
 
 
 def check_backend(parser: argparse.ArgumentParser, backend: str) -> None:
@@ -319,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     check_serving(parser, args.host, args.port)
     check_model_args(parser, args)
     check_engine_kv(parser, args)
+    check_store(parser, args)
     try:
         device = parse_device(args.device)
         check_visible(device)

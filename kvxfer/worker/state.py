@@ -16,6 +16,7 @@ from kvxfer.worker.meters import Meters
 from kvxfer.worker.movers import Mover, PoolMover
 from kvxfer.worker.quarantine import Quarantine
 from kvxfer.worker.ranks import GroupLender
+from kvxfer.worker.store import StoreSide
 
 
 class WorkerState:
@@ -34,6 +35,7 @@ class WorkerState:
         self.lender: Lender | GroupLender | None = None
         self.backend: Backend | None = None
         self.mover: Mover = PoolMover()
+        self.store: StoreSide | None = None  # --store: prefill puts, decode looks up (kvxfer.worker.store)
         self.closed = False
 
     def need(self, role: str) -> None:

@@ -41,6 +41,10 @@ def test_a_port_in_use_is_refused_before_anything_is_built() -> None:
     ([], {"KVXFER_HINT_KEY": "not-hex"}, "KVXFER_HINT_KEY must be the key in hex"),
     ([], {"KVXFER_HINT_KEY": "abcd"}, "at least 16 bytes"),
     (["--model", "no-such-model"], {}, "no-such-model"),
+    (["--store", "mooncake"], {}, "--store mooncake needs --store-master HOST:PORT"),
+    (["--store", "mooncake", "--store-master", "127.0.0.1:1"], {}, "no Mooncake master answers at 127.0.0.1:1"),
+    (["--store", "memory", "--store-path", "/proc/kvxfer-store"], {}, "--store memory: store directory /proc/kvxfer"),
+    (["--store", "memory", "--lender", "staging"], {}, "--store reads and writes the pool's rows in place"),
 ])
 def test_bad_settings_are_one_line(flags: list[str], env: dict[str, str], needle: str) -> None:
     refused(serve(*flags, env=env), needle)

@@ -1,0 +1,188 @@
+"""A worker's side of a KV store (``kvxfer serve --store memory|mooncake``).
+
+A prefill worker puts its prompt's full blocks into the store as soon as it has computed
+them, each under its block name (``kvxfer.pool.block_names``: chained over the token ids,
+under the pool's layout identity, so only a worker with the same model and layout ever
+reads it). A decode worker, when it reserves rows for a prompt, first takes what its own
+prefix cache holds, then fetches from the store the blocks that follow, as far as the store
+has them; hint D then covers only the rest, so the prefill worker sends only that. A store
+that lacks a block, loses it or fails is a miss, never an error: the rows come from the
+prefill worker (or are recomputed) as without a store.
+
+Only full blocks of the prompt without its last token are named, as for the prefix cache:
+a request always has at least one row to move.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxfer.backends.blob import BlobBackend, BlobDriver, MemoryDriver, MemoryStore, ShmDriver
+from kvxfer.contract import Attempt, Outcome, View
+from kvxfer.lender import Lease, Lender
+from kvxfer.pool import PagedKVPool, block_names
+from kvxfer.worker.engine_thread import EngineThread
+from kvxfer.worker.meters import Meters
+
+log = logging.getLogger("kvxfer.worker.store")
+
+STORES = ("memory", "mooncake")
+
+
+def make_store_driver(kind: str, *, path: str = "", master: str = "", segment_bytes: int = 0,
+                      shared: MemoryStore | None = None) -> BlobDriver:
+    """``memory``: files in a /dev/shm directory that the host's processes share (or, given
+    ``shared``, an in-process MemoryStore, for workers of one process); ``mooncake``: a
+    Mooncake Store whose master is at ``master``."""
+    if kind == "memory":
+        if shared is not None:
+            return MemoryDriver(shared)
+        return ShmDriver(path) if path else ShmDriver()
+    if kind == "mooncake":
+        from kvxfer.backends.blob.mooncake import MooncakeDriver  # noqa: PLC0415 - mooncake loads only when asked
+
+        if not master:
+            raise ValueError("--store mooncake needs --store-master HOST:PORT (the Mooncake master)")
+        return MooncakeDriver(master, segment_bytes=segment_bytes) if segment_bytes else MooncakeDriver(master)
+    raise ValueError(f"store must be one of {STORES}, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class StoreFigures:
+    """One store call's rows: asked, found (or stored), and the tokens they make up."""
+
+    rows: int
+    hits: int
+    tokens: int
+    seconds: float
+
+
+class StoreSide:
+    """Puts (prefill) and fetches (decode) through a BlobBackend, named by the prompt's tokens."""
+
+    def __init__(self, driver: BlobDriver, pool: PagedKVPool, lender: Lender, engine: EngineThread,
+                 meters: Meters, timeout_s: float, name: str) -> None:
+        self.backend = BlobBackend(driver, name=name, namer=self.names, timeout_s=timeout_s)
+        skipped = self.backend.register(lender.regions)
+        if skipped:
+            self.backend.shutdown()
+            raise RuntimeError(f"the {driver.name} store reaches host memory only, not the pool's "
+                               f"{', '.join(sorted({r.memory_kind.name for r in skipped}))} memory: serve the "
+                               "pool from the CPU, or go without --store")
+        self._pool = pool
+        self._lender = lender
+        self._engine = engine
+        self._meters = meters
+        self._timeout_s = timeout_s
+        self._ids: dict[str, np.ndarray] = {}  # a request's token ids, while its view is described
+        self._bt = pool.groups[0].block_tokens
+
+    def names(self, view: View) -> list[list[bytes]]:
+        """The Namer the backend asks at describe(): each row's block name."""
+        ids = self._ids[view.request]
+        identity = self._pool.identity
+        out = []
+        for group in view.groups:
+            spec = self._pool.group(group.layer_group)
+            chain = block_names(identity, group.layer_group, spec.block_tokens, ids)
+            out.append([chain[o] for o in group.ordinals.tolist()])
+        return out
+
+    def _named_blocks(self, prompt: Sequence[int]) -> int:
+        return (len(prompt) - 1) // self._bt
+
+    # --- what the roles call: a store's trouble is a miss, never the request's failure -------
+    async def offer(self, rid: str, prompt: Sequence[int]) -> int:
+        """Prefill: put the prompt's full blocks; how many the store took."""
+        try:
+            return (await self.put(rid, prompt)).hits
+        except Exception as exc:  # the request goes on without the store
+            log.warning("store %s: putting %s failed: %s", self.backend.driver.name, rid, exc)
+            self._meters.store_errors.inc(op="put")
+            return 0
+
+    async def lookup(self, rid: str, prompt: Sequence[int], reused_tokens: int) -> int:
+        """Decode: fetch what the store holds past ``reused_tokens``; the tokens it gave."""
+        try:
+            return (await self.fetch(rid, prompt, reused_tokens)).tokens
+        except Exception as exc:  # the prefill worker sends those rows instead
+            log.warning("store %s: fetching %s failed: %s", self.backend.driver.name, rid, exc)
+            self._meters.store_errors.inc(op="get")
+            return 0
+
+    def shutdown(self) -> int:
+        """Stop the store's backend (and close its driver); attempts not proven quiesced."""
+        return len(self.backend.shutdown())
+
+    # --- prefill: put ------------------------------------------------------------------------
+    async def put(self, rid: str, prompt: Sequence[int]) -> StoreFigures:
+        """Put ``rid``'s full prompt blocks (computed and committed) under their names."""
+        blocks = self._named_blocks(prompt)
+        if blocks == 0:
+            return StoreFigures(0, 0, 0, 0.0)
+        return await self._move(rid, prompt, 0, blocks, put=True)
+
+    # --- decode: fetch -----------------------------------------------------------------------
+    async def fetch(self, rid: str, prompt: Sequence[int], reused_tokens: int) -> StoreFigures:
+        """Fetch the prompt's named blocks past ``reused_tokens`` into ``rid``'s rows, as far as
+        the store holds them; the tokens now held from the store (a prefix: after a gap, rows
+        that arrived count as filled but not as usable)."""
+        start, blocks = reused_tokens // self._bt, self._named_blocks(prompt)
+        if start >= blocks:
+            return StoreFigures(0, 0, 0, 0.0)
+        return await self._move(rid, prompt, start, blocks, put=False)
+
+    async def _move(self, rid: str, prompt: Sequence[int], start: int, end: int, *, put: bool) -> StoreFigures:
+        event, wake = self._engine.waker()
+        began = time.perf_counter()
+        lease, view, attempt = await self._engine.run(self._submit, rid, prompt, start, end, put, wake)
+        try:
+            outcome = await self._engine.settle(attempt, event, self._timeout_s)
+            await self._engine.wait(attempt, event, 5.0, lambda a: a.quiesced())
+        finally:
+            if attempt.quiesced():
+                await self._engine.run(self._settled, lease, None if put else attempt.poll())
+            # else: the lease tracks the attempt, and the lender keeps its rows until it quiesces
+        return self._count(view, outcome, start, put, time.perf_counter() - began)
+
+    def _submit(self, rid: str, prompt: Sequence[int], start: int, end: int, put: bool,
+                wake: Callable[[], None]) -> tuple[Lease, View, Attempt]:
+        tokens = (start * self._bt, end * self._bt)
+        lease = self._lender.lend_read(rid, tokens) if put else self._lender.lend_write(rid, tokens)
+        view = lease.view()
+        if view is None:
+            lease.release()
+            raise RuntimeError(f"request {rid!r}: the store's lease is not ready")
+        self._ids[rid] = np.asarray(prompt[: end * self._bt], dtype=np.int64)
+        try:
+            hint = self.backend.describe(view)
+        finally:
+            del self._ids[rid]
+        try:
+            attempt = (self.backend.publish if put else self.backend.fetch)(view, hint, wake)
+        except BaseException:
+            lease.release()  # a blob backend's refusal promises nothing escaped
+            raise
+        lease.track(attempt)
+        return lease, view, attempt
+
+    def _settled(self, lease: Lease, outcome: Outcome | None) -> None:
+        if outcome is not None:
+            lease.mark_arrived(outcome.masks)
+        lease.release()
+
+    def _count(self, view: View, outcome: Outcome, start: int, put: bool, seconds: float) -> StoreFigures:
+        mask = np.concatenate(outcome.masks) if outcome.masks else np.zeros(0, dtype=np.bool_)
+        hits = int(mask.sum())
+        op = "put" if put else "get"
+        self._meters.store_rows.inc(hits, op=op, result="hit")
+        self._meters.store_rows.inc(view.rows - hits, op=op, result="miss")
+        # A fetch's usable prefix: its rows in ordinal order up to the first miss.
+        ordinals = np.concatenate([g.ordinals for g in view.groups]) if view.groups else mask
+        prefix = int(np.argmin(mask[np.argsort(ordinals)])) if not mask.all() else mask.size
+        return StoreFigures(view.rows, hits, (prefix if not put else hits) * self._bt, seconds)
