@@ -10,8 +10,10 @@ Mooncake Store).
 from kvxfer.backends.blob.backend import BACKEND_KIND, BlobBackend
 from kvxfer.backends.blob.driver import BlobDriver, KeyStatus, Span, StoreError
 from kvxfer.backends.blob.memory import MemoryDriver, MemoryStore
+from kvxfer.backends.blob.mooncake import MooncakeDriver
+from kvxfer.backends.blob.mooncake_master import MooncakeMaster
 from kvxfer.backends.blob.names import NAME_BYTES, Namer, request_names
 from kvxfer.backends.blob.shm import ShmDriver
 
 __all__ = ["BACKEND_KIND", "NAME_BYTES", "BlobBackend", "BlobDriver", "KeyStatus", "MemoryDriver", "MemoryStore",
-           "Namer", "ShmDriver", "Span", "StoreError", "request_names"]
+           "MooncakeDriver", "MooncakeMaster", "Namer", "ShmDriver", "Span", "StoreError", "request_names"]

@@ -172,9 +172,13 @@ class BlobBackend(Backend):
         self._thread.join(self.timeout_s)
         left = frozenset(j.attempt for j in jobs if not j.attempt.quiesced())
         if first and not self._thread.is_alive():
-            for region in self._regions:
-                self.driver.unregister(Span(region.address, region.slot_bytes * region.slots))
-            self.driver.close()
+            try:
+                for region in self._regions:
+                    self.driver.unregister(Span(region.address, region.slot_bytes * region.slots))
+            except StoreError as exc:  # the store may be gone: closing still releases the connection
+                log.warning("blob backend %s: unregistering from store %r failed: %s", self.name, self.driver.name, exc)
+            finally:
+                self.driver.close()
         return left
 
     # --- submission --------------------------------------------------------------------------
