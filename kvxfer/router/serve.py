@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from kvxfer.router.router import POLICIES, Router
 from kvxfer.router.workers import SELECTIONS
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import HttpServer, check_url
-from kvxfer.serving.startup import LOG_LEVELS, check_serving, listen, log_level
+from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 
 
 async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
@@ -38,10 +37,8 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
                     timeout_s=args.timeout)
     frontend = OpenAIFrontend(router, model=args.model or None, tokenizer=args.tokenizer)
     server = HttpServer(make_handler(router, frontend), args.host, args.port, access_log="kvxfer.router.access")
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals(loop)
     try:
         port = await listen(server, "kvxfer router", args.host, args.port)
         if port is None:
@@ -53,6 +50,7 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
         print(f"kvxfer router: listening on http://{args.host}:{port}", file=sys.stderr, flush=True)
         await stop.wait()
     finally:
+        ignore_late_stops(loop)
         await server.close()  # closes the streams still open: their requests' aborts start now
         await router.close()
         if args.json:

@@ -17,7 +17,10 @@ def watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     """Set ``stop`` when stdin reaches EOF: the parent that holds its other end is gone."""
     def run() -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            # os.read, not sys.stdin: a daemon thread blocked inside the buffered reader holds
+            # its lock, and an interpreter exiting meanwhile aborts ("could not acquire lock
+            # for <stdin> at interpreter shutdown").
+            while os.read(0, 4096):
                 pass
         except (OSError, ValueError):
             pass

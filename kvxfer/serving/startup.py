@@ -10,7 +10,9 @@ than on the first request.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
+import signal
 import socket
 import sys
 
@@ -68,3 +70,20 @@ async def listen(server: HttpServer, prog: str, host: str, port: int) -> int | N
     except OSError as exc:
         print(f"{prog}: error: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr, flush=True)
         return None
+
+
+def stop_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """An event that SIGTERM or SIGINT sets: a server's signal to stop cleanly."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def ignore_late_stops(loop: asyncio.AbstractEventLoop) -> None:
+    """Once a server is stopping, a second SIGTERM (a parent that closed our stdin and then
+    signalled, as ``ProcessGroup.stop`` does) must not kill it mid-exit (status -15): the
+    loop would put SIGTERM back to its default when it closes, so it is ignored from now on.
+    SIGKILL still ends a server that hangs."""
+    loop.remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -42,6 +42,7 @@ class WorkerConfig:
     store: str = ""
     store_path: str = ""
     store_master: str = ""
+    store_segment_mib: int = 256   # mooncake: memory this worker gives the store (0: none, a store server holds)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -70,6 +71,9 @@ class WorkerConfig:
             raise ValueError("--store reads and writes the pool's rows in place: use --lender inplace")
         if self.store == "mooncake" and not self.store_master:
             raise ValueError("--store mooncake needs --store-master HOST:PORT (the Mooncake master)")
+        if self.store_segment_mib < 0 or 0 < self.store_segment_mib < 16:
+            raise ValueError(f"--store-segment-mib must be 0 or at least 16 (Mooncake's least segment), got "
+                             f"{self.store_segment_mib}")
 
     def _check_engine_kv(self) -> None:
         for name in ("tp", "peer_tp"):

@@ -112,7 +112,7 @@ class Worker:
         self._make_backend(_cuda_index(pool))
         if cfg.store:
             driver = make_store_driver(cfg.store, path=cfg.store_path, master=cfg.store_master,
-                                       shared=self._shared_store)
+                                       segment_bytes=cfg.store_segment_mib << 20, shared=self._shared_store)
             s.store = StoreSide(driver, pool, s.lender, self._engine, s.meters, cfg.transfer_timeout_s,
                                 f"{self.name}-store")
 

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from kvxfer.engine import (
 from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import HttpServer
-from kvxfer.serving.startup import LOG_LEVELS, check_serving, listen, log_level
+from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
 from kvxfer.worker.core import Worker, WorkerConfig
@@ -196,10 +195,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     worker = Worker(config, model=model)
     await worker.start()
     server = HttpServer(make_handler(worker), args.host, args.port)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals(loop)
     try:
         port = await listen(server, "kvxfer serve", args.host, args.port)
         if port is None:
@@ -213,6 +210,7 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
               file=sys.stderr, flush=True)
         await stop.wait()
     finally:
+        ignore_late_stops(loop)
         await server.close()
         await worker.metrics_text()  # refreshes the gauges the JSON report reads
         report = await worker.close()
@@ -278,13 +276,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--store-path", default="/dev/shm/kvxfer-store", metavar="DIR", help="--store memory: the directory")
     g.add_argument("--store-master", default="", metavar="HOST:PORT",
                    help="--store mooncake: its master (python -m kvxfer.backends.blob.mooncake_master)")
+    g.add_argument("--store-segment-mib", type=int, default=256, metavar="MIB",
+                   help="--store mooncake: memory this worker gives the store; its puts land there and go with it "
+                        "(0: none, they land in a store server's: mooncake_master --segment-mib)")
     add_model_args(p)
     return p
 
 
 def store_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The WorkerConfig fields of the store flags."""
-    return {"store": args.store, "store_path": args.store_path, "store_master": args.store_master}
+    return {"store": args.store, "store_path": args.store_path, "store_master": args.store_master,
+            "store_segment_mib": args.store_segment_mib}
 
 
 def engine_kv_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -34,11 +34,13 @@ log = logging.getLogger("kvxfer.worker.store")
 STORES = ("memory", "mooncake")
 
 
-def make_store_driver(kind: str, *, path: str = "", master: str = "", segment_bytes: int = 0,
+def make_store_driver(kind: str, *, path: str = "", master: str = "", segment_bytes: int = 256 << 20,
                       shared: MemoryStore | None = None) -> BlobDriver:
     """``memory``: files in a /dev/shm directory that the host's processes share (or, given
     ``shared``, an in-process MemoryStore, for workers of one process); ``mooncake``: a
-    Mooncake Store whose master is at ``master``."""
+    Mooncake Store whose master is at ``master``, this worker giving it ``segment_bytes`` of
+    memory (its own puts land there, and go with it; 0: they land in another client's, a
+    store server's)."""
     if kind == "memory":
         if shared is not None:
             return MemoryDriver(shared)
@@ -48,7 +50,7 @@ def make_store_driver(kind: str, *, path: str = "", master: str = "", segment_by
 
         if not master:
             raise ValueError("--store mooncake needs --store-master HOST:PORT (the Mooncake master)")
-        return MooncakeDriver(master, segment_bytes=segment_bytes) if segment_bytes else MooncakeDriver(master)
+        return MooncakeDriver(master, segment_bytes=segment_bytes)
     raise ValueError(f"store must be one of {STORES}, got {kind!r}")
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from types import TracebackType
 
 from kvxfer.backends.blob.driver import StoreError
+from kvxfer.backends.blob.mooncake import MooncakeDriver
 
 BINARY = "mooncake_master"
 DEFAULT_PORT = 50051
@@ -213,7 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lease-ttl-ms", type=int, default=LEASE_TTL_MS, help="lease of a read blob (ms)")
     parser.add_argument("--evict", action="store_true", help="evict old blobs when full instead of refusing puts")
     parser.add_argument("--log", default=None, help="the master's log file (default: a temporary file)")
+    parser.add_argument("--segment-mib", type=int, default=0,
+                        help="also hold this much of the store's memory in this process (at least 16), so that "
+                             "blobs outlive the workers that put them (workers with --store-segment-mib 0)")
     args = parser.parse_args(argv)
+    if args.segment_mib and args.segment_mib < 16:
+        parser.error(f"--segment-mib must be 0 or at least 16 (Mooncake's least segment), got {args.segment_mib}")
     stop: list[int] = []  # the signals that asked to stop
     previous = {sig: signal.signal(sig, lambda sig, _frame: stop.append(sig)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -230,12 +236,22 @@ def _serve(args: argparse.Namespace, stop: list[int]) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    holder: MooncakeDriver | None = None
     try:
         print(f"mooncake master listening on {master.address}", flush=True)
         print(f"its log: {master.log_path}", flush=True)
+        if args.segment_mib:
+            holder = MooncakeDriver(master.address, segment_bytes=args.segment_mib << 20, host=args.host)
+            print(f"holding {args.segment_mib} MiB of the store's memory", flush=True)
         while master.running() and not stop:
             time.sleep(0.2)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        master.stop()
+        return 1
     finally:
+        if holder is not None:
+            holder.close()
         died = not master.running()
         tail = master.log_tail() if died else ""
         status = master.stop()

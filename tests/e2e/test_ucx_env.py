@@ -1,0 +1,40 @@
+"""A process that made a NIXL agent exits cleanly on a host with libibverbs but no RDMA
+device (this machine, once the Mooncake store's libibverbs1 is installed): importing kvxfer
+skips UCX's InfiniBand module there (kvxfer.ucx_env). Without that, UCX inside NIXL crashed
+such a process with SIGSEGV at exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvxfer.ucx_env import skip_unusable_ib
+
+AGENT = "from nixl._api import nixl_agent, nixl_agent_config; nixl_agent('probe', nixl_agent_config(backends=['UCX']))"
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**clean, **env})
+
+
+def test_a_process_with_a_nixl_agent_exits_cleanly_after_importing_kvxfer() -> None:
+    done = _run("import kvxfer, os; print(os.environ.get('UCX_MODULES')); " + AGENT)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
+        assert done.stdout.splitlines()[0] == "^ib"
+
+
+def test_the_module_is_skipped_only_without_rdma_devices_and_never_over_the_users_choice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UCX_MODULES", raising=False)
+    (tmp_path / "mlx5_0").mkdir()
+    assert not skip_unusable_ib(str(tmp_path)) and "UCX_MODULES" not in os.environ  # a device: left alone
+    assert skip_unusable_ib(str(tmp_path / "absent")) and os.environ["UCX_MODULES"] == "^ib"
+    monkeypatch.setenv("UCX_MODULES", "ib,tcp")
+    assert not skip_unusable_ib(str(tmp_path / "absent")) and os.environ["UCX_MODULES"] == "ib,tcp"
