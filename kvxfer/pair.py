@@ -5,9 +5,11 @@ the GPU when CUDA is present, else in host memory) and ``kvxfer router`` as sepa
 sends N prompts of mixed lengths through the router at the given concurrency, and checks
 every completion token for token against colocated generation (prefill and decode in this
 process, one pool). It prints a report (requests, tokens, TTFT and transfer time p50/p99,
-GB/s, rows, failures) and writes it as JSON with ``--json PATH``. Every process it started
-is stopped on success, on failure and on Ctrl-C. Exit status 0 means every request
-completed and matched; 1 means some did not; 2 means the job could not run.
+GB/s, rows, failures) and writes it as JSON with ``--json PATH``; its phases (reference
+outputs, workers coming up, requests done and failed so far) show on stderr unless ``--quiet``
+(``kvxfer.progress``). Every process it started is stopped on success, on failure and on
+Ctrl-C. Exit status 0 means every request completed and matched; 1 means some did not; 2
+means the job could not run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 
 from kvxfer.engine import LlamaModel, colocated_generate, text_samples, workload_prompts
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
+from kvxfer.progress import Count, Line, wait_announced
+from kvxfer.progress import RequestProgress as Progress
 from kvxfer.router.app import KEEPALIVE_S
 from kvxfer.router.router import KEY_PATTERN
 from kvxfer.serving.http import HttpError, request_text, stream_json
@@ -70,34 +74,6 @@ class Result:
 
 def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
-
-
-class Progress:
-    """A one-line progress bar on stderr (redrawn in place on a terminal, else every 10%)."""
-
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.done, self.tokens, self.failed = total, 0, 0, 0
-        self.enabled = enabled
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-        self._last_decile = -1
-
-    def update(self, result: Result) -> None:
-        self.done += 1
-        self.tokens += len(result.tokens)
-        self.failed += 0 if result.matched else 1
-        if not self.enabled:
-            return
-        width = 30
-        filled = int(width * self.done / max(self.total, 1))
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} requests  {self.tokens} tokens  "
-                f"{self.failed} failed  {time.perf_counter() - self.start:5.1f}s")
-        if self.tty:
-            sys.stderr.write("\r" + line + ("\n" if self.done == self.total else ""))
-            sys.stderr.flush()
-        elif self.done * 10 // max(self.total, 1) > self._last_decile or self.done == self.total:
-            self._last_decile = self.done * 10 // max(self.total, 1)
-            print(line, file=sys.stderr, flush=True)
 
 
 ROUTER_SILENCE_S = 6 * KEEPALIVE_S
@@ -291,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--json", default="", metavar="PATH", help="write the report as JSON")
     p.add_argument("--log-dir", default="", help="worker and router logs (default: a temporary directory)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (reference outputs, workers up, requests done)")
     p.add_argument("--prefill-device", default="",
                    help="the prefill workers' device (auto, cpu, cuda[:N]); empty: --device")
     p.add_argument("--decode-device", default="",
@@ -473,12 +450,24 @@ def _processes(group: ProcessGroup) -> list[dict[str, Any]]:
             for ch in group.children]
 
 
-def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args: argparse.Namespace) -> None:
-    warm = asyncio.run(run_workload(url, prompts[: args.warmup], expected[: args.warmup],
-                                    args.max_new_tokens, 1, args.timeout, Progress(0, enabled=False)))
+def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args: argparse.Namespace,
+             line: Line) -> None:
+    warm = asyncio.run(run_workload(url, prompts[: args.warmup], expected[: args.warmup], args.max_new_tokens, 1,
+                                    args.timeout, Progress(args.warmup, line=line, label="warm-up requests")))
     bad = [r for r in warm if not r.matched]
     if bad:
         print(f"kvxfer pair: warm-up request failed: {bad[0].error or 'tokens differ'}", file=sys.stderr)
+
+
+def _reference(model: LlamaModel, prompts: list[list[int]], max_new: int, line: Line, workers: int) -> list[list[int]]:
+    """Colocated generation of every prompt: what each completion must equal, token for token."""
+    count = Count(line, "computing reference outputs", len(prompts),
+                  detail=f"colocated generation, while {workers} workers start")
+    expected = []
+    for prompt in prompts:
+        expected.append(colocated_generate(model, prompt, max_new))
+        count.advance()
+    return expected
 
 
 def _save_metrics(group: ProcessGroup, log_dir: Path) -> None:
@@ -495,23 +484,25 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
               placed: _Placement, config: dict[str, Any], log_dir: Path) -> tuple[list[Result], float]:
     """Start the workers and the router, send the workload through them; the results and
     the workload's wall time. Adds the processes to ``config``."""
+    line = Line("kvxfer pair", enabled=not args.quiet)
     with group:
+        launched = time.perf_counter()
         workers = _start_workers(group, args, placed)
         # The oracle runs while the workers start (they import torch and NIXL).
-        expected = [colocated_generate(model, prompt, args.max_new_tokens) for prompt in prompts]
-        group.wait_ready(workers, args.startup_timeout)
+        expected = _reference(model, prompts, args.max_new_tokens, line, len(workers))
+        wait_announced(group, workers, args.startup_timeout,
+                       Count(line, "starting workers", len(workers), "up", every_step=True, started=launched))
         router = _start_router(group, args, workers)
         config["processes"] = _processes(group)
         # Atomically: a reader (a test, a supervisor) may poll for the file and must never see half of it.
         staged = log_dir / "processes.json.tmp"
         staged.write_text(json.dumps(config["processes"]) + "\n")
         staged.replace(log_dir / "processes.json")
-        if not args.quiet:
-            print(f"kvxfer pair: {len(workers)} workers and a router up (logs in {log_dir}); "
-                  f"{args.requests} requests, concurrency {args.concurrency}", file=sys.stderr, flush=True)
+        line.say(f"router up at {router.url} (logs in {log_dir}); {args.requests} requests, "
+                 f"concurrency {args.concurrency}")
         if args.warmup:
-            _warm_up(router.url, prompts, expected, args)
-        progress = Progress(len(prompts), enabled=not args.quiet)
+            _warm_up(router.url, prompts, expected, args, line)
+        progress = Progress(len(prompts), line=line)
         start = time.perf_counter()
         results = asyncio.run(run_workload(router.url, prompts, expected, args.max_new_tokens,
                                            args.concurrency, args.timeout, progress))

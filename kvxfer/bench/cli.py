@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = evaluate(result)
     print(report.render_text(result, targets), end="")
     _write_outputs(args, cfg, result, targets)
-    if any(f.reason == runner.INTERRUPTED for f in result.figures):
+    if result.interrupted or any(f.reason == runner.INTERRUPTED for f in result.figures):
         print("kvxfer bench: interrupted; the figures measured before it are written", file=sys.stderr)
         return 130
     return 1 if any(f.status == "error" for f in result.figures) else 0

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip
+from kvxfer.bench.children import start_child
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
 from kvxfer.bench.timing import check_fresh_bytes, cuda_timed, time_runs
@@ -54,11 +55,13 @@ class _PeerBuffer:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=serve_buffer, args=(child, nbytes, peer_device), name="kvxfer-bench-ipc",
                                  daemon=True)
-        self._proc.start()
-        child.close()
         self.nbytes = nbytes
         self.base = 0
         try:
+            try:
+                start_child(self._proc.start)  # spared the terminal's Ctrl-C
+            finally:
+                child.close()
             if not self._conn.poll(_ANSWER_S):
                 raise RuntimeError("the buffer process did not answer")
             handle, _base, size = self._conn.recv()
@@ -78,10 +81,11 @@ class _PeerBuffer:
             self._conn.send("stop")
         except (OSError, ValueError):
             pass
-        self._proc.join(30.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(10.0)
+        if self._proc.pid is not None:  # started (a Ctrl-C may have come first)
+            self._proc.join(30.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(10.0)
         self._conn.close()
 
 

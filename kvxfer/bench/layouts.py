@@ -45,6 +45,7 @@ import numpy as np
 
 from kvxfer.bench.backend_cases import nixl_facts, wait_settled
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope
+from kvxfer.bench.children import start_child
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.local import LocalCopy
 from kvxfer.bench.timing import check_fresh_bytes, time_runs
@@ -194,7 +195,8 @@ class _Ends:
         here, there = config.devices if point.memory == "device" else (0, 0)
         self.s_table, self.d_tables = wl.tables(config.seed + SEED_OFFSET)
         self.src = build_kv(wl.source_spec(), torch_device(point.memory, here))
-        self.ranks = DecodeRanks(RanksSpec(mover.backend, wl.rank_specs(), point.memory, there, mover.options))
+        spec = RanksSpec(mover.backend, wl.rank_specs(), point.memory, there, mover.options)
+        self.ranks = start_child(lambda: DecodeRanks(spec))  # spared the terminal's Ctrl-C
         self.local: Backend | None = None
         try:
             with device_scope(point.memory, here):

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope, hold_until_run_end
+from kvxfer.bench.children import start_child
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, layer_major_addresses, pool_slots, row_addresses
 from kvxfer.bench.timing import Timing, check_fresh_bytes, time_runs
@@ -147,10 +148,12 @@ class NixlPair:
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_target_main, name="kvxfer-bench-nixl-target", daemon=True,
                                  args=(child_conn, f"bench-target-{os.getpid()}", nbytes, memory, self.devices[1]))
-        self._proc.start()
-        child_conn.close()
         self._reg = None
         try:
+            try:
+                start_child(self._proc.start)  # spared the terminal's Ctrl-C
+            finally:
+                child_conn.close()
             status, *rest = self._reply()
             if status != "ready":
                 raise RuntimeError(f"NIXL target process failed to start: {rest[0]}")

@@ -99,6 +99,8 @@ class BenchResult:
     figures: tuple[Figure, ...]
     duration_s: float = 0.0
     schema_version: int = SCHEMA_VERSION
+    # Ctrl-C (or SIGTERM) ended the run; not stored: the figures it did not run say so by their reason.
+    interrupted: bool = False
 
     def find(self, figure_id: str) -> Figure | None:
         for f in self.figures:

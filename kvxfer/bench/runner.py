@@ -25,7 +25,9 @@ from kvxfer.bench.cases import (
     release_shared,
     unmet,
 )
+from kvxfer.bench.children import running_children, stop_leftovers
 from kvxfer.bench.config import BenchConfig, ConfigError, Point, format_size
+from kvxfer.bench.pace import Pace, Work
 from kvxfer.bench.progress import Progress
 from kvxfer.bench.registry import registry
 from kvxfer.bench.results import BenchResult, Figure
@@ -63,10 +65,16 @@ def plan(config: BenchConfig, specs: dict[str, CaseSpec] | None = None) -> list[
     return items
 
 
-def _label(item: _Item) -> str:
+def _point(item: _Item) -> str:
+    """The figure's mode and point, its case aside: what figures of several cases have in common."""
     p = item.point
-    return (f"{item.mode} {item.spec.name} {p.direction} {p.memory} {p.slots} "
-            f"{format_size(p.row_bytes)} x {p.rows}" + (f" x {p.groups} groups" if p.groups > 1 else ""))
+    return (f"{item.mode} {p.direction} {p.memory} {p.slots} {format_size(p.row_bytes)} x {p.rows}"
+            + (f" x {p.groups} groups" if p.groups > 1 else ""))
+
+
+def _label(item: _Item) -> str:
+    mode, _, point = _point(item).partition(" ")
+    return f"{mode} {item.spec.name} {point}"
 
 
 def _measure(runner: CaseRunner, item: _Item, config: BenchConfig) -> Measurement:
@@ -87,27 +95,58 @@ def run(config: BenchConfig, progress: Progress | None = None,
         time_limit_s: float | None = None) -> BenchResult:
     """Every planned figure, in plan order. Past ``time_limit_s``, or on KeyboardInterrupt
     (the CLI turns SIGTERM into one), the figures not yet run are reported as skipped with
-    that reason and the result is returned: a run cut short still writes what it measured."""
+    that reason and the result is returned: a run cut short still writes what it measured.
+    Every child process the cases started is ended by the time it returns."""
     started = time.monotonic()
     load_before = _loadavg()
+    children_before = running_children()
     items = plan(config, specs)
     progress = progress or Progress(len(items), enabled=False)
     progress.total = max(len(items), 1)
+    progress.pace = Pace(_work(config, items))
     cases = _Cases(config, items)
     first = _FirstPass(config, cases, progress, log, _Deadline(started, time_limit_s))
+    interrupted = False
     try:
         for item in items:
             first.take(item)
+        interrupted = first.stop_reason == INTERRUPTED
         if first.stop_reason is None:
-            _second_pass(config, items, first.figures, progress)
+            interrupted = _second_pass(config, items, first.figures, progress)
     finally:
         cases.close()
         release_shared()
+        stop_leftovers(children_before)
         progress.finish()
     # Other work on the machine skews figures: say how busy it was around the run.
     machine = {**results.machine(), "loadavg_1m_before": load_before, "loadavg_1m_after": _loadavg()}
     return BenchResult(results.now(), machine, results.versions(), config.to_json(), tuple(first.figures),
-                       time.monotonic() - started)
+                       time.monotonic() - started, interrupted=interrupted)
+
+
+def unmet_here(config: BenchConfig, item: _Item) -> str | None:
+    """Why ``item`` is skipped on this machine before it runs (a requirement, device memory), or None."""
+    why = unmet(item.spec)
+    if why is None and item.point.memory == "device":
+        placed = devices_missing(config)
+        why = f"device memory: {placed}" if placed else None
+    return why
+
+
+def _work(config: BenchConfig, items: list[_Item]) -> list[Work]:
+    """The figures that will run here, each marked when it is its case's first, then the
+    references' second pass (see ``_second_pass``): what the run's time left is made of."""
+    runs = [i for i in items if unmet_here(config, i) is None]
+    begun: set[str] = set()
+    work = []
+    for item in runs:
+        work.append(Work(item.spec.name, item.spec.name not in begun, _point(item)))
+        begun.add(item.spec.name)
+    return work + [Work(i.spec.name, False, _point(i)) for i in runs if _is_reference(i)]
+
+
+def _is_reference(item: _Item) -> bool:
+    return item.mode == "throughput" and item.spec.role in (Role.REFERENCE, Role.CEILING)
 
 
 def _figure(item: _Item, status: str, reason: str = "", m: Measurement | None = None) -> Figure:
@@ -179,20 +218,29 @@ class _FirstPass:
             self.figures.append(_figure(item, "skipped", self.stop_reason))
             self._progress.advance()
             return
-        self._progress.step(_label(item))
-        self.figures.append(self._figure_of(item))
+        why = unmet_here(self._config, item)
+        began = time.monotonic()
+        try:
+            self._progress.step(_label(item))
+            figure = _figure(item, "skipped", why) if why is not None else self._figure_of(item)
+        except KeyboardInterrupt:  # wherever it comes: building the case, measuring, drawing the line
+            self.stop_reason = INTERRUPTED
+            figure = _figure(item, "skipped", "interrupted while measuring")
+        self.figures.append(figure)
+        if why is None and self._progress.pace is not None:
+            self._progress.pace.ran(item.spec.name, time.monotonic() - began)
         self._progress.advance()
-        self._cases.figure_done(item.spec)
+        try:
+            self._cases.figure_done(item.spec)  # the case's last figure closes its runner (its children)
+        except KeyboardInterrupt:  # the figure stands; what the close left, the run's end stops
+            self.stop_reason = INTERRUPTED
 
     def _figure_of(self, item: _Item) -> Figure:
-        why = self._unmet(item)
-        if why is not None:
-            return _figure(item, "skipped", why)
         runner = self._cases.runner(item.spec)
         if isinstance(runner, str):
             return _figure(item, "error" if runner.startswith("could not") else "skipped", runner)
         try:
-            m = self._measure(runner, item)
+            m = _measure(runner, item, self._config)
             # per figure, since other work on the machine comes and goes during a run
             m.facts.setdefault("loadavg_1m", _loadavg())
             return _figure(item, "ok", m=m)
@@ -204,50 +252,47 @@ class _FirstPass:
                 self._log(f"error in {_label(item)}: {type(err).__name__}: {err}")
             return failed
 
-    def _unmet(self, item: _Item) -> str | None:
-        why = unmet(item.spec)
-        if why is None and item.point.memory == "device":
-            placed = devices_missing(self._config)
-            why = f"device memory: {placed}" if placed else None
-        return why
 
-    def _measure(self, runner: CaseRunner, item: _Item) -> Measurement:
-        try:
-            return _measure(runner, item, self._config)
-        except KeyboardInterrupt:
-            self.stop_reason = INTERRUPTED
-            raise Skip("interrupted while measuring") from None
-
-
-def _second_pass(config: BenchConfig, items: list[_Item], figures: list[Figure], progress: Progress) -> None:
+def _second_pass(config: BenchConfig, items: list[_Item], figures: list[Figure], progress: Progress) -> bool:
     """Measure the references (local copy, NIXL one descriptor) again after everything else
     and keep the faster pass: a reference taken in a moment when other work slowed the
-    machine would overstate every ratio to it. Both passes' figures stay in the facts."""
-    refs = [(i, n) for n, (i, f) in enumerate(zip(items, figures))
-            if f.ok and i.mode == "throughput" and i.spec.role in (Role.REFERENCE, Role.CEILING)]
+    machine would overstate every ratio to it. Both passes' figures stay in the facts.
+    True when a KeyboardInterrupt ended it: the first pass's figures then stand."""
+    refs = [(i, n) for n, (i, f) in enumerate(zip(items, figures)) if f.ok and _is_reference(i)]
     progress.total += len(refs)
+    if progress.pace is not None:
+        progress.pace.expect([Work(i.spec.name, False, _point(i)) for i, _ in refs])
     runners: dict[str, CaseRunner] = {}
     try:
         for item, n in refs:
+            began = time.monotonic()
             progress.step("second pass: " + _label(item))
-            try:
-                runner = runners.get(item.spec.name) or item.spec.factory(config)
-                runners[item.spec.name] = runner
-                again = _measure(runner, item, config)
-            except (Skip, Exception):  # the first pass stands; the second is only a check
-                progress.advance()
-                continue
-            first = figures[n]
-            passes = [first.metrics["seconds_best"], again.metrics["seconds_best"]]
-            best = first if passes[0] <= passes[1] else Figure(
-                first.mode, first.case, first.role, first.key, "ok", "", dict(again.metrics),
-                {**again.facts, "loadavg_1m": _loadavg()})
-            gbps = [round(first.key["total_bytes"] / s / 1e9, 3) for s in passes]
-            figures[n] = dataclasses.replace(best, facts={**best.facts, "passes_gbps_best": gbps})
+            figures[n] = _again(config, item, figures[n], runners)
+            if progress.pace is not None:
+                progress.pace.ran(item.spec.name, time.monotonic() - began)
             progress.advance()
+    except KeyboardInterrupt:
+        return True
     finally:
         for runner in runners.values():
             runner.close()
+    return False
+
+
+def _again(config: BenchConfig, item: _Item, first: Figure, runners: dict[str, CaseRunner]) -> Figure:
+    """``first`` with a second measurement of its point: the faster pass, both passes in its facts."""
+    try:
+        runner = runners.get(item.spec.name) or item.spec.factory(config)
+        runners[item.spec.name] = runner
+        again = _measure(runner, item, config)
+    except (Skip, Exception):  # the first pass stands; the second is only a check
+        return first
+    passes = [first.metrics["seconds_best"], again.metrics["seconds_best"]]
+    best = first if passes[0] <= passes[1] else Figure(
+        first.mode, first.case, first.role, first.key, "ok", "", dict(again.metrics),
+        {**again.facts, "loadavg_1m": _loadavg()})
+    gbps = [round(first.key["total_bytes"] / s / 1e9, 3) for s in passes]
+    return dataclasses.replace(best, facts={**best.facts, "passes_gbps_best": gbps})
 
 
 def _loadavg() -> float | None:

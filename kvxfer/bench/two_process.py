@@ -26,6 +26,7 @@ import numpy as np
 
 from kvxfer.bench.backend_cases import BLOCK_TOKENS, LAYOUT, Watch, nixl_facts, wait_settled
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope
+from kvxfer.bench.children import start_child
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, pool_slots
 from kvxfer.bench.nixl_raw import latency_measurement
@@ -190,7 +191,7 @@ class TwoProcessCase:
             except Exception:
                 self._peers.pop(key)
                 peer.close()
-        peer = self.kind.peer(mode, geometry, memory, device)
+        peer = start_child(lambda: self.kind.peer(mode, geometry, memory, device))  # spared the terminal's Ctrl-C
         if self.kind.rebuild_args is not None:
             self._peers[key] = peer
         return peer
