@@ -33,6 +33,7 @@ import torch
 
 from kvxfer.engine import LlamaModel, colocated_generate, text_samples, workload_prompts
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
+from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_lines, store_rows
 from kvxfer.progress import Count, Line, wait_announced
 from kvxfer.progress import RequestProgress as Progress
 from kvxfer.router.app import KEEPALIVE_S
@@ -221,7 +222,9 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
         f"{report['transfers']} transfers, {report['transfer_bytes'] / 1e6:.2f} MB, "
         f"{'-' if gbps is None else f'{gbps:.3f}'} GB/s (bytes / summed transfer time)",
         f"  rows         {report['rows']} delivered of {report['rows_requested']} prompt blocks "
-        f"({report['rows_cached_at_decode']} already cached at the decode worker)",
+        f"({report['rows_cached_at_decode']} already cached at the decode worker"
+        f"{', or taken from the store' if report.get('store_rounds') else ''})",
+        *store_lines(report.get("store_rounds", [])),
         f"  paths        {', '.join(f'{k}: {v}' for k, v in sorted(report['paths'].items()))}",
         f"  failures     {', '.join(f'{k}: {v}' for k, v in report['failures'].items()) or 'none'}",
     ]
@@ -274,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-device", default="",
                    help="the decode workers' device, e.g. cuda:1 with --prefill-device cuda:0; empty: --device")
     add_engine_kv_args(p)
+    add_store_args(p)
     add_model_args(p)
     return p
 
@@ -422,8 +426,9 @@ def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement,
             "log_dir": str(log_dir)}
 
 
-def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Placement) -> list[Child]:
-    common = worker_args(args)
+def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Placement,
+                   store: StoreSetup | None) -> list[Child]:
+    common = [*worker_args(args), *(store.argv if store is not None else ())]
     role_args = {role: [*common, *engine_kv_argv(args, role), *model_args_list(args, device)]
                  for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
     workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
@@ -481,15 +486,17 @@ def _save_metrics(group: ProcessGroup, log_dir: Path) -> None:
 
 
 def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, prompts: list[list[int]],
-              placed: _Placement, config: dict[str, Any], log_dir: Path) -> tuple[list[Result], float]:
-    """Start the workers and the router, send the workload through them; the results and
-    the workload's wall time. Adds the processes to ``config``."""
+              placed: _Placement, config: dict[str, Any], log_dir: Path, store: StoreSetup | None = None,
+              expected: list[list[int]] | None = None) -> tuple[list[Result], float, list[list[int]]]:
+    """Start the workers and the router, send the workload through them; the results, the
+    workload's wall time and the reference outputs (computed unless given). Adds the
+    processes to ``config``."""
     line = Line("kvxfer pair", enabled=not args.quiet)
     with group:
         launched = time.perf_counter()
-        workers = _start_workers(group, args, placed)
-        # The oracle runs while the workers start (they import torch and NIXL).
-        expected = _reference(model, prompts, args.max_new_tokens, line, len(workers))
+        workers = _start_workers(group, args, placed, store)
+        if expected is None:  # the oracle runs while the workers start (they import torch and NIXL)
+            expected = _reference(model, prompts, args.max_new_tokens, line, len(workers))
         wait_announced(group, workers, args.startup_timeout,
                        Count(line, "starting workers", len(workers), "up", every_step=True, started=launched))
         router = _start_router(group, args, workers)
@@ -508,7 +515,25 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
                                            args.concurrency, args.timeout, progress))
         wall = time.perf_counter() - start
         _save_metrics(group, log_dir)
-    return results, wall
+    return results, wall, expected
+
+
+def _run_rounds(args: argparse.Namespace, model: LlamaModel, prompts: list[list[int]], placed: _Placement,
+                config: dict[str, Any], log_dir: Path) -> tuple[list[Result], float, list[dict[str, Any]]]:
+    """One instance, or with --store one per round on the same store: every round's results,
+    their wall time together, and each round's store figures."""
+    results: list[Result] = []
+    wall, rounds, expected = 0.0, [], None
+    with store_for(args) as store:
+        for r in range(args.store_rounds):
+            where = log_dir if args.store_rounds == 1 else log_dir / f"round{r + 1}"
+            got, seconds, expected = _run_pair(ProcessGroup(where), args, model, prompts, placed, config, where,
+                                               store, expected)
+            results, wall = results + got, wall + seconds
+            if store is not None:
+                config["store"] = store.where
+                rounds.append({"store_rows": store_rows(where), **_outcomes(got)})
+    return results, wall, rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     check_model_args(parser, args)
     check_engine_kv_args(parser, args)
     prefill_device, decode_device = role_devices(parser, args)
+    check_store_args(parser, args, (prefill_device, decode_device))
     torch.set_num_threads(1)
     model = model_from_args(args)
     longest, capped = prompt_range(parser, args, model.config.max_positions)
@@ -535,9 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     placed = _Placement(prefill_device, decode_device, requested_mode, lanes)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
     config = _run_config(args, model, placed, longest, log_dir)
-    group = ProcessGroup(log_dir)
     try:
-        results, wall = _run_pair(group, args, model, prompts, placed, config, log_dir)
+        results, wall, rounds = _run_rounds(args, model, prompts, placed, config, log_dir)
     except KeyboardInterrupt:
         print("\nkvxfer pair: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
@@ -545,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvxfer pair: {exc}", file=sys.stderr)
         return 2
     report = summarize(results, wall, config)
+    if rounds:
+        report["store_rounds"] = rounds
     if model.tokenizer is not None:
         report["samples"] = text_samples(model.tokenizer, prompts, [r.tokens for r in results])
     print_report(report)
