@@ -296,6 +296,9 @@ GPU2_CASES = ("local_copy", "ipc_kernel", "ipc", "local_rows", "nixl_one_desc", 
 
 
 # The engine-layouts workload (kvxfer.bench.layouts): one request, prefill TP 1 -> decode TP 2.
+# The store (issue 30): put and get through the blob backend beside the local copy and NIXL.
+STORE_CASES = ("local_copy", "nixl_one_desc", "nixl_2p", "store_memory_put", "store_memory_get", "store_shm_put",
+               "store_shm_get", "store_mooncake_put", "store_mooncake_get")
 LAYOUT_CASES = ("layouts_copy", "layouts_ipc", "layouts_nixl_packed", "layouts_nixl_per_piece", "layouts_nixl_unpacked")
 
 
@@ -312,10 +315,20 @@ def _layouts() -> BenchConfig:
     )
 
 
+def _store() -> BenchConfig:
+    """64 MiB requests of 64 KiB and 2 MiB rows, on the host: a store's put and get apart."""
+    return BenchConfig(
+        name="store", cases=STORE_CASES,
+        throughput=(ThroughputSweep(row_bytes=(64 * K, 2 * M), request_bytes=64 * M, slots=("scattered",)),),
+        repetition=Repetition(warmup=1, reps=5, budget_s=3.0),
+    )
+
+
 def preset(name: str) -> BenchConfig:
     """Named figure sets. ``cpu``: a few minutes on a 2-core host; ``gpu``: issue 5's set on one
     GPU; ``gpu2``: issue 8's, prefill on GPU 0 and decode on GPU 1; ``layouts``: the engine-layouts
-    workload (device figures where a GPU is, host figures everywhere); ``tiny``: tests."""
+    workload (device figures where a GPU is, host figures everywhere); ``store``: a KV store's put
+    and get beside the local copy and NIXL (host); ``tiny``: tests."""
     if name == "tiny":
         return BenchConfig(
             name="tiny", cases=("local_copy", "loopback"),
@@ -375,7 +388,9 @@ def preset(name: str) -> BenchConfig:
         )
     if name == "layouts":
         return _layouts()
+    if name == "store":
+        return _store()
     raise ConfigError(f"unknown preset {name!r}: choose {', '.join(PRESETS)}")
 
 
-PRESETS = ("cpu", "gpu", "gpu2", "layouts", "tiny")
+PRESETS = ("cpu", "gpu", "gpu2", "layouts", "store", "tiny")

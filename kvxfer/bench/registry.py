@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from kvxfer.bench import backend_cases, ipc_kernel, layouts, local, nixl_raw, two_process
+from kvxfer.bench import backend_cases, ipc_kernel, layouts, local, nixl_raw, store_cases, two_process
 from kvxfer.bench.cases import CaseSpec
 
 
 def registry() -> dict[str, CaseSpec]:
     """Every known case, by name (a case's heavy imports still load only when it runs)."""
     specs = [*local.SPECS, *nixl_raw.SPECS, *ipc_kernel.SPECS, *backend_cases.SPECS, *two_process.SPECS,
-             *layouts.SPECS]
+             *layouts.SPECS, *store_cases.SPECS]
     return {s.name: s for s in specs}
