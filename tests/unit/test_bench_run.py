@@ -203,3 +203,19 @@ def test_a_backend_that_copies_only_its_first_transfer_fails_verification(monkey
     judged = [f for f in result.figures if f.case == "loopback" and f.mode in ("throughput", "latency")]
     assert judged and all(f.status == "error" and "differ" in (f.reason or "") for f in judged), [
         (f.id, f.status, f.reason) for f in judged]
+
+
+def test_store_cases_put_and_get_with_bytes_checked_and_nothing_left() -> None:
+    """--preset store's cases at the tiny preset's sizes: the in-process and /dev/shm stores
+    (Mooncake's are measured by the preset itself, in bench/results)."""
+    import os
+
+    before = {t.ident for t in threading.enumerate()}
+    shm = set(os.listdir("/dev/shm"))
+    cases = ("store_memory_put", "store_memory_get", "store_shm_put", "store_shm_get")
+    result = run(dataclasses.replace(_tiny(cases), latency=None, overhead=None))
+    figures = [f for f in result.figures if f.mode == "throughput"]
+    assert {f.case for f in figures} == set(cases) and all(f.ok for f in figures), [f.reason for f in figures]
+    assert all(f.facts["verified"] is True and f.get("gbps_best") > 0 for f in figures)
+    assert [t for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    assert set(os.listdir("/dev/shm")) == shm  # the shm store's directories are gone
