@@ -188,3 +188,52 @@ def test_wake_comes_after_the_outcome_is_visible_and_shutdown_stops_the_thread()
     assert "kvxfer-blob-prefill" not in {t.name for t in threading.enumerate()}
     with pytest.raises(SubmissionRejected, match="shut down"):
         prefill.publish(view, prefill.describe(view))
+
+
+def test_a_fetch_whose_later_blocks_fault_leaves_resume_bounds_at_the_first_gap() -> None:
+    """A real pool and lender on each end, as the workers use them: prefill commits a
+    request's 6 blocks and publishes them; the store loses block 3; the decode end's fetch
+    marks what arrived, and the lender's resume bounds stop at block 3, not past it, though
+    blocks 4 and 5 arrived byte for byte."""
+    import torch
+
+    from kvxfer.engine import ModelConfig
+    from kvxfer.lender import InPlaceLender
+
+    cfg = ModelConfig(vocab_size=64, hidden=32, layers=2, heads=2, kv_heads=2, head_dim=8, intermediate=48,
+                      block_tokens=4)
+    bt, n = cfg.block_tokens, 24
+    store = MemoryStore()
+    ends = []
+    for name in ("prefill", "decode"):
+        pool = cfg.make_pool(32, name=f"{name}-kv")
+        lender = InPlaceLender(pool)
+        backend = BlobBackend(MemoryDriver(store), name=name)
+        backend.register(lender.regions)
+        MADE.append(backend)
+        ends.append((pool, lender, backend))
+    (ppool, plend, pback), (dpool, dlend, dback) = ends
+    ppool.allocate("r", n)
+    storage = ppool.storage(ppool.groups[0].name)
+    storage.copy_(torch.randn(storage.shape, generator=torch.Generator().manual_seed(3)).to(storage.dtype))
+    ppool.commit("r", n)
+    lease = plend.lend_read("r", (0, n))
+    view = lease.view()
+    assert view is not None
+    assert isinstance(_done(pback.publish(view, pback.describe(view))), Delivered)
+    lease.release()
+    store.lose(request_names(view)[0][3:4])
+    dpool.allocate("r", n)
+    lease = dlend.lend_write("r", (0, n))
+    view = lease.view()
+    assert view is not None
+    outcome = _done(dback.fetch(view, dback.describe(view)))
+    assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [True, True, True, False, True, True]
+    lease.mark_arrived(outcome.masks)
+    lease.release()
+    bounds = dlend.readiness("r")
+    assert bounds is not None and bounds.usable_until == 3 * bt
+    src, dst = ppool.storage(ppool.groups[0].name), dpool.storage(dpool.groups[0].name)
+    pblocks, dblocks = ppool.block_table("r", ppool.groups[0].name), dpool.block_table("r", dpool.groups[0].name)
+    for b in (0, 1, 2, 4, 5):
+        assert torch.equal(src[pblocks[b]], dst[dblocks[b]])
