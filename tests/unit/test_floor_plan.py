@@ -49,3 +49,12 @@ def test_no_function_is_above_complexity_20_without_a_reason() -> None:
             if isinstance(block, Function) and block.complexity > COMPLEXITY and WAIVER not in lines[block.lineno - 1]:
                 over.append(f"{path.relative_to(PACKAGE)}:{block.lineno} {block.fullname} ({block.complexity})")
     assert not over, f"functions above radon complexity {COMPLEXITY} (split them, or say why on the def line): {over}"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by basename (the test directories are not packages): two
+    of one name stop the whole collection of a clean clone ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in (PACKAGE.parent / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert not {k: v for k, v in seen.items() if len(v) > 1}
