@@ -184,7 +184,7 @@ def test_a_killed_master_fails_the_fetch_within_its_deadline_and_close_still_ret
             assert isinstance(outcome, Failed) and outcome.rows_delivered == 0, outcome
             # The first call after the kill fails at once, each later one takes ~4.3 s (Mooncake's
             # RPC timeout), and the deadline (2 s) acts between two batches.
-            assert took < 2.0 + 6.0, took
+            assert took < 2.0 + 10.0, took  # bounded: two calls and the deadline, with room for a loaded CI host
         finally:
             started = time.monotonic()
             assert decode.shutdown() == frozenset()  # a client without a segment closes within a second
