@@ -216,12 +216,17 @@ def _warnings(report: dict[str, Any]) -> list[str]:
                    f"UcxBackend(error_handling=False) (lane: {fast}; a dead peer is then seen only at the deadline), "
                    "or the nixl or ipc backend.")
     for memory, result in report["memory"].items():
+        slow = {lane for lane, ts in result["lanes"].items() if any(t.startswith("tcp") for t in ts)}
         for lane, transports in result["lanes"].items():
             if not transports:
                 out.append(f"{memory} {lane} lane: UCX printed no protocol table; transport unknown")
-            elif any(t.startswith("tcp") for t in transports):
+            elif lane in slow:
+                # Push is no way out of a TCP pull when push is TCP as well: then both need the push remedy.
+                remedy = REMEDY["push"] if "push" in slow else REMEDY.get(lane, REMEDY["push"])
+                both = " (push is TCP too: switching to push mode does not help)" if lane == "pull" and \
+                    "push" in slow else ""
                 out.append(f"!!! {memory.upper()} {lane.upper()} lane falls back to TCP ({', '.join(transports)}): "
-                           f"expect TCP speed. Remedy: {REMEDY.get(lane, REMEDY['push'])}.")
+                           f"expect TCP speed{both}. Remedy: {remedy}.")
     return out
 
 

@@ -48,6 +48,11 @@ def test_tcp_lane_gets_a_loud_warning_with_the_remedy() -> None:
     (push_warning,) = _warnings(pushed)
     assert push_warning.startswith("!!! DEVICE PUSH lane falls back to TCP") and "push mode" not in push_warning
     assert "UCX_TLS" in push_warning
+    # Both lanes on TCP (issue 27): pull is not told to switch to push, which is TCP as well.
+    both = {"memory": {"host": {"lanes": {"push": ["tcp/eth0"], "pull": ["tcp/eth0"]}}}}
+    push_warning, pull_warning = _warnings(both)
+    assert pull_warning.startswith("!!! HOST PULL lane falls back to TCP") and "use push mode" not in pull_warning
+    assert "push is TCP too" in pull_warning and "UCX_TLS" in pull_warning and "UCX_TLS" in push_warning
 
 
 def test_doctor_refuses_sizes_it_cannot_probe_before_starting_processes(capsys: object) -> None:
