@@ -36,6 +36,7 @@ from typing import Any
 from kvxfer import doctor_ucx
 from kvxfer.backends.common.devices import cuda_device_count, cuda_present
 from kvxfer.doctor_probe import ROW
+from kvxfer.ucx_env import net_devices_problem
 
 _CELL_TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
 _OPS = {"remote memory write by": "write", "remote memory read by": "read"}
@@ -311,6 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.timeout > 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
     devices = _devices(parser, args.devices, args.no_device)
+    problem = net_devices_problem()
+    if problem:
+        parser.error(problem)
     started = time.time()
     _say("reading versions")
     report: dict[str, Any] = {"versions": versions(), "host": socket.gethostname(), "memory": {}}

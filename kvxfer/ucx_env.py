@@ -29,3 +29,32 @@ def skip_unusable_ib(devices: str = RDMA_DEVICES) -> bool:
         pass  # no such class: no RDMA device
     os.environ["UCX_MODULES"] = "^ib"
     return True
+
+
+NET_DEVICES = "/sys/class/net"
+
+
+def net_devices_problem(value: str | None = None, *, net: str = NET_DEVICES, rdma: str = RDMA_DEVICES) -> str | None:
+    """What is wrong with ``UCX_NET_DEVICES`` (default: the environment's) on this host, or None.
+
+    UCX takes a comma-separated list of network interfaces (``eth0``) and RDMA ports
+    (``mlx5_0:1``), or ``all``; a name it does not find is only a warning there, and NIXL's
+    agent then fails to start with ``NIXL_ERR_BACKEND`` and a traceback. Names with a
+    wildcard are left to UCX."""
+    value = os.environ.get("UCX_NET_DEVICES", "") if value is None else value
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names or "all" in names:
+        return None
+    have = set(_listdir(net)) | set(_listdir(rdma))
+    missing = [n for n in names if "*" not in n and n.split(":")[0] not in have]
+    if not missing:
+        return None
+    return (f"UCX_NET_DEVICES names {', '.join(repr(n) for n in missing)}, which this host does not have "
+            f"(its network devices: {', '.join(sorted(have)) or 'none'}): fix or unset it")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

@@ -37,6 +37,7 @@ from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.http import HttpServer
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
+from kvxfer.ucx_env import net_devices_problem
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
 from kvxfer.worker.core import Worker, WorkerConfig
@@ -336,7 +337,11 @@ def check_store(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def check_backend(parser: argparse.ArgumentParser, backend: str) -> None:
-    """A backend that cannot run on this machine, named before anything is built."""
+    """A backend that cannot run on this machine, named before anything is built (also a
+    UCX_NET_DEVICES naming a device this host lacks, which NIXL and ucxx would fail on)."""
+    problem = net_devices_problem() if backend in ("nixl", "ucx") else None
+    if problem:
+        parser.error(problem)
     if backend == "ipc":
         info = native_info()
         if not info.cuda_usable:

@@ -45,6 +45,7 @@ def test_a_port_in_use_is_refused_before_anything_is_built() -> None:
     (["--store", "mooncake", "--store-master", "127.0.0.1:1"], {}, "no Mooncake master answers at 127.0.0.1:1"),
     (["--store", "memory", "--store-path", "/proc/kvxfer-store"], {}, "--store memory: store directory /proc/kvxfer"),
     (["--store", "memory", "--lender", "staging"], {}, "--store reads and writes the pool's rows in place"),
+    ([], {"UCX_NET_DEVICES": "eth0,bogus0"}, "UCX_NET_DEVICES names 'bogus0', which this host does not have"),
 ])
 def test_bad_settings_are_one_line(flags: list[str], env: dict[str, str], needle: str) -> None:
     refused(serve(*flags, env=env), needle)

@@ -38,3 +38,15 @@ def test_the_module_is_skipped_only_without_rdma_devices_and_never_over_the_user
     assert skip_unusable_ib(str(tmp_path / "absent")) and os.environ["UCX_MODULES"] == "^ib"
     monkeypatch.setenv("UCX_MODULES", "ib,tcp")
     assert not skip_unusable_ib(str(tmp_path / "absent")) and os.environ["UCX_MODULES"] == "ib,tcp"
+
+
+def test_a_net_device_the_host_lacks_is_named(tmp_path: Path) -> None:
+    from kvxfer.ucx_env import net_devices_problem
+
+    net, rdma = tmp_path / "net", tmp_path / "infiniband"
+    for d in (net / "eth0", net / "lo", rdma / "mlx5_0"):
+        d.mkdir(parents=True)
+    for fine in ("", "all", "eth0", "lo,eth0", "mlx5_0:1", "mlx5_*:1, eth0"):
+        assert net_devices_problem(fine, net=str(net), rdma=str(rdma)) is None, fine
+    problem = net_devices_problem("eth0,eth9,mlx5_3:1", net=str(net), rdma=str(rdma))
+    assert problem is not None and "'eth9', 'mlx5_3:1'" in problem and "eth0, lo, mlx5_0" in problem
