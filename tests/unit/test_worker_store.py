@@ -25,15 +25,18 @@ BT = CFG.block_tokens  # 4 tokens a block
 
 
 @contextlib.asynccontextmanager
-async def stack(store: MemoryStore, *, decode_store: bool = True) -> AsyncIterator[tuple[Router, dict[str, Worker]]]:
-    """A fresh prefill and decode worker (empty pools) on ``store``, behind a router."""
+async def stack(store: MemoryStore, *, prefill_store: bool = True,
+                decode_store: bool = True) -> AsyncIterator[tuple[Router, dict[str, Worker]]]:
+    """A fresh prefill and decode worker (empty pools) on ``store``, behind a router. /reserve
+    runs beside /prefill, so whether a prefill worker's put comes before the decode worker's
+    lookup is a race: a test that counts hits leaves one of the two without the store."""
     fabric = LoopbackFabric()
     workers: dict[str, Worker] = {}
     servers: list[HttpServer] = []
     urls: dict[str, str] = {}
     try:
         for role in ("prefill", "decode"):
-            use = "memory" if role == "prefill" or decode_store else ""
+            use = "memory" if (prefill_store if role == "prefill" else decode_store) else ""
             worker = Worker(WorkerConfig(role=role, model=CFG, num_blocks=256, backend="loopback", name=role,
                                          transfer_timeout_s=5.0, store=use), model=MODEL, fabric=fabric,
                             shared_store=store)
@@ -73,12 +76,12 @@ def test_a_second_instance_takes_the_prompt_from_the_store_and_moves_only_the_re
     store = MemoryStore()
 
     async def main() -> None:
-        async with stack(store) as (router, _):
+        async with stack(store, decode_store=False) as (router, _):
             done = await router.generate(prompt, 6)
             _same(done, prompt, 6)
             assert await _store_rows(router, "prefill", "put", "hit") == 9
-            assert done.transfer is not None and done.transfer.rows_delivered == 10  # all of it: the store was empty
-        async with stack(store) as (router, _):  # another instance: fresh workers, empty caches
+            assert done.transfer is not None and done.transfer.rows_delivered == 10  # all of it
+        async with stack(store, prefill_store=False) as (router, _):  # another instance: fresh workers, empty caches
             done = await router.generate(prompt, 6)
             _same(done, prompt, 6)
             assert await _store_rows(router, "decode", "get", "hit") == 9
@@ -97,7 +100,7 @@ def test_a_lost_block_is_a_miss_and_the_prefill_worker_sends_the_rest() -> None:
             _same(await router.generate(prompt, 5), prompt, 5)
         keys = sorted(store.blobs)  # the names are opaque: lose any three of the ten
         store.lose(keys[:3])
-        async with stack(store) as (router, _):
+        async with stack(store, prefill_store=False) as (router, _):  # its put would bring them back
             done = await router.generate(prompt, 5)
             _same(done, prompt, 5)
             assert await _store_rows(router, "decode", "get", "hit") == 7

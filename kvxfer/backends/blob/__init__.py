@@ -11,9 +11,18 @@ from kvxfer.backends.blob.backend import BACKEND_KIND, BlobBackend
 from kvxfer.backends.blob.driver import BlobDriver, KeyStatus, Span, StoreError
 from kvxfer.backends.blob.memory import MemoryDriver, MemoryStore
 from kvxfer.backends.blob.mooncake import MooncakeDriver
-from kvxfer.backends.blob.mooncake_master import MooncakeMaster
 from kvxfer.backends.blob.names import NAME_BYTES, Namer, request_names
 from kvxfer.backends.blob.shm import ShmDriver
 
 __all__ = ["BACKEND_KIND", "NAME_BYTES", "BlobBackend", "BlobDriver", "KeyStatus", "MemoryDriver", "MemoryStore",
            "MooncakeDriver", "MooncakeMaster", "Namer", "ShmDriver", "Span", "StoreError", "request_names"]
+
+
+def __getattr__(name: str) -> object:
+    # Imported on first use, not with the package: ``python -m kvxfer.backends.blob.mooncake_master``
+    # would otherwise find its module imported already (runpy warns of it).
+    if name == "MooncakeMaster":
+        from kvxfer.backends.blob.mooncake_master import MooncakeMaster
+
+        return MooncakeMaster
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
