@@ -123,24 +123,30 @@ class Child:
             self.proc.send_signal(signal.SIGKILL)
 
     def signal_stop(self) -> None:
-        """Ask the child to stop (close its stdin, SIGTERM) without waiting."""
+        """Ask the child to stop without waiting: close its stdin, which its parent watch
+        (``--parent-watch``) takes as the request. No signal yet: a SIGTERM on the heels of
+        that request could land while the child's loop hands its signals back to their
+        default action on the way out, and end it with -15 (see ``stop``)."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> int:
-        """Close stdin (the child's parent watch), SIGTERM, wait, SIGKILL: always reaped."""
+        """Close stdin (the child's parent watch) and wait; then SIGTERM and wait; then
+        SIGKILL: always reaped."""
         try:
             self.signal_stop()
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                return self.proc.wait(timeout)
+            for wait, escalate in ((min(timeout, 5.0), lambda: None),
+                                   (timeout, lambda: self.proc.send_signal(signal.SIGTERM)), (timeout, self.proc.kill)):
+                if self.alive():
+                    escalate()
+                try:
+                    return self.proc.wait(wait)
+                except subprocess.TimeoutExpired:
+                    continue
+            return self.proc.wait(timeout)
         finally:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
