@@ -8,20 +8,27 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv --system-site-packages "$VENV"
 fi
 PY="$VENV/bin/python"
-# The Mooncake store's wheel (the dev extra) needs the system library libibverbs.so.1, even over
-# TCP; without it its tests skip. Checked before the early exit: a kept venv on a fresh machine.
+# System packages some tests need, checked before the early exit (a kept venv on a fresh machine):
+# libibverbs.so.1 for the Mooncake store's wheel (the dev extra), even over TCP; etcd (Debian's
+# etcd-server) for NIXL metadata and worker discovery; nft and ip (nftables, iproute2) for the
+# multi-host tests in network namespaces. Installed as root with apt-get; without them those
+# tests skip and say why.
+missing=()
 libs=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
-case "$libs" in
-  *"libibverbs.so.1 "*) ;;
-  *) if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-       export DEBIAN_FRONTEND=noninteractive
-       apt-get install -y -q libibverbs1 >/dev/null 2>&1 \
-         || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null 2>&1; } \
-         || echo "ci/setup.sh: apt-get could not install libibverbs1 (the Mooncake store needs it)" >&2
-     else
-       echo "ci/setup.sh: libibverbs1 is missing (the Mooncake store needs it); install it with apt-get" >&2
-     fi ;;
-esac
+case "$libs" in *"libibverbs.so.1 "*) ;; *) missing+=(libibverbs1) ;; esac
+command -v etcd >/dev/null || missing+=(etcd-server)
+command -v nft >/dev/null || [ -x /usr/sbin/nft ] || missing+=(nftables)
+command -v ip >/dev/null || [ -x /usr/sbin/ip ] || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; } \
+      || echo "ci/setup.sh: apt-get could not install ${missing[*]} (their tests will skip)" >&2
+  else
+    echo "ci/setup.sh: missing ${missing[*]}; install them with apt-get (their tests will skip)" >&2
+  fi
+fi
 stamp="$VENV/.kvxfer-installed"
 # Reinstall when the build inputs change, or when a new package appears (the editable
 # install's redirect lists the packages that existed when it was made).

@@ -10,10 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvxfer.testing.etcd_server import EtcdServer, etcd_binary
 from kvxfer.worker.procs import children_of
 
 # Backends' progress threads (kvxfer.backends.*): each backend's shutdown() ends its own.
-_BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-", "kvxfer-ucx-")
+_BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-", "kvxfer-ucx-", "etcd-")
 _SETTLE_S = 10.0  # a process killed at a module's end may take a moment to be reaped
 
 
@@ -34,6 +35,15 @@ def nothing_outlives_its_module() -> Iterator[None]:
         time.sleep(0.05)
     assert not left, f"backend threads still running after the module's tests: {left}"
     assert not procs, f"child processes still running after the module's tests: {procs}"
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdServer]:
+    """A real etcd on loopback for the module's tests (ci/setup.sh installs etcd-server)."""
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server; ci/setup.sh does as root)")
+    with EtcdServer() as server:
+        yield server
 
 
 def _cuda_available() -> bool:

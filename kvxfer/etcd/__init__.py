@@ -1,0 +1,12 @@
+"""etcd for kvxfer: a client with bounded calls, leases kept alive by a thread, prefix watches.
+
+Used below the serving layer by the NIXL backend (agents' metadata, ``kvxfer.backends.nixl.etcd_metadata``)
+and above it by worker registration and the router's discovery (``kvxfer.serving.discovery``).
+It imports nothing of kvxfer but the contract's error tree.
+"""
+
+from kvxfer.etcd.client import ETCD_ENV, EtcdClient, EtcdUnavailable, etcd_endpoints
+from kvxfer.etcd.lease import KeptLease
+from kvxfer.etcd.watch import PrefixWatch, WatchEvent
+
+__all__ = ["ETCD_ENV", "EtcdClient", "EtcdUnavailable", "KeptLease", "PrefixWatch", "WatchEvent", "etcd_endpoints"]
