@@ -13,6 +13,9 @@ is, and so is a ``UCX_MODULES`` the user set.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 RDMA_DEVICES = "/sys/class/infiniband"
 
@@ -58,3 +61,46 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+# --- a silent peer is seen within a bound ----------------------------------------------------
+# Over TCP, UCX learns that a peer vanished without a FIN or RST (a host that died, a cut
+# cable, a blackholed route) only when its socket fails: with data unacknowledged, after the
+# kernel's retry limit (tcp_retries2, about 15 minutes); with nothing in flight, never. A NIXL
+# request to such a peer stayed in progress that long (161 s seen before it was given up), so
+# its attempt could not quiesce. UCX can bound both on its TCP sockets: TCP_USER_TIMEOUT for
+# unacknowledged data and keepalive probes for an idle connection. Measured between two
+# network namespaces with the peer blackholed mid-WRITE of 256 MiB: with the defaults the WRITE
+# stayed in progress past 30 s; with UCX_TCP_USER_TIMEOUT=5s and keepalive 2+3x1 s, NIXL
+# reported NIXL_ERR_REMOTE_DISCONNECT after 5.4 s (a READ: 6.9 s).
+TCP_LIVENESS_VARS = ("UCX_TCP_USER_TIMEOUT", "UCX_TCP_KEEPIDLE", "UCX_TCP_KEEPINTVL", "UCX_TCP_KEEPCNT")
+
+
+def tcp_liveness(deadline_s: float) -> dict[str, str]:
+    """UCX's TCP timeouts for a transfer deadline of ``deadline_s``: a peer silent for half the
+    deadline (at least 5 s, at most 60 s) is declared gone, so an attempt on it settles within
+    twice its deadline, or its deadline and 6 s if that is longer (docs/configuration.md)."""
+    # Not under 5 s: a loaded host can leave a live peer's data unacknowledged for a second or two.
+    half = min(max(deadline_s / 2, 5.0), 60.0)
+    idle = max(1, int(half / 3))
+    interval = max(1, int(half / 6))
+    return {"UCX_TCP_USER_TIMEOUT": f"{int(half * 1000)}ms", "UCX_TCP_KEEPIDLE": str(idle),
+            "UCX_TCP_KEEPINTVL": str(interval), "UCX_TCP_KEEPCNT": "3"}
+
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextmanager
+def ucx_settings(settings: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Set each of ``settings`` the user has not set, for as long as the block runs (UCX reads
+    them when a context is made, e.g. a NIXL agent's); yields what was applied. Child processes
+    started meanwhile would inherit them, so keep the block to the agent's creation."""
+    with _ENV_LOCK:
+        applied = {key: value for key, value in settings.items() if key not in os.environ}
+        os.environ.update(applied)
+        try:
+            yield applied
+        finally:
+            for key in applied:
+                os.environ.pop(key, None)

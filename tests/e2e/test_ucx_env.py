@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.ucx_env import skip_unusable_ib
+from kvxfer.ucx_env import skip_unusable_ib, tcp_liveness, ucx_settings
 
 AGENT = "from nixl._api import nixl_agent, nixl_agent_config; nixl_agent('probe', nixl_agent_config(backends=['UCX']))"
 
@@ -50,3 +50,28 @@ def test_a_net_device_the_host_lacks_is_named(tmp_path: Path) -> None:
         assert net_devices_problem(fine, net=str(net), rdma=str(rdma)) is None, fine
     problem = net_devices_problem("eth0,eth9,mlx5_3:1", net=str(net), rdma=str(rdma))
     assert problem is not None and "'eth9', 'mlx5_3:1'" in problem and "eth0, lo, mlx5_0" in problem
+
+
+def test_tcp_timeouts_follow_the_deadline_within_floor_and_ceiling() -> None:
+    # Half the deadline, never under 5 s (a loaded host can leave a live peer's data
+    # unacknowledged for a while) nor over 60 s.
+    assert tcp_liveness(30)["UCX_TCP_USER_TIMEOUT"] == "15000ms"
+    assert tcp_liveness(3)["UCX_TCP_USER_TIMEOUT"] == "5000ms"
+    assert tcp_liveness(600)["UCX_TCP_USER_TIMEOUT"] == "60000ms"
+    for deadline in (3, 10, 30, 120):
+        settings = tcp_liveness(deadline)
+        idle_s = int(settings["UCX_TCP_KEEPIDLE"]) + int(settings["UCX_TCP_KEEPINTVL"]) * int(settings["UCX_TCP_KEEPCNT"])
+        half = int(settings["UCX_TCP_USER_TIMEOUT"].removesuffix("ms")) / 1000
+        assert idle_s <= half + 1, (deadline, settings)  # an idle connection is found as fast
+
+
+def test_ucx_settings_apply_only_what_the_user_left_unset_and_only_inside_the_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", "99s")
+    monkeypatch.delenv("UCX_TCP_KEEPIDLE", raising=False)
+    with ucx_settings({"UCX_TCP_USER_TIMEOUT": "5s", "UCX_TCP_KEEPIDLE": "2"}) as applied:
+        assert applied == {"UCX_TCP_KEEPIDLE": "2"}
+        assert os.environ["UCX_TCP_USER_TIMEOUT"] == "99s"
+        assert os.environ["UCX_TCP_KEEPIDLE"] == "2"
+    assert "UCX_TCP_KEEPIDLE" not in os.environ
+    assert os.environ["UCX_TCP_USER_TIMEOUT"] == "99s"
