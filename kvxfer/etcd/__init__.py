@@ -5,8 +5,17 @@ and above it by worker registration and the router's discovery (``kvxfer.serving
 It imports nothing of kvxfer but the contract's error tree.
 """
 
-from kvxfer.etcd.client import ETCD_ENV, EtcdClient, EtcdUnavailable, etcd_endpoints
+from kvxfer.etcd.client import (
+    DEFAULT_NAMESPACE,
+    ETCD_ENV,
+    NAMESPACE_ENV,
+    EtcdClient,
+    EtcdUnavailable,
+    etcd_endpoints,
+    etcd_namespace,
+)
 from kvxfer.etcd.lease import KeptLease
 from kvxfer.etcd.watch import PrefixWatch, WatchEvent
 
-__all__ = ["ETCD_ENV", "EtcdClient", "EtcdUnavailable", "KeptLease", "PrefixWatch", "WatchEvent", "etcd_endpoints"]
+__all__ = ["DEFAULT_NAMESPACE", "ETCD_ENV", "NAMESPACE_ENV", "EtcdClient", "EtcdUnavailable", "KeptLease", "PrefixWatch",
+           "WatchEvent", "etcd_endpoints", "etcd_namespace"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,6 +18,10 @@ from kvxfer.contract import KvxferError
 
 ETCD_ENV = "NIXL_ETCD_ENDPOINTS"
 """The environment variable that names etcd (NIXL's own name for it): ``http://host:port[,...]``."""
+NAMESPACE_ENV = "KVXFER_ETCD_NAMESPACE"
+"""The environment variable that names the key space (``/kvxfer/<namespace>/...``) when no namespace is given."""
+DEFAULT_NAMESPACE = "default"
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class EtcdUnavailable(KvxferError):
@@ -51,6 +56,15 @@ def etcd_endpoints(text: str | None = None) -> tuple[Endpoint, ...]:
             raise ValueError(f"etcd endpoint {item!r} has a bad port") from None
         found.append(Endpoint(parts.hostname, port, parts.scheme))
     return tuple(found)
+
+
+def etcd_namespace(text: str | None = None) -> str:
+    """``text``, or ``KVXFER_ETCD_NAMESPACE``, or ``default``; ValueError for a name that is
+    not 1-64 of letters, digits, ``.``, ``_`` and ``-`` (it is one segment of a key)."""
+    name = (os.environ.get(NAMESPACE_ENV, "") if text is None else text).strip() or DEFAULT_NAMESPACE
+    if not _NAMESPACE.fullmatch(name):
+        raise ValueError(f"etcd namespace {name!r}: use 1-64 letters, digits, '.', '_' or '-'")
+    return name
 
 
 def _b64(raw: bytes) -> str:

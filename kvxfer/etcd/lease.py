@@ -28,7 +28,9 @@ class KeptLease:
     ``lost`` is set (and ``on_lost`` called once, from that thread) when etcd cannot be reached
     for a whole TTL, or says the lease expired: what was put under it is gone or going, and
     the owner must put it again under a new lease or stop advertising. ``close()`` stops the
-    thread and revokes the lease (its keys go at once), within the client's timeout.
+    thread and revokes the lease (its keys go at once), within the client's timeout; while
+    keepalives fail (``failing``: etcd does not answer) it does not try, so that it never
+    waits a second timeout: the keys then go when the TTL ends.
     """
 
     def __init__(self, client: EtcdClient, ttl: int, *, on_lost: Callable[[str], None] | None = None) -> None:
@@ -41,6 +43,7 @@ class KeptLease:
         self._on_lost = on_lost
         self.lost = threading.Event()
         self.reason = ""
+        self.failing = False  # the last keepalive got no answer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, name=f"etcd-lease-{self.id:x}", daemon=True)
         self._thread.start()
@@ -57,12 +60,14 @@ class KeptLease:
             try:
                 ttl = self.client.call("lease keepalive", lambda c: int(_lease_on(c, self.id).refresh()))
             except EtcdUnavailable as exc:
+                self.failing = True
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since >= self.ttl:
                     self._lose(f"etcd unreachable for the lease's whole TTL ({self.ttl} s): {exc}")
                     return
                 continue
             failing_since = None
+            self.failing = False
             if ttl <= 0:
                 self._lose(f"etcd says lease {self.id:x} expired")
                 return
@@ -80,7 +85,9 @@ class KeptLease:
     def close(self, *, revoke: bool = True) -> None:
         self._stop.set()
         self._thread.join(self.client.timeout + 1)
-        if revoke and not self.lost.is_set():
+        if revoke and self.failing and not self.lost.is_set():
+            log.info("etcd lease %x not revoked: etcd does not answer (its keys go when its TTL ends)", self.id)
+        elif revoke and not self.lost.is_set():
             try:
                 self.client.call("lease revoke", lambda c: _lease_on(c, self.id).revoke())
             except EtcdUnavailable as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,21 @@ def _b64(raw: bytes) -> str:
 
 class _Compacted(Exception):
     """etcd no longer holds the revision the watch would resume from: read the prefix again."""
+
+
+def _interrupt(response: Any) -> None:
+    """End a read blocked on the watch stream now: closing the response alone waits for the
+    read in progress (up to ``quiet_s``); shutting the socket down wakes it."""
+    try:
+        fd = response.raw.fileno()
+        with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError, ValueError) as exc:
+        log.debug("etcd watch: socket shutdown: %s", exc)
+    try:
+        response.close()
+    except Exception as exc:
+        log.debug("etcd watch close: %s", exc)
 
 
 @dataclass(frozen=True)
@@ -149,10 +165,7 @@ class PrefixWatch:
         with self._lock:
             response = self._response
         if response is not None:
-            try:
-                response.close()
-            except Exception as exc:
-                log.debug("etcd watch close: %s", exc)
+            _interrupt(response)
         self._thread.join(self.client.timeout + self._quiet_s + 1)
 
     @property

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.backends.nixl import NixlBackend
+from kvxfer.backends.nixl import EtcdSettings, NixlBackend
 from kvxfer.contract import Backend, MemoryKind, SlotRegion, TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
 from kvxfer.testing.memory import HostBuffer, HostRows, RowMemory
@@ -103,8 +103,10 @@ def child_backend(mode: str, deadline_s: float = 10.0, buffers: list[list[Any]] 
     """Runs in the child process of a SubprocessPeer: a NixlBackend over host (or device)
     buffers (``buffers``: [name, slot_bytes, slots] items; the kit's peer geometry by default).
     Device buffers live on CUDA device ``device``, made the child's current device, as a
-    decode worker on that GPU would have it."""
+    decode worker on that GPU would have it. ``etcd`` (JSON): ``EtcdSettings`` fields."""
     spec = tuple((str(n), int(b), int(k)) for n, b, k in buffers) if buffers else PEER_BUFFERS
+    if isinstance(options.get("etcd"), dict):
+        options["etcd"] = EtcdSettings(**options["etcd"])
     if memory_kind == "device":
         import torch  # noqa: PLC0415 - only where CUDA exists
 

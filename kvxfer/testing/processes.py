@@ -24,3 +24,26 @@ def assert_nothing_left(processes: list[dict[str, int]]) -> None:
         time.sleep(0.1)
     assert [p for p in processes if not gone(p["pid"])] == []
     assert [p for p in processes if port_open(p["port"])] == []
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports (IPv4 and IPv6) that process ``pid`` listens on, read from /proc (Linux)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports

@@ -1,10 +1,11 @@
 """The NIXL backend (UCX): ``backend`` (NixlBackend), the agent wrapper (``agent``), chunk
 plans (``plan``), active jobs and passive waits (``jobs``), the packed path (``packed``) and
-its notes (``notes``)."""
+its notes (``notes``), agents' metadata in etcd (``etcd_metadata``, ``EtcdSettings``)."""
 
 from kvxfer.backends.nixl.backend import (
     BACKEND_KIND,
     PACKED,
+    EtcdSettings,
     NixlBackend,
     NixlStats,
     cuda_device_count,
@@ -12,5 +13,5 @@ from kvxfer.backends.nixl.backend import (
     unique_agent_name,
 )
 
-__all__ = ["BACKEND_KIND", "PACKED", "NixlBackend", "NixlStats", "cuda_device_count", "cuda_present",
+__all__ = ["BACKEND_KIND", "PACKED", "EtcdSettings", "NixlBackend", "NixlStats", "cuda_device_count", "cuda_present",
            "unique_agent_name"]

@@ -13,12 +13,21 @@ new regions and keeps the connection, the regions already loaded and our request
 was invalidated). Only a peer whose connection changed, the same name in a new process (a
 restart), is dropped and loaded again, and not while a request of ours to its previous run
 is alive. ``forget`` drops one that died so that its successor can be added.
+
+etcd mode (``NIXL_ETCD_ENDPOINTS``, or ``use_etcd=True``/``etcd=EtcdSettings(...)``): kvxfer
+keeps the metadata in etcd itself (``etcd_metadata``), under a lease, and hints carry a
+short token naming this agent's process and metadata generation instead of the metadata.
+NIXL's own etcd backend is never started (the variable is hidden from NIXL while the agent
+is made) and no NIXL listener thread runs, so no agent binds a metadata port (NIXL's
+listener bound 8888 for every agent of a host) and any number of workers share a host.
+An agent whose etcd does not answer is not made (``EtcdUnavailable`` names the endpoint), so
+a worker never announces itself ready without it; ``close()`` takes the key away first,
+bounded by the client's timeout.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,11 +35,19 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.backends.nixl.etcd_metadata import (
+    EtcdMetadata,
+    EtcdSettings,
+    Version,
+    etcd_settings,
+    hidden_from_nixl,
+    parse_token,
+)
 from kvxfer.contract import KvxferError, MemoryKind, SlotRegion
+from kvxfer.etcd import ETCD_ENV
 
 log = logging.getLogger(__name__)
 
-ETCD_ENV = "NIXL_ETCD_ENDPOINTS"
 _MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 
 
@@ -92,30 +109,50 @@ class Post:
 class NixlAgent:
     """A NIXL agent with a UCX backend, its registered regions, and the peers it knows."""
 
-    def __init__(self, name: str, *, use_etcd: bool | None = None, progress_thread: bool = False) -> None:
+    def __init__(self, name: str, *, use_etcd: bool | None = None, etcd: EtcdSettings | None = None,
+                 progress_thread: bool = False) -> None:
         api, bindings = _nixl()
         self._api = api
         self._bindings = bindings
         self.name = name
-        self.use_etcd = bool(os.environ.get(ETCD_ENV)) if use_etcd is None else use_etcd
+        settings = etcd_settings(use_etcd, etcd)  # ValueError: etcd asked for without an endpoint
+        self.use_etcd = settings is not None
+        # etcd first: where it does not answer, EtcdUnavailable before NIXL starts anything.
+        self._etcd = EtcdMetadata(name, settings, lambda: self._metadata) if settings is not None else None
+        try:
+            self._make_agent(name, progress_thread)
+        except BaseException:
+            if self._etcd is not None:
+                self._etcd.close()
+            raise
+
+    def _make_agent(self, name: str, progress_thread: bool) -> None:
         # NIXL's own progress thread spins without pause (the Python API sets its delay to 0):
         # measured here at 0.64 of a core per idle agent. By default the backend's thread
         # progresses UCX instead (every NIXL call it makes does), polling fast only while
-        # transfers are pending. etcd exchange runs on NIXL's listener thread.
-        config = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=self.use_etcd,
-                                       backends=["UCX"])
+        # transfers are pending. No listener thread: metadata travels in hints, or through
+        # etcd by kvxfer (etcd_metadata), never through NIXL's listener or its etcd backend.
+        config = self._api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
+                                             backends=["UCX"])
         self._lock = threading.RLock()
-        self._agent = api.nixl_agent(name, config)
+        with hidden_from_nixl():
+            self._agent = self._api.nixl_agent(name, config)
         if "UCX" not in self._agent.backends:
             raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.get_plugin_list()})")
         self.memory_types = frozenset(self._agent.get_backend_mem_types("UCX"))
         self._registered: list[Any] = []
         self._peers: dict[str, set[bytes]] = {}  # remote agent name -> metadata versions loaded
+        self._versions: dict[str, Version] = {}  # etcd mode: remote agent name -> the version loaded
         self._alive: dict[str, int] = {}  # remote agent name -> our requests to it not released yet
         self._request_peer: dict[Any, str] = {}  # such a request's handle (kept, so never reused) -> its peer
-        self._metadata = self._agent.get_agent_metadata()
-        if self.use_etcd:
-            self._agent.send_local_metadata()
+        self._metadata: bytes = self._agent.get_agent_metadata()
+        if self._etcd is not None:
+            self._etcd.publish(required=True)
+
+    @property
+    def etcd(self) -> EtcdMetadata | None:
+        """The agent's metadata in etcd (None outside etcd mode)."""
+        return self._etcd
 
     # --- memory and metadata ------------------------------------------------------------
     def reachable(self) -> frozenset[MemoryKind]:
@@ -132,59 +169,85 @@ class NixlAgent:
                 self._registered.append(descs)
             # Registration adds the regions' remote keys to the metadata peers must load.
             self._metadata = self._agent.get_agent_metadata()
-            if self.use_etcd:
-                self._agent.send_local_metadata()
+        if self._etcd is not None:
+            self._etcd.publish()  # a new generation; retried by its thread where etcd does not take it
 
     @property
     def metadata(self) -> bytes:
-        """What a peer loads to reach this agent (empty in etcd mode: peers fetch it by name)."""
-        return b"" if self.use_etcd else self._metadata
+        """What a hint carries for a peer to reach this agent: the metadata, or in etcd mode
+        the token of its latest generation (peers look it up by name)."""
+        return self._etcd.token if self._etcd is not None else self._metadata
 
     def ensure_peer(self, name: str, metadata: bytes) -> bool:
-        """Make ``name`` reachable. True once loaded; False while etcd has not delivered it yet.
+        """Make ``name`` reachable. True once loaded; False while etcd has not given what the
+        hint needs yet (asked again later, rate-limited: ``EtcdMetadata.lookup``).
 
-        Raises ValueError for metadata NIXL cannot parse or naming another agent, PeerGone
-        when the peer cannot be reached, or restarted while requests to its previous run are
-        alive.
+        ``metadata``: the hint's endpoint (NIXL metadata, or an etcd token). Raises
+        ValueError for metadata NIXL cannot parse or naming another agent, or a token where
+        etcd is not configured; PeerGone when the peer cannot be reached, restarted while
+        requests to its previous run are alive, or (etcd) was replaced since the hint.
         """
         if metadata and metadata in self._peers.get(name, ()):
             # Loaded already (every submission after the first): not worth waiting for the lock,
             # which the progress thread holds through each NIXL call it makes.
             return True
+        wanted = parse_token(metadata)
+        if wanted is not None or (not metadata and self._etcd is not None):
+            return self._ensure_from_etcd(name, wanted)
+        if not metadata:
+            raise ValueError(f"hint for agent {name!r} carries no NIXL metadata and etcd is not configured")
         with self._lock:
-            known = self._peers.get(name)
-            if metadata:
-                if known is not None and metadata in known:
-                    return True
-                try:
-                    loaded = self._agent.add_remote_agent(metadata)
-                except Exception as exc:
-                    if known is None or type(exc).__name__ != "nixlNotAllowedError":
-                        raise _refused(name, exc) from None
-                    if _metadata_agent(metadata) != name:
-                        # Another agent's refusal: a restart of ``name`` it is not, and the
-                        # peer we know under that name stays loaded.
-                        raise ValueError(f"hint names agent {name!r} but its metadata is agent "
-                                         f"{_metadata_agent(metadata)!r}: {exc}") from None
-                    loaded = self._load_restarted(name, metadata)
-                loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-                if loaded_name != name:
-                    # Undo only what this call added: a peer we already know stays loaded (its
-                    # transfers may be in flight), or a wrong hint would cut it off.
-                    if loaded_name not in self._peers:
-                        self._invalidate(loaded_name)
-                    raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
-                self._peers.setdefault(name, set()).add(metadata)
-                return True
-            if not self.use_etcd:
-                raise ValueError(f"hint for agent {name!r} carries no NIXL metadata and etcd is not configured")
-            if known is not None:
-                return True
-            if self._agent.check_remote_metadata(name):
-                self._peers[name] = {b""}
-                return True
-            self._agent.fetch_remote_metadata(name)
+            return self._load(name, metadata)
+
+    def _ensure_from_etcd(self, name: str, wanted: Version | None) -> bool:
+        if self._etcd is None:
+            raise ValueError(f"hint for agent {name!r} names its NIXL metadata in etcd, and etcd is not "
+                             f"configured here ({ETCD_ENV})")
+        held = self._versions.get(name)
+        if held is not None and (wanted is None or held.covers(wanted)):
+            return True
+        found = self._etcd.lookup(name)  # outside our lock: bounded by the etcd client's timeout
+        if found is None:
             return False
+        if wanted is not None and found.version.instance != wanted.instance:
+            raise PeerGone(f"agent {name!r} was replaced since the hint was made (etcd holds another process "
+                           f"of that name: instance {found.version.instance}, the hint's is {wanted.instance})")
+        if wanted is not None and found.version.generation < wanted.generation:
+            return False  # the metadata the hint needs is not in etcd yet: asked again after the backoff
+        with self._lock:
+            held = self._versions.get(name)
+            if held is None or not held.covers(found.version):
+                self._load(name, found.metadata)
+                self._versions[name] = found.version
+        self._etcd.found(name)
+        return True
+
+    def _load(self, name: str, metadata: bytes) -> bool:
+        """Under the lock: load ``name``'s metadata (over what we hold of it, or in place of a
+        previous process of that name). ValueError or PeerGone as ``ensure_peer``."""
+        known = self._peers.get(name)
+        if known is not None and metadata in known:
+            return True
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            if known is None or type(exc).__name__ != "nixlNotAllowedError":
+                raise _refused(name, exc) from None
+            if _metadata_agent(metadata) != name:
+                # Another agent's refusal: a restart of ``name`` it is not, and the
+                # peer we know under that name stays loaded.
+                raise ValueError(f"hint names agent {name!r} but its metadata is agent "
+                                 f"{_metadata_agent(metadata)!r}: {exc}") from None
+            loaded = self._load_restarted(name, metadata)
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != name:
+            # Undo only what this call added: a peer we already know stays loaded (its
+            # transfers may be in flight), or a wrong hint would cut it off.
+            if loaded_name not in self._peers:
+                self._invalidate(loaded_name)
+            raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
+        self._peers.setdefault(name, set()).add(metadata)
+        return True
 
     def _load_restarted(self, name: str, metadata: bytes) -> Any:
         """NIXL refused ``name``'s new connection info: another process of that name. Its
@@ -194,6 +257,7 @@ class NixlAgent:
             raise PeerGone(f"agent {name!r} restarted (its connection changed) while {alive} of our requests to "
                            "its previous run are in flight: submit again once they ended")
         self._peers.pop(name, None)
+        self._versions.pop(name, None)
         self._invalidate(name)
         try:
             return self._agent.add_remote_agent(metadata)
@@ -207,6 +271,7 @@ class NixlAgent:
     def forget(self, name: str) -> None:
         """Drop a peer's remote state, so that a restarted peer of that name can be added."""
         with self._lock:
+            self._versions.pop(name, None)
             if self._peers.pop(name, None) is not None:
                 self._invalidate(name)
 
@@ -292,15 +357,14 @@ class NixlAgent:
 
     # --- end ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Drop peers and registrations. Call only when no transfer handle is alive."""
+        """Take our metadata out of etcd (first, so that peers stop finding us; bounded by the
+        client's timeout), then drop peers and registrations. Call only when no transfer
+        handle is alive."""
+        if self._etcd is not None:
+            self._etcd.close()
         with self._lock:
             for name in list(self._peers):
                 self.forget(name)
-            if self.use_etcd:
-                try:
-                    self._agent.invalidate_local_metadata()
-                except Exception as exc:
-                    log.debug("invalidate_local_metadata: %s", exc)
             for descs in self._registered:
                 try:
                     self._agent.deregister_memory(descs)

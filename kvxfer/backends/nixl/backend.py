@@ -49,9 +49,11 @@ pending (a packed push waits on notification round trips, so a smaller pause hel
 cores are spare). (NIXL's own progress thread spins a core per agent);
 pass ``nixl_progress_thread=True`` to use NIXL's instead.
 
-Metadata travels in the hint (``Hint.endpoint``). Where ``NIXL_ETCD_ENDPOINTS`` is set,
-the agent publishes its metadata to etcd instead, hints carry an empty endpoint, and a
-peer's metadata is fetched from etcd by agent name (not tested here: no etcd in CI).
+Metadata travels in the hint (``Hint.endpoint``). Where ``NIXL_ETCD_ENDPOINTS`` is set (or
+``etcd=EtcdSettings(...)`` is given), kvxfer keeps each agent's metadata in etcd under a lease
+instead (``etcd_metadata``), hints carry a short token naming the agent's process and
+metadata generation, and a peer's metadata is looked up by agent name, rate-limited, by
+whichever step needs it (a submission, a job waiting for its peer, a heartbeat).
 
 What a dead peer can touch: nothing of its own any more (its process, endpoints and
 queue pairs are gone). What remains is our side: our own requests towards it (we release
@@ -79,6 +81,7 @@ from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
 from kvxfer.backends.common.transform import plan_between
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown
+from kvxfer.backends.nixl.etcd_metadata import EtcdSettings
 from kvxfer.backends.nixl.geometry_packed import landing_slots_ahead
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion
 from kvxfer.backends.nixl.liveness import HEARTBEAT, Liveness, LivenessHooks
@@ -119,8 +122,8 @@ IDLE_POLL_S = 0.01  # progress-thread pause with nothing pending (``poll_s`` whi
 ARENA_DEFAULTS = {MemoryKind.HOST: (64 << 20, 4 << 20), MemoryKind.DEVICE: (1 << 30, 64 << 20)}
 KEPT = 4096  # slots granted ahead of a publish(), kept for it: the newest
 PACKED = True  # this backend has the packed path (kvxfer bench checks for it)
-__all__ = ["ARENA_DEFAULTS", "BACKEND_KIND", "MIN_DESCRIPTORS", "PACKED", "NixlBackend", "NixlStats", "PackedMode",
-           "Path", "cuda_device_count", "cuda_present", "unique_agent_name"]
+__all__ = ["ARENA_DEFAULTS", "BACKEND_KIND", "MIN_DESCRIPTORS", "PACKED", "EtcdSettings", "NixlBackend", "NixlStats",
+           "PackedMode", "Path", "cuda_device_count", "cuda_present", "unique_agent_name"]
 
 
 def check_options(*, window: int, deadline_s: float, heartbeat_s: float, packed: str, arena_bytes: int | None,
@@ -166,6 +169,7 @@ class NixlBackend(BackendEngine):
         fail_after_rows: int | None = None,
         chunk_pause_s: float = 0.0,
         use_etcd: bool | None = None,
+        etcd: EtcdSettings | None = None,
         nixl_progress_thread: bool = False,
         packed: PackedMode = "auto",
         packed_min_descriptors: int | None = None,
@@ -200,7 +204,7 @@ class NixlBackend(BackendEngine):
         self.chunk_pause_s = chunk_pause_s      # pace chunk posts (tests kill a peer mid-way)
         name = name or unique_agent_name()
         with ucx_settings(tcp_liveness(deadline_s)):  # a silent peer is seen within a bound
-            self._agent = NixlAgent(name, use_etcd=use_etcd, progress_thread=nixl_progress_thread)
+            self._agent = NixlAgent(name, use_etcd=use_etcd, etcd=etcd, progress_thread=nixl_progress_thread)
         kinds = self._agent.reachable()
         if MemoryKind.DEVICE in kinds and not cuda_present():
             kinds = kinds - {MemoryKind.DEVICE}
