@@ -428,7 +428,10 @@ def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement,
 
 def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Placement,
                    store: StoreSetup | None) -> list[Child]:
-    common = [*worker_args(args), *(store.argv if store is not None else ())]
+    # The pair's router knows its workers by URL: no discovery, even where NIXL_ETCD_ENDPOINTS
+    # is set (then the NIXL agents' metadata still goes through etcd), so that no other router
+    # watching etcd picks these workers up.
+    common = [*worker_args(args), *(store.argv if store is not None else ()), "--etcd", ""]
     role_args = {role: [*common, *engine_kv_argv(args, role), *model_args_list(args, device)]
                  for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
     workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
@@ -440,7 +443,7 @@ def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Place
 
 def _start_router(group: ProcessGroup, args: argparse.Namespace, workers: list[Child]) -> Child:
     router_argv = ["router", "--port", "0", "--selection", args.selection, "--on-failure", args.on_failure,
-                   "--timeout", str(args.timeout)]
+                   "--timeout", str(args.timeout), "--etcd", ""]
     for w in workers:
         router_argv += [f"--{w.info['role']}", w.url]
     router = group.start("router", router_argv)

@@ -107,8 +107,8 @@ class Router:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, selection: str = "round_robin",
                  on_failure: str = "fail", timeout_s: float = 30.0, connect_timeout_s: float = 2.0,
                  probe_interval_s: float = 1.0) -> None:
-        if not decode:
-            raise ValueError("a router needs at least one decode worker")
+        # No decode worker yet is allowed (workers discovered later, add_worker): until one is
+        # added, requests are answered "unavailable".
         if not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if on_failure not in POLICIES:

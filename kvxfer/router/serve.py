@@ -3,6 +3,7 @@ lists the routes).
 
     kvxfer router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002   # port 8000
     kvxfer router ... --model smollm2   # serve this name, with this GGUF's tokenizer (default: the workers')
+    kvxfer router --etcd http://127.0.0.1:2379   # the workers registered in etcd (kvxfer serve --etcd), as they come and go
 
 Every request gets an access log line at INFO (logger ``kvxfer.router.access``: method,
 path, status, seconds), and a failed worker call a warning (``kvxfer.router``).
@@ -28,6 +29,7 @@ from kvxfer.router.frontend import OpenAIFrontend
 from kvxfer.router.router import POLICIES, Router
 from kvxfer.router.workers import SELECTIONS
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.discovery import Membership, add_etcd_args, check_etcd, in_thread, with_health
 from kvxfer.serving.http import HttpServer, check_url
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 
@@ -36,7 +38,12 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
     router = Router(args.prefill, args.decode, selection=args.selection, on_failure=args.on_failure,
                     timeout_s=args.timeout)
     frontend = OpenAIFrontend(router, model=args.model or None, tokenizer=args.tokenizer)
-    server = HttpServer(make_handler(router, frontend), args.host, args.port, access_log="kvxfer.router.access")
+    handler = make_handler(router, frontend)
+    membership = None
+    if args.etcd_client is not None:
+        membership = await _follow(args, router)
+        handler = with_health(handler, "discovery", membership.state)
+    server = HttpServer(handler, args.host, args.port, access_log="kvxfer.router.access")
     loop = asyncio.get_running_loop()
     stop = stop_on_signals(loop)
     try:
@@ -51,12 +58,29 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
         await stop.wait()
     finally:
         ignore_late_stops(loop)
+        if membership is not None:
+            await in_thread(membership.close, 1.0, "etcd-unwatch")  # its thread dies with the process
         await server.close()  # closes the streams still open: their requests' aborts start now
         await router.close()
         if args.json:
             Path(args.json).write_text(json.dumps({"role": "router", "metrics": router.metrics.snapshot()},
                                                   indent=2) + "\n")
     return 0
+
+
+async def _follow(args: argparse.Namespace, router: Router) -> Membership:
+    """Follow the workers registered in etcd; with static workers, those set the model that
+    discovered ones must serve."""
+    model = None
+    if args.prefill or args.decode:
+        limits = await router.model()
+        model = limits.name or None if limits is not None else None
+    membership = Membership(args.etcd_client, args.etcd_namespace, router, model=model)
+    membership.start()
+    if not await membership.synced(args.etcd_client.timeout * 3):
+        logging.getLogger("kvxfer.router").warning("etcd at %s: the workers' list not read yet; following it "
+                                                   "in the background", args.etcd_client)
+    return membership
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-watch", action="store_true", help="exit when stdin closes (the parent died)")
     p.add_argument("--json", default="", metavar="PATH", help="on exit, write a JSON report (metrics)")
     p.add_argument("--log-level", default="WARNING", type=log_level, help=", ".join(LOG_LEVELS))
+    add_etcd_args(p, register=False)
     return p
 
 
@@ -106,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_numbers(parser, args)
-    if not args.decode:
-        parser.error("at least one --decode URL is required")
+    check_etcd(parser, args)
+    if not args.decode and args.etcd_client is None:
+        parser.error("at least one --decode URL is required, or --etcd to discover the workers")
     check_serving(parser, args.host, args.port)
     args.tokenizer = _tokenizer(parser, args.model)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

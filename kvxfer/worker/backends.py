@@ -22,11 +22,13 @@ BACKENDS = ("nixl", "ipc", "ucx", "loopback")
 def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
                  fabric: LoopbackFabric | None = None, device: int = 0, chunk_bytes: int | None = None,
                  chunk_pause_s: float = 0.0, busy_poll: bool = False, arena_bytes: int | None = None,
-                 hint_ttl_s: float = DEFAULT_HINT_TTL_S) -> Backend:
+                 hint_ttl_s: float = DEFAULT_HINT_TTL_S, etcd_endpoints: str = "", etcd_namespace: str = "",
+                 etcd_ttl_s: int = 10) -> Backend:
     """``chunk_bytes``/``chunk_pause_s`` tune NIXL's submission chunks (a chunk is the unit
     that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way.
     ``arena_bytes`` (nixl only): the packed path's bounce arena (None: the backend's default,
-    0: none). ``hint_ttl_s``: how long the hints it describes may be used.
+    0: none). ``hint_ttl_s``: how long the hints it describes may be used. ``etcd_*`` (nixl
+    only): keep the agent's metadata in etcd there ("" endpoints: as NIXL_ETCD_ENDPOINTS says).
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
     doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency."""
     if busy_poll and kind != "ipc":
@@ -34,10 +36,12 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     if arena_bytes is not None and kind != "nixl":
         raise ValueError(f"arena_bytes applies to the nixl backend only, not {kind!r}")
     if kind == "nixl":
-        from kvxfer.backends.nixl import NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
+        from kvxfer.backends.nixl import EtcdSettings, NixlBackend  # noqa: PLC0415 - nixl loads UCX: only when asked
 
+        etcd = EtcdSettings(etcd_endpoints or None, etcd_namespace or None, etcd_ttl_s)
         return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s,
-                           chunk_bytes=chunk_bytes or None, arena_bytes=arena_bytes, hint_ttl_s=hint_ttl_s)
+                           chunk_bytes=chunk_bytes or None, arena_bytes=arena_bytes, hint_ttl_s=hint_ttl_s,
+                           etcd=etcd)
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 

@@ -43,6 +43,11 @@ class WorkerConfig:
     store_path: str = ""
     store_master: str = ""
     store_segment_mib: int = 256   # mooncake: memory this worker gives the store (0: none, a store server holds)
+    # nixl: keep the agent's metadata in etcd (kvxfer.backends.nixl.etcd_metadata) at these
+    # endpoints; "": as NIXL_ETCD_ENDPOINTS says (unset: the metadata travels in the hints).
+    etcd_endpoints: str = ""
+    etcd_namespace: str = ""       # "": KVXFER_ETCD_NAMESPACE, else "default"
+    etcd_ttl_s: int = 10           # how long a killed worker's metadata outlives it
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -135,7 +135,9 @@ class Worker:
                                  deadline_s=cfg.transfer_timeout_s, fabric=self._fabric,
                                  chunk_bytes=cfg.chunk_bytes, chunk_pause_s=cfg.chunk_pause_s,
                                  busy_poll=cfg.busy_poll, device=device,
-                                 arena_bytes=cfg.arena_bytes, hint_ttl_s=min(cfg.hold_s, MAX_HINT_TTL_S))
+                                 arena_bytes=cfg.arena_bytes, hint_ttl_s=min(cfg.hold_s, MAX_HINT_TTL_S),
+                                 etcd_endpoints=cfg.etcd_endpoints, etcd_namespace=cfg.etcd_namespace,
+                                 etcd_ttl_s=cfg.etcd_ttl_s)
         skipped = s.backend.register(s.lender.regions)
         if skipped:
             raise RuntimeError(f"backend {cfg.backend!r} cannot reach the pool's "

@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,20 @@ from kvxfer.engine import (
     load_model,
     model_shape,
 )
+from kvxfer.etcd import EtcdUnavailable
 from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.discovery import (
+    Capabilities,
+    Layout,
+    Registration,
+    WorkerRecord,
+    add_etcd_args,
+    advertised_url,
+    check_etcd,
+    in_thread,
+    with_health,
+)
 from kvxfer.serving.http import HttpServer
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 from kvxfer.ucx_env import net_devices_problem
@@ -192,10 +206,18 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
                           chunk_pause_s=args.nixl_chunk_pause,
                           device=str(model.device), busy_poll=args.busy_poll,
                           arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20,
-                          **engine_kv_fields(args), **store_fields(args))
+                          **engine_kv_fields(args), **store_fields(args), **etcd_fields(args))
     worker = Worker(config, model=model)
-    await worker.start()
-    server = HttpServer(make_handler(worker), args.host, args.port)
+    try:
+        await worker.start()
+    except EtcdUnavailable as exc:  # the NIXL agent's metadata: never ready without it
+        print(f"kvxfer serve: error: NIXL metadata: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 2
+    registration = Registration(args.etcd_client, args.etcd_namespace, args.etcd_ttl) if args.etcd_client else None
+    handler = make_handler(worker)
+    if registration is not None:
+        handler = with_health(handler, "discovery", registration.state)
+    server = HttpServer(handler, args.host, args.port)
     loop = asyncio.get_running_loop()
     stop = stop_on_signals(loop)
     try:
@@ -204,7 +226,12 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
             return 2
         if args.parent_watch:
             watch_stdin(loop, stop)
-        announce({"event": "ready", "role": args.role, "port": port, "url": f"http://{args.host}:{port}",
+        url = f"http://{args.host}:{port}"
+        if registration is not None and not await _register(registration,
+                                                            worker_record(worker, advertised_url(args.host, port))):
+            registration = None
+            return 2
+        announce({"event": "ready", "role": args.role, "port": port, "url": url,
                   "pid": os.getpid(), "backend": args.backend, "name": worker.name,
                   "device": worker.device}, args.port_file, ready_fd)
         print(f"kvxfer serve: {args.role} worker {worker.name!r} listening on http://{args.host}:{port}",
@@ -212,6 +239,8 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
         await stop.wait()
     finally:
         ignore_late_stops(loop)
+        if registration is not None:  # first: the router drops this worker before it stops answering
+            await in_thread(registration.close, registration.client.timeout + 0.5, "etcd-deregister")
         await server.close()
         await worker.metrics_text()  # refreshes the gauges the JSON report reads
         report = await worker.close()
@@ -221,6 +250,30 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
             Path(args.json).write_text(json.dumps({"role": args.role, "name": worker.name, "shutdown": report,
                                                    "metrics": worker.metrics.snapshot()}, indent=2) + "\n")
     return 0
+
+
+def worker_record(worker: Worker, url: str) -> WorkerRecord:
+    """What etcd lists of this worker (kvxfer.serving.discovery)."""
+    c = worker.config
+    layout = Layout(block_tokens=c.model.block_tokens, dtype=c.model.dtype, scope=c.model.scope().hex()[-32:],
+                    engine_kv=c.engine_kv, tp=c.tp, peer_tp=c.peer_tp, kv_block_tokens=c.block_tokens or 0,
+                    kv_layout=c.layout)
+    capabilities = Capabilities(backend=c.backend, mode=c.mode.value, lender=c.lender, store=c.store,
+                                device=worker.device)
+    return WorkerRecord(c.role, url, c.model_name, layout, capabilities, name=worker.name,
+                        host=socket.gethostname(), pid=os.getpid(), started=time.time())
+
+
+async def _register(registration: Registration, record: WorkerRecord) -> bool:
+    """Put this worker in etcd; False, after one line on stderr naming the endpoint, when etcd
+    does not answer (the worker then exits 2 without announcing itself ready)."""
+    try:
+        await asyncio.to_thread(registration.start, record)
+    except EtcdUnavailable as exc:
+        print(f"kvxfer serve: error: --etcd {registration.client}: cannot register this worker: "
+              f"{' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 ARENA_HELP = ("nixl: MiB of the packed path's bounce arena, registered per worker (unset: the backend's default, "
@@ -280,8 +333,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--store-segment-mib", type=int, default=256, metavar="MIB",
                    help="--store mooncake: memory this worker gives the store; its puts land there and go with it "
                         "(0: none, they land in a store server's: mooncake_master --segment-mib)")
+    add_etcd_args(p, register=True)
     add_model_args(p)
     return p
+
+
+def etcd_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The WorkerConfig fields of the etcd flags: --etcd also keeps the NIXL agent's metadata there."""
+    if args.etcd_client is None:
+        return {}
+    return {"etcd_endpoints": str(args.etcd_client), "etcd_namespace": args.etcd_namespace,
+            "etcd_ttl_s": args.etcd_ttl}
 
 
 def store_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -358,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     check_model_args(parser, args)
     check_engine_kv(parser, args)
     check_store(parser, args)
+    check_etcd(parser, args)
     try:
         device = parse_device(args.device)
         check_visible(device)
