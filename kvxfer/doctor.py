@@ -13,30 +13,40 @@ remedy: run that pair in push mode, or use the same-node ``ipc`` backend.
 picks lanes by placement (between the two H200s of one host READ went over cuda_ipc at 382
 GB/s; on a one-H200 machine, both ends on its GPU, it fell back to TCP at 0.5 GB/s), so ask
 about the placement your workers have.
+
+``--peer URL`` measures the lanes to a running worker, on this host or another: the worker
+opens a probe target of its own (``kvxfer.worker.probe``: a NIXL agent apart from its
+backend's, a buffer of at most 256 MiB, one probe at a time) and this host runs the initiator
+against it, so push is this host WRITEing into the worker and pull READing from it. The
+probe is renewed while it is measured and freed after (the worker frees one nobody renews
+within a minute). A URL that does not answer, is no kvxfer worker, or a worker without the
+probe route is one line, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvxfer import doctor_ucx
+from kvxfer import doctor_peer, doctor_ucx
 from kvxfer.backends.common.devices import cuda_device_count, cuda_present
 from kvxfer.doctor_probe import ROW
+from kvxfer.serving.client import check_url
 from kvxfer.ucx_env import net_devices_problem
+from kvxfer.worker.probe import MAX_BYTES as PEER_BYTES
+from kvxfer.worker.probe import nixl_versions
 
 _CELL_TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
 _OPS = {"remote memory write by": "write", "remote memory read by": "read"}
@@ -49,32 +59,17 @@ REMEDY = {
 }
 
 
+TICK_S = 2.0
+"""With --peer: the longest the doctor waits for its initiator without renewing the worker's probe."""
+
+
 def _say(message: str) -> None:
     print(f"[doctor] {message}", file=sys.stderr, flush=True)
 
 
 def versions() -> dict[str, str]:
     """NIXL's package version and the version of the UCX library NIXL loaded."""
-    from importlib import metadata  # noqa: PLC0415
-
-    out: dict[str, str] = {}
-    for dist in ("nixl", "nixl-cu13", "nixl-cu12"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    try:
-        import nixl._api as api  # noqa: PLC0415
-
-        package_dir = Path(api.__file__).resolve().parent
-        libs = glob.glob(str(package_dir.parent / f"{package_dir.name}.libs" / "libucp-*.so*"))
-        lib = ctypes.CDLL(libs[0]) if libs else ctypes.CDLL("libucp.so.0")
-        lib.ucp_get_version_string.restype = ctypes.c_char_p
-        out["ucx"] = lib.ucp_get_version_string().decode()
-        out["nixl_module"] = package_dir.name
-    except (ImportError, OSError, IndexError, AttributeError) as exc:
-        out["ucx"] = f"unknown ({exc})"
-    return out
+    return nixl_versions()
 
 
 def parse_proto_info(text: str) -> list[dict[str, Any]]:
@@ -159,44 +154,51 @@ def _recv(sock: socket.socket, timeout: float) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
-def probe(memory: str, nbytes: int, reps: int, timeout: float,
-          devices: tuple[int, int] = (-1, -1)) -> dict[str, Any]:
-    """Run target and initiator for one memory kind; figures, transports, and the raw tables.
-    ``devices``: the initiator's and the target's CUDA devices for device memory (-1: the
-    current one), since UCX picks another lane between two GPUs than within one."""
-    work = Path(tempfile.mkdtemp(prefix="kvxfer-doctor-"))
-    t_parent, t_child = socket.socketpair()
+def _next(sock: socket.socket, timeout: float, tick: Callable[[], None] | None) -> dict[str, Any]:
+    """The initiator's next message; ``tick`` is called at least every few seconds meanwhile
+    (``--peer``: it renews the worker's probe, which would expire without a word)."""
+    if tick is None:
+        return _recv(sock, timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no word from the initiator process within {timeout:g}s")
+        ready, _, _ = select.select([sock], [], [], min(left, TICK_S))
+        tick()
+        if ready:
+            return _recv(sock, timeout)
+
+
+def _measure(memory: str, nbytes: int, reps: int, timeout: float, target: dict[str, Any], work: Path,
+             cuda_device: int = -1, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run the initiator against ``target`` (its agent metadata, buffer address and device:
+    a local target process's, or a worker's probe); figures, transports, and the raw tables."""
     i_parent, i_child = socket.socketpair()
-    procs = []
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        procs.append(_spawn("target", t_child.fileno(), memory, nbytes, reps, work / "target.log", devices[1]))
-        procs.append(_spawn("initiator", i_child.fileno(), memory, nbytes, reps, work / "initiator.log", devices[0]))
-        t_child.close()
+        proc = _spawn("initiator", i_child.fileno(), memory, nbytes, reps, work / "initiator.log", cuda_device)
         i_child.close()
-        info = _recv(t_parent, timeout)
-        blob = json.dumps(info).encode()
+        blob = json.dumps(target).encode()
         i_parent.sendall(len(blob).to_bytes(8, "little") + blob)
         while True:
-            message = _recv(i_parent, timeout)
+            message = _next(i_parent, timeout, tick)
             if "progress" in message:
                 _say(f"{memory}: {message['progress']}")
                 continue
             break
-        t_parent.sendall((1).to_bytes(8, "little") + b"x")
-        for proc in procs:
-            proc.wait(timeout=timeout)
+        proc.wait(timeout=timeout)
     except BaseException as exc:
         # The probes' own output says why (a crash, a hang): the folder stays, named here.
         if hasattr(exc, "add_note"):
             exc.add_note(f"kvxfer doctor: the {memory} probe's logs are in {work}")
         raise
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-        t_parent.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
         i_parent.close()
+        i_child.close()
     text = (work / "initiator.log").read_text(errors="replace")
     tables = parse_proto_info(text)
     if "error" in message:
@@ -205,6 +207,61 @@ def probe(memory: str, nbytes: int, reps: int, timeout: float,
     # failed (named in its error), so that repeated runs leave nothing behind in /tmp.
     shutil.rmtree(work, ignore_errors=True)
     return {"figures": message["results"], "lanes": lanes_from_tables(tables, memory), "tables": tables}
+
+
+def probe(memory: str, nbytes: int, reps: int, timeout: float,
+          devices: tuple[int, int] = (-1, -1)) -> dict[str, Any]:
+    """Run target and initiator for one memory kind; figures, transports, and the raw tables.
+    ``devices``: the initiator's and the target's CUDA devices for device memory (-1: the
+    current one), since UCX picks another lane between two GPUs than within one."""
+    work = Path(tempfile.mkdtemp(prefix="kvxfer-doctor-"))
+    t_parent, t_child = socket.socketpair()
+    target: subprocess.Popen[bytes] | None = None
+    try:
+        target = _spawn("target", t_child.fileno(), memory, nbytes, reps, work / "target.log", devices[1])
+        t_child.close()
+        try:
+            info = _recv(t_parent, timeout)
+        except BaseException as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"kvxfer doctor: the {memory} probe's logs are in {work}")
+            raise
+        result = _measure(memory, nbytes, reps, timeout, info, work, devices[0])
+        t_parent.sendall((1).to_bytes(8, "little") + b"x")
+        target.wait(timeout=timeout)
+        return result
+    finally:
+        if target is not None and target.poll() is None:
+            target.kill()
+            target.wait(timeout=10)
+        t_parent.close()
+        t_child.close()
+
+
+def probe_peer(url: str, memory: str, nbytes: int, reps: int, timeout: float) -> dict[str, Any]:
+    """``--peer``: the target is a probe the worker at ``url`` opens (``kvxfer.worker.probe``);
+    the initiator runs here. The probe is renewed while it is measured and freed after."""
+    http_s = min(timeout, 30.0)
+    target = doctor_peer.open_target(url, nbytes, memory, http_s)
+    every, renewed = max(1.0, float(target.get("idle_s", 60.0)) / 6), time.monotonic()
+
+    def renew() -> None:
+        nonlocal renewed
+        if time.monotonic() - renewed >= every:
+            doctor_peer.renew(url, target["id"], http_s)
+            renewed = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="kvxfer-doctor-peer-"))
+    try:
+        info = {k: target[k] for k in ("metadata", "address", "device")}
+        result = _measure(memory, nbytes, reps, timeout, info, work, -1, renew)
+    finally:
+        problem = doctor_peer.free(url, target["id"], http_s)
+        if problem:
+            _say(f"could not free the worker's probe {target['id']} ({problem}); the worker frees it by itself "
+                 f"{target.get('idle_s', 60)}s after this doctor's last word")
+    result["target"] = {k: target.get(k) for k in ("id", "memory", "bytes", "device", "agent")}
+    result["worker"] = {"host": target.get("host"), "versions": target.get("versions", {})}
+    return result
 
 
 def _warnings(report: dict[str, Any]) -> list[str]:
@@ -234,12 +291,23 @@ def _warnings(report: dict[str, Any]) -> list[str]:
 def _print(report: dict[str, Any]) -> None:
     v = report["versions"]
     print(f"NIXL {v.get('nixl', '?')} ({v.get('nixl_module', '?')}), UCX {v.get('ucx', '?')}")
+    peer = report.get("peer")
+    if peer:
+        pv = peer.get("versions") or {}
+        print(f"peer: {peer.get('role')} worker {peer.get('name')!r} at {peer['url']} on host {peer.get('host')}, "
+              f"pool on {peer.get('device')}: NIXL {pv.get('nixl', '?')}, UCX {pv.get('ucx', '?')}")
+        if (pv.get("nixl"), pv.get("ucx")) != (v.get("nixl"), v.get("ucx")):
+            print("  (its NIXL or UCX differs from this host's: UCX picks lanes from what both ends offer)")
     for memory, result in report["memory"].items():
         placed = ""
         if "devices" in result:
             initiator, target = result["devices"]
             placed = f" (initiator on cuda:{initiator}, target on cuda:{target})"
-        print(f"\n{memory} memory, two processes on this node{placed}:")
+        if peer:
+            print(f"\n{memory} memory, this host ({report['host']}) with the worker on {peer.get('host')} "
+                  f"(push: this host WRITEs into the worker; pull: it READs from the worker):")
+        else:
+            print(f"\n{memory} memory, two processes on this node{placed}:")
         for lane, transports in result["lanes"].items():
             print(f"  {lane:<4} ({LANE_OP[lane]}) lane: {', '.join(transports) or 'unknown'}")
         for lane, by_size in result["figures"]["lanes"].items():
@@ -290,10 +358,12 @@ def _devices(parser: argparse.ArgumentParser, text: str | None, no_device: bool)
     return devices
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxfer doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
-    parser.add_argument("--bytes", type=int, default=512 << 20, help="buffer size per process (default 512 MiB)")
+    parser.add_argument("--bytes", type=int, default=None,
+                        help=f"buffer size per process (default 512 MiB; with --peer {PEER_BYTES >> 20} MiB, "
+                             "the most a worker lends a probe)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (best and median)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each probe step")
     parser.add_argument("--no-device", action="store_true", help="skip device memory even when CUDA is present")
@@ -304,7 +374,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="CUDA devices of the device-memory initiator (it WRITEs on the push lane and READs "
                              "on the pull lane, as a pull's decode end does) and target, e.g. 0,1 "
                              "(default: each process's current device)")
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    parser.add_argument("--peer", metavar="URL",
+                        help="probe a running worker (`kvxfer serve`'s URL, e.g. http://10.0.0.2:8101): it hosts the "
+                             "target, this host the initiator; push WRITEs from here into the worker, pull READs "
+                             "from it. Run it on the other end's host")
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int] | None:
+    """Every flag checked before anything starts (usage errors, exit 2); ``--devices`` read."""
+    if args.peer is not None:
+        try:
+            args.peer = check_url(args.peer)
+        except ValueError as exc:
+            parser.error(f"--peer: {exc}")
+        if args.devices is not None:
+            parser.error("--devices places both ends on this host; with --peer the target is on the worker's "
+                         "pool's device")
+    if args.bytes is None:
+        args.bytes = PEER_BYTES if args.peer else 512 << 20
     if args.bytes < 2 * ROW:  # the row figures need two 64 KiB rows at least
         parser.error(f"--bytes must be at least {2 * ROW} (two {ROW >> 10} KiB rows), got {args.bytes}")
     if args.reps < 1:
@@ -315,9 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = net_devices_problem()
     if problem:
         parser.error(problem)
-    started = time.time()
-    _say("reading versions")
-    report: dict[str, Any] = {"versions": versions(), "host": socket.gethostname(), "memory": {}}
+    return devices
+
+
+def _local(args: argparse.Namespace, devices: tuple[int, int] | None, report: dict[str, Any]) -> None:
     kinds = ["host"] + (["device"] if cuda_present() and not args.no_device else [])
     for memory in kinds:
         _say(f"{memory}: starting target and initiator processes ({args.bytes >> 20} MiB each)")
@@ -330,6 +419,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_ucx:
         _say("ucx: a tag-message sender and receiver over ucxx")
         report["ucx"] = doctor_ucx.probe(min(args.bytes, 64 << 20), args.reps, args.timeout)
+
+
+def _remote(args: argparse.Namespace, worker: dict[str, Any], report: dict[str, Any]) -> None:
+    """``--peer``: host memory, and device memory when both this host and the worker's pool have a GPU."""
+    worker_device = str(worker.get("probe", {}).get("device", "cpu"))
+    skipped = "--no-device" if args.no_device else "no CUDA device here" if not cuda_present() else \
+        f"the worker's pool is on {worker_device}" if not worker_device.startswith("cuda") else ""
+    for memory in ["host"] + ([] if skipped else ["device"]):
+        _say(f"{memory}: the worker at {args.peer} opens a {args.bytes >> 20} MiB target; an initiator starts here")
+        result = probe_peer(args.peer, memory, args.bytes, args.reps, args.timeout)
+        side = result.pop("worker")  # the worker's host and versions, as its probe answered
+        report["memory"][memory] = result
+        report["peer"].update({k: side.get(k) for k in ("host", "versions")})
+    if skipped:
+        report["device_skipped"] = skipped
+    if not args.no_ucx:
+        report["ucx"] = {"skipped": "--peer: the ucx backend's lane is probed between two processes of this host "
+                                    "only (run kvxfer doctor without --peer)"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    devices = _check(parser, args)
+    started = time.time()
+    report: dict[str, Any] = {"host": socket.gethostname(), "memory": {}}
+    try:
+        if args.peer:
+            worker = doctor_peer.connect(args.peer, min(args.timeout, 30.0))
+            report["peer"] = {"url": args.peer, "name": worker.get("name"), "role": worker.get("role"),
+                              "device": worker.get("probe", {}).get("device")}
+        _say("reading versions")
+        report["versions"] = versions()
+        if args.peer:
+            _remote(args, worker, report)
+        else:
+            _local(args, devices, report)
+    except doctor_peer.PeerError as exc:
+        print(f"kvxfer doctor: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (RuntimeError, OSError, EOFError, subprocess.SubprocessError) as exc:
+        if not args.peer:
+            raise
+        # Between two hosts a lane that does not work at all is an answer too: one line, not a traceback.
+        notes = "; ".join(getattr(exc, "__notes__", []))
+        print(f"kvxfer doctor: error: --peer {args.peer}: the probe failed: {type(exc).__name__}: {exc}"
+              f"{' (' + notes + ')' if notes else ''}", file=sys.stderr, flush=True)
+        return 2
     report["warnings"] = _warnings(report)
     report["seconds"] = round(time.time() - started, 1)
     _print(report)

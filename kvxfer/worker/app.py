@@ -16,6 +16,11 @@
                                       ("quarantined", with rows_safe: a reservation set aside earlier is given back;
                                        "starting": its /prefill or /reserve still runs, and drops what it makes;
                                        null: nothing here yet, and a /prefill or /reserve of it within hold_s is refused)
+    GET    /doctor/probe              -> {"active": {id, memory, bytes, age_s, expires_in_s} | null, "max_bytes", ...}
+    POST   /doctor/probe {bytes, memory?} -> a NIXL target for ``kvxfer doctor --peer``: {id, metadata, address,
+                                      device, host, versions, idle_s, ...}; 409 while another probe is open
+    POST   /doctor/probe/ID           -> renews it (the doctor, while it measures); 404 once freed or expired
+    DELETE /doctor/probe/ID           -> frees it (kvxfer.worker.probe: its own agent, never the backend's)
 
 The worker (``kvxfer.worker.core``) knows no HTTP: this module parses each body into a typed
 call (``kvxfer.worker.bodies``, BadRequest for what is malformed) and maps the worker's
@@ -42,23 +47,33 @@ from kvxfer.serving.metrics import CONTENT_TYPE
 from kvxfer.wire import WireError
 from kvxfer.worker import bodies
 from kvxfer.worker.core import Aborted, Refused, Worker
+from kvxfer.worker.probe import ProbeBusy, ProbeHost, ProbeInvalid, ProbeUnknown, parse_open
 
 log = logging.getLogger(__name__)
 NOTHING_ESCAPED = (InvalidSubmission, SubmissionRejected, LeaseError, PoolExhausted, UnknownRequest, Aborted)
 """Refusals that promise no submission happened (answered 409); anything else is 500."""
 
 
-ENDPOINTS = frozenset({"health", "metrics", "prefill", "publish", "reserve", "generate", "abort", "withdraw"})
+ENDPOINTS = frozenset({"health", "metrics", "prefill", "publish", "reserve", "generate", "abort", "withdraw",
+                       "doctor_probe"})
+PROBE_STATUS = {ProbeInvalid: 400, ProbeUnknown: 404, ProbeBusy: 409}
+STATUS_RESULT = {400: "bad_request", 409: "refused"}  # a status a route answered itself, as a metric label
 
 
 def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
+    """The worker's handler; ``handler.probes`` is its ProbeHost (``close()`` frees an open
+    probe; one still open when the event loop ends is freed then)."""
+    probes = ProbeHost(worker.name, worker.device)
+
     async def handle(request: Request) -> Response:
         path = request.path.strip("/") or "health"
+        probe = path == "doctor/probe" or path.startswith("doctor/probe/")
         # The metric label is bounded: any path a client invents would otherwise be a new series.
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = "doctor_probe" if probe else path if path in ENDPOINTS else "other"
         try:
-            response = await _route(worker, path, request)
-            worker.m_requests.inc(endpoint=endpoint, result="ok" if response.status < 400 else "not_found")
+            response = await (_probe(worker, probes, path, request) if probe else _route(worker, path, request))
+            worker.m_requests.inc(endpoint=endpoint, result="ok" if response.status < 400 else
+                                  STATUS_RESULT.get(response.status, "not_found"))
             return response
         except (BadRequest, Refused, WireError) as exc:
             worker.m_requests.inc(endpoint=endpoint, result="bad_request")
@@ -70,7 +85,30 @@ def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
             log.exception("worker %s: %s failed", worker.name, endpoint)
             worker.m_requests.inc(endpoint=endpoint, result="error")
             return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 500)
+    handle.probes = probes  # type: ignore[attr-defined]
     return handle
+
+
+async def _probe(worker: Worker, probes: ProbeHost, path: str, request: Request) -> Response:
+    """``/doctor/probe`` (kvxfer.worker.probe): its refusals answered with their own statuses."""
+    probe_id = path.removeprefix("doctor/probe").strip("/")
+    try:
+        if not probe_id and request.method == "GET":
+            return Response.json(probes.status())
+        if not probe_id and request.method == "POST":
+            body = request.json()
+            if not isinstance(body, dict):
+                raise BadRequest("body must be a JSON object")
+            if worker.health()["status"] != "ok":
+                raise ProbeBusy("the worker is shutting down: it opens no probe")
+            return Response.json(await probes.open(*parse_open(body)))
+        if probe_id and request.method == "POST":
+            return Response.json(probes.renew(probe_id))
+        if probe_id and request.method == "DELETE":
+            return Response.json(await probes.free(probe_id))
+    except tuple(PROBE_STATUS) as exc:
+        return Response.json({"error": f"{type(exc).__name__}: {exc}"}, PROBE_STATUS[type(exc)])
+    return Response.json({"error": f"method {request.method} not allowed on /{path}"}, 405)
 
 
 async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
