@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvxfer.router.serve", "serve the embeddable router over HTTP"),
     "bench": ("kvxfer.bench.cli", "transfer microbenchmarks with in-run baselines"),
     "doctor": ("kvxfer.doctor", "say which transport really carries the bytes"),
+    "launch": ("kvxfer.launch.cli", "place workers and router on a Ray cluster as actors (kvxfer[ray])"),
 }
 
 
