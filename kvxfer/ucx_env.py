@@ -73,19 +73,23 @@ def _listdir(path: str) -> list[str]:
 # network namespaces with the peer blackholed mid-WRITE of 256 MiB: with the defaults the WRITE
 # stayed in progress past 30 s; with UCX_TCP_USER_TIMEOUT=5s and keepalive 2+3x1 s, NIXL
 # reported NIXL_ERR_REMOTE_DISCONNECT after 5.4 s (a READ: 6.9 s).
-TCP_LIVENESS_VARS = ("UCX_TCP_USER_TIMEOUT", "UCX_TCP_KEEPIDLE", "UCX_TCP_KEEPINTVL", "UCX_TCP_KEEPCNT")
+TCP_LIVENESS_VARS = ("UCX_TCP_USER_TIMEOUT", "UCX_TCP_KEEPIDLE", "UCX_TCP_KEEPINTVL", "UCX_TCP_KEEPCNT",
+                     "UCX_TCP_SYN_CNT")
 
 
 def tcp_liveness(deadline_s: float) -> dict[str, str]:
     """UCX's TCP timeouts for a transfer deadline of ``deadline_s``: a peer silent for half the
     deadline (at least 5 s, at most 60 s) is declared gone, so an attempt on it settles within
-    twice its deadline, or its deadline and 6 s if that is longer (docs/configuration.md)."""
+    twice its deadline, or its deadline and 8 s if that is longer (docs/configuration.md)."""
     # Not under 5 s: a loaded host can leave a live peer's data unacknowledged for a second or two.
     half = min(max(deadline_s / 2, 5.0), 60.0)
     idle = max(1, int(half / 3))
     interval = max(1, int(half / 6))
+    # A new connection to a peer that is gone: the user timeout does not cover the SYNs, which
+    # the kernel retries 1+2+4+... s (6 times by default: about 2 minutes).
+    syn = 1 if half <= 8 else 2 if half <= 16 else 3
     return {"UCX_TCP_USER_TIMEOUT": f"{int(half * 1000)}ms", "UCX_TCP_KEEPIDLE": str(idle),
-            "UCX_TCP_KEEPINTVL": str(interval), "UCX_TCP_KEEPCNT": "3"}
+            "UCX_TCP_KEEPINTVL": str(interval), "UCX_TCP_KEEPCNT": "3", "UCX_TCP_SYN_CNT": str(syn)}
 
 
 _ENV_LOCK = threading.Lock()

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
@@ -93,12 +93,14 @@ class SubprocessPeer(PeerEnd):
     """The peer end of a pair, hosted by a child process."""
 
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None, *,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command that execs the child's (e.g. ``ip netns exec NS``: the
+        child keeps its pid and the socket's descriptor)."""
         parent, child = socket.socketpair()
         child_env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {})}
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvxfer.testing.subprocess_peer", str(child.fileno()), factory,
+                [*prefix, sys.executable, "-m", "kvxfer.testing.subprocess_peer", str(child.fileno()), factory,
                  json.dumps(kwargs or {})],
                 pass_fds=[child.fileno()], env=child_env, stdin=subprocess.DEVNULL)
         finally:

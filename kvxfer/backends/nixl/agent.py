@@ -144,6 +144,8 @@ class NixlAgent:
         self._peers: dict[str, set[bytes]] = {}  # remote agent name -> metadata versions loaded
         self._versions: dict[str, Version] = {}  # etcd mode: remote agent name -> the version loaded
         self._alive: dict[str, int] = {}  # remote agent name -> our requests to it not released yet
+        self._latest: dict[str, bytes] = {}  # remote agent name -> the metadata a reconnect loads again
+        self._unproven: set[str] = set()  # peers reconnected to and not heard from since (no second try)
         self._request_peer: dict[Any, str] = {}  # such a request's handle (kept, so never reused) -> its peer
         self._metadata: bytes = self._agent.get_agent_metadata()
         if self._etcd is not None:
@@ -247,6 +249,7 @@ class NixlAgent:
                 self._invalidate(loaded_name)
             raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
         self._peers.setdefault(name, set()).add(metadata)
+        self._latest[name] = metadata
         return True
 
     def _load_restarted(self, name: str, metadata: bytes) -> Any:
@@ -272,8 +275,35 @@ class NixlAgent:
         """Drop a peer's remote state, so that a restarted peer of that name can be added."""
         with self._lock:
             self._versions.pop(name, None)
+            self._latest.pop(name, None)
+            self._unproven.discard(name)
             if self._peers.pop(name, None) is not None:
                 self._invalidate(name)
+
+    def _reconnect(self, peer: str) -> bool:
+        """Under the lock: a call to ``peer`` failed as disconnected. UCX closes an endpoint whose
+        peer was silent past its TCP timeouts (``kvxfer.ucx_env.tcp_liveness``), also across a
+        partition that has healed since; so where none of our requests to it is alive, drop it
+        and load it again from the metadata we hold, once until the peer proves alive again (a
+        transfer to it completes, or a notification from it arrives). False where that is not
+        allowed or fails: then it is gone. A peer that really died fails the new connection
+        once its SYNs go unanswered (UCX_TCP_SYN_CNT, set from the deadline too), or the
+        retried call later, and is not reconnected to a second time."""
+        metadata = self._latest.get(peer)
+        if metadata is None or self._alive.get(peer, 0) or peer in self._unproven:
+            return False
+        self._unproven.add(peer)
+        self._invalidate(peer)
+        try:
+            self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            log.info("could not reconnect to agent %r: %s", peer, exc)
+            self._peers.pop(peer, None)
+            self._versions.pop(peer, None)
+            self._latest.pop(peer, None)
+            return False
+        log.info("reconnected to agent %r: UCX had closed its endpoint", peer)
+        return True
 
     def _invalidate(self, name: str) -> None:
         try:
@@ -288,34 +318,46 @@ class NixlAgent:
         ``notif`` reaches the peer once the transfer's bytes are in place there."""
         with self._lock:
             try:
-                handle = self._agent.initialize_xfer(
-                    op, self._agent.get_xfer_descs(local, _MEM[local_kind]),
-                    self._agent.get_xfer_descs(remote, _MEM[remote_kind]), peer, notif)
-            except Exception as exc:
-                if _is_disconnect(exc):
-                    raise PeerGone(f"agent {peer!r} disconnected") from None
-                raise XferError(f"NIXL refused a {op} of {len(local)} descriptors to {peer!r}: {exc}") from None
-            try:
-                state = self._agent.transfer(handle)
-            except Exception as exc:
-                self._release_quietly(handle)
-                if _is_disconnect(exc):
-                    raise PeerGone(f"agent {peer!r} disconnected") from None
-                raise XferError(f"NIXL failed to post a {op} to {peer!r}: {exc}") from None
-            if state == "ERR":
-                self._release_quietly(handle)
-                raise XferError(f"NIXL could not post a {op} to {peer!r}")
-            self._alive[peer] = self._alive.get(peer, 0) + 1
-            self._request_peer[handle] = peer
-            return Post(handle, state)
+                return self._post(op, local, local_kind, remote, remote_kind, peer, notif)
+            except PeerGone:
+                if not self._reconnect(peer):
+                    raise
+                return self._post(op, local, local_kind, remote, remote_kind, peer, notif)
+
+    def _post(self, op: str, local: np.ndarray, local_kind: MemoryKind, remote: np.ndarray,
+              remote_kind: MemoryKind, peer: str, notif: bytes) -> Post:
+        try:
+            handle = self._agent.initialize_xfer(
+                op, self._agent.get_xfer_descs(local, _MEM[local_kind]),
+                self._agent.get_xfer_descs(remote, _MEM[remote_kind]), peer, notif)
+        except Exception as exc:
+            if _is_disconnect(exc):
+                raise PeerGone(f"agent {peer!r} disconnected") from None
+            raise XferError(f"NIXL refused a {op} of {len(local)} descriptors to {peer!r}: {exc}") from None
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self._release_quietly(handle)
+            if _is_disconnect(exc):
+                raise PeerGone(f"agent {peer!r} disconnected") from None
+            raise XferError(f"NIXL failed to post a {op} to {peer!r}: {exc}") from None
+        if state == "ERR":
+            self._release_quietly(handle)
+            raise XferError(f"NIXL could not post a {op} to {peer!r}")
+        self._alive[peer] = self._alive.get(peer, 0) + 1
+        self._request_peer[handle] = peer
+        return Post(handle, state)
 
     def state(self, handle: Any) -> str:
         """"DONE", "PROC", or "ERR"; "GONE" when the peer disconnected."""
         with self._lock:
             try:
-                return str(self._agent.check_xfer_state(handle))
+                state = str(self._agent.check_xfer_state(handle))
             except Exception as exc:
                 return "GONE" if _is_disconnect(exc) else "ERR"
+            if state == "DONE" and self._unproven:
+                self._unproven.discard(self._request_peer.get(handle, ""))
+            return state
 
     def release(self, handle: Any) -> bool:
         """Release a handle; NIXL aborts it if still active. False when it could not (the
@@ -349,11 +391,19 @@ class NixlAgent:
             try:
                 self._agent.send_notif(peer, message)
             except Exception as exc:
-                raise PeerGone(f"notification to agent {peer!r} failed: {exc}") from None
+                if not self._reconnect(peer):
+                    raise PeerGone(f"notification to agent {peer!r} failed: {exc}") from None
+                try:
+                    self._agent.send_notif(peer, message)
+                except Exception as again:
+                    raise PeerGone(f"notification to agent {peer!r} failed: {again}") from None
 
     def notifications(self) -> dict[str, list[bytes]]:
         with self._lock:
-            return dict(self._agent.get_new_notifs())
+            notes = dict(self._agent.get_new_notifs())
+            if self._unproven:
+                self._unproven.difference_update(notes)
+            return notes
 
     # --- end ----------------------------------------------------------------------------
     def close(self) -> None:
