@@ -164,7 +164,10 @@ def _next(sock: socket.socket, timeout: float, tick: Callable[[], None] | None) 
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"no word from the initiator process within {timeout:g}s")
-        ready, _, _ = select.select([sock], [], [], min(left, TICK_S))
+        # poll, not select: select refuses a descriptor past 1023, which a busy process has
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        ready = poller.poll(min(left, TICK_S) * 1000)
         tick()
         if ready:
             return _recv(sock, timeout)

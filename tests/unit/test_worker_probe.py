@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import socket
 import threading
 import time
@@ -153,3 +154,23 @@ def test_the_doctor_renews_while_it_waits(monkeypatch: pytest.MonkeyPatch) -> No
     finally:
         ours.close()
         theirs.close()
+
+
+def test_the_doctor_waits_on_a_descriptor_past_select_s_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process with more than 1024 files open (the full test run was one) still hears its
+    initiator: select() refuses such a descriptor, poll() does not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open only {hard} files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    monkeypatch.setattr(doctor, "TICK_S", 0.05)
+    ours, theirs = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(ours.fileno(), 1100))
+    try:
+        body = json.dumps({"results": 2}).encode()
+        theirs.sendall(len(body).to_bytes(8, "little") + body)
+        assert doctor._next(high, 5.0, lambda: None) == {"results": 2}
+    finally:
+        for sock in (high, ours, theirs):
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
