@@ -45,6 +45,7 @@ from kvxfer.backends.nixl.etcd_metadata import (
 )
 from kvxfer.contract import KvxferError, MemoryKind, SlotRegion
 from kvxfer.etcd import ETCD_ENV
+from kvxfer.ucx_env import ucx_settings
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class NixlAgent:
     """A NIXL agent with a UCX backend, its registered regions, and the peers it knows."""
 
     def __init__(self, name: str, *, use_etcd: bool | None = None, etcd: EtcdSettings | None = None,
-                 progress_thread: bool = False) -> None:
+                 progress_thread: bool = False, ucx: dict[str, str] | None = None) -> None:
         api, bindings = _nixl()
         self._api = api
         self._bindings = bindings
@@ -120,13 +121,13 @@ class NixlAgent:
         # etcd first: where it does not answer, EtcdUnavailable before NIXL starts anything.
         self._etcd = EtcdMetadata(name, settings, lambda: self._metadata) if settings is not None else None
         try:
-            self._make_agent(name, progress_thread)
+            self._make_agent(name, progress_thread, ucx or {})
         except BaseException:
             if self._etcd is not None:
                 self._etcd.close()
             raise
 
-    def _make_agent(self, name: str, progress_thread: bool) -> None:
+    def _make_agent(self, name: str, progress_thread: bool, ucx: dict[str, str]) -> None:
         # NIXL's own progress thread spins without pause (the Python API sets its delay to 0):
         # measured here at 0.64 of a core per idle agent. By default the backend's thread
         # progresses UCX instead (every NIXL call it makes does), polling fast only while
@@ -135,7 +136,9 @@ class NixlAgent:
         config = self._api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                              backends=["UCX"])
         self._lock = threading.RLock()
-        with hidden_from_nixl():
+        # ``ucx``: UCX settings the user left unset (kvxfer.ucx_env.tcp_liveness), in the
+        # environment only while UCX reads it, when the agent's UCX context is made.
+        with hidden_from_nixl(), ucx_settings(ucx):
             self._agent = self._api.nixl_agent(name, config)
         if "UCX" not in self._agent.backends:
             raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.get_plugin_list()})")
@@ -144,7 +147,8 @@ class NixlAgent:
         self._peers: dict[str, set[bytes]] = {}  # remote agent name -> metadata versions loaded
         self._versions: dict[str, Version] = {}  # etcd mode: remote agent name -> the version loaded
         self._alive: dict[str, int] = {}  # remote agent name -> our requests to it not released yet
-        self._latest: dict[str, bytes] = {}  # remote agent name -> the metadata a reconnect loads again
+        self._gone: set[str] = set()  # peers the backend declared gone: never reconnected to
+        self._stuck: dict[str, int] = {}  # remote agent name -> failed posts whose handle would not release
         self._unproven: set[str] = set()  # peers reconnected to and not heard from since (no second try)
         self._request_peer: dict[Any, str] = {}  # such a request's handle (kept, so never reused) -> its peer
         self._metadata: bytes = self._agent.get_agent_metadata()
@@ -249,7 +253,7 @@ class NixlAgent:
                 self._invalidate(loaded_name)
             raise ValueError(f"hint names agent {name!r} but its metadata is agent {loaded_name!r}")
         self._peers.setdefault(name, set()).add(metadata)
-        self._latest[name] = metadata
+        self._gone.discard(name)
         return True
 
     def _load_restarted(self, name: str, metadata: bytes) -> Any:
@@ -275,32 +279,42 @@ class NixlAgent:
         """Drop a peer's remote state, so that a restarted peer of that name can be added."""
         with self._lock:
             self._versions.pop(name, None)
-            self._latest.pop(name, None)
             self._unproven.discard(name)
+            self._gone.discard(name)
+            self._stuck.pop(name, None)
             if self._peers.pop(name, None) is not None:
                 self._invalidate(name)
+
+    def gone(self, name: str) -> None:
+        """The backend found ``name`` gone (``Liveness.lost``): from now on a disconnect from it
+        is final, with no reconnect, until it is loaded again (``forget``, then a new hint)."""
+        with self._lock:
+            self._gone.add(name)
 
     def _reconnect(self, peer: str) -> bool:
         """Under the lock: a call to ``peer`` failed as disconnected. UCX closes an endpoint whose
         peer was silent past its TCP timeouts (``kvxfer.ucx_env.tcp_liveness``), also across a
-        partition that has healed since; so where none of our requests to it is alive, drop it
-        and load it again from the metadata we hold, once until the peer proves alive again (a
-        transfer to it completes, or a notification from it arrives). False where that is not
-        allowed or fails: then it is gone. A peer that really died fails the new connection
-        once its SYNs go unanswered (UCX_TCP_SYN_CNT, set from the deadline too), or the
-        retried call later, and is not reconnected to a second time."""
-        metadata = self._latest.get(peer)
-        if metadata is None or self._alive.get(peer, 0) or peer in self._unproven:
+        partition that has healed since. So, where nothing of ours to it may still move (no
+        request alive, no failed post whose handle would not release) and the backend has not
+        declared it gone, drop it and load again every metadata version we hold of it (the
+        regions of each), once until the peer proves alive again (a transfer to it completes,
+        or a notification from it arrives). False where that is not allowed or fails: then it
+        is gone. A peer that really died fails the new connection once its SYNs go unanswered
+        (UCX_TCP_SYN_CNT, set from the deadline too), or the retried call, and is not
+        reconnected to a second time."""
+        versions = [m for m in self._peers.get(peer, ()) if m]
+        if (not versions or peer in self._gone or peer in self._unproven or self._alive.get(peer, 0)
+                or self._stuck.get(peer, 0)):
             return False
         self._unproven.add(peer)
         self._invalidate(peer)
         try:
-            self._agent.add_remote_agent(metadata)
+            for metadata in versions:
+                self._agent.add_remote_agent(metadata)
         except Exception as exc:
             log.info("could not reconnect to agent %r: %s", peer, exc)
             self._peers.pop(peer, None)
             self._versions.pop(peer, None)
-            self._latest.pop(peer, None)
             return False
         log.info("reconnected to agent %r: UCX had closed its endpoint", peer)
         return True
@@ -337,13 +351,15 @@ class NixlAgent:
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
-            self._release_quietly(handle)
+            self._release_quietly(handle, peer)
             if _is_disconnect(exc):
                 raise PeerGone(f"agent {peer!r} disconnected") from None
             raise XferError(f"NIXL failed to post a {op} to {peer!r}: {exc}") from None
         if state == "ERR":
-            self._release_quietly(handle)
+            self._release_quietly(handle, peer)
             raise XferError(f"NIXL could not post a {op} to {peer!r}")
+        if state == "DONE":
+            self._unproven.discard(peer)
         self._alive[peer] = self._alive.get(peer, 0) + 1
         self._request_peer[handle] = peer
         return Post(handle, state)
@@ -375,11 +391,13 @@ class NixlAgent:
                     del self._alive[peer]
             return True
 
-    def _release_quietly(self, handle: Any) -> None:
+    def _release_quietly(self, handle: Any, peer: str) -> None:
         try:
             handle.release()
         except Exception as exc:
-            log.warning("NIXL could not release a failed transfer handle: %s", exc)
+            # It may still move bytes: the peer is never reconnected to (``_reconnect``).
+            self._stuck[peer] = self._stuck.get(peer, 0) + 1
+            log.warning("NIXL could not release a failed transfer handle to %r: %s", peer, exc)
 
     # --- notifications ------------------------------------------------------------------
     def notify(self, peer: str, message: bytes) -> None:
@@ -391,7 +409,7 @@ class NixlAgent:
             try:
                 self._agent.send_notif(peer, message)
             except Exception as exc:
-                if not self._reconnect(peer):
+                if not (_is_disconnect(exc) and self._reconnect(peer)):
                     raise PeerGone(f"notification to agent {peer!r} failed: {exc}") from None
                 try:
                     self._agent.send_notif(peer, message)

@@ -107,7 +107,7 @@ from kvxfer.contract import (
     View,
     WakeFn,
 )
-from kvxfer.ucx_env import tcp_liveness, ucx_settings
+from kvxfer.ucx_env import tcp_liveness
 from kvxfer.wire import WireError, decode_completion, encode_completion
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,8 @@ class NixlBackend(BackendEngine):
         self.fail_after_rows = fail_after_rows  # fault injection: fail after this many rows
         self.chunk_pause_s = chunk_pause_s      # pace chunk posts (tests kill a peer mid-way)
         name = name or unique_agent_name()
-        with ucx_settings(tcp_liveness(deadline_s)):  # a silent peer is seen within a bound
-            self._agent = NixlAgent(name, use_etcd=use_etcd, etcd=etcd, progress_thread=nixl_progress_thread)
+        self._agent = NixlAgent(name, use_etcd=use_etcd, etcd=etcd, progress_thread=nixl_progress_thread,
+                                ucx=tcp_liveness(deadline_s))  # a silent peer is seen within a bound
         kinds = self._agent.reachable()
         if MemoryKind.DEVICE in kinds and not cuda_present():
             kinds = kinds - {MemoryKind.DEVICE}

@@ -48,6 +48,7 @@ class Liveness:
 
     def lost(self, peer: str) -> None:
         """``peer`` is gone: its jobs fail with the chunks proven so far."""
+        self._agent.gone(peer)  # no reconnect to it from now on
         with self._lock:
             self.dead.add(peer)
             jobs = [j for j in self._active if j.hint.agent == peer]
