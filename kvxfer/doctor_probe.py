@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl
+
 ROW = 64 << 10
 
 
@@ -62,7 +64,8 @@ def _agent(role: str) -> Any:
     # progress); the initiator progresses by polling its own requests, as the backend does,
     # so that it does not compete with the transfer for this machine's cores.
     config = api.nixl_agent_config(enable_prog_thread=role == "target", backends=["UCX"])
-    return api.nixl_agent(f"kvxfer-doctor-{role}-{os.getpid()}", config)
+    with hidden_from_nixl():  # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set
+        return api.nixl_agent(f"kvxfer-doctor-{role}-{os.getpid()}", config)
 
 
 def target(sock: socket.socket, mem: str, nbytes: int, cuda_device: int = -1) -> None:

@@ -67,7 +67,8 @@ def etcd_namespace(text: str | None = None) -> str:
     return name
 
 
-def _b64(raw: bytes) -> str:
+def b64(raw: bytes) -> str:
+    """How etcd's JSON gateway spells a key or value."""
     return base64.b64encode(raw).decode()
 
 
@@ -139,8 +140,8 @@ class EtcdClient:
         def read(c: Any) -> Any:
             # The raw range call: its header says which revision the keys were read at, which
             # a watch resumes from without a gap.
-            return c.post(c.get_url("/kv/range"), json={"key": _b64(prefix.encode()),
-                                                         "range_end": _b64(prefix_end(prefix))})
+            return c.post(c.get_url("/kv/range"), json={"key": b64(prefix.encode()),
+                                                         "range_end": b64(prefix_end(prefix))})
 
         answer = self.call(f"get {prefix}*", read)
         revision = int(answer["header"]["revision"])

@@ -18,13 +18,9 @@ from typing import Any
 
 import requests
 
-from kvxfer.etcd.client import EtcdClient, EtcdUnavailable, prefix_end
+from kvxfer.etcd.client import EtcdClient, EtcdUnavailable, b64, prefix_end
 
 log = logging.getLogger(__name__)
-
-
-def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode()
 
 
 class _Compacted(Exception):
@@ -109,19 +105,23 @@ class PrefixWatch:
             except EtcdUnavailable as exc:
                 log.info("etcd watch of %s: %s; retrying", self.prefix, exc)
                 revision = None
-            except Exception as exc:  # the stream broke: is etcd there at all?
+            except (requests.exceptions.RequestException, OSError, ValueError) as exc:
+                # The stream broke (or carried a line that is not JSON): is etcd there at all?
                 if self._stop.is_set():
                     break
                 log.info("etcd watch of %s broke (%s: %s)", self.prefix, type(exc).__name__, exc)
                 if not self.client.healthy():
                     revision = None
+            except Exception:  # a bug, not etcd: say so loudly, and keep the membership going
+                log.exception("etcd watch of %s failed; reading the prefix again", self.prefix)
+                revision = None
             self._stop.wait(self._retry_s)
 
     def _follow(self, revision: int) -> int:
         """Read the watch stream from ``revision + 1`` until it goes quiet for ``quiet_s`` (then
         check etcd answers, and return the revision reached) or breaks (raise)."""
         raw = self.client.raw()
-        request = {"create_request": {"key": _b64(self.prefix.encode()), "range_end": _b64(prefix_end(self.prefix)),
+        request = {"create_request": {"key": b64(self.prefix.encode()), "range_end": b64(prefix_end(self.prefix)),
                                       "start_revision": revision + 1}}
         response = raw.session.post(raw.get_url("/watch"), json=request, stream=True,
                                     timeout=(self.client.timeout, self._quiet_s))
@@ -157,8 +157,9 @@ class PrefixWatch:
                 self._emit(key, None)
             else:
                 self._emit(key, base64.b64decode(kv.get("value", "")))
-        header = result.get("header", {})
-        return max(revision, int(header.get("revision", revision))) if not result.get("events") else revision
+        # Only events move the revision on: a reply's header (the watch's creation) may run
+        # ahead of catch-up events still to come, which a break would then skip.
+        return revision
 
     def close(self) -> None:
         self._stop.set()

@@ -34,6 +34,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from kvxfer.contract import KvxferError
 from kvxfer.etcd import (
     DEFAULT_NAMESPACE,
     ETCD_ENV,
@@ -56,7 +57,7 @@ ROLES = ("prefill", "decode")
 RECORD_VERSION = 1
 
 
-class RecordError(ValueError):
+class RecordError(KvxferError, ValueError):
     """A worker record that cannot be read; the message names the field."""
 
 

@@ -45,6 +45,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from kvxfer.contract import KvxferError
+
 PREFIX = "kvxns-"
 SUBNET = "10.213.0"  # /24; only inside the namespaces
 DEVICE = "eth0"  # each host's veth end, in its own namespace
@@ -54,7 +56,7 @@ _IP_TIMEOUT_S = 20.0
 _counter = itertools.count()
 
 
-class NetnsError(RuntimeError):
+class NetnsError(KvxferError, RuntimeError):
     """An ``ip`` or ``nft`` command failed; the message has its output."""
 
 

@@ -117,7 +117,10 @@ def _agent(name: str) -> Any:
     """A NIXL agent with a UCX backend and NIXL's own progress thread (see the module)."""
     import nixl._api as api  # noqa: PLC0415 - a worker without probes never loads it here
 
-    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl  # noqa: PLC0415
+
+    with hidden_from_nixl():  # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set
+        return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
 
 
 @dataclass
@@ -145,6 +148,7 @@ class ProbeHost:
         self.device = device
         self.idle_s = idle_s
         self.max_bytes = max_bytes
+        self._device_buffer: Any = None  # kept once made (see _build)
         self._lock = threading.Lock()  # the probe's own: serving never takes it
         self._target: _Target | None = None
         self._opening = False
@@ -266,7 +270,14 @@ class ProbeHost:
 
             device = torch.device(self.device)
             torch.cuda.set_device(device)  # this thread's current GPU: UCX may take it
-            buffer: Any = torch.full((nbytes,), 0, dtype=torch.uint8, device=device)
+            # One buffer of the largest size, kept for the worker's life and reused by every
+            # device probe: given back to torch's caching allocator, a late write of a doctor
+            # that outlived its probe (cuda_ipc reaches it without us) could land in memory the
+            # worker reuses, as the host path's private mapping prevents.
+            if self._device_buffer is None:
+                self._device_buffer = torch.zeros((self.max_bytes,), dtype=torch.uint8, device=device)
+            buffer: Any = self._device_buffer[:nbytes]
+            buffer.zero_()
             address, index, kind = int(buffer.data_ptr()), int(buffer.device.index or 0), "VRAM"
         else:
             # A mapping of its own, unmapped when freed: a late write of a doctor that outlived
