@@ -8,6 +8,7 @@ NIXL backend, which runs on threads, needs a blocking client, not an event loop.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvxfer.contract import KvxferError
+
+log = logging.getLogger(__name__)
 
 ETCD_ENV = "NIXL_ETCD_ENDPOINTS"
 """The environment variable that names etcd (NIXL's own name for it): ``http://host:port[,...]``."""
@@ -154,6 +157,15 @@ class EtcdClient:
 
     def grant(self, ttl: int) -> Any:
         return self.call(f"lease grant ({ttl} s)", lambda c: c.lease(ttl))
+
+    def close(self) -> None:
+        """Close the HTTP sessions (their pooled connections): a process that makes many
+        clients (tests, a backend per agent) would otherwise keep their sockets open."""
+        for client in self._clients:
+            try:
+                client.session.close()
+            except Exception as exc:  # closing is best effort: nothing is sent
+                log.debug("closing an etcd session: %s", exc)
 
     def raw(self) -> Any:
         """The etcd3gw client of the endpoint that answered last (watches use it)."""

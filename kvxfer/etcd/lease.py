@@ -54,19 +54,24 @@ class KeptLease:
         return self._lease
 
     def _keep(self) -> None:
+        # A refresh every third of the TTL, counted from the start of the last one (a slow call
+        # does not push the next one back), and the lease counted lost from its last refresh:
+        # what etcd itself goes by.
         period = self.ttl / 3
-        failing_since: float | None = None
-        while not self._stop.wait(period):
+        refreshed = time.monotonic()
+        next_at = refreshed + period
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            started = time.monotonic()
+            next_at = started + period
             try:
                 ttl = self.client.call("lease keepalive", lambda c: int(_lease_on(c, self.id).refresh()))
             except EtcdUnavailable as exc:
                 self.failing = True
-                failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since >= self.ttl:
+                if time.monotonic() - refreshed >= self.ttl:
                     self._lose(f"etcd unreachable for the lease's whole TTL ({self.ttl} s): {exc}")
                     return
                 continue
-            failing_since = None
+            refreshed = started
             self.failing = False
             if ttl <= 0:
                 self._lose(f"etcd says lease {self.id:x} expired")

@@ -291,6 +291,7 @@ class EtcdMetadata:
             lease, self._lease = self._lease, None
         if lease is not None:
             lease.close()
+        self.client.close()
 
     # --- peers ----------------------------------------------------------------------------
     def lookup(self, name: str) -> Published | None:
