@@ -6,7 +6,7 @@ lender and no torch, so that anything can build on it.
 
 from kvxfer.contract.arrays import BoolArray, IndexArray, constant_mask
 from kvxfer.contract.backend import Attempt, Backend, Capabilities, WakeFn
-from kvxfer.contract.errors import InvalidSubmission, KvxferError, SubmissionRejected
+from kvxfer.contract.errors import InvalidSubmission, KvxferError, SubmissionRejected, one_line
 from kvxfer.contract.geometry import BlockOrder, HeadOrder, KVGeometry, LayoutMismatch, check_compatible
 from kvxfer.contract.hint import Hint, HintGroup, Peer, TransferMode
 from kvxfer.contract.memory import MemoryKind, SlotRegion
@@ -15,6 +15,7 @@ from kvxfer.contract.record import CompletionRecord, RecordStatus
 from kvxfer.contract.rows import CacheKind, LayerGroupRows, TokenRange, View
 
 __all__ = [
+    "one_line",
     "Attempt", "Backend", "CompletionRecord", "RecordStatus", "BoolArray", "constant_mask", "CacheKind", "Cancelled", "Capabilities", "Delivered",
     "Failed", "Hint", "HintGroup", "IndexArray", "InvalidSubmission", "KvxferError",
     "LayerGroupRows", "MemoryKind", "Outcome", "Peer", "SlotRegion", "SubmissionRejected",

@@ -59,3 +59,8 @@ class SubmissionRejected(KvxferError):
     Nothing escaped: no memory was touched and no peer was told, so the caller may end its
     lease at once or try again later.
     """
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (what a CLI prints after "error:", what /health shows)."""
+    return " ".join(str(exc).split())

@@ -34,6 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from kvxfer.worker.procs import end_process
+
 STOP_GRACE_S = 5.0
 """How long ``stop()`` waits after closing stdin before it sends SIGTERM."""
 _POLL_S = 0.1
@@ -146,19 +148,7 @@ class ProcessTree:
 
     def _end(self, timeout: float) -> int | None:
         assert self.proc is not None
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        for wait, sig in ((min(STOP_GRACE_S, timeout), None), (timeout, signal.SIGTERM), (timeout, signal.SIGKILL)):
-            if sig is not None and self.proc.poll() is None:
-                self._signal_group(sig)
-            try:
-                return self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.poll()
+        return end_process(self.proc, timeout, grace=STOP_GRACE_S, send=self._signal_group)
 
     def _signal_group(self, sig: int) -> None:
         assert self.proc is not None

@@ -16,16 +16,13 @@ import sys
 import threading
 from types import FrameType
 
+from kvxfer.worker.procs import end_process
+
 GRACE_S = 5.0
 
 
 def _end(child: subprocess.Popen[bytes]) -> None:
-    if child.poll() is None:
-        child.terminate()
-        try:
-            child.wait(GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
+    end_process(child, GRACE_S, grace=0.0)  # CMD has no parent watch: SIGTERM at once
 
 
 def main(argv: list[str] | None = None) -> int:

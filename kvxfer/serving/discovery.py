@@ -34,7 +34,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from kvxfer.contract import KvxferError
+from kvxfer.contract import KvxferError, one_line
 from kvxfer.etcd import (
     DEFAULT_NAMESPACE,
     ETCD_ENV,
@@ -182,10 +182,6 @@ def _fields(kind: type, raw: Any, what: str, skip: tuple[str, ...] = ()) -> dict
             raise RecordError(f"{what}: {f.name} must be {f.type}, got {value!r}")
         out[f.name] = float(value) if str(f.type) == "float" else value
     return out
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 # --- the worker's side --------------------------------------------------------------------------

@@ -34,7 +34,6 @@ import json
 import os
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.worker.procs import end_process
 
 PREFIX = "kvxns-"
 SUBNET = "10.213.0"  # /24; only inside the namespaces
@@ -410,19 +410,7 @@ class Service:
     def stop(self, timeout: float = 10.0) -> int | None:
         """Close its stdin (its parent watch ends it), then SIGTERM, then SIGKILL; reaped."""
         try:
-            if self.proc.stdin is not None and not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()
-                except OSError:
-                    pass
-            for escalate in (None, signal.SIGTERM, signal.SIGKILL):
-                if escalate is not None and self.proc.poll() is None:
-                    self.proc.send_signal(escalate)
-                try:
-                    return self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    continue
-            return None
+            return end_process(self.proc, timeout, grace=timeout)
         finally:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()

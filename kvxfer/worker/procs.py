@@ -25,6 +25,31 @@ from kvxfer.contract import KvxferError
 _INTERPRETER_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
 
 
+def end_process(proc: subprocess.Popen[bytes], timeout: float = 10.0, *, grace: float = 5.0,
+                send: Any = None) -> int | None:
+    """Stop ``proc`` and reap it: close its stdin (a child with a parent watch takes that as
+    the request) and wait up to ``grace``; then SIGTERM and wait ``timeout``; then SIGKILL and
+    wait ``timeout``. ``send(sig)`` delivers a signal (default: to ``proc``; a launcher
+    passes one that signals the process group). Its exit code; None if it outlived SIGKILL.
+
+    No signal comes with the stdin close: a SIGTERM on its heels could land while the child's
+    event loop hands its signals back to their default on the way out, and end it with -15."""
+    deliver = send if send is not None else proc.send_signal
+    if proc.stdin is not None and not proc.stdin.closed:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    for wait, sig in ((min(grace, timeout), None), (timeout, signal.SIGTERM), (timeout, signal.SIGKILL)):
+        if sig is not None and proc.poll() is None:
+            deliver(sig)
+        try:
+            return proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll()
+
+
 def children_of(pid: int) -> list[int]:
     """Live (not zombie) processes whose parent is ``pid``, read from /proc (Linux).
 
@@ -135,18 +160,10 @@ class Child:
 
     def stop(self, timeout: float = 10.0) -> int:
         """Close stdin (the child's parent watch) and wait; then SIGTERM and wait; then
-        SIGKILL: always reaped."""
+        SIGKILL: always reaped (``end_process``)."""
         try:
-            self.signal_stop()
-            for wait, escalate in ((min(timeout, 5.0), lambda: None),
-                                   (timeout, lambda: self.proc.send_signal(signal.SIGTERM)), (timeout, self.proc.kill)):
-                if self.alive():
-                    escalate()
-                try:
-                    return self.proc.wait(wait)
-                except subprocess.TimeoutExpired:
-                    continue
-            return self.proc.wait(timeout)
+            code = end_process(self.proc, timeout)
+            return self.proc.wait(timeout) if code is None else code
         finally:
             if self.proc.stdout is not None:
                 self.proc.stdout.close()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvxfer.backends.blob import ShmDriver, StoreError
-from kvxfer.contract import TransferMode
+from kvxfer.contract import TransferMode, one_line
 from kvxfer.engine import (
     MODELS,
     TOY,
@@ -211,7 +211,7 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     try:
         await worker.start()
     except EtcdUnavailable as exc:  # the NIXL agent's metadata: never ready without it
-        print(f"kvxfer serve: error: NIXL metadata: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        print(f"kvxfer serve: error: NIXL metadata: {one_line(exc)}", file=sys.stderr, flush=True)
         return 2
     registration = Registration(args.etcd_client, args.etcd_namespace, args.etcd_ttl) if args.etcd_client else None
     handler = make_handler(worker)
@@ -271,7 +271,7 @@ async def _register(registration: Registration, record: WorkerRecord) -> bool:
         await asyncio.to_thread(registration.start, record)
     except EtcdUnavailable as exc:
         print(f"kvxfer serve: error: --etcd {registration.client}: cannot register this worker: "
-              f"{' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+              f"{one_line(exc)}", file=sys.stderr, flush=True)
         return False
     return True
 

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from kvxfer.contract import one_line
 from kvxfer.etcd import ETCD_ENV, EtcdClient, EtcdUnavailable, KeptLease, etcd_endpoints, etcd_namespace
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class EtcdMetadata:
                     if lease is not None:
                         lease.close()
                     raise
-                self.error = " ".join(str(exc).split())
+                self.error = one_line(exc)
                 log.warning("could not publish NIXL metadata %s (retrying): %s", self, self.error)
                 self._wake.set()
             if self._thread is None:
@@ -276,7 +277,7 @@ class EtcdMetadata:
                 try:
                     self._put_locked()
                 except EtcdUnavailable as exc:
-                    self.error = " ".join(str(exc).split())
+                    self.error = one_line(exc)
                     continue
             log.info("published NIXL metadata %s again (lease %x)", self, self.lease_id or 0)
 
