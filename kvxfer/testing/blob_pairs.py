@@ -12,7 +12,7 @@ from collections.abc import Callable
 from kvxfer.backends.blob import BlobBackend, BlobDriver, MemoryDriver, MemoryStore
 from kvxfer.contract import TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
-from kvxfer.testing.memory import HostBuffer, HostRows
+from kvxfer.testing.memory import HostBuffer, HostRows, retain_if_unquiesced
 
 _names = itertools.count()
 
@@ -42,8 +42,7 @@ def blob_pair(mode: TransferMode, driver: Callable[[], BlobDriver] | None = None
         return fail_after
 
     def close() -> None:
-        local.shutdown()
-        peer.shutdown()
+        retain_if_unquiesced(local.shutdown() | peer.shutdown(), local_mem, peer_mem)
 
     return Pair(local, local_mem, local_mem.regions,
                 InProcessPeer(peer, peer_mem, peer_mem.regions, inject(peer_driver)), mode, inject(local_driver), close,

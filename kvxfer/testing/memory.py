@@ -10,6 +10,21 @@ import numpy.typing as npt
 
 from kvxfer.contract import MemoryKind, SlotRegion
 
+# Memory that an unquiesced attempt may still read or write: never freed in this process.
+_RETAINED: list[object] = []
+
+
+def retain_if_unquiesced(unquiesced: object, *memories: object) -> None:
+    """Keep ``memories`` for the life of the process when ``unquiesced`` (what a backend's
+    shutdown() returned, or any truthy count of it) says an attempt may still touch them.
+
+    Why: a backend registers addresses, not objects; rows freed under a request that still
+    runs are soon handed out again, and its late bytes then land in someone else's memory
+    (CI once saw a push concluded Delivered with wrong bytes when a test's helper let the
+    publisher's rows go while its progress thread still read them)."""
+    if unquiesced:
+        _RETAINED.extend(memories)
+
 
 class RowMemory(abc.ABC):
     """Read and write whole rows of registered regions."""

@@ -13,7 +13,7 @@ import numpy as np
 from kvxfer.backends.nixl import EtcdSettings, NixlBackend
 from kvxfer.contract import Backend, MemoryKind, SlotRegion, TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
-from kvxfer.testing.memory import HostBuffer, HostRows, RowMemory
+from kvxfer.testing.memory import HostBuffer, HostRows, RowMemory, retain_if_unquiesced
 from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
 
 # Geometry as in kvxfer.testing.pairs: two groups of unequal row sizes at each end.
@@ -84,8 +84,7 @@ def two_ends(mode: TransferMode, build: Callable[[TransferMode, HostRows | Devic
     local, peer = build(mode, local_mem), build(mode, peer_mem)
 
     def close() -> None:
-        local.shutdown()
-        peer.shutdown()
+        retain_if_unquiesced(local.shutdown() | peer.shutdown(), local_mem, peer_mem)
 
     return Pair(local, local_mem, local_mem.regions, InProcessPeer(peer, peer_mem, peer_mem.regions,
                                                                    fault_injector(peer)),
@@ -148,7 +147,7 @@ class ChildPairs:
 
         def close() -> None:
             try:
-                local.shutdown()
+                retain_if_unquiesced(local.shutdown(), local_mem)
             finally:
                 peer.shutdown()
 

@@ -7,7 +7,7 @@ import itertools
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import TransferMode
 from kvxfer.testing.conformance import InProcessPeer, Pair
-from kvxfer.testing.memory import HostBuffer, HostRows
+from kvxfer.testing.memory import HostBuffer, HostRows, retain_if_unquiesced
 
 _names = itertools.count()
 
@@ -30,8 +30,7 @@ def loopback_pair(mode: TransferMode, *, delay_s: float = 0.01, deadline_s: floa
         peer.fail_after_rows = rows
 
     def close() -> None:
-        local.shutdown()
-        peer.shutdown()
+        retain_if_unquiesced(local.shutdown() | peer.shutdown(), local_mem, peer_mem)
 
     return Pair(local, local_mem, local_mem.regions, InProcessPeer(peer, peer_mem, peer_mem.regions, inject_peer),
                 mode, inject_local, close)

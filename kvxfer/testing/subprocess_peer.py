@@ -42,6 +42,7 @@ from kvxfer.contract import (
     View,
 )
 from kvxfer.testing.conformance import PeerEnd
+from kvxfer.testing.memory import retain_if_unquiesced
 from kvxfer.wire import WireError, decode_hint, encode_hint
 
 START_TIMEOUT = 90.0  # a loaded 2-core CI machine can take tens of seconds to start one
@@ -268,7 +269,7 @@ class _ChildEnd:
 
     def rebuild(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A fresh backend in this process: cheaper than a new child."""
-        self.backend.shutdown()
+        retain_if_unquiesced(self.backend.shutdown(), self.memory)
         self._attempts.clear()
         self.backend, self.memory, self._inject = self._build(**kwargs)
         return self.info()

@@ -166,7 +166,7 @@ def _scenario_kill(mode_value: str, local_op: str) -> None:
         attempt = _start(local, peer, local_view, peer_view, local_op)
         if not held.wait(PROGRESS):
             _report("error", what=f"no row was sent or received within {PROGRESS:g}s")
-            return
+            return  # the finally still ends the backend before its memory goes
         moved = _moved(local)
         peer.kill()
         killed = time.monotonic()
@@ -179,7 +179,7 @@ def _scenario_kill(mode_value: str, local_op: str) -> None:
     finally:
         gate.set()
         peer.kill()
-    _finish(local)
+        _finish(local)
 
 
 def _scenario_unacknowledged(mode_value: str) -> None:

@@ -28,13 +28,17 @@ from kvxfer.contract import (
     View,
 )
 from kvxfer.testing.holds import hold_progress
-from kvxfer.testing.memory import HostRows
+from kvxfer.testing.memory import HostRows, retain_if_unquiesced
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.waiting import settle
 
 ROW = 2048
 ROWS = 24
 _GATES: list[threading.Event] = []  # held progress threads, all released at a test's end
+# Memory a backend registered, kept until it has shut down (and for good where an attempt was
+# left unquiesced): a test's helpers drop their reference while a push may still read it, and
+# freed rows are soon reused (CI saw a Delivered push with wrong bytes that way).
+_KEPT: list[HostRows] = []
 
 
 @pytest.fixture
@@ -44,8 +48,12 @@ def made() -> Iterator[list[NixlBackend]]:
     for gate in _GATES:  # also when the test failed while one was held: shutdown joins the thread
         gate.set()
     _GATES.clear()
-    for b in backends:
-        b.shutdown()
+    left: list[frozenset[object]] | None = None
+    try:
+        left = [b.shutdown() for b in backends]
+    finally:
+        retain_if_unquiesced(left is None or any(left), *_KEPT)
+        _KEPT.clear()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
 
 
@@ -59,6 +67,7 @@ def _backend(made: list[NixlBackend], mode: TransferMode, name: str, **options: 
     backend = NixlBackend(mode=mode, **options)  # type: ignore[arg-type]
     backend.register(memory.regions)
     made.append(backend)
+    _KEPT.append(memory)
     return backend, memory
 
 

@@ -39,7 +39,7 @@ from kvxfer.contract import (
     View,
 )
 from kvxfer.testing.holds import hold_progress
-from kvxfer.testing.memory import HostRows
+from kvxfer.testing.memory import HostRows, retain_if_unquiesced
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.waiting import settle
 
@@ -47,6 +47,10 @@ ROW = 4096
 SLOTS = 256
 SENTINEL = 0xA5
 _GATES: list[threading.Event] = []  # held progress threads, all released at a test's end
+# Memory a backend registered, kept until it has shut down (and for good where an attempt was
+# left unquiesced): a test's helpers drop their reference while a push may still read it, and
+# freed rows are soon reused (CI saw a Delivered push with wrong bytes that way).
+_KEPT: list[HostRows] = []
 
 
 @pytest.fixture
@@ -56,8 +60,13 @@ def made() -> Iterator[list[NixlBackend]]:
     for gate in _GATES:  # also when the test failed while one was held: shutdown joins the thread
         gate.set()
     _GATES.clear()
-    for b in backends:
-        assert b.shutdown() == frozenset(), "an attempt was left unquiesced"
+    left: list[frozenset[object]] | None = None
+    try:
+        left = [b.shutdown() for b in backends]
+    finally:
+        retain_if_unquiesced(left is None or any(left), *_KEPT)
+        _KEPT.clear()
+    assert left == [frozenset()] * len(backends), "an attempt was left unquiesced"
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
 
 
@@ -67,6 +76,7 @@ def _backend(made: list[NixlBackend], name: str, row: int = ROW, **options: obje
     backend = NixlBackend(mode=TransferMode.PUSH, **options)  # type: ignore[arg-type]
     backend.register(memory.regions)
     made.append(backend)
+    _KEPT.append(memory)
     return backend, memory
 
 

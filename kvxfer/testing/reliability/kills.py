@@ -32,7 +32,7 @@ import numpy as np
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
 from kvxfer.testing.holds import hold_progress
-from kvxfer.testing.memory import HostRows
+from kvxfer.testing.memory import HostRows, retain_if_unquiesced
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.reliability.common import Progress, max_ms, ms
 from kvxfer.testing.subprocess_peer import SubprocessPeer
@@ -168,7 +168,7 @@ def run_round(index: int, mode: TransferMode, local_op: str, rng: np.random.Gene
         gate.set()  # a held progress thread must run on, or shutdown() waits for it
         if peer is not None:
             peer.kill()
-        local.shutdown()
+        retain_if_unquiesced(local.shutdown(), memory)
 
 
 def _start_both(local: NixlBackend, peer: SubprocessPeer, local_op: str, local_view: View, peer_view: View
