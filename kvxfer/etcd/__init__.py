@@ -14,8 +14,8 @@ from kvxfer.etcd.client import (
     etcd_endpoints,
     etcd_namespace,
 )
-from kvxfer.etcd.lease import KeptLease
+from kvxfer.etcd.lease import MIN_TTL_S, KeptLease, check_ttl
 from kvxfer.etcd.watch import PrefixWatch, WatchEvent
 
-__all__ = ["DEFAULT_NAMESPACE", "ETCD_ENV", "NAMESPACE_ENV", "EtcdClient", "EtcdUnavailable", "KeptLease", "PrefixWatch",
-           "WatchEvent", "etcd_endpoints", "etcd_namespace"]
+__all__ = ["DEFAULT_NAMESPACE", "ETCD_ENV", "MIN_TTL_S", "NAMESPACE_ENV", "EtcdClient", "EtcdUnavailable", "KeptLease",
+           "PrefixWatch", "WatchEvent", "check_ttl", "etcd_endpoints", "etcd_namespace"]

@@ -22,10 +22,20 @@ def _lease_on(client: Any, lease_id: int) -> Any:
     return Lease(lease_id, client)
 
 
+MIN_TTL_S = 2  # a lease is refreshed every third of its TTL: under 2 s that leaves too little slack
+
+
+def check_ttl(ttl: float) -> None:
+    """ValueError unless ``ttl`` is a lease TTL etcd and ``KeptLease`` can keep (at least 2 s)."""
+    if ttl < MIN_TTL_S:
+        raise ValueError(f"an etcd lease TTL must be at least {MIN_TTL_S} s, not {ttl}")
+
+
 class KeptLease:
     """Grant a lease of ``ttl`` seconds and refresh it every ``ttl / 3`` s on a daemon thread.
 
-    ``lost`` is set (and ``on_lost`` called once, from that thread) when etcd cannot be reached
+    ``lost`` is set, and then ``on_lost`` called once from that thread (so that it sees ``lost``
+    set), when etcd cannot be reached
     for a whole TTL, or says the lease expired: what was put under it is gone or going, and
     the owner must put it again under a new lease or stop advertising. ``close()`` stops the
     thread and revokes the lease (its keys go at once), within the client's timeout; while
@@ -34,8 +44,7 @@ class KeptLease:
     """
 
     def __init__(self, client: EtcdClient, ttl: int, *, on_lost: Callable[[str], None] | None = None) -> None:
-        if ttl < 2:
-            raise ValueError(f"an etcd lease TTL must be at least 2 s, not {ttl}")
+        check_ttl(ttl)
         self.client = client
         self.ttl = ttl
         self._lease = client.grant(ttl)

@@ -44,6 +44,7 @@ from kvxfer.etcd import (
     KeptLease,
     PrefixWatch,
     WatchEvent,
+    check_ttl,
     etcd_endpoints,
     etcd_namespace,
 )
@@ -194,8 +195,7 @@ class Registration:
     revokes the lease first, so a router drops the worker at once."""
 
     def __init__(self, client: EtcdClient, namespace: str, ttl: int = DEFAULT_TTL, *, retry_s: float = 1.0) -> None:
-        if ttl < 2:
-            raise ValueError(f"an etcd lease TTL must be at least 2 s, not {ttl}")
+        check_ttl(ttl)
         self.client = client
         self.namespace = namespace
         self.ttl = ttl
@@ -462,8 +462,10 @@ def check_etcd(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.etcd_namespace = namespace_from(getattr(args, "etcd_namespace", None))
     except ValueError as exc:
         parser.error(f"--etcd: {exc}")
-    if getattr(args, "etcd_ttl", DEFAULT_TTL) < 2:
-        parser.error(f"--etcd-ttl must be at least 2 s, got {args.etcd_ttl}")
+    try:
+        check_ttl(getattr(args, "etcd_ttl", DEFAULT_TTL))
+    except ValueError as exc:
+        parser.error(f"--etcd-ttl: {exc}")
     if not endpoints:
         return
     client = EtcdClient(endpoints)

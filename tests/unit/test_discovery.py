@@ -305,7 +305,7 @@ def _free_port() -> int:
     ("router", ["--etcd", "ftp://x"], "--etcd: etcd endpoint 'ftp://x' is not http://host:port"),
     ("router", ["--etcd", "http://127.0.0.1:1", "--etcd-namespace", "a/b"], "--etcd: etcd namespace 'a/b'"),
     ("serve", ["--etcd", "http://127.0.0.1:{port}"], "--etcd http://127.0.0.1:{port}: etcd does not answer"),
-    ("serve", ["--etcd", "http://127.0.0.1:1", "--etcd-ttl", "1"], "--etcd-ttl must be at least 2 s, got 1"),
+    ("serve", ["--etcd", "http://127.0.0.1:1", "--etcd-ttl", "1"], "--etcd-ttl: an etcd lease TTL must be at least 2 s, not 1"),
 ])
 def test_the_commands_refuse_etcd_flags_that_cannot_work_in_one_line(
         command: str, flags: list[str], words: str, monkeypatch: pytest.MonkeyPatch,

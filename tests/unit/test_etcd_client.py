@@ -177,6 +177,8 @@ def test_a_lease_is_lost_and_its_owner_told_when_etcd_stops() -> None:
             # Keepalives every TTL/3; lost once they failed for a whole TTL.
             assert lease.lost.wait(TTL + TTL / 3 + TIMEOUT + SLACK + 5), "the lease was not found lost"
             print(f"lease lost {time.monotonic() - stopped:.2f} s after etcd stopped")
+            # on_lost runs on the lease's thread just after ``lost`` is set.
+            assert settle(lambda: bool(reasons)), "on_lost was not called"
             assert len(reasons) == 1 and lease.reason == reasons[0]
             assert "unreachable" in reasons[0] and server.endpoint in reasons[0], reasons[0]
             # A call to the stopped etcd fails at once, naming it.

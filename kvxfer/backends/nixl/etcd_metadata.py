@@ -49,7 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from kvxfer.contract import one_line
-from kvxfer.etcd import ETCD_ENV, EtcdClient, EtcdUnavailable, KeptLease, etcd_endpoints, etcd_namespace
+from kvxfer.etcd import ETCD_ENV, EtcdClient, EtcdUnavailable, KeptLease, check_ttl, etcd_endpoints, etcd_namespace
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,7 @@ class EtcdSettings:
             namespace = etcd_namespace(self.namespace)
         if not endpoints:
             raise ValueError(f"etcd mode needs an etcd endpoint: set {ETCD_ENV} (http://host:port[,...])")
-        if self.ttl_s < 2:
-            raise ValueError(f"an etcd lease TTL must be at least 2 s, not {self.ttl_s}")
+        check_ttl(self.ttl_s)
         if self.timeout_s <= 0:
             raise ValueError(f"an etcd timeout must be positive, not {self.timeout_s}")
         return replace(self, endpoints=",".join(str(e) for e in endpoints), namespace=namespace)
