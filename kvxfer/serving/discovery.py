@@ -140,6 +140,10 @@ class WorkerRecord:
         """What every worker behind one router must share: the model's name and its scope."""
         return self.model, self.layout.scope
 
+    def transport(self) -> tuple[str, str]:
+        """(backend, mode): a prefill and a decode worker of another pair cannot move KV."""
+        return self.capabilities.backend, self.capabilities.mode
+
     def encode(self) -> bytes:
         return json.dumps({"v": RECORD_VERSION, **asdict(self)}, sort_keys=True).encode()
 
@@ -297,8 +301,8 @@ class Membership:
     """The workers of ``namespace`` as etcd lists them, applied to ``target`` on one event loop.
 
     ``model``: the model every worker must serve (the router's static workers'); unset, the
-    first worker accepted sets it (name and scope), and workers of another are refused with a
-    warning, as are records that cannot be read and URLs the router has already (a static
+    first worker accepted sets it (name and scope) and the transport (backend and mode), and
+    workers of another are refused with a warning, as are records that cannot be read and URLs the router has already (a static
     worker). ``members`` and ``refused`` are keyed by etcd key; read them on the loop."""
 
     def __init__(self, client: EtcdClient, namespace: str, target: Target, *, model: str | None = None,
@@ -309,6 +313,7 @@ class Membership:
         self.target = target
         self.model = model
         self.scope: str | None = None
+        self.transport: tuple[str, str] | None = None  # (backend, mode): the first accepted worker's
         self.members: dict[str, WorkerRecord] = {}
         self.refused: dict[str, str] = {}
         self._refused_values: dict[str, bytes] = {}
@@ -389,6 +394,8 @@ class Membership:
             self.model = record.model
         if self.scope is None:
             self.scope = record.layout.scope
+        if self.transport is None:
+            self.transport = record.transport()
         self.changes += 1
         log.info("discovery: %s worker %s (%s) joined", record.role, record.url, record.name)
         self._changed()
@@ -401,6 +408,9 @@ class Membership:
         if self.scope is not None and record.layout.scope != self.scope:
             return (f"its model {record.model!r} has other weights or KV dtype (scope {record.layout.scope}, "
                     f"this router's {self.scope})")
+        if self.transport is not None and record.transport() != self.transport:
+            return ("it moves KV with {} {}, this router's workers with {} {}"
+                    .format(*record.transport(), *self.transport))
         return None
 
     def _drop(self, key: str, record: WorkerRecord, why: str) -> None:

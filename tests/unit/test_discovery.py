@@ -32,9 +32,9 @@ from kvxfer.testing.etcd_server import EtcdServer
 
 
 def record(role: str = "prefill", port: int = 8001, *, model: str = "toy", scope: str = "ab" * 16,
-           **extra: Any) -> WorkerRecord:
+           backend: str = "nixl", mode: str = "push", **extra: Any) -> WorkerRecord:
     return WorkerRecord(role, f"http://127.0.0.1:{port}", model, Layout(16, "float32", scope),
-                        Capabilities("nixl", "push", "inplace"), name=f"{role}-{port}", host="h", pid=port,
+                        Capabilities(backend, mode, "inplace"), name=f"{role}-{port}", host="h", pid=port,
                         started=1.5, **extra)
 
 
@@ -166,19 +166,23 @@ def test_membership_adds_refuses_and_removes_workers(client: EtcdClient) -> None
             try:
                 assert await m.synced(10)
                 assert [e.url for e in router.prefill] == ["http://127.0.0.1:8001"]  # there before the start
-                regs = [Registration(client, ns, ttl=3) for _ in range(4)]
+                regs = [Registration(client, ns, ttl=3) for _ in range(6)]
                 regs[0].start(record("decode", 8002))
                 regs[1].start(record("decode", 8003, model="smollm2"))  # another model: refused
                 regs[2].start(record("decode", 8004, scope="cd" * 16))  # same name, other weights: refused
                 regs[3].start(record("decode", 7000))  # the static worker's URL: refused, and kept
+                regs[4].start(record("decode", 8005, backend="ipc"))  # another transport: refused
+                regs[5].start(record("decode", 8006, mode="pull"))
                 client.put(worker_key(ns, "prefill", "junk:1"), b"not json")
-                await until(lambda: len(m.refused) == 4, 10, "four refusals")
+                await until(lambda: len(m.refused) == 6, 10, "six refusals")
                 assert sorted(e.url for e in router.decode) == ["http://127.0.0.1:7000", "http://127.0.0.1:8002"]
                 reasons = sorted(m.refused.values())
                 assert any("serves model 'smollm2', this router 'toy'" in r for r in reasons), reasons
                 assert any("other weights or KV dtype" in r for r in reasons), reasons
                 assert any("already in the router" in r for r in reasons), reasons
                 assert any("not JSON" in r for r in reasons), reasons
+                assert "it moves KV with ipc push, this router's workers with nixl push" in reasons, reasons
+                assert "it moves KV with nixl pull, this router's workers with nixl push" in reasons, reasons
                 state = m.state()
                 assert state["synced"] and state["model"] == "toy" and len(state["members"]) == 2
 
@@ -188,7 +192,7 @@ def test_membership_adds_refuses_and_removes_workers(client: EtcdClient) -> None
                 await until(lambda: not router.prefill and len(router.decode) == 1, 5, "revoked workers removed")
                 assert [e.url for e in router.decode] == ["http://127.0.0.1:7000"]
                 client.delete(worker_key(ns, "prefill", "junk:1"))
-                for r in regs[1:3]:
+                for r in regs[1:3] + regs[4:]:
                     r.close()
                 await until(lambda: not m.refused and not m.members, 5, "refusals forgotten")
             finally:
