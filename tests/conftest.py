@@ -1,5 +1,5 @@
 """Shared test set-up: GPU tests skip cleanly without CUDA, and no test module leaves a
-backend's thread or a child process running behind it."""
+backend's thread or any process it started (a child, or one reparented away) running behind it."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 from kvxfer.testing.etcd_server import EtcdServer, etcd_binary
+from kvxfer.testing.leftovers import mark_run, marked_processes
 from kvxfer.worker.procs import children_of
 
 # Backends' progress threads (kvxfer.backends.*): each backend's shutdown() ends its own.
 _BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-", "kvxfer-ucx-", "etcd-")
 _SETTLE_S = 10.0  # a process killed at a module's end may take a moment to be reaped
+_RUN_MARK = mark_run()  # every process this run starts carries it (kvxfer.testing.leftovers)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,17 +26,21 @@ def nothing_outlives_its_module() -> Iterator[None]:
     threads and processes its tests started have ended once its fixtures are torn down."""
     threads = {t.ident for t in threading.enumerate()}
     children = set(children_of(os.getpid()))
+    before = set(marked_processes(_RUN_MARK))
     yield
     deadline = time.monotonic() + _SETTLE_S
     while True:
         left = [t.name for t in threading.enumerate()
                 if t.ident not in threads and t.is_alive() and t.name.startswith(_BACKEND_THREADS)]
         procs = [pid for pid in children_of(os.getpid()) if pid not in children]
-        if not (left or procs) or time.monotonic() > deadline:
+        # Descendants too, reparented ones included (started with setsid, or orphaned).
+        strays = {pid: cmd for pid, cmd in marked_processes(_RUN_MARK).items() if pid not in before}
+        if not (left or procs or strays) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert not left, f"backend threads still running after the module's tests: {left}"
     assert not procs, f"child processes still running after the module's tests: {procs}"
+    assert not strays, f"processes this module started still running after its tests: {strays}"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from kvxfer.contract import KvxferError
 
-_INTERPRETER_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+INTERPRETER_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
 
 
 def end_process(proc: subprocess.Popen[bytes], timeout: float = 10.0, *, grace: float = 5.0,
@@ -71,7 +71,7 @@ def children_of(pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if not any(helper in cmdline for helper in _INTERPRETER_HELPERS):
+        if not any(helper in cmdline for helper in INTERPRETER_HELPERS):
             out.append(int(entry.name))
     return out
 
