@@ -55,13 +55,41 @@ def test_text_that_may_begin_a_stop_string_is_held_until_it_cannot() -> None:
     assert sent + texts.finish() == "Paris. Paris is"  # the end of the completion releases it
 
 
+def _first_stop(ids: list[int], stops: list[str]) -> tuple[str, bool]:
+    """What a streamed completion must give: the text is final a whole character at a time
+    (a token that ends inside one adds nothing yet), and generation stops at the first token
+    after which the final text holds a stop string, cut where the earliest of those starts.
+    A stop that would start earlier but ends later never comes: generation has stopped."""
+    for k in range(1, len(ids) + 1):
+        text = TOK.decode(ids[:k])
+        if text.endswith("\ufffd"):
+            continue
+        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if found:
+            return text[: min(found)], True
+    full = TOK.decode(ids)  # a trailing partial character, as the decoder renders it
+    found = [i for i in (full.find(s) for s in stops) if i >= 0]
+    return (full[: min(found)], True) if found else (full, False)
+
+
+def test_a_stop_that_completes_first_wins_over_one_that_starts_earlier_but_ends_later() -> None:
+    # Hypothesis found it: "ab " with stops "ab " and "b". After "ab", "b" is there and the
+    # completion ends; the " " that would complete "ab " is never generated.
+    ids = TOK.encode("ab ")
+    assert [TOK.decode([i]) for i in ids] == ["ab", " "]
+    pieces, texts = _stream(ids, ("ab ", "b"))
+    assert "".join(pieces) == "a" == _first_stop(ids, ["ab ", "b"])[0] and texts.stopped
+
+
+ALPHABET = st.sampled_from(list("ab cé東🇫\n."))  # one alphabet for both: Hypothesis 6's shrinker
+# raised ValueError inside itself when two text strategies had different ones (CI, 2026-12-02).
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("ab cé東🇫\n.")), min_size=0, max_size=30),
-       st.lists(st.text(alphabet=st.sampled_from(list("ab cé\n")), min_size=1, max_size=3), max_size=3))
+@given(st.text(alphabet=ALPHABET, min_size=0, max_size=30),
+       st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=3), max_size=3))
 def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop(text: str, stops: list[str]) -> None:
     ids = TOK.encode(text)
     pieces, texts = _stream(ids, tuple(stops))
-    full = TOK.decode(ids)
-    cuts = [i for i in (full.find(s) for s in stops) if i >= 0]
-    want = full[: min(cuts)] if cuts else full
-    assert "".join(pieces) == want and texts.stopped == bool(cuts)
+    want, stopped = _first_stop(ids, stops)
+    assert "".join(pieces) == want and texts.stopped == stopped
