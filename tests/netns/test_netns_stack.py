@@ -139,3 +139,61 @@ def test_a_link_cut_mid_transfer_is_recomputed_token_identical_and_the_next_requ
     assert after["path"] == "disaggregated" and after["transfer"]["status"] == "delivered", after
     assert metric(metrics, 'kvxfer_transfers_total{status="failed"}') == 1
     assert metric(metrics, "kvxfer_open_leases") == 0
+
+
+ROUTER_TIMEOUT_S = 4.0
+
+
+@pytest.mark.timeout(420)
+def test_a_router_cut_off_from_its_decode_worker_answers_within_its_timeout_and_serves_again_once_healed(
+        tmp_path: Path) -> None:
+    """The decode host is blackholed (no RST, no FIN) while the router is idle: a request ends
+    with a named error within the router's ``--timeout`` (plus slack), never hangs; the prefill
+    worker keeps no lease for it; once the link is back the next request is token-identical."""
+    torch.set_num_threads(1)
+    with Hosts(["prefill", "decode", "router", "client"]) as hosts:
+        workers = [hosts.serve(role, role, ["serve", "--role", role, "--name", role, "--host", hosts[role].ip,
+                                            "--port", "0", "--blocks", "256"], tmp_path)
+                   for role in ("prefill", "decode")]
+        services = list(workers)
+        try:
+            expected = colocated_generate(LlamaModel(ModelConfig()), PROMPTS[1], MAX_NEW)
+            prefill, decode = (w.wait_ready(240) for w in workers)
+            router = hosts.serve("router", "router", ["router", "--host", hosts["router"].ip, "--port", "0",
+                                                      "--prefill", prefill["url"], "--decode", decode["url"],
+                                                      "--on-failure", "fail", "--timeout", str(ROUTER_TIMEOUT_S)],
+                                 tmp_path)
+            services.append(router)
+            router.wait_ready(120)
+            hosts.blackhole("decode")
+            started = time.monotonic()
+            status, text = hosts.http("client", "POST", f"{router.url}/generate",
+                                      {"prompt": PROMPTS[1], "max_new_tokens": MAX_NEW, "request": "blackholed"},
+                                      timeout=120)
+            answered = time.monotonic() - started
+            dropped = hosts.dropped("decode")
+            hosts.clear("decode")
+            healed = time.monotonic()
+            after: dict[str, Any] | None = None
+            tries = 0
+            while time.monotonic() - healed < 60:
+                tries += 1
+                after = generate(hosts, router.url, PROMPTS[1], f"healed-{tries}")
+                if after["finish_reason"] != "unavailable":  # the router took the decode worker back
+                    break
+                time.sleep(0.5)
+            status_p, metrics = hosts.http("client", "GET", f"{prefill['url']}/metrics")
+        finally:
+            codes = {s.name: s.stop() for s in reversed(services)}
+    events = [json.loads(line) for line in text.splitlines() if line.strip()] if status == 200 else []
+    error = events[-1]["completion"]["error"] if events and events[-1].get("event") == "done" else text
+    print(f"\ndecode blackholed: answered {status} after {answered:.1f} s ({dropped} packets dropped): {error}; "
+          f"healed: {tries} requests, the last {after and after['finish_reason']} after {time.monotonic() - healed:.1f} s")
+    assert codes == {name: 0 for name in codes}, codes
+    assert dropped > 0, "the blackhole dropped nothing: the request never tried the decode host"
+    assert answered < ROUTER_TIMEOUT_S + 10, f"the router took {answered:.1f} s (timeout {ROUTER_TIMEOUT_S} s)"
+    assert status != 200 or (events and events[-1].get("event") == "done"), text
+    assert error and decode["url"].split("//")[1] in str(error), f"the error does not name the decode worker: {error}"
+    assert after is not None and after["finish_reason"] != "unavailable", "not served within 60 s of the heal"
+    assert after["error"] is None and after["tokens"] == expected, after
+    assert status_p == 200 and metric(metrics, "kvxfer_open_leases") == 0
