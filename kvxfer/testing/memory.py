@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +25,19 @@ def retain_if_unquiesced(unquiesced: object, *memories: object) -> None:
     publisher's rows go while its progress thread still read them)."""
     if unquiesced:
         _RETAINED.extend(memories)
+
+
+def shut_down_keeping(backends: Iterable[Any], memories: list[Any]) -> list[frozenset[Any]]:
+    """Shut ``backends`` down, then let ``memories`` (what they registered) go, unless an
+    attempt was left unquiesced or a shutdown raised: then they are retained for good.
+    ``memories`` is emptied either way; what each shutdown() returned comes back."""
+    left: list[frozenset[Any]] | None = None
+    try:
+        left = [b.shutdown() for b in backends]
+    finally:
+        retain_if_unquiesced(left is None or any(left), *memories)
+        memories.clear()
+    return left
 
 
 class RowMemory(abc.ABC):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
-from kvxfer.testing.netns import Hosts
+from kvxfer.testing.netns import Hosts, Service
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -44,22 +44,32 @@ def metric(text: str, line_start: str) -> float:
     return sum(values)
 
 
+def start_workers(hosts: Hosts, log_dir: Path, *flags: str) -> list[Service]:
+    """A prefill and a decode worker, each on the host of its role's name."""
+    return [hosts.serve(role, role, ["serve", "--role", role, "--name", role, "--host", hosts[role].ip,
+                                     "--port", "0", "--blocks", "256", *flags], log_dir)
+            for role in ("prefill", "decode")]
+
+
+def start_router(hosts: Hosts, log_dir: Path, prefill: dict[str, Any], decode: dict[str, Any], *flags: str
+                 ) -> Service:
+    """The router on its host, over the two workers' announced URLs."""
+    return hosts.serve("router", "router", ["router", "--host", hosts["router"].ip, "--port", "0",
+                                              "--prefill", prefill["url"], "--decode", decode["url"], *flags], log_dir)
+
+
 @pytest.mark.timeout(420)
 def test_prefill_decode_and_router_on_three_hosts_are_token_identical_and_the_kv_crosses_the_veths(
         tmp_path: Path) -> None:
     torch.set_num_threads(1)
     with Hosts(["prefill", "decode", "router", "client"]) as hosts:
-        workers = [hosts.serve(role, role, ["serve", "--role", role, "--name", role, "--host", hosts[role].ip,
-                                            "--port", "0", "--blocks", "256"], tmp_path)
-                   for role in ("prefill", "decode")]
+        workers = start_workers(hosts, tmp_path)
         services = list(workers)
         try:
             model = LlamaModel(ModelConfig())  # the oracle runs while the workers start
             expected = [colocated_generate(model, p, MAX_NEW) for p in PROMPTS]
             prefill, decode = (w.wait_ready(240) for w in workers)
-            router = hosts.serve("router", "router", ["router", "--host", hosts["router"].ip, "--port", "0",
-                                                      "--prefill", prefill["url"], "--decode", decode["url"],
-                                                      "--on-failure", "fail"], tmp_path)
+            router = start_router(hosts, tmp_path, prefill, decode, "--on-failure", "fail")
             services.append(router)
             router.wait_ready(120)
             before = {h: hosts.counters(h) for h in ("prefill", "decode")}
@@ -101,17 +111,13 @@ def test_a_link_cut_mid_transfer_is_recomputed_token_identical_and_the_next_requ
     request's KV crosses again."""
     torch.set_num_threads(1)
     with Hosts(["prefill", "decode", "router", "client"]) as hosts:
-        workers = [hosts.serve(role, role, ["serve", "--role", role, "--name", role, "--host", hosts[role].ip,
-                                            "--port", "0", "--blocks", "256", *PACE], tmp_path)
-                   for role in ("prefill", "decode")]
+        workers = start_workers(hosts, tmp_path, *PACE)
         services = list(workers)
         try:
             model = LlamaModel(ModelConfig())
             expected = [colocated_generate(model, p, MAX_NEW) for p in (LONG, PROMPTS[0])]
             prefill, decode = (w.wait_ready(240) for w in workers)
-            router = hosts.serve("router", "router", ["router", "--host", hosts["router"].ip, "--port", "0",
-                                                      "--prefill", prefill["url"], "--decode", decode["url"],
-                                                      "--on-failure", "recompute"], tmp_path)
+            router = start_router(hosts, tmp_path, prefill, decode, "--on-failure", "recompute")
             services.append(router)
             router.wait_ready(120)
             box: dict[str, Any] = {}
@@ -152,17 +158,12 @@ def test_a_router_cut_off_from_its_decode_worker_answers_within_its_timeout_and_
     worker keeps no lease for it; once the link is back the next request is token-identical."""
     torch.set_num_threads(1)
     with Hosts(["prefill", "decode", "router", "client"]) as hosts:
-        workers = [hosts.serve(role, role, ["serve", "--role", role, "--name", role, "--host", hosts[role].ip,
-                                            "--port", "0", "--blocks", "256"], tmp_path)
-                   for role in ("prefill", "decode")]
+        workers = start_workers(hosts, tmp_path)
         services = list(workers)
         try:
             expected = colocated_generate(LlamaModel(ModelConfig()), PROMPTS[1], MAX_NEW)
             prefill, decode = (w.wait_ready(240) for w in workers)
-            router = hosts.serve("router", "router", ["router", "--host", hosts["router"].ip, "--port", "0",
-                                                      "--prefill", prefill["url"], "--decode", decode["url"],
-                                                      "--on-failure", "fail", "--timeout", str(ROUTER_TIMEOUT_S)],
-                                 tmp_path)
+            router = start_router(hosts, tmp_path, prefill, decode, "--on-failure", "fail", "--timeout", str(ROUTER_TIMEOUT_S))
             services.append(router)
             router.wait_ready(120)
             hosts.blackhole("decode")

@@ -28,7 +28,7 @@ from kvxfer.contract import (
     View,
 )
 from kvxfer.testing.holds import hold_progress
-from kvxfer.testing.memory import HostRows, retain_if_unquiesced
+from kvxfer.testing.memory import HostRows, shut_down_keeping
 from kvxfer.testing.nixl_pairs import host_rows
 from kvxfer.testing.waiting import settle
 
@@ -48,12 +48,7 @@ def made() -> Iterator[list[NixlBackend]]:
     for gate in _GATES:  # also when the test failed while one was held: shutdown joins the thread
         gate.set()
     _GATES.clear()
-    left: list[frozenset[object]] | None = None
-    try:
-        left = [b.shutdown() for b in backends]
-    finally:
-        retain_if_unquiesced(left is None or any(left), *_KEPT)
-        _KEPT.clear()
+    shut_down_keeping(backends, _KEPT)
     assert not [t for t in threading.enumerate() if t.name.startswith("kvxfer-nixl-")], "a progress thread lives on"
 
 
