@@ -171,8 +171,15 @@ class MooncakeDriver(BlobDriver):
         return KeyStatus.WRONG_SIZE if 0 <= found != size else KeyStatus.FAILED
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """StoreError when Mooncake could not tell for a key (it answers -1): an error read as
+        "missing" would hide a fault as a blob that went."""
         names = self._names(keys)
-        return [c == 1 for c in self._batch("batch_is_exist", len(names), lambda s: s.batch_is_exist(names))]
+        codes = self._batch("batch_is_exist", len(names), lambda s: s.batch_is_exist(names))
+        unknown = [(n, c) for n, c in zip(names, codes, strict=True) if c not in (0, 1)]
+        if unknown:
+            raise StoreError(f"Mooncake could not tell whether {len(unknown)} of {len(names)} blobs exist "
+                             f"(first {unknown[0][0]!r}: code {code_name(unknown[0][1])})")
+        return [c == 1 for c in codes]
 
     def remove(self, keys: Sequence[bytes]) -> list[KeyStatus]:
         names = self._names(keys)

@@ -10,7 +10,7 @@ From a shell, in the foreground until Ctrl-C or SIGTERM::
 
     python -m kvxfer.backends.blob.mooncake_master --port 50051
 
-The master runs without eviction (``--eviction_high_watermark_ratio=1.0``): a put past the
+The master runs without eviction (``--eviction_high_watermark_ratio=1.0 --eviction_ratio=0``): a put past the
 segments' capacity is refused (FULL) instead of silently dropping older blobs; ``evict=True``
 (``--evict``) lets Mooncake evict. Its output goes to a log file, not the console.
 """
@@ -109,7 +109,9 @@ class MooncakeMaster:
         self.log_path = Path(log_path)
         self._stopped = False
         flags = [f"--default_kv_lease_ttl={lease_ttl_ms}", f"--client_ttl={client_ttl_s}",
-                 *([] if evict else ["--eviction_high_watermark_ratio=1.0"]), *extra_args]
+                 # Both, for no eviction: a put that finds the store full makes Mooncake evict
+                 # eviction_ratio of the blobs whatever the watermark (its EvictionThreadFunc).
+                 *([] if evict else ["--eviction_high_watermark_ratio=1.0", "--eviction_ratio=0"]), *extra_args]
         attempts = 3 if port is None or metrics_port is None else 1  # a free port may be taken meanwhile
         for attempt in range(attempts):
             if self._start(port or free_port(host), metrics_port or free_port(host), flags, start_timeout_s,
