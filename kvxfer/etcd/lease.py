@@ -35,9 +35,9 @@ class KeptLease:
     """Grant a lease of ``ttl`` seconds and refresh it every ``ttl / 3`` s on a daemon thread.
 
     ``lost`` is set, and then ``on_lost`` called once from that thread (so that it sees ``lost``
-    set), when etcd cannot be reached
-    for a whole TTL, or says the lease expired: what was put under it is gone or going, and
-    the owner must put it again under a new lease or stop advertising. ``close()`` stops the
+    set), when etcd cannot be reached for a whole TTL, or says the lease expired: what was put
+    under it is gone or going, and the owner must put it again under a new lease or stop
+    advertising. ``close()`` stops the
     thread and revokes the lease (its keys go at once), within the client's timeout; while
     keepalives fail (``failing``: etcd does not answer) it does not try, so that it never
     waits a second timeout: the keys then go when the TTL ends.

@@ -302,8 +302,9 @@ class Membership:
 
     ``model``: the model every worker must serve (the router's static workers'); unset, the
     first worker accepted sets it (name and scope) and the transport (backend and mode), and
-    workers of another are refused with a warning, as are records that cannot be read and URLs the router has already (a static
-    worker). ``members`` and ``refused`` are keyed by etcd key; read them on the loop."""
+    workers of another are refused with a warning, as are records that cannot be read and
+    URLs the router has already (a static worker). ``members`` and ``refused`` are keyed by
+    etcd key; read them on the loop."""
 
     def __init__(self, client: EtcdClient, namespace: str, target: Target, *, model: str | None = None,
                  on_change: Callable[[], None] | None = None, quiet_s: float = 5.0) -> None:
@@ -409,8 +410,8 @@ class Membership:
             return (f"its model {record.model!r} has other weights or KV dtype (scope {record.layout.scope}, "
                     f"this router's {self.scope})")
         if self.transport is not None and record.transport() != self.transport:
-            return ("it moves KV with {} {}, this router's workers with {} {}"
-                    .format(*record.transport(), *self.transport))
+            backend, mode = record.transport()
+            return f"it moves KV with {backend} {mode}, this router's workers with {' '.join(self.transport)}"
         return None
 
     def _drop(self, key: str, record: WorkerRecord, why: str) -> None:
