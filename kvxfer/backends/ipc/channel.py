@@ -203,7 +203,11 @@ class Channel:
                         conn.pending = bytes(data)
                         self.wake()
                         return True
-                    select.select([], [conn.sock], [], left)
+                    # poll, not select: select() refuses a descriptor past FD_SETSIZE (1024),
+                    # which a process holding many connections reaches.
+                    writable = select.poll()
+                    writable.register(conn.sock, select.POLLOUT)
+                    writable.poll(left * 1000)
             return True
         except OSError as exc:
             log.info("peer %r is gone: %s", peer, exc)
