@@ -9,13 +9,20 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from kvxfer.testing.etcd_server import EtcdServer, etcd_binary
 from kvxfer.testing.leftovers import mark_run, marked_processes
 from kvxfer.worker.procs import children_of
 
+# Hypothesis judges its own speed by the wall clock, which tests running beside each other
+# (ci/test.sh runs them in parallel) make slow: a property test fails on what it checks, not
+# on how busy the machine was (no per-example deadline either).
+settings.register_profile("kvxfer", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvxfer")
+
 # Backends' progress threads (kvxfer.backends.*): each backend's shutdown() ends its own.
-_BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-", "kvxfer-ucx-", "etcd-")
+_BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-", "kvxfer-ucx-", "kvxfer-blob-", "etcd-")
 _SETTLE_S = 10.0  # a process killed at a module's end may take a moment to be reaped
 _RUN_MARK = mark_run()  # every process this run starts carries it (kvxfer.testing.leftovers)
 
@@ -67,3 +74,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Where the time went, so that the next slowdown is seen in the run that brings it: the
+    slowest ten tests and the total per test directory (set-up, call and teardown summed; with
+    workers in parallel the totals add up to more than the wall time)."""
+    per_test: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                per_test[report.nodeid] = per_test.get(report.nodeid, 0.0) + report.duration
+    if not per_test:
+        return
+    per_dir: dict[str, float] = {}
+    for nodeid, seconds in per_test.items():
+        parts = nodeid.split("::", 1)[0].split("/")
+        directory = "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+        per_dir[directory] = per_dir.get(directory, 0.0) + seconds
+    terminalreporter.section("time per test directory (set-up + call + teardown)")
+    for directory, seconds in sorted(per_dir.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:9.1f} s  {directory}")
+    terminalreporter.section("slowest 10 tests (set-up + call + teardown)")
+    for nodeid, seconds in sorted(per_test.items(), key=lambda kv: -kv[1])[:10]:
+        terminalreporter.write_line(f"{seconds:9.2f} s  {nodeid}")
