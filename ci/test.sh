@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Lint, type-check the contract, run the examples, run the tests. Exit non-zero on any failure.
+# Lint, type-check the contract, check the layers, then the whole suite (the examples included:
+# tests/examples runs each as a user would). Exit non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check --no-cache kvxfer tests examples bench  # no cache: a warm one hid a CI failure
 "$VENV/bin/mypy" --strict kvxfer/contract
 "$VENV/bin/lint-imports"  # the layers: pyproject.toml [tool.importlinter]
-# The examples are part of the contract with users: they must run as documented.
-log=$(mktemp)
-for example in examples/loopback_roundtrip.py examples/lender_tour.py examples/pair_local.py examples/router_embed.py examples/microbench.py examples/two_process_nixl.py examples/engine_kv_tour.py; do
-  echo "== $example"
-  "$VENV/bin/python" "$example" >"$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
-  tail -3 "$log"
-done
-rm -f "$log"
-# pytest runs last so that its summary is the run's closing line.
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Tests in parallel (pytest-xdist): most of the suite waits on processes, sockets and deadlines
+# rather than the CPU, so more workers than cores pay. One file per worker at a time
+# (--dist loadfile), so that a module's fixtures (worker pairs, a Mooncake master, etcd) are
+# started once. KVXFER_TEST_WORKERS=0 runs in this process, one test at a time.
+WORKERS=${KVXFER_TEST_WORKERS:-4}
+parallel=()
+[ "$WORKERS" != 0 ] && parallel=(-n "$WORKERS" --dist loadfile)
+# pytest runs last so that its summary (with the slowest tests and the time per directory,
+# tests/conftest.py) is the run's closing lines.
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"
