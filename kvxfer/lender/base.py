@@ -1,7 +1,8 @@
 """Lender and Lease: rows of a pool lent out under leases, pinned until released.
 
-Every lender serves one pool, from one call sequence (the owner's thread); backends'
-threads only read the views it hands out. Progress (staging copies finishing, deferred
+Every lender serves one pool, and a pool has one lender at a time (``kvxfer.lender.claims``:
+a second is AlreadyLent until the first shuts down), from one call sequence (the owner's
+thread); backends' threads only read the views it hands out. Progress (staging copies finishing, deferred
 releases whose attempts quiesced) is driven by the lender's own calls, not by a thread.
 
 Lease life: ``lend_read``/``lend_write`` -> ``view()`` (None until ready) -> submit to a
@@ -202,7 +203,8 @@ class Lender(abc.ABC):
 
     def shutdown(self, force: bool = False) -> ShutdownReport:
         """Stop lending. Refuses (LenderBusy) while leases are open or released leases wait
-        for attempts, unless ``force``: then their memory is retained for good and reported."""
+        for attempts, unless ``force``: then their memory is retained for good and reported.
+        The pool may then get a new lender (what was retained stays retained)."""
         self._progress()
         open_leases = list(self._leases.values())
         waiting = list(self._releasing.values())
