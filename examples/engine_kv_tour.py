@@ -36,8 +36,9 @@ decode.register(decode_kv.regions)
 rng = np.random.default_rng(0)
 prefill_table = rng.permutation(BLOCKS)[: -(-TOKENS // 16)]  # the engines' own block tables
 decode_table = rng.permutation(BLOCKS)[: -(-TOKENS // 32)]
-read = ExternalLender(prefill_kv).lend_read("req-1", prefill_table, (0, TOKENS))
-write = ExternalLender(decode_kv).lend_write("req-1", decode_table, (0, TOKENS))
+prefill_lender, decode_lender = ExternalLender(prefill_kv), ExternalLender(decode_kv)  # one per engine KV
+read = prefill_lender.lend_read("req-1", prefill_table, (0, TOKENS))
+write = decode_lender.lend_write("req-1", decode_table, (0, TOKENS))
 
 decode_hint = decode.describe(write.view(), prefill.peer)
 prefill_hint = prefill.describe(read.view(), decode.peer)
@@ -56,17 +57,26 @@ p_block, p_tok = prefill_table[100 // 16], 100 % 16
 d_block, d_tok = decode_table[100 // 32], 100 % 32
 assert torch.equal(decode_layers[2][1, d_block, 5 - 4, d_tok], prefill_layers[2][1, p_block, p_tok, 5])
 print("token 100, head 5 of layer 2 is byte-identical at both ends")
+read.release()
+write.release()  # the fetch has quiesced (wait), so its blocks are free to lend again
+
 
 # A view that wants heads its publisher does not hold is refused before anything moves.
 narrow_prefill = EngineKV.per_layer([t[:, :, :, :4].contiguous() for t in prefill_layers], kv_heads=8,
                                     heads=(0, 4), scope=b"my-model/v1", name="prefill-rank0")
 prefill.register(narrow_prefill.regions)
-other = ExternalLender(narrow_prefill).lend_read("req-2", prefill_table, (0, TOKENS))
-write2 = ExternalLender(decode_kv).lend_write("req-2", decode_table, (0, TOKENS))
+narrow_lender = ExternalLender(narrow_prefill)  # other tensors: a lender of their own
+other = narrow_lender.lend_read("req-2", prefill_table, (0, TOKENS))
+write2 = decode_lender.lend_write("req-2", decode_table, (0, TOKENS))
 try:
     prefill.publish(other.view(), decode.describe(write2.view(), prefill.peer))
 except LayoutMismatch as exc:
     print("refused:", exc)
-for lease in (read, write, other, write2):
-    lease.release()
+other.release()
+write2.release()
+# The engine frees its blocks through the lender: any a transfer may still touch would be refused
+# (BlocksBusy) or, with defer=True, held back until reclaim() hands them over.
+assert decode_lender.free(decode_table).size == decode_table.size
 assert not (prefill.shutdown() | decode.shutdown())
+for lender in (prefill_lender, decode_lender, narrow_lender):
+    assert not lender.shutdown().retained_anything

@@ -1,14 +1,12 @@
 """kvxfer: KV-cache transport for disaggregated LLM serving.
 
-Importing the package imports nothing heavy: the contract, lenders and backends are
-separate modules so that ``kvxfer.contract`` stays free of torch and NIXL. It skips UCX's
-InfiniBand module on a host without an RDMA device (``kvxfer.ucx_env`` says why).
+Importing the package imports nothing heavy and changes nothing in the process (no
+environment variable, logging set-up, signal handler or thread): the contract, lenders and
+backends are separate modules so that ``kvxfer.contract`` stays free of torch and NIXL, and
+the UCX settings kvxfer needs go only to the UCX contexts it makes (``kvxfer.ucx_env``).
 """
 
 from kvxfer.contract.errors import KvxferError
-from kvxfer.ucx_env import skip_unusable_ib
-
-skip_unusable_ib()  # before any UCX loads: see kvxfer.ucx_env
 
 __version__ = "0.1.0"
 __all__ = ["KvxferError", "__version__"]

@@ -44,6 +44,7 @@ from kvxfer import doctor_peer, doctor_ucx
 from kvxfer.backends.common.devices import cuda_device_count, cuda_present
 from kvxfer.doctor_probe import ROW
 from kvxfer.serving.client import check_url
+from kvxfer.serving.keys import BearerKey, add_key_args, keys_from_args
 from kvxfer.ucx_env import net_devices_problem
 from kvxfer.worker.probe import MAX_BYTES as PEER_BYTES
 from kvxfer.worker.probe import nixl_versions
@@ -241,24 +242,26 @@ def probe(memory: str, nbytes: int, reps: int, timeout: float,
         t_child.close()
 
 
-def probe_peer(url: str, memory: str, nbytes: int, reps: int, timeout: float) -> dict[str, Any]:
+def probe_peer(url: str, memory: str, nbytes: int, reps: int, timeout: float,
+               key: BearerKey | None = None) -> dict[str, Any]:
     """``--peer``: the target is a probe the worker at ``url`` opens (``kvxfer.worker.probe``);
-    the initiator runs here. The probe is renewed while it is measured and freed after."""
+    the initiator runs here. The probe is renewed while it is measured and freed after;
+    ``key``: the workers' cluster key, if they want one."""
     http_s = min(timeout, 30.0)
-    target = doctor_peer.open_target(url, nbytes, memory, http_s)
+    target = doctor_peer.open_target(url, nbytes, memory, http_s, key)
     every, renewed = max(1.0, float(target.get("idle_s", 60.0)) / 6), time.monotonic()
 
     def renew() -> None:
         nonlocal renewed
         if time.monotonic() - renewed >= every:
-            doctor_peer.renew(url, target["id"], http_s)
+            doctor_peer.renew(url, target["id"], http_s, key)
             renewed = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="kvxfer-doctor-peer-"))
     try:
         info = {k: target[k] for k in ("metadata", "address", "device")}
         result = _measure(memory, nbytes, reps, timeout, info, work, -1, renew)
     finally:
-        problem = doctor_peer.free(url, target["id"], http_s)
+        problem = doctor_peer.free(url, target["id"], http_s, key)
         if problem:
             _say(f"could not free the worker's probe {target['id']} ({problem}); the worker frees it by itself "
                  f"{target.get('idle_s', 60)}s after this doctor's last word")
@@ -381,11 +384,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="probe a running worker (`kvxfer serve`'s URL, e.g. http://10.0.0.2:8101): it hosts the "
                              "target, this host the initiator; push WRITEs from here into the worker, pull READs "
                              "from it. Run it on the other end's host")
+    add_key_args(parser, cluster=True)  # --peer: a worker with a cluster key wants it
     return parser
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int] | None:
     """Every flag checked before anything starts (usage errors, exit 2); ``--devices`` read."""
+    keys_from_args(parser, args)
     if args.peer is not None:
         try:
             args.peer = check_url(args.peer)
@@ -431,7 +436,7 @@ def _remote(args: argparse.Namespace, worker: dict[str, Any], report: dict[str, 
         f"the worker's pool is on {worker_device}" if not worker_device.startswith("cuda") else ""
     for memory in ["host"] + ([] if skipped else ["device"]):
         _say(f"{memory}: the worker at {args.peer} opens a {args.bytes >> 20} MiB target; an initiator starts here")
-        result = probe_peer(args.peer, memory, args.bytes, args.reps, args.timeout)
+        result = probe_peer(args.peer, memory, args.bytes, args.reps, args.timeout, args.cluster_key)
         side = result.pop("worker")  # the worker's host and versions, as its probe answered
         report["memory"][memory] = result
         report["peer"].update({k: side.get(k) for k in ("host", "versions")})
@@ -450,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"host": socket.gethostname(), "memory": {}}
     try:
         if args.peer:
-            worker = doctor_peer.connect(args.peer, min(args.timeout, 30.0))
+            worker = doctor_peer.connect(args.peer, min(args.timeout, 30.0), args.cluster_key)
             report["peer"] = {"url": args.peer, "name": worker.get("name"), "role": worker.get("role"),
                               "device": worker.get("probe", {}).get("device")}
         _say("reading versions")

@@ -15,6 +15,8 @@ import urllib.request
 from typing import Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.serving.keys import BearerKey
+from kvxfer.serving.keys import headers as key_headers
 
 ROUTE = "/doctor/probe"
 ROLES = ("prefill", "decode")
@@ -41,12 +43,15 @@ def _reason(exc: BaseException) -> str:
     return str(reason) or type(reason).__name__
 
 
-def call(url: str, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
-    """One exchange; the JSON answer. ``_Status`` for a status of 400 or more (its message
-    the answer's ``error``), PeerError when nothing (or no JSON) comes back."""
+def call(url: str, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 10.0,
+         key: BearerKey | None = None) -> Any:
+    """One exchange, with the cluster key ``key`` if any; the JSON answer. ``_Status`` for a
+    status of 400 or more (its message the answer's ``error``), PeerError when nothing (or no
+    JSON) comes back."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+                                     headers={"Content-Type": "application/json", "Accept": "application/json",
+                                              **key_headers(key)})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310 - http:// checked by the caller
             raw = answer.read()
@@ -54,6 +59,8 @@ def call(url: str, method: str, path: str, body: dict[str, Any] | None = None, t
         text = exc.read()[:400]
         try:
             message = json.loads(text).get("error", "")
+            if isinstance(message, dict):  # OpenAI's shape, as a 401 has it
+                message = message.get("message", "")
         except (ValueError, AttributeError):
             message = text.decode("latin-1").strip().splitlines()[0] if text.strip() else ""
         raise _Status(f"{method} {path}: HTTP {exc.code}{': ' + message if message else ''}", exc.code) from None
@@ -66,8 +73,9 @@ def call(url: str, method: str, path: str, body: dict[str, Any] | None = None, t
                         f"{raw[:60].decode('latin-1')!r}, not JSON") from None
 
 
-def connect(url: str, timeout: float) -> dict[str, Any]:
-    """The worker's ``/health`` once it proved to be a kvxfer worker with the probe route."""
+def connect(url: str, timeout: float, key: BearerKey | None = None) -> dict[str, Any]:
+    """The worker's ``/health`` once it proved to be a kvxfer worker with the probe route
+    (which, on a worker with a cluster key, ``key`` must match)."""
     try:
         health = call(url, "GET", "/health", timeout=timeout)
     except _Status as exc:
@@ -78,7 +86,7 @@ def connect(url: str, timeout: float) -> dict[str, Any]:
         raise PeerError(f"--peer {url} is not a kvxfer worker: its /health names no prefill or decode role "
                         f"({what}?); give a worker's URL, as `kvxfer serve` announced it")
     try:
-        status = call(url, "GET", ROUTE, timeout=timeout)
+        status = call(url, "GET", ROUTE, timeout=timeout, key=key)
     except _Status as exc:
         if exc.status == 404:
             raise PeerError(f"--peer {url}: the {health['role']} worker there has no {ROUTE} route: its kvxfer "
@@ -87,10 +95,10 @@ def connect(url: str, timeout: float) -> dict[str, Any]:
     return {**health, "probe": status}
 
 
-def open_target(url: str, nbytes: int, memory: str, timeout: float) -> dict[str, Any]:
+def open_target(url: str, nbytes: int, memory: str, timeout: float, key: BearerKey | None = None) -> dict[str, Any]:
     """Ask the worker for a probe target; PeerError naming its refusal (another probe open, ...)."""
     try:
-        target = call(url, "POST", ROUTE, {"bytes": nbytes, "memory": memory}, timeout=timeout)
+        target = call(url, "POST", ROUTE, {"bytes": nbytes, "memory": memory}, timeout=timeout, key=key)
     except _Status as exc:
         raise PeerError(f"--peer {url}: the worker refused a {memory} probe: {exc}") from None
     for field in ("id", "metadata", "address", "device"):
@@ -99,18 +107,18 @@ def open_target(url: str, nbytes: int, memory: str, timeout: float) -> dict[str,
     return dict(target)
 
 
-def renew(url: str, probe_id: str, timeout: float) -> None:
+def renew(url: str, probe_id: str, timeout: float, key: BearerKey | None = None) -> None:
     try:
-        call(url, "POST", f"{ROUTE}/{probe_id}", {}, timeout=timeout)
+        call(url, "POST", f"{ROUTE}/{probe_id}", {}, timeout=timeout, key=key)
     except _Status as exc:
         raise PeerError(f"--peer {url}: the worker dropped probe {probe_id} while it was measured: {exc}") from None
 
 
-def free(url: str, probe_id: str, timeout: float) -> str | None:
+def free(url: str, probe_id: str, timeout: float, key: BearerKey | None = None) -> str | None:
     """Free the probe; None when done (or gone already), else why not (the worker frees it
     itself after its idle time)."""
     try:
-        call(url, "DELETE", f"{ROUTE}/{probe_id}", timeout=timeout)
+        call(url, "DELETE", f"{ROUTE}/{probe_id}", timeout=timeout, key=key)
     except _Status as exc:
         return None if exc.status == 404 else str(exc)
     except PeerError as exc:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl
+from kvxfer.ucx_env import ucx_settings
 
 ROW = 64 << 10
 
@@ -64,7 +65,9 @@ def _agent(role: str) -> Any:
     # progress); the initiator progresses by polling its own requests, as the backend does,
     # so that it does not compete with the transfer for this machine's cores.
     config = api.nixl_agent_config(enable_prog_thread=role == "target", backends=["UCX"])
-    with hidden_from_nixl():  # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set
+    # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set; the host's UCX
+    # settings (kvxfer.ucx_env) go to the agent's UCX.
+    with hidden_from_nixl(), ucx_settings():
         return api.nixl_agent(f"kvxfer-doctor-{role}-{os.getpid()}", config)
 
 

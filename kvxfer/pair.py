@@ -39,6 +39,8 @@ from kvxfer.progress import RequestProgress as Progress
 from kvxfer.router.app import KEEPALIVE_S
 from kvxfer.router.router import KEY_PATTERN
 from kvxfer.serving.http import HttpError, request_text, stream_json
+from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
+from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.startup import check_serving
 from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
@@ -82,8 +84,10 @@ ROUTER_SILENCE_S = 6 * KEEPALIVE_S
 
 
 async def run_workload(router_url: str, prompts: list[list[int]], expected: list[list[int]], max_new: int,
-                       concurrency: int, timeout: float, progress: Progress) -> list[Result]:
-    """Send every prompt through the router whose ``--timeout`` is ``timeout``."""
+                       concurrency: int, timeout: float, progress: Progress, api_key: BearerKey | None = None
+                       ) -> list[Result]:
+    """Send every prompt through the router whose ``--timeout`` is ``timeout`` (with its API
+    key, when it wants one)."""
     sem = asyncio.Semaphore(concurrency)
     # The router may wait on its workers for minutes between two tokens (a stalled transfer,
     # then a recompute elsewhere) and ends such a wait itself; meanwhile it sends a "waiting"
@@ -98,8 +102,9 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
             completion: dict[str, Any] = {}
             error = None
             try:
-                async for event in stream_json(router_url, "/generate", {"request": f"pair-{i}", "prompt": prompts[i],
-                                                                          "max_new_tokens": max_new}, timeout, idle):
+                body = {"request": f"pair-{i}", "prompt": prompts[i], "max_new_tokens": max_new}
+                async for event in stream_json(router_url, "/generate", body, timeout, idle,
+                                               headers=key_headers(api_key)):
                     if event.get("event") == "token":
                         if ttft is None:
                             ttft = time.perf_counter() - start  # as the client sees it
@@ -297,6 +302,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for flag in ("timeout", "startup_timeout"):
         if not 0 < getattr(args, flag) < float("inf"):
             parser.error(f"--{flag.replace('_', '-')} must be positive and finite, got {getattr(args, flag)}")
+    # The keys its workers and router take from the environment they inherit: one that
+    # cannot be used is named now, not as a worker that failed to start.
+    try:
+        args.api_key = BearerKey.from_env(API_KEY_ENV)
+        BearerKey.from_env(CLUSTER_KEY_ENV)
+    except InvalidKey as exc:
+        parser.error(str(exc))
     if args.json:
         # Checked now: the report is written only after the whole run.
         target = Path(args.json)
@@ -461,7 +473,8 @@ def _processes(group: ProcessGroup) -> list[dict[str, Any]]:
 def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args: argparse.Namespace,
              line: Line) -> None:
     warm = asyncio.run(run_workload(url, prompts[: args.warmup], expected[: args.warmup], args.max_new_tokens, 1,
-                                    args.timeout, Progress(args.warmup, line=line, label="warm-up requests")))
+                                    args.timeout, Progress(args.warmup, line=line, label="warm-up requests"),
+                                    args.api_key))
     bad = [r for r in warm if not r.matched]
     if bad:
         print(f"kvxfer pair: warm-up request failed: {bad[0].error or 'tokens differ'}", file=sys.stderr)
@@ -515,7 +528,7 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
         progress = Progress(len(prompts), line=line)
         start = time.perf_counter()
         results = asyncio.run(run_workload(router.url, prompts, expected, args.max_new_tokens,
-                                           args.concurrency, args.timeout, progress))
+                                           args.concurrency, args.timeout, progress, args.api_key))
         wall = time.perf_counter() - start
         _save_metrics(group, log_dir)
     return results, wall, expected

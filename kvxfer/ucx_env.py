@@ -1,13 +1,18 @@
-"""UCX's InfiniBand module, where it cannot be used.
+"""The UCX settings kvxfer gives the UCX contexts it makes, and checks of the user's.
 
-UCX loads its InfiniBand transport module wherever libibverbs is installed. On a host that
-has the library but no RDMA device (a CPU machine where a package brought libibverbs1 in:
-the Mooncake store's wheel links it, even over TCP), the UCX inside NIXL 1.x crashes the
-process with SIGSEGV at exit, once it has made an agent (measured here: a process that made
-one NIXL agent and returned exited -11; with the module skipped, 0). Such a host has nothing
-the module could reach, so ``kvxfer`` skips it there (``UCX_MODULES=^ib``) when the package
-is imported, and its child processes inherit that. A host with an RDMA device is left as it
-is, and so is a ``UCX_MODULES`` the user set.
+Nothing here changes the process when imported: settings are put in the environment only
+while a context is made (``ucx_settings``), and taken out again.
+
+UCX's InfiniBand module, where it cannot be used: UCX loads it wherever libibverbs is
+installed. On a host that has the library but no RDMA device (a CPU machine where a package
+brought libibverbs1 in: the Mooncake store's wheel links it, even over TCP), the UCX inside
+NIXL 1.x crashes the process with SIGSEGV at exit, once it has made an agent (measured here:
+a process that made one NIXL agent and returned exited -11; with the module skipped, 0). Such
+a host has nothing the module could reach, so kvxfer skips it there (``UCX_MODULES=^ib``,
+``ib_settings``) for each UCX it loads: NIXL's when an agent is made, ucxx's when the ucx
+backend loads it. UCX reads the variable when its library loads, so it applies to every
+later context in the process too. A host with an RDMA device is left as it is, and so is a
+``UCX_MODULES`` the user set.
 """
 
 from __future__ import annotations
@@ -20,18 +25,14 @@ from contextlib import contextmanager
 RDMA_DEVICES = "/sys/class/infiniband"
 
 
-def skip_unusable_ib(devices: str = RDMA_DEVICES) -> bool:
-    """Set ``UCX_MODULES=^ib`` when the host has no RDMA device and the user set nothing;
-    True when it did."""
-    if "UCX_MODULES" in os.environ:
-        return False
+def ib_settings(devices: str = RDMA_DEVICES) -> dict[str, str]:
+    """``{"UCX_MODULES": "^ib"}`` on a host without an RDMA device, else nothing."""
     try:
         if os.listdir(devices):
-            return False
+            return {}
     except OSError:
         pass  # no such class: no RDMA device
-    os.environ["UCX_MODULES"] = "^ib"
-    return True
+    return {"UCX_MODULES": "^ib"}
 
 
 NET_DEVICES = "/sys/class/net"
@@ -96,12 +97,14 @@ _ENV_LOCK = threading.Lock()
 
 
 @contextmanager
-def ucx_settings(settings: dict[str, str]) -> Iterator[dict[str, str]]:
-    """Set each of ``settings`` the user has not set, for as long as the block runs (UCX reads
-    them when a context is made, e.g. a NIXL agent's); yields what was applied. Child processes
-    started meanwhile would inherit them, so keep the block to the agent's creation."""
+def ucx_settings(settings: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """Set the host's UCX settings (``ib_settings``) and each of ``settings``, where the user
+    has not set them, for as long as the block runs: wrap the making of each UCX context
+    (a NIXL agent, ucxx's import) in it. Yields what was applied. Child processes started
+    meanwhile would inherit them, so keep the block to the context's creation."""
+    wanted = {**ib_settings(), **(settings or {})}
     with _ENV_LOCK:
-        applied = {key: value for key, value in settings.items() if key not in os.environ}
+        applied = {key: value for key, value in wanted.items() if key not in os.environ}
         os.environ.update(applied)
         try:
             yield applied

@@ -34,6 +34,7 @@ from kvxfer.bench.children import start_child
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.bench.layout import choose_slots, layer_major_addresses, pool_slots, row_addresses
 from kvxfer.bench.timing import Timing, check_fresh_bytes, time_runs
+from kvxfer.ucx_env import ucx_settings
 
 _SAMPLED_ROWS = 16
 _REPLY_TIMEOUT_S = 120.0
@@ -106,7 +107,8 @@ def _target_main(conn: Connection, name: str, nbytes: int, memory: str, device: 
             torch.cuda.set_device(device)
         from nixl._api import nixl_agent, nixl_agent_config
 
-        agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        with ucx_settings():  # the host's UCX settings (kvxfer.ucx_env), as the backend's agents get them
+            agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         buf = _Buffer(nbytes, memory, fill=0, device=device)
         reg = agent.register_memory(buf.descs(), _mem_type(memory))
         conn.send(("ready", agent.get_agent_metadata(), buf.address))
@@ -159,7 +161,8 @@ class NixlPair:
                 raise RuntimeError(f"NIXL target process failed to start: {rest[0]}")
             metadata, self.remote_address = rest
             with device_scope(memory, self.devices[0]):
-                self.agent = nixl_agent(f"bench-initiator-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
+                with ucx_settings():
+                    self.agent = nixl_agent(f"bench-initiator-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
                 self.local = _Buffer(nbytes, memory, fill=0x5A, device=self.devices[0])
                 self._reg = self.agent.register_memory(self.local.descs(), _mem_type(memory))
             self.remote_name = self.agent.add_remote_agent(metadata)

@@ -8,9 +8,11 @@ module imports none of them, it only draws them):
     │   └── LayoutMismatch       two ends' KV geometries cannot meet               [contract.geometry]
     ├── SubmissionRejected       not now (shut down, backpressure); nothing escaped [contract]
     ├── WireError                a message is malformed, oversized or wrongly signed [wire]
-    ├── LeaseError               a lease or lender used wrongly                    [lender]
+    ├── LeaseError               a lease or lender used wrongly                    [lender.errors]
     │   ├── LendingDisabled      the pool's reuse scope changed, or the lender shut down
-    │   └── LenderBusy           shutdown() while leases are open
+    │   ├── LenderBusy           shutdown() while leases are open
+    │   ├── AlreadyLent          a second lender over memory a live lender lends
+    │   └── BlocksBusy           an engine frees blocks a transfer may still touch
     ├── PoolExhausted            no free block for a request                       [pool]
     ├── UnknownRequest           the pool holds no such request                    [pool]
     ├── RowCopyError             a native row copy refused or failed               [native]

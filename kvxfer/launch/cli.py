@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
 from types import FrameType
@@ -27,10 +28,14 @@ from kvxfer.etcd import etcd_endpoints
 from kvxfer.launch.placement import STRATEGIES, RolePlacement
 from kvxfer.progress import Line
 from kvxfer.serving.announce import announce, reserve_stdout
+from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
+from kvxfer.wire import ENV_KEY as HINT_KEY_ENV
 
 INSTALL_HINT = "pip install 'kvxfer[ray]'"
-FORWARDED_ENV = ("KVXFER_HINT_KEY",)
-"""Variables of the launcher's environment that every actor's process gets (workers must share the key)."""
+FORWARDED_ENV = (HINT_KEY_ENV, CLUSTER_KEY_ENV, API_KEY_ENV)
+"""Variables of the launcher's environment that every actor's process gets (workers must share
+the keys). Without a cluster key, the launcher makes one for the launch: its workers listen on
+their nodes' addresses, and never without a key."""
 OWNED = {"role": "--prefill/--decode", "host": "(each worker's node address)", "port": "(0: each picks one)",
          "port_file": "(the actor reads it)", "name": "(prefill0, decode0, ...)", "parent_watch": "(always on)",
          "etcd": "--etcd", "etcd_namespace": "--namespace", "etcd_ttl": "--etcd-ttl"}
@@ -79,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--router-timeout", type=float, default=30.0, help="the router's --timeout")
     g = p.add_argument_group("the launcher")
     g.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="set in every actor's process (repeat); KVXFER_HINT_KEY is passed on when set here")
+                   help="set in every actor's process (repeat); KVXFER_HINT_KEY, KVXFER_CLUSTER_KEY and "
+                        "KVXFER_API_KEY are passed on when set here (without a cluster key, one is made for "
+                        "the launch)")
     g.add_argument("--log-dir", default="",
                    help="each process's log on its node (default: TMPDIR/kvxfer-launch/NAMESPACE on each node)")
     g.add_argument("--startup-timeout", type=float, default=180.0, help="seconds for each phase to come up")
@@ -177,13 +184,27 @@ def router_argv(args: argparse.Namespace) -> list[str]:
 
 
 def actor_env(parser: argparse.ArgumentParser, pairs: list[str]) -> dict[str, str]:
+    """What every actor's process gets: FORWARDED_ENV, then ``--env``; a cluster key, made now
+    when neither gave one. A key that cannot be used is a usage error, naming where it came from."""
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             parser.error(f"--env {pair!r}: give NAME=VALUE")
         env[name] = value
+    try:
+        if BearerKey.from_env(CLUSTER_KEY_ENV, env) is None:
+            env[CLUSTER_KEY_ENV] = secrets.token_hex(32)
+        BearerKey.from_env(API_KEY_ENV, env)
+    except InvalidKey as exc:
+        parser.error(str(exc))
     return env
+
+
+def key_made(env_flags: list[str]) -> bool:
+    """Whether the launch makes its own cluster key (none in the environment or ``--env``)."""
+    given = {k: v for k, _, v in (p.partition("=") for p in env_flags)}
+    return not (given.get(CLUSTER_KEY_ENV) or os.environ.get(CLUSTER_KEY_ENV, "")).strip()
 
 
 def _ray_address(address: str) -> str | None:
@@ -224,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from(parser, args, worker_argv)
     ready_fd = reserve_stdout()  # stdout holds the ready line alone: what Ray prints goes to stderr
     line = Line("kvxfer launch", enabled=not args.quiet)
+    if key_made(args.env):
+        line.say(f"the workers take a cluster key made for this launch (set {CLUSTER_KEY_ENV} to choose it, "
+                 "and to reach them yourself)")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     line.say(f"connecting to Ray ({args.address})")
     try:

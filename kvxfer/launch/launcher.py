@@ -56,7 +56,7 @@ class LaunchConfig:
     router_argv: list[str] = field(default_factory=list)
     worker_argv: list[str] = field(default_factory=list)
     set_device: bool = True                 # --device from the GPUs Ray gives (unless the worker flags name one)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # holds keys: in no repr
     log_dir: str = ""
     startup_timeout: float = 180.0
     placement_timeout: float = 60.0

@@ -13,22 +13,27 @@
     bounds = lender.readiness(req)          # ResumeBounds(usable_until, restart_floor)
 
 An engine's own tensors instead of a pool: ``EngineKV`` (their geometry) and ``ExternalLender``
-(leases over the engine's block table); see ``examples/engine_kv_tour.py``.
+(leases over the engine's block table, with the engine's frees going through ``free``); see
+``examples/engine_kv_tour.py``. One lender per pool or engine memory: a second is refused
+until the first shuts down or is collected.
 
 Errors: LeaseError (misuse), LendingDisabled (reuse scope reset or shut down), LenderBusy
-(shutdown with open leases, unless forced), InvalidSubmission (malformed masks).
+(shutdown with open leases, unless forced), AlreadyLent (a second lender over the same
+memory), BlocksBusy (the engine frees blocks a transfer may still touch),
+InvalidSubmission (malformed masks: anything but bool arrays).
 """
 
-from kvxfer.lender.base import Lease, LeaseError, Lender, LenderBusy, LendingDisabled, ShutdownReport
+from kvxfer.lender.base import Lease, Lender, ShutdownReport
 from kvxfer.lender.bounds import ResumeBounds, group_interval, resume_bounds
 from kvxfer.lender.engine_kv import EngineKV, kv_identity
+from kvxfer.lender.errors import AlreadyLent, BlocksBusy, LeaseError, LenderBusy, LendingDisabled
 from kvxfer.lender.external import ExternalLease, ExternalLender
 from kvxfer.lender.inplace import InPlaceLender
 from kvxfer.lender.slots import SlotRuns, SlotStats
 from kvxfer.lender.staging import StagingLender, StagingStats, rows_per_fetch
 
 __all__ = [
-    "EngineKV", "ExternalLease", "ExternalLender", "kv_identity", "InPlaceLender", "Lease", "LeaseError", "Lender", "LenderBusy", "LendingDisabled", "ResumeBounds",
+    "AlreadyLent", "BlocksBusy", "EngineKV", "ExternalLease", "ExternalLender", "kv_identity", "InPlaceLender", "Lease", "LeaseError", "Lender", "LenderBusy", "LendingDisabled", "ResumeBounds",
     "ShutdownReport", "SlotRuns", "SlotStats", "StagingLender", "StagingStats", "group_interval",
     "resume_bounds", "rows_per_fetch",
 ]

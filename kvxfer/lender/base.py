@@ -1,7 +1,8 @@
 """Lender and Lease: rows of a pool lent out under leases, pinned until released.
 
-Every lender serves one pool, from one call sequence (the owner's thread); backends'
-threads only read the views it hands out. Progress (staging copies finishing, deferred
+Every lender serves one pool, and a pool has one lender at a time (``kvxfer.lender.claims``:
+a second is AlreadyLent until the first shuts down), from one call sequence (the owner's
+thread); backends' threads only read the views it hands out. Progress (staging copies finishing, deferred
 releases whose attempts quiesced) is driven by the lender's own calls, not by a thread.
 
 Lease life: ``lend_read``/``lend_write`` -> ``view()`` (None until ready) -> submit to a
@@ -22,30 +23,18 @@ import numpy as np
 from kvxfer.contract import (
     Attempt,
     CacheKind,
-    InvalidSubmission,
-    KvxferError,
     LayerGroupRows,
     SlotRegion,
     TokenRange,
     View,
 )
-from kvxfer.contract.outcome import check_masks, freeze_mask
 from kvxfer.lender.bounds import ResumeBounds, resume_bounds
+from kvxfer.lender.claims import claim
+from kvxfer.lender.errors import LeaseError, LenderBusy, LendingDisabled
+from kvxfer.lender.marks import arrival_masks, check_markable
 from kvxfer.pool import BlockAllocator, LayerGroupSpec, PagedKVPool, RowRegion
 
 _ids = itertools.count(1)
-
-
-class LeaseError(KvxferError):
-    """A lease or lender was used wrongly (the message names the misuse)."""
-
-
-class LendingDisabled(LeaseError):
-    """The lender lends no more: its pool's reuse scope was reset, or it was shut down."""
-
-
-class LenderBusy(LeaseError):
-    """Shutdown refused: leases are open or attempts not quiesced (pass force=True to retain)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +122,8 @@ class Lender(abc.ABC):
 
     def __init__(self, pool: PagedKVPool) -> None:
         self.pool = pool
+        # One lender per pool (AlreadyLent otherwise), until shutdown or collection.
+        self._claim = claim(self, pool.slot_regions(), f"pool {pool.name!r}")
         self._leases: dict[int, Lease] = {}  # open: not released
         self._releasing: dict[int, Lease] = {}  # released, memory still held
         self._disabled: str | None = None
@@ -193,6 +184,9 @@ class Lender(abc.ABC):
     def open_leases(self) -> int:
         return len(self._leases)
 
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of pool {self.pool.name!r}>"
+
     # --- lifecycle hooks (the pool calls these) -----------------------------------------
     def on_free(self, request: str) -> None:
         """The pool frees ``request``: its leased blocks stay pinned until release; arrivals
@@ -209,7 +203,8 @@ class Lender(abc.ABC):
 
     def shutdown(self, force: bool = False) -> ShutdownReport:
         """Stop lending. Refuses (LenderBusy) while leases are open or released leases wait
-        for attempts, unless ``force``: then their memory is retained for good and reported."""
+        for attempts, unless ``force``: then their memory is retained for good and reported.
+        The pool may then get a new lender (what was retained stays retained)."""
         self._progress()
         open_leases = list(self._leases.values())
         waiting = list(self._releasing.values())
@@ -232,9 +227,18 @@ class Lender(abc.ABC):
         self._closed = True
         self._disabled = f"lender of pool {self.pool.name!r} is shut down"
         self.pool.remove_listener(self)
+        self._claim.release()  # what it retained stays retained by the pool's allocator
         return ShutdownReport(len(open_leases), attempts, retained, staging)
 
     # --- for subclasses -------------------------------------------------------------------
+    def _abandon(self) -> None:
+        """A subclass's constructor failed after this one ran: drop the pool's listener and
+        the claim, so that the pool can get a lender again."""
+        self._closed = True
+        self._disabled = f"lender of pool {self.pool.name!r} failed to start"
+        self.pool.remove_listener(self)
+        self._claim.release()
+
     @abc.abstractmethod
     def _make_view(self, lease: Lease) -> None:
         """Set ``lease._view`` now or later (from ``_progress``)."""
@@ -336,23 +340,11 @@ class Lender(abc.ABC):
     def _mark_arrived(self, lease: Lease, masks: Sequence[Any]) -> None:
         if lease.lender is not self:
             raise LeaseError(f"{lease!r} belongs to another lender")
-        if not lease.write:
-            raise LeaseError(f"{lease!r} is a read lease; only write leases take mark_arrived")
-        if lease._arrived:
-            raise LeaseError(f"{lease!r}: mark_arrived was already called (it is once per lease)")
-        if lease._released:
-            raise LeaseError(f"{lease!r} is released; mark arrival before release")
+        check_markable(lease, write=lease.write, arrived=lease._arrived, released=lease._released,
+                       disabled=self._disabled if self._closed else None)
         if lease._view is None:
             raise LeaseError(f"{lease!r} has no view yet: nothing can have arrived")
-        if self._closed:  # its memory is retained (staging slots quarantined): nothing is counted
-            raise LendingDisabled(f"{lease!r}: {self._disabled}; arrival is no longer counted")
-        try:
-            if isinstance(masks, np.ndarray) or not isinstance(masks, Sequence):
-                raise TypeError("masks must be a sequence of bool arrays, one per view group")
-            frozen = [freeze_mask(m, i) for i, m in enumerate(masks)]
-            check_masks(lease._view, frozen)
-        except (TypeError, ValueError) as exc:
-            raise InvalidSubmission(f"{lease!r}: malformed masks: {exc}") from exc
+        frozen = arrival_masks(lease, lease._view, masks)
         lease._arrived = True
         # A block arrived only if it arrived in every region of its group (layer-major).
         rows: dict[str, np.ndarray] = {}

@@ -3,18 +3,30 @@
 ::
 
     kv = EngineKV.per_layer(engine_tensors, kv_heads=8, heads=(0, 4))
-    lender = ExternalLender(kv)
+    lender = ExternalLender(kv)                                   # one lender per EngineKV's memory
     backend.register(lender.regions)
-    lease = lender.lend_write("req-1", block_table, (0, 4096))   # the engine's block ids, in order
+    lease = lender.lend_write("req-1", block_table, (0, 4096),   # the engine's block ids, in order
+                              shared=prefix_blocks)              # blocks other requests share: refused
     hint = backend.describe(lease.view())                        # ... fetch, then:
     lease.track(attempt); lease.mark_arrived(outcome.masks); lease.release()
     lease.usable_until                                           # tokens in place from the start
-    lender.busy(blocks)                                          # blocks the engine must not reuse yet
+    reusable = lender.free(blocks, defer=True)                   # the engine frees blocks: those it may reuse now
+    reusable = lender.reclaim()                                  # later: the deferred blocks now safe
 
-The engine owns its blocks; the lender keeps the promise that matters for safety: until
-every attempt on a released lease has quiesced, ``busy`` says its blocks are still in use,
-and the engine must not hand them to another request. Two leases never write one block at
-once, and no block is read while another lease may write it.
+The engine owns its blocks and keeps the lender's rules through two calls. Its block free
+goes through ``free(blocks)``: a block that a lease, or an attempt of a released lease that
+has not quiesced, may still touch is refused (``BlocksBusy``, naming the blocks), or with
+``defer=True`` handed to the lender, which gives it back from ``reclaim()`` once nothing can
+touch it. A block so handed over cannot be lent again until it comes back, and a lease
+whose blocks were freed counts no arrival. ``reset()`` says the KV's meaning changed (new
+weights): lending stops for good, and the busy blocks come back by ``reclaim()``.
+
+The rest is the pool lender's rules (``kvxfer.lender.base``): bool masks only, one report
+of arrival before release, two leases never write one block at once and no block is read
+while another lease may write it, blocks the engine names as shared by prefix are not lent
+for writing unless it allows it, one lender per memory (``AlreadyLent``), and ``shutdown``
+refuses (``LenderBusy``) while leases hold memory, unless forced, reporting what stays
+retained.
 """
 
 from __future__ import annotations
@@ -29,17 +41,20 @@ from kvxfer.contract import (
     Attempt,
     BoolArray,
     CacheKind,
-    InvalidSubmission,
     LayerGroupRows,
+    SlotRegion,
     TokenRange,
     View,
-    check_masks,
 )
-from kvxfer.lender.base import LeaseError
+from kvxfer.lender.base import ShutdownReport
+from kvxfer.lender.claims import claim
 from kvxfer.lender.engine_kv import EngineKV
+from kvxfer.lender.errors import BlocksBusy, LeaseError, LenderBusy, LendingDisabled
+from kvxfer.lender.marks import arrival_masks, check_markable
 
 GROUP = "kv"
 _ids = itertools.count(1)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 class ExternalLease:
@@ -57,6 +72,7 @@ class ExternalLease:
         self._attempts: list[Attempt] = []
         self._arrived: BoolArray | None = None
         self._released = False
+        self._void = False  # the engine freed (or reset) some of its blocks: arrivals count nothing
 
     def view(self) -> View:
         return self._view
@@ -64,6 +80,10 @@ class ExternalLease:
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def arrived(self) -> bool:
+        return self._arrived is not None
 
     def track(self, attempt: Attempt) -> None:
         """Keep the blocks busy after release until ``attempt`` quiesced."""
@@ -75,23 +95,19 @@ class ExternalLease:
         return sum(1 for a in self._attempts if not a.quiesced())
 
     def mark_arrived(self, masks: Sequence[Any]) -> None:
-        """Write leases, once: the blocks True in ``masks`` (``outcome.masks``) hold the peer's KV."""
-        if not self.write:
-            raise LeaseError(f"lease {self.id} of {self.request!r} lends for reading: nothing arrives into it")
-        if self._arrived is not None:
-            raise LeaseError(f"lease {self.id} of {self.request!r}: arrivals were marked already")
-        arrays = [np.asarray(m) for m in masks]
-        try:
-            check_masks(self._view, arrays)
-        except ValueError as exc:
-            raise InvalidSubmission(f"lease {self.id} of {self.request!r}: {exc}") from None
-        self._arrived = arrays[0].astype(np.bool_)
+        """Write leases, once, before release: the blocks True in ``masks`` (bool arrays,
+        ``outcome.masks``) hold the peer's KV."""
+        lender = self.lender
+        check_markable(self, write=self.write, arrived=self._arrived is not None, released=self._released,
+                       disabled=lender._disabled if lender._closed else None)
+        self._arrived = arrival_masks(self, self._view, masks)[0]
 
     @property
     def usable_until(self) -> int:
         """The token up to which KV is in place, from the lease's first token (its start when
-        nothing arrived). A block that arrived after one that did not does not count."""
-        if self._arrived is None:
+        nothing arrived, or when the engine freed its blocks meanwhile). A block that arrived
+        after one that did not does not count."""
+        if self._arrived is None or self._void:
             return self.tokens.start
         missing = np.flatnonzero(~self._arrived)
         rows = self._view.groups[0]
@@ -109,20 +125,31 @@ class ExternalLease:
 
 
 class ExternalLender:
-    """Lends blocks of an engine's KV (an ``EngineKV``) under leases."""
+    """Lends blocks of an engine's KV (an ``EngineKV``) under leases; one per memory."""
 
     def __init__(self, kv: EngineKV) -> None:
         if not isinstance(kv, EngineKV):
             raise TypeError(f"ExternalLender takes an EngineKV, got {type(kv).__name__}")
+        names = [r.name for r in kv.regions]
+        self.what = f"engine KV {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+        # A peer's EngineKV (no tensors here) is another process's memory: a space of its own.
+        self._claim = claim(self, kv.regions, self.what, local=bool(kv.tensors))
         self.kv = kv
         self._leases: dict[int, ExternalLease] = {}
         self._releasing: dict[int, ExternalLease] = {}
+        self._deferred = _NONE  # freed by the engine, busy: handed back by reclaim()
+        self._retained = _NONE  # kept out of use for good by a forced shutdown
+        self._disabled: str | None = None
         self._closed = False
 
     @property
-    def regions(self) -> tuple:  # type: ignore[type-arg]
+    def regions(self) -> tuple[SlotRegion, ...]:
         return self.kv.regions
 
+    def __repr__(self) -> str:
+        return f"<ExternalLender of {self.what}>"
+
+    # --- lending -------------------------------------------------------------------------------
     def lend_read(self, request: str, block_table: Any, tokens: TokenRange | tuple[int, int],
                   heads: tuple[int, int] | None = None) -> ExternalLease:
         """Lend the blocks holding ``tokens`` of ``request`` (``block_table[i]``: the block of
@@ -130,22 +157,21 @@ class ExternalLender:
         return self._lend(request, block_table, tokens, write=False, heads=heads)
 
     def lend_write(self, request: str, block_table: Any, tokens: TokenRange | tuple[int, int],
-                   heads: tuple[int, int] | None = None) -> ExternalLease:
+                   heads: tuple[int, int] | None = None, *, shared: Any = None,
+                   allow_shared: bool = False) -> ExternalLease:
         """Lend them for writing. ``heads`` narrows the view to the heads one source provides
-        (a TP rank fetching its heads from several peers takes one lease per source)."""
-        return self._lend(request, block_table, tokens, write=True, heads=heads)
+        (a TP rank fetching its heads from several peers takes one lease per source).
+        ``shared``: the blocks other requests share by prefix (block ids, or a bool mask over
+        ``block_table``); lending one of them for writing is refused, since a peer would
+        rewrite other requests' KV, unless ``allow_shared``."""
+        return self._lend(request, block_table, tokens, write=True, heads=heads, shared=shared,
+                          allow_shared=allow_shared)
 
     def busy(self, blocks: Any) -> BoolArray:
-        """Per block: True while a lease, or an attempt of a released one, may touch it."""
-        self.reclaim()
-        ids = np.asarray(blocks, dtype=np.int64)
-        held = self._held(write_only=False)
-        return np.isin(ids, held)
-
-    def reclaim(self) -> None:
-        done = [lease for lease in self._releasing.values() if lease.unquiesced() == 0]
-        for lease in done:
-            del self._releasing[lease.id]
+        """Per block: True while a lease, an attempt of a released one, or the lender (a
+        deferred free not handed back yet, or a forced shutdown) holds it."""
+        self._progress()
+        return np.isin(np.asarray(blocks, dtype=np.int64), self._busy())
 
     @property
     def open_leases(self) -> int:
@@ -159,29 +185,128 @@ class ExternalLender:
         lease._released = True
         self._leases.pop(lease.id, None)
         self._releasing[lease.id] = lease
-        self.reclaim()
+        self._progress()
 
-    def shutdown(self, force: bool = False) -> int:
-        """Stop lending; LeaseError while leases are open or attempts unquiesced, unless
-        ``force``. Returns how many blocks stay busy (the engine must not reuse them)."""
-        self.reclaim()
-        busy = len(self._leases) + len(self._releasing)
-        if busy and not force:
-            raise LeaseError(f"{len(self._leases)} leases open and {len(self._releasing)} released leases "
-                             "waiting for attempts: release them, or shutdown(force=True)")
+    # --- the engine's notifications ----------------------------------------------------------
+    def free(self, blocks: Any, *, defer: bool = False) -> np.ndarray:
+        """The engine frees (or is about to reuse) ``blocks``; returns those it may reuse now.
+
+        A block a lease or an unquiesced attempt may still touch is busy: BlocksBusy names
+        them and nothing is recorded, unless ``defer``: then the lender holds them (a lease
+        over them counts no arrival, and they cannot be lent) and ``reclaim()`` hands them back
+        once nothing can touch them."""
+        ids = self._block_ids(blocks, "free")
+        self._progress()
+        again = ids[np.isin(ids, self._deferred) | np.isin(ids, self._retained)]
+        if again.size and not defer:
+            raise BlocksBusy(f"blocks {_listed(again)} were freed already and are held by the lender until "
+                             "reclaim() hands them back (or for good, after a forced shutdown)", again)
+        busy = ids[np.isin(ids, self._held())]
+        if busy.size and not defer:
+            raise BlocksBusy(f"blocks {_listed(busy)} are busy: a lease, or an attempt of a released lease that has "
+                             "not quiesced, may still touch them; free them with defer=True (reclaim() hands them "
+                             "back) or once their attempts quiesced", busy)
+        if busy.size:
+            self._deferred = np.union1d(self._deferred, busy)
+            self._void(busy)
+        return ids[~np.isin(ids, self._busy())]
+
+    def reset(self) -> np.ndarray:
+        """The engine's KV changed meaning (new weights, a reuse reset): lending stops for good
+        and every lease counts no arrival. Returns the blocks still busy: the engine may
+        reuse all others now, and these once ``reclaim()`` hands them back."""
+        self._progress()
+        self._disabled = ("the engine reset its KV (reset()): lending is disabled for this lender; shut it down and "
+                          "lend with a new one")
+        held = self._held()
+        self._deferred = np.union1d(self._deferred, held)
+        self._void(held)
+        return np.setdiff1d(self._deferred, self._retained)
+
+    def reclaim(self) -> np.ndarray:
+        """The blocks freed with ``defer`` (or busy at ``reset``) that nothing can touch any
+        more, each handed back once; released leases whose attempts quiesced end too."""
+        self._progress()
+        if not self._deferred.size:
+            return _NONE
+        safe = np.setdiff1d(self._deferred, self._held())
+        safe = safe[~np.isin(safe, self._retained)]
+        self._deferred = np.setdiff1d(self._deferred, safe)
+        return safe
+
+    def shutdown(self, force: bool = False) -> ShutdownReport:
+        """Stop lending. Refuses (LenderBusy) while leases are open or released leases wait
+        for attempts, unless ``force``: then their blocks are retained for good and reported
+        (``retained_blocks[GROUP]``), with the deferred frees still busy. Every other block
+        the engine freed here may be reused. The memory may get a lender again."""
+        self._progress()
+        open_leases, waiting = list(self._leases.values()), list(self._releasing.values())
+        attempts = sum(lease.unquiesced() for lease in open_leases + waiting)
+        if (open_leases or waiting) and not force:
+            raise LenderBusy(f"{len(open_leases)} leases open and {len(waiting)} released leases holding memory "
+                             f"({attempts} attempts not quiesced); release them, or shutdown(force=True)")
+        held = self._held()
+        self._retained = np.union1d(self._retained, held)
+        self._deferred = _NONE
+        self._leases.clear()
+        self._releasing.clear()
         self._closed = True
-        return int(self._held(write_only=False).size)
+        self._disabled = f"lender of {self.what} is shut down"
+        self._claim.release()
+        return ShutdownReport(len(open_leases), attempts, {GROUP: held} if held.size else {})
 
     # --- internals -------------------------------------------------------------------------
-    def _held(self, *, write_only: bool) -> np.ndarray:
+    def _progress(self) -> None:
+        done = [lease for lease in self._releasing.values() if lease.unquiesced() == 0]
+        for lease in done:
+            del self._releasing[lease.id]
+
+    def _held(self, *, write_only: bool = False) -> np.ndarray:
+        """Blocks of open leases and of released ones waiting for attempts."""
         leases = [*self._leases.values(), *self._releasing.values()]
         parts = [lease.blocks for lease in leases if lease.write or not write_only]
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+        return np.unique(np.concatenate(parts)) if parts else _NONE
+
+    def _busy(self) -> np.ndarray:
+        return np.union1d(np.union1d(self._held(), self._deferred), self._retained)
+
+    def _void(self, blocks: np.ndarray) -> None:
+        for lease in self._leases.values():
+            if np.isin(lease.blocks, blocks).any():
+                lease._void = True
+
+    def _block_ids(self, blocks: Any, what: str) -> np.ndarray:
+        ids = np.asarray(blocks)
+        if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer) and ids.size:
+            raise LeaseError(f"{what}: blocks must be block ids (ints), got dtype {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False)
+        if ids.ndim != 1:
+            raise LeaseError(f"{what}: blocks must be one-dimensional, got shape {ids.shape}")
+        n = self.kv.geometry.blocks
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise LeaseError(f"{what}: blocks {_listed(ids[(ids < 0) | (ids >= n)])} lie outside [0, {n})")
+        if np.unique(ids).size != ids.size:
+            raise LeaseError(f"{what}: a block is named twice")
+        return ids
+
+    def _shared_ids(self, request: str, table: np.ndarray, shared: Any) -> np.ndarray:
+        if shared is None:
+            return _NONE
+        arr = np.asarray(shared)
+        if arr.dtype == np.bool_:
+            if arr.shape != table.shape:
+                raise LeaseError(f"request {request!r}: the shared mask has shape {arr.shape}, the block table "
+                                 f"{table.shape}")
+            return table[arr]
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise LeaseError(f"request {request!r}: shared must be block ids (ints) or a bool mask over the block "
+                             f"table, got dtype {arr.dtype}")
+        return arr.astype(np.int64).ravel()
 
     def _lend(self, request: str, block_table: Any, tokens: TokenRange | tuple[int, int], *, write: bool,
-              heads: tuple[int, int] | None) -> ExternalLease:
-        if self._closed:
-            raise LeaseError("the lender is shut down")
+              heads: tuple[int, int] | None, shared: Any = None, allow_shared: bool = False) -> ExternalLease:
+        if self._disabled is not None:
+            raise LendingDisabled(self._disabled)
         span = tokens if isinstance(tokens, TokenRange) else TokenRange(*tokens)
         geometry = self.kv.geometry
         table = np.asarray(block_table, dtype=np.int64)
@@ -198,7 +323,17 @@ class ExternalLender:
             raise LeaseError(f"request {request!r}: the block table names a block outside [0, {geometry.blocks})")
         if np.unique(blocks).size != blocks.size:
             raise LeaseError(f"request {request!r}: the block table names one block twice")
-        self.reclaim()
+        self._progress()
+        freed = blocks[np.isin(blocks, self._deferred) | np.isin(blocks, self._retained)]
+        if freed.size:
+            raise LeaseError(f"request {request!r}: blocks {_listed(freed)} were freed by the engine and are held by "
+                             "the lender until reclaim() hands them back: a block table names them")
+        if write:
+            common = blocks[np.isin(blocks, self._shared_ids(request, table, shared))]
+            if common.size and not allow_shared:
+                raise LeaseError(f"request {request!r}: blocks {_listed(common)} are shared by prefix with other "
+                                 "requests; lent for writing, a peer would rewrite their KV (allow_shared=True "
+                                 "only where the engine knows that is safe)")
         clash = np.intersect1d(blocks, self._held(write_only=not write))
         if clash.size:
             raise LeaseError(f"request {request!r}: block {int(clash[0])} is lent to another lease "
@@ -210,3 +345,9 @@ class ExternalLender:
         lease = ExternalLease(self, request, span, write, blocks, view)
         self._leases[lease.id] = lease
         return lease
+
+
+def _listed(blocks: np.ndarray, most: int = 16) -> str:
+    """Block ids for a message: all of them, or the first ``most`` and how many more."""
+    ids = [int(b) for b in blocks[:most]]
+    return f"{ids}" if blocks.size <= most else f"{ids} and {blocks.size - most} more"

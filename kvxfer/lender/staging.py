@@ -88,17 +88,21 @@ class StagingLender(Lender):
         self.fetch_tokens = fetch_tokens
         self.fetches = fetches
         self._cuda = pool.device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
         self._buffers: dict[str, torch.Tensor] = {}
         self._slots: dict[str, SlotRuns] = {}
         regions = []
-        for r in pool.row_regions():
-            n = per_region[r.name] * fetches
-            buf = torch.empty((n, *r.rows.shape[1:]), dtype=r.rows.dtype, pin_memory=self._cuda)
-            self._buffers[r.name] = buf
-            self._slots[r.name] = SlotRuns(r.name, n)
-            regions.append(SlotRegion(f"{pool.name}/staging/{r.name}", int(buf.data_ptr()), r.slot_bytes, n,
-                                      MemoryKind.HOST))
+        try:
+            self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
+            for r in pool.row_regions():
+                n = per_region[r.name] * fetches
+                buf = torch.empty((n, *r.rows.shape[1:]), dtype=r.rows.dtype, pin_memory=self._cuda)
+                self._buffers[r.name] = buf
+                self._slots[r.name] = SlotRuns(r.name, n)
+                regions.append(SlotRegion(f"{pool.name}/staging/{r.name}", int(buf.data_ptr()), r.slot_bytes, n,
+                                          MemoryKind.HOST))
+        except BaseException:
+            self._abandon()  # the pool may get a lender again
+            raise
         self._regions = tuple(regions)
         self._region_of = {r.name: reg for r, reg in zip(pool.row_regions(), regions)}
         self._queue: deque[Lease] = deque()

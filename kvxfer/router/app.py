@@ -21,6 +21,10 @@ kvxfer's own:
     GET  /metrics  -> Prometheus text (prometheus_client's, of ``Router.metrics``)
     HEAD on any GET -> its status and headers, no body
 
+With an API key (``make_handler(..., api_key=)``, ``kvxfer router --api-key``), every route but
+/health (and /) and /metrics wants ``Authorization: Bearer <key>``: 401 in OpenAI's error shape,
+code "invalid_api_key", otherwise.
+
 A /generate the workers' model cannot serve is answered 400 with what ``Router.validate``
 says in this process (``InvalidRequest``), as is malformed JSON or an unknown field.
 """
@@ -40,6 +44,7 @@ from kvxfer.router.openai_api import OpenAIError, parse
 from kvxfer.router.results import Completion
 from kvxfer.router.router import Router
 from kvxfer.serving.http import BadRequest, Request, Response
+from kvxfer.serving.keys import API_KEY, BearerKey, refusal
 from kvxfer.serving.metrics import CONTENT_TYPE
 
 KEEPALIVE_S = 5.0
@@ -57,11 +62,16 @@ def completion_json(c: Completion) -> dict[str, Any]:
 
 
 def make_handler(router: Router, frontend: OpenAIFrontend | None = None,  # type: ignore[no-untyped-def]
-                 keepalive_s: float = KEEPALIVE_S):
+                 keepalive_s: float = KEEPALIVE_S, *, api_key: BearerKey | None = None):
+    """The router's HTTP handler; with ``api_key``, every route but /health and /metrics
+    wants ``Authorization: Bearer <key>`` (401 otherwise: ``kvxfer.serving.keys``)."""
     openai = frontend if frontend is not None else OpenAIFrontend(router)
     started = int(time.time())
 
     async def handle(request: Request) -> Response:
+        refused = refusal(api_key, request, API_KEY)
+        if refused is not None:
+            return refused
         path = request.path.rstrip("/") or "/"
         route = (request.method, path)
         if route == ("GET", "/metrics"):

@@ -14,6 +14,9 @@ A request the workers' model cannot serve raises ``InvalidRequest`` (``validate`
 process as over HTTP. ``health()`` asks every worker and says whether a pair is usable.
 ``kvxfer.router.openai`` puts text, chat and OpenAI's protocol on top.
 
+``cluster_key`` (a ``kvxfer.serving.keys.BearerKey``) goes to the workers on every call, for
+workers that want one.
+
 A ``request`` id given to ``stream``/``generate`` is the client's: it comes back as
 ``Completion.request`` and goes to no worker. The workers see an id the router makes per
 request, so clients that choose the same id (or one the router made) never meet there.
@@ -51,6 +54,8 @@ from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
 from kvxfer.router.workers import Endpoint, ModelLimits, RouterHealth, WorkerSet, judge
 from kvxfer.serving.http import HttpClient, HttpError
+from kvxfer.serving.keys import BearerKey
+from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.metrics import Registry
 
 log = logging.getLogger("kvxfer.router")
@@ -106,7 +111,7 @@ class _Run:
 class Router:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, selection: str = "round_robin",
                  on_failure: str = "fail", timeout_s: float = 30.0, connect_timeout_s: float = 2.0,
-                 probe_interval_s: float = 1.0) -> None:
+                 probe_interval_s: float = 1.0, cluster_key: BearerKey | None = None) -> None:
         # No decode worker yet is allowed (workers discovered later, add_worker): until one is
         # added, requests are answered "unavailable".
         if not 0 < timeout_s < float("inf"):
@@ -123,7 +128,9 @@ class Router:
         # Workers key everything by request id, and several routers may share a worker: the
         # tag keeps this router's keys apart from another's, the counter apart from its own.
         self._tag = uuid.uuid4().hex[:12]
-        self._http = HttpClient()  # one pooled session for every worker call; closed by close()
+        # One pooled session for every worker call, closed by close(); it sends the workers'
+        # cluster key, if any, on each (kvxfer.serving.keys).
+        self._http = HttpClient(headers=key_headers(cluster_key))
         self._cleanup = Cleanup(self._http, timeout_s, connect_timeout_s)
         self.meters = RouterMeters(lambda: self.workers)
 
@@ -560,8 +567,9 @@ def _generated(run: _Run, d: Endpoint, event: dict[str, Any]) -> Token | None:
 def _rows_safe(exc: BaseException) -> bool:
     """After a failed /publish: can the prefill worker still write into the decode rows?
     Not if it is gone (connection refused or cut), nor if it refused before submitting
-    (400, 409). A timeout or a 500 proves nothing, so the rows are quarantined then."""
-    return isinstance(exc, HttpError) and (exc.unreachable or exc.status in (400, 409))
+    (400, 401: not the cluster key, 409). A timeout or a 500 proves nothing, so the rows are
+    quarantined then."""
+    return isinstance(exc, HttpError) and (exc.unreachable or exc.status in (400, 401, 409))
 
 
 async def _settled(task: asyncio.Task[TransferFigures | None], timeout: float) -> TransferFigures | None:

@@ -4,6 +4,10 @@ lists the routes).
     kvxfer router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002   # port 8000
     kvxfer router ... --model smollm2   # serve this name, with this GGUF's tokenizer (default: the workers')
     kvxfer router --etcd http://127.0.0.1:2379   # the workers registered in etcd (kvxfer serve --etcd), as they come and go
+    kvxfer router ... --api-key-file PATH   # clients send 'Authorization: Bearer KEY' (kvxfer.serving.keys)
+
+With ``KVXFER_CLUSTER_KEY`` (or ``--cluster-key-file``) it sends the workers' cluster key on
+every worker call.
 
 Every request gets an access log line at INFO (logger ``kvxfer.router.access``: method,
 path, status, seconds), and a failed worker call a warning (``kvxfer.router``).
@@ -31,14 +35,15 @@ from kvxfer.router.workers import SELECTIONS
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.discovery import Membership, add_etcd_args, check_etcd, in_thread, with_health
 from kvxfer.serving.http import HttpServer, check_url
+from kvxfer.serving.keys import add_key_args, keys_from_args, open_door_warning
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 
 
 async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
     router = Router(args.prefill, args.decode, selection=args.selection, on_failure=args.on_failure,
-                    timeout_s=args.timeout)
+                    timeout_s=args.timeout, cluster_key=args.cluster_key)
     frontend = OpenAIFrontend(router, model=args.model or None, tokenizer=args.tokenizer)
-    handler = make_handler(router, frontend)
+    handler = make_handler(router, frontend, api_key=args.api_key)
     membership = None
     if args.etcd_client is not None:
         membership = await _follow(args, router)
@@ -55,6 +60,10 @@ async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
         announce({"event": "ready", "role": "router", "port": port, "url": f"http://{args.host}:{port}",
                   "pid": os.getpid()}, args.port_file, ready_fd)
         print(f"kvxfer router: listening on http://{args.host}:{port}", file=sys.stderr, flush=True)
+        warning = open_door_warning("kvxfer router", args.host, args.api_key, "API key",
+                                    "run completions on the workers (--api-key-file or KVXFER_API_KEY)")
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         await stop.wait()
     finally:
         ignore_late_stops(loop)
@@ -101,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="", metavar="PATH", help="on exit, write a JSON report (metrics)")
     p.add_argument("--log-level", default="WARNING", type=log_level, help=", ".join(LOG_LEVELS))
     add_etcd_args(p, register=False)
+    add_key_args(p, api=True, cluster=True)
     return p
 
 
@@ -131,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_numbers(parser, args)
+    keys_from_args(parser, args)
     check_etcd(parser, args)
     if not args.decode and args.etcd_client is None:
         parser.error("at least one --decode URL is required, or --etcd to discover the workers")

@@ -20,7 +20,7 @@ import contextlib
 import json
 import urllib.parse
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -50,10 +50,12 @@ def check_url(url: str) -> str:
 class HttpClient:
     """One pooled session. Usable again after ``close()``: the next call opens a new one.
     A session left open is closed when its event loop shuts down (``asyncio.run`` does that
-    on its way out): see ``_close_with_loop``."""
+    on its way out): see ``_close_with_loop``. ``headers`` go with every request (the
+    router's cluster key: ``kvxfer.serving.keys``)."""
 
-    def __init__(self, *, keepalive_s: float = KEEPALIVE_S) -> None:
+    def __init__(self, *, keepalive_s: float = KEEPALIVE_S, headers: Mapping[str, str] | None = None) -> None:
         self.keepalive_s = keepalive_s
+        self._headers = dict(headers or {})
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closer: AsyncGenerator[None, None] | None = None
@@ -85,12 +87,14 @@ class HttpClient:
             await session.close()
 
     @contextlib.asynccontextmanager
-    async def _exchange(self, url: str, method: str, path: str, body: Any, timeout: float
-                        ) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _exchange(self, url: str, method: str, path: str, body: Any, timeout: float,
+                        headers: Mapping[str, str] | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """Send; the response once its head arrived (connect within ``timeout``, then the head
         within ``timeout``); the connection goes back to the pool when it was read whole."""
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {**self._headers, **(headers or {})}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         try:
             response = await self._open().request(
                 method, url + path, data=data, headers=headers,
@@ -118,29 +122,31 @@ class HttpClient:
         except (aiohttp.ClientError, OSError) as exc:
             raise HttpError(f"{url}{path}: response cut: {exc!r}", unreachable=True) from None
 
-    async def request_json(self, url: str, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
+    async def request_json(self, url: str, method: str, path: str, body: Any = None, timeout: float = 10.0, *,
+                           headers: Mapping[str, str] | None = None) -> Any:
         """One JSON exchange; raises HttpError on a refused/cut connection, timeout or status >= 400."""
-        async with self._exchange(url, method, path, body, timeout) as response:
+        async with self._exchange(url, method, path, body, timeout, headers) as response:
             data = await self._read(url, path, response, timeout)
         return decode(url, path, response.status, data)
 
-    async def request_text(self, url: str, path: str, timeout: float = 10.0) -> str:
+    async def request_text(self, url: str, path: str, timeout: float = 10.0, *,
+                           headers: Mapping[str, str] | None = None) -> str:
         """GET ``path``'s text; raises HttpError as request_json does."""
-        async with self._exchange(url, "GET", path, None, timeout) as response:
+        async with self._exchange(url, "GET", path, None, timeout, headers) as response:
             data = await self._read(url, path, response, timeout)
         if response.status >= 400:
             raise HttpError(f"{url}{path}: HTTP {response.status}", response.status)
         return data.decode()
 
-    async def stream_json(self, url: str, path: str, body: Any, timeout: float, idle_timeout: float
-                          ) -> AsyncGenerator[dict[str, Any], None]:
+    async def stream_json(self, url: str, path: str, body: Any, timeout: float, idle_timeout: float, *,
+                          headers: Mapping[str, str] | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """POST ``body`` and yield each NDJSON event as it arrives.
 
         ``idle_timeout`` bounds the wait for each event; a connection cut before the stream's
         own end (an event with ``"final": true``) raises HttpError(unreachable=True). Closing
         the generator early closes the connection: the server sees its client leave.
         """
-        async with self._exchange(url, "POST", path, body, timeout) as response:
+        async with self._exchange(url, "POST", path, body, timeout, headers) as response:
             if response.status >= 400:
                 data = await self._read(url, path, response, timeout)
                 raise HttpError(error_message(url, path, response.status, data), response.status)
@@ -230,19 +236,20 @@ async def close_default_client() -> None:
         await client.close()
 
 
-async def request_json(url: str, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
+async def request_json(url: str, method: str, path: str, body: Any = None, timeout: float = 10.0, *,
+                       headers: Mapping[str, str] | None = None) -> Any:
     """One JSON exchange; raises HttpError on a refused/cut connection, timeout or status >= 400."""
-    return await default_client().request_json(url, method, path, body, timeout)
+    return await default_client().request_json(url, method, path, body, timeout, headers=headers)
 
 
-async def request_text(url: str, path: str, timeout: float = 10.0) -> str:
-    return await default_client().request_text(url, path, timeout)
+async def request_text(url: str, path: str, timeout: float = 10.0, *, headers: Mapping[str, str] | None = None) -> str:
+    return await default_client().request_text(url, path, timeout, headers=headers)
 
 
-async def stream_json(url: str, path: str, body: Any, timeout: float, idle_timeout: float
-                      ) -> AsyncGenerator[dict[str, Any], None]:
+async def stream_json(url: str, path: str, body: Any, timeout: float, idle_timeout: float, *,
+                      headers: Mapping[str, str] | None = None) -> AsyncGenerator[dict[str, Any], None]:
     """``HttpClient.stream_json`` on the running loop's shared client."""
-    events = default_client().stream_json(url, path, body, timeout, idle_timeout)
+    events = default_client().stream_json(url, path, body, timeout, idle_timeout, headers=headers)
     try:
         async for event in events:
             yield event

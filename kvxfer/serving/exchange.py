@@ -64,12 +64,14 @@ class Request:
 
 @dataclass
 class Response:
-    """A handler's answer: ``body`` whole, or ``stream``'s chunks as they come (chunked)."""
+    """A handler's answer: ``body`` whole, or ``stream``'s chunks as they come (chunked);
+    ``headers``: any beyond the content type (a 401's ``WWW-Authenticate``)."""
 
     status: int = 200
     body: bytes = b""
     content_type: str = "application/json"
     stream: AsyncGenerator[bytes, None] | None = field(default=None)
+    headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def json(cls, data: Any, status: int = 200) -> Response:
@@ -96,6 +98,8 @@ def error_message(url: str, path: str, status: int, data: bytes) -> str:
     except ValueError:
         payload = {"error": data[:200].decode("latin-1")}
     message = payload.get("error", "") if isinstance(payload, dict) else ""
+    if isinstance(message, dict):  # OpenAI's shape: {"error": {"message": ..., "type": ..., "code": ...}}
+        message = message.get("message", "")
     return f"{url}{path}: HTTP {status}: {message}"
 
 

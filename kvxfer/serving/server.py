@@ -224,7 +224,8 @@ class HttpServer:
         if response.stream is not None:
             return await self._stream(raw, response)
         out = web.Response(status=response.status, body=response.body,
-                           headers={"Content-Type": response.content_type, "Cache-Control": "no-store"})
+                           headers={**response.headers, "Content-Type": response.content_type,
+                                    "Cache-Control": "no-store"})
         if _gone(raw):
             out.force_close()
         return out
@@ -250,7 +251,8 @@ class HttpServer:
     async def _stream(self, raw: web.BaseRequest, response: Response) -> web.StreamResponse:
         assert response.stream is not None
         out = web.StreamResponse(status=response.status,
-                                 headers={"Content-Type": response.content_type, "Cache-Control": "no-store"})
+                                 headers={**response.headers, "Content-Type": response.content_type,
+                                          "Cache-Control": "no-store"})
         try:
             if raw.method == "HEAD":
                 return out  # the head alone: nothing is produced

@@ -22,6 +22,11 @@
     POST   /doctor/probe/ID           -> renews it (the doctor, while it measures); 404 once freed or expired
     DELETE /doctor/probe/ID           -> frees it (kvxfer.worker.probe: its own agent, never the backend's)
 
+With a cluster key (``make_handler(worker, cluster_key=)``, ``kvxfer serve --cluster-key-file``
+or ``KVXFER_CLUSTER_KEY``), every route but /health and /metrics wants
+``Authorization: Bearer <key>``: 401 in OpenAI's error shape otherwise, before the body is read
+as a call (``kvxfer.serving.keys``).
+
 The worker (``kvxfer.worker.core``) knows no HTTP: this module parses each body into a typed
 call (``kvxfer.worker.bodies``, BadRequest for what is malformed) and maps the worker's
 errors to statuses: Refused and BadRequest 400, the "nothing escaped" refusals 409.
@@ -43,6 +48,7 @@ from kvxfer.contract import InvalidSubmission, SubmissionRejected
 from kvxfer.lender import LeaseError
 from kvxfer.pool import PoolExhausted, UnknownRequest
 from kvxfer.serving.http import BadRequest, Request, Response
+from kvxfer.serving.keys import CLUSTER_KEY, BearerKey, refusal
 from kvxfer.serving.metrics import CONTENT_TYPE
 from kvxfer.wire import WireError
 from kvxfer.worker import bodies
@@ -60,9 +66,10 @@ PROBE_STATUS = {ProbeInvalid: 400, ProbeUnknown: 404, ProbeBusy: 409}
 STATUS_RESULT = {400: "bad_request", 409: "refused"}  # a status a route answered itself, as a metric label
 
 
-def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
+def make_handler(worker: Worker, *, cluster_key: BearerKey | None = None):  # type: ignore[no-untyped-def]
     """The worker's handler; ``handler.probes`` is its ProbeHost (``close()`` frees an open
-    probe; one still open when the event loop ends is freed then)."""
+    probe; one still open when the event loop ends is freed then). With ``cluster_key``, every
+    route but /health and /metrics wants it (``kvxfer.serving.keys``): 401 otherwise."""
     probes = ProbeHost(worker.name, worker.device)
 
     async def handle(request: Request) -> Response:
@@ -70,6 +77,10 @@ def make_handler(worker: Worker):  # type: ignore[no-untyped-def]
         probe = path == "doctor/probe" or path.startswith("doctor/probe/")
         # The metric label is bounded: any path a client invents would otherwise be a new series.
         endpoint = "doctor_probe" if probe else path if path in ENDPOINTS else "other"
+        refused = refusal(cluster_key, request, CLUSTER_KEY)
+        if refused is not None:
+            worker.m_requests.inc(endpoint=endpoint, result="unauthorized")
+            return refused
         try:
             response = await (_probe(worker, probes, path, request) if probe else _route(worker, path, request))
             worker.m_requests.inc(endpoint=endpoint, result="ok" if response.status < 400 else

@@ -8,6 +8,16 @@ from kvxfer.contract import TransferMode
 from kvxfer.engine import ModelConfig
 
 ROLES = ("prefill", "decode")
+CLOCK_SKEW_S = 5.0
+"""How far apart two hosts' clocks may be (hints expire by the publisher's wall clock)."""
+
+
+def settle_bound(deadline_s: float) -> float:
+    """The longest a transfer with this deadline takes to conclude and quiesce, a silent peer
+    included: twice the deadline, or the deadline plus 8 s where that is longer
+    (docs/configuration.md, "A peer that vanishes silently")."""
+    return max(2 * deadline_s, deadline_s + 8.0)
+
 LAYOUTS = ("block_major", "layer_major")
 
 
@@ -21,6 +31,10 @@ class WorkerConfig:
     lender: str = "inplace"
     transfer_timeout_s: float = 30.0
     hold_s: float = 120.0
+    # A decode reservation set aside because a peer holding its hint D might still write it
+    # comes back this long after hint D expired: the longest a transfer begun before then could
+    # still touch it, plus clock skew. None: settle_bound(transfer_timeout_s) + CLOCK_SKEW_S.
+    expiry_grace_s: float | None = None
     prefix_cache: bool = True
     name: str = ""
     model_name: str = "toy"         # what --model (or --checkpoint) named: /health says it, a router serves it by it
@@ -49,7 +63,19 @@ class WorkerConfig:
     etcd_namespace: str = ""       # "": KVXFER_ETCD_NAMESPACE, else "default"
     etcd_ttl_s: int = 10           # how long a killed worker's metadata outlives it
 
+    @property
+    def reclaim_grace_s(self) -> float:
+        """Seconds after hint D's expiry when no transfer can touch a set-aside reservation."""
+        if self.expiry_grace_s is not None:
+            return self.expiry_grace_s
+        return settle_bound(self.transfer_timeout_s) + CLOCK_SKEW_S
+
     def __post_init__(self) -> None:
+        if self.expiry_grace_s is not None and (isinstance(self.expiry_grace_s, bool) or
+                                                not isinstance(self.expiry_grace_s, (int, float)) or
+                                                not 0 <= self.expiry_grace_s < 1e9):
+            raise ValueError(f"expiry_grace_s must be None or a number of seconds in [0, 1e9), got "
+                             f"{self.expiry_grace_s!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.lender not in ("inplace", "staging"):

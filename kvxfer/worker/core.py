@@ -113,8 +113,8 @@ class Worker:
         if cfg.store:
             driver = make_store_driver(cfg.store, path=cfg.store_path, master=cfg.store_master,
                                        segment_bytes=cfg.store_segment_mib << 20, shared=self._shared_store)
-            s.store = StoreSide(driver, pool, s.lender, self._engine, s.meters, cfg.transfer_timeout_s,
-                                f"{self.name}-store")
+            s.store = StoreSide(driver, pool, s.lender, self._engine, s.meters, s.quarantine,
+                                cfg.transfer_timeout_s, f"{self.name}-store")
 
     def _build_group(self) -> None:
         """A TP group of pools, one per rank, lent in place and moved as engine geometries."""

@@ -6,7 +6,8 @@
   refuse (policy fail); then decode token by token, streaming. Without a reservation, it
   decodes a prompt locally.
 
-A reservation whose rows a peer may still write is quarantined (``kvxfer.worker.quarantine``).
+A reservation whose rows a peer may still write is quarantined (``kvxfer.worker.quarantine``)
+until it is proven that none can: the publisher's word, or hint D's expiry and a grace.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvxfer import wire
 from kvxfer.contract import Attempt, KvxferError, Outcome, Peer, View
 from kvxfer.engine import tokens_needed
 from kvxfer.lender import Lease
@@ -36,6 +38,7 @@ class Reserved:
     view: View
     since: float
     busy: bool = False
+    expires_ms: int = 0  # when hint D expires (wall clock): after it, and a grace, no peer can write here
 
 
 @dataclass(eq=False)
@@ -67,7 +70,7 @@ class DecodeRole:
         s.calls.refuse_if_aborted_early(rid)
         s.calls.starting[rid] = "reserve"
         try:
-            hint, lease, view, reused, stored = await self._reserve_rows(rid, prompt, max_new, publisher)
+            hint, lease, view, expires, reused, stored = await self._reserve_rows(rid, prompt, max_new, publisher)
         finally:
             aborted = s.calls.end_start(rid)
         if aborted:
@@ -75,26 +78,26 @@ class DecodeRole:
             # peer can write these rows.
             await s.engine.run(s.release_and_free, lease, rid)
             raise Aborted(f"request {rid!r} was aborted while it was reserved; its rows are released")
-        self.reserved[rid] = Reserved(prompt, max_new, lease, view, time.monotonic())
+        self.reserved[rid] = Reserved(prompt, max_new, lease, view, time.monotonic(), expires_ms=expires)
         return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows,
                 "reused_tokens": reused + stored, "store_tokens": stored}
 
     async def _reserve_rows(self, rid: str, prompt: list[int], max_new: int, publisher: Peer
-                            ) -> tuple[bytes, Lease, View, int, int]:
+                            ) -> tuple[bytes, Lease, View, int, int, int]:
         """Allocate (sharing cached prefix blocks), fetch what follows from the store when this
         worker has one, then lend the rest for writing and describe it: hint D, the lease, its
-        view, the tokens reused here and those the store gave."""
+        view, hint D's expiry, the tokens reused here and those the store gave."""
         s = self._s
         reused = await s.engine.run(self._allocate_reserved, rid, prompt, max_new)
         stored = 0
         try:
             if s.store is not None:
                 stored = await s.store.lookup(rid, prompt, reused)
-            hint, lease, view = await s.engine.run(self._lend_reserved, rid, len(prompt), publisher)
+            hint, lease, view, expires = await s.engine.run(self._lend_reserved, rid, len(prompt), publisher)
         except BaseException:
             await s.engine.run(s.free, rid)
             raise
-        return hint, lease, view, reused, stored
+        return hint, lease, view, expires, reused, stored
 
     def _allocate_reserved(self, rid: str, prompt: list[int], max_new: int) -> int:
         s = self._s
@@ -108,7 +111,7 @@ class DecodeRole:
         ids = prompt[:-1] if s.config.prefix_cache else None
         return s.pool.allocate(rid, need, token_ids=ids)
 
-    def _lend_reserved(self, rid: str, n: int, publisher: Peer) -> tuple[bytes, Lease, View]:
+    def _lend_reserved(self, rid: str, n: int, publisher: Peer) -> tuple[bytes, Lease, View, int]:
         s = self._s
         lender, backend = s.lender, s.backend
         assert lender is not None and backend is not None
@@ -121,11 +124,14 @@ class DecodeRole:
             # Bound to one publisher: in push mode hint D lets its holder WRITE into these rows,
             # which later hold a cached prefix; no other worker, nor a restart of this one, may.
             hint = s.mover.describe_write(backend, lease, view, publisher)
+            # When hint D expires (of a TP group's set, the last): after it, and a grace, time
+            # alone proves that no peer can write these rows.
+            expires = max(h.expires_ms for h in wire.decode_hints(hint))
         except BaseException:
             if lease is not None:
                 lease.release()  # no hint went out: nothing can touch these rows
             raise
-        return hint, lease, view
+        return hint, lease, view, expires
 
     # --- dropping reservations -----------------------------------------------------------------
     async def drop(self, rid: str, rows_safe: bool) -> bool:
@@ -159,7 +165,7 @@ class DecodeRole:
         self._s.free(rid)
 
     def _quarantine(self, reserved: Reserved, attempt: Attempt | None = None, rid: str | None = None) -> None:
-        self._s.quarantine.reservation(reserved.lease, reserved.view, attempt, rid)
+        self._s.quarantine.reservation(reserved.lease, reserved.view, attempt, rid, reserved.expires_ms)
 
     # --- generate ------------------------------------------------------------------------------
     async def generate(self, call: GenerateCall) -> AsyncGenerator[dict[str, Any], None]:
@@ -290,9 +296,11 @@ class DecodeRole:
         try:
             attempt = await s.engine.run(self._fetch_sync, reserved, prefill_hint, wake)
         except BaseException:
-            # Refused (e.g. a layout mismatch): no attempt watches the peer that holds hint D,
-            # so nobody can prove it never writes here. Never reuse these rows.
-            self._quarantine(reserved)
+            # Refused (e.g. a layout mismatch, a replayed hint): no attempt watches the peer
+            # that holds hint D, so, as for a reservation dropped without rows_safe, these rows
+            # stay out of use until that peer takes hint D back or hint D has expired and any
+            # transfer begun with it has ended (kvxfer.worker.quarantine).
+            self._quarantine(reserved, rid=rid)
             raise
         try:
             outcome = await s.engine.settle(attempt, event, timeout)

@@ -58,7 +58,11 @@ class PrefillRole:
         if s.store is not None:
             # Before answering: the blocks are read while nothing else can free them, and a
             # decode worker reserving for a later request with this prefix finds them.
-            await s.store.offer(rid, prompt)
+            try:
+                await s.store.offer(rid, prompt)
+            except BaseException:  # cancelled (the server closing): nobody will publish them
+                await asyncio.shield(s.engine.run(s.free, rid))
+                raise
         self.held[rid] = Held(prompt, first, time.monotonic())
         return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt),
                 "publisher": s.publisher()}

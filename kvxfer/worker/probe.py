@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.contract import KvxferError
+from kvxfer.ucx_env import ucx_settings
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,9 @@ def _agent(name: str) -> Any:
 
     from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl  # noqa: PLC0415
 
-    with hidden_from_nixl():  # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set
+    # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set; the host's UCX
+    # settings (kvxfer.ucx_env) go to the agent's UCX.
+    with hidden_from_nixl(), ucx_settings():
         return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
 
 

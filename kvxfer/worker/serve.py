@@ -50,6 +50,7 @@ from kvxfer.serving.discovery import (
     with_health,
 )
 from kvxfer.serving.http import HttpServer
+from kvxfer.serving.keys import add_key_args, keys_from_args, open_door_warning
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 from kvxfer.ucx_env import net_devices_problem
 from kvxfer.worker.app import make_handler
@@ -214,7 +215,7 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
         print(f"kvxfer serve: error: NIXL metadata: {one_line(exc)}", file=sys.stderr, flush=True)
         return 2
     registration = Registration(args.etcd_client, args.etcd_namespace, args.etcd_ttl) if args.etcd_client else None
-    handler = make_handler(worker)
+    handler = make_handler(worker, cluster_key=args.cluster_key)
     if registration is not None:
         handler = with_health(handler, "discovery", registration.state)
     server = HttpServer(handler, args.host, args.port)
@@ -236,6 +237,11 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
                   "device": worker.device}, args.port_file, ready_fd)
         print(f"kvxfer serve: {args.role} worker {worker.name!r} listening on http://{args.host}:{port}",
               file=sys.stderr, flush=True)
+        warning = open_door_warning("kvxfer serve", args.host, args.cluster_key, "cluster key",
+                                    "reserve, prefill, write KV into this worker and open probes "
+                                    "(--cluster-key-file or KVXFER_CLUSTER_KEY)")
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         await stop.wait()
     finally:
         ignore_late_stops(loop)
@@ -334,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--store mooncake: memory this worker gives the store; its puts land there and go with it "
                         "(0: none, they land in a store server's: mooncake_master --segment-mib)")
     add_etcd_args(p, register=True)
+    add_key_args(p, cluster=True)
     add_model_args(p)
     return p
 
@@ -416,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.busy_poll and args.backend != "ipc":
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     check_numbers(parser, args)
+    keys_from_args(parser, args)
     check_serving(parser, args.host, args.port)
     check_model_args(parser, args)
     check_engine_kv(parser, args)

@@ -28,7 +28,7 @@ class WorkerState:
         self.engine = engine
         self.meters = Meters()
         self.calls = InFlight(config.hold_s)
-        self.quarantine = Quarantine(self.meters)
+        self.quarantine = Quarantine(self.meters, config.reclaim_grace_s)
         # One pool and its lender; or, for a TP group (``config.engine_kv``), the group's
         # ShardedKVCache and GroupLender, which offer the same calls (kvxfer.worker.ranks).
         self.pool: PagedKVPool | ShardedKVCache | None = None

@@ -11,10 +11,16 @@ prefill worker (or are recomputed) as without a store.
 
 Only full blocks of the prompt without its last token are named, as for the prefix cache:
 a request always has at least one row to move.
+
+Every store lease is released, however its call ends (a refusal, a timeout, the caller
+cancelled): one whose attempt has not quiesced (a driver call still running) is set aside
+with the worker's other such rows (``Quarantine.lease``): released and tracking the
+attempt, so the lender reuses its rows once the attempt quiesces, never before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +34,7 @@ from kvxfer.lender import Lease, Lender
 from kvxfer.pool import PagedKVPool, block_names
 from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.meters import Meters
+from kvxfer.worker.quarantine import Quarantine
 
 log = logging.getLogger("kvxfer.worker.store")
 
@@ -68,7 +75,7 @@ class StoreSide:
     """Puts (prefill) and fetches (decode) through a BlobBackend, named by the prompt's tokens."""
 
     def __init__(self, driver: BlobDriver, pool: PagedKVPool, lender: Lender, engine: EngineThread,
-                 meters: Meters, timeout_s: float, name: str) -> None:
+                 meters: Meters, quarantine: Quarantine, timeout_s: float, name: str) -> None:
         self.backend = BlobBackend(driver, name=name, namer=self.names, timeout_s=timeout_s)
         skipped = self.backend.register(lender.regions)
         if skipped:
@@ -80,8 +87,10 @@ class StoreSide:
         self._lender = lender
         self._engine = engine
         self._meters = meters
+        self._quarantine = quarantine
         self._timeout_s = timeout_s
         self._ids: dict[str, np.ndarray] = {}  # a request's token ids, while its view is described
+        self._moving: dict[object, tuple[Lease, View, Attempt]] = {}  # by _move's token, until it ends
         self._bt = pool.groups[0].block_tokens
 
     def names(self, view: View) -> list[list[bytes]]:
@@ -142,38 +151,56 @@ class StoreSide:
     async def _move(self, rid: str, prompt: Sequence[int], start: int, end: int, *, put: bool) -> StoreFigures:
         event, wake = self._engine.waker()
         began = time.perf_counter()
-        lease, view, attempt = await self._engine.run(self._submit, rid, prompt, start, end, put, wake)
+        token = object()
         try:
+            view, attempt = await self._engine.run(self._submit, token, rid, prompt, start, end, put, wake)
             outcome = await self._engine.settle(attempt, event, self._timeout_s)
             await self._engine.wait(attempt, event, 5.0, lambda a: a.quiesced())
-        finally:
-            if attempt.quiesced():
-                await self._engine.run(self._settled, lease, None if put else attempt.poll())
-            # else: the lease tracks the attempt, and the lender keeps its rows until it quiesces
+        except BaseException:
+            # Cancelled or timed out: _submit may still be running, and _finish, queued behind
+            # it on the one engine thread, ends what it made.
+            await self._finish_soon(token, None)
+            raise
+        await self._finish_soon(token, None if put else outcome)
         return self._count(view, outcome, start, put, time.perf_counter() - began)
 
-    def _submit(self, rid: str, prompt: Sequence[int], start: int, end: int, put: bool,
-                wake: Callable[[], None]) -> tuple[Lease, View, Attempt]:
+    async def _finish_soon(self, token: object, outcome: Outcome | None) -> None:
+        # Shielded: were the caller cancelled now, the job would still run.
+        await asyncio.shield(self._engine.run(self._finish, token, outcome))
+
+    def _submit(self, token: object, rid: str, prompt: Sequence[int], start: int, end: int, put: bool,
+                wake: Callable[[], None]) -> tuple[View, Attempt]:
         tokens = (start * self._bt, end * self._bt)
         lease = self._lender.lend_read(rid, tokens) if put else self._lender.lend_write(rid, tokens)
-        view = lease.view()
-        if view is None:
-            lease.release()
-            raise RuntimeError(f"request {rid!r}: the store's lease is not ready")
-        self._ids[rid] = np.asarray(prompt[: end * self._bt], dtype=np.int64)
         try:
-            hint = self.backend.describe(view)
-        finally:
-            del self._ids[rid]
-        try:
+            view = lease.view()
+            if view is None:
+                raise RuntimeError(f"request {rid!r}: the store's lease is not ready")
+            self._ids[rid] = np.asarray(prompt[: end * self._bt], dtype=np.int64)
+            try:
+                hint = self.backend.describe(view)
+            finally:
+                del self._ids[rid]
             attempt = (self.backend.publish if put else self.backend.fetch)(view, hint, wake)
         except BaseException:
             lease.release()  # a blob backend's refusal promises nothing escaped
             raise
         lease.track(attempt)
-        return lease, view, attempt
+        self._moving[token] = (lease, view, attempt)
+        return view, attempt
 
-    def _settled(self, lease: Lease, outcome: Outcome | None) -> None:
+    def _finish(self, token: object, outcome: Outcome | None) -> None:
+        """End the lease ``_submit`` made under ``token`` (none if it refused or never ran):
+        a fetch's rows count as arrived when ``outcome`` says so; a lease whose attempt has
+        not quiesced is set aside until it does."""
+        made = self._moving.pop(token, None)
+        if made is None:
+            return
+        lease, view, attempt = made
+        if not attempt.quiesced():
+            attempt.cancel()  # nobody waits for it any more
+            self._quarantine.lease(lease, view, attempt)
+            return
         if outcome is not None:
             lease.mark_arrived(outcome.masks)
         lease.release()

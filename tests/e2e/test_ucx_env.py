@@ -1,7 +1,8 @@
 """A process that made a NIXL agent exits cleanly on a host with libibverbs but no RDMA
-device (this machine, once the Mooncake store's libibverbs1 is installed): importing kvxfer
-skips UCX's InfiniBand module there (kvxfer.ucx_env). Without that, UCX inside NIXL crashed
-such a process with SIGSEGV at exit."""
+device (this machine, once the Mooncake store's libibverbs1 is installed): kvxfer skips UCX's
+InfiniBand module there, for the UCX contexts it makes (kvxfer.ucx_env), and leaves the
+process's environment as it was. Without that, UCX inside NIXL crashed such a process with
+SIGSEGV at exit."""
 
 from __future__ import annotations
 
@@ -12,32 +13,35 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.ucx_env import skip_unusable_ib, tcp_liveness, ucx_settings
+from kvxfer.ucx_env import ib_settings, tcp_liveness, ucx_settings
 
-AGENT = "from nixl._api import nixl_agent, nixl_agent_config; nixl_agent('probe', nixl_agent_config(backends=['UCX']))"
-
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**clean, **env})
-
-
-def test_a_process_with_a_nixl_agent_exits_cleanly_after_importing_kvxfer() -> None:
-    done = _run("import kvxfer, os; print(os.environ.get('UCX_MODULES')); " + AGENT)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    if not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband"):
-        assert done.stdout.splitlines()[0] == "^ib"
+BACKEND = """
+import os
+from kvxfer.backends.nixl import NixlBackend
+backend = NixlBackend("probe")
+assert not backend.shutdown()
+print(os.environ.get("UCX_MODULES"))
+"""
 
 
-def test_the_module_is_skipped_only_without_rdma_devices_and_never_over_the_users_choice(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("UCX_MODULES", raising=False)
+def _no_rdma() -> bool:
+    return not os.path.isdir("/sys/class/infiniband") or not os.listdir("/sys/class/infiniband")
+
+
+def test_a_process_with_a_nixl_backend_exits_cleanly_and_keeps_its_environment() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", BACKEND], capture_output=True, text=True, timeout=120,
+                          env={**env, "NIXL_LOG_LEVEL": "WARN"})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -11 here without the skip
+    assert done.stdout.splitlines()[-1] == "None"  # the setting went to NIXL's UCX, not to os.environ
+
+
+def test_the_module_is_skipped_only_without_rdma_devices(tmp_path: Path) -> None:
     (tmp_path / "mlx5_0").mkdir()
-    assert not skip_unusable_ib(str(tmp_path)) and "UCX_MODULES" not in os.environ  # a device: left alone
-    assert skip_unusable_ib(str(tmp_path / "absent")) and os.environ["UCX_MODULES"] == "^ib"
-    monkeypatch.setenv("UCX_MODULES", "ib,tcp")
-    assert not skip_unusable_ib(str(tmp_path / "absent")) and os.environ["UCX_MODULES"] == "ib,tcp"
+    assert ib_settings(str(tmp_path)) == {}  # a device: left alone
+    assert ib_settings(str(tmp_path / "absent")) == {"UCX_MODULES": "^ib"}
+    (tmp_path / "empty").mkdir()
+    assert ib_settings(str(tmp_path / "empty")) == {"UCX_MODULES": "^ib"}
 
 
 def test_a_net_device_the_host_lacks_is_named(tmp_path: Path) -> None:
@@ -69,9 +73,14 @@ def test_ucx_settings_apply_only_what_the_user_left_unset_and_only_inside_the_bl
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", "99s")
     monkeypatch.delenv("UCX_TCP_KEEPIDLE", raising=False)
+    monkeypatch.delenv("UCX_MODULES", raising=False)
     with ucx_settings({"UCX_TCP_USER_TIMEOUT": "5s", "UCX_TCP_KEEPIDLE": "2"}) as applied:
-        assert applied == {"UCX_TCP_KEEPIDLE": "2"}
+        assert applied == {**ib_settings(), "UCX_TCP_KEEPIDLE": "2"}  # the host's settings too
         assert os.environ["UCX_TCP_USER_TIMEOUT"] == "99s"
         assert os.environ["UCX_TCP_KEEPIDLE"] == "2"
-    assert "UCX_TCP_KEEPIDLE" not in os.environ
+        assert os.environ.get("UCX_MODULES") == ("^ib" if _no_rdma() else None)
+    assert "UCX_TCP_KEEPIDLE" not in os.environ and "UCX_MODULES" not in os.environ
     assert os.environ["UCX_TCP_USER_TIMEOUT"] == "99s"
+    monkeypatch.setenv("UCX_MODULES", "ib,tcp")  # the user's choice wins
+    with ucx_settings() as applied:
+        assert applied == {} and os.environ["UCX_MODULES"] == "ib,tcp"

@@ -111,10 +111,29 @@ def test_without_ray_the_command_says_how_to_install_it(monkeypatch: pytest.Monk
     assert "pip install 'kvxfer[ray]'" in capsys.readouterr().err
 
 
-def test_the_hint_key_and_env_flags_reach_the_actors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_keys_and_env_flags_reach_the_actors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVXFER_HINT_KEY", "00" * 16)
+    monkeypatch.setenv("KVXFER_CLUSTER_KEY", "c" * 20)
+    monkeypatch.setenv("KVXFER_API_KEY", "sk-local")
     env = cli.actor_env(cli.build_parser(), ["A=1", "B=x=y"])
-    assert env == {"KVXFER_HINT_KEY": "00" * 16, "A": "1", "B": "x=y"}
+    assert env == {"KVXFER_HINT_KEY": "00" * 16, "KVXFER_CLUSTER_KEY": "c" * 20, "KVXFER_API_KEY": "sk-local",
+                   "A": "1", "B": "x=y"}
+    assert not cli.key_made([])
+
+
+def test_a_launch_without_a_cluster_key_makes_one_and_a_bad_one_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("KVXFER_HINT_KEY", "KVXFER_CLUSTER_KEY", "KVXFER_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    first, second = (cli.actor_env(cli.build_parser(), []) for _ in range(2))
+    assert len(first["KVXFER_CLUSTER_KEY"]) == 64 and first["KVXFER_CLUSTER_KEY"] != second["KVXFER_CLUSTER_KEY"]
+    assert set(first) == {"KVXFER_CLUSTER_KEY"} and cli.key_made([])
+    assert cli.actor_env(cli.build_parser(), ["KVXFER_CLUSTER_KEY=mine"])["KVXFER_CLUSTER_KEY"] == "mine"
+    assert not cli.key_made(["KVXFER_CLUSTER_KEY=mine"])
+    with pytest.raises(SystemExit):
+        cli.actor_env(cli.build_parser(), ["KVXFER_CLUSTER_KEY=two words"])
+    err = capsys.readouterr().err
+    assert "KVXFER_CLUSTER_KEY holds a space" in err and "two words" not in err
 
 
 class _Sleeper(ProcessTree):

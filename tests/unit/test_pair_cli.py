@@ -77,6 +77,15 @@ def test_model_flags_that_make_no_model_are_usage_errors(flags: list[str], words
     assert words in _usage_error([*SMALL, *flags], capsys)
 
 
+@pytest.mark.usefixtures("no_processes")
+@pytest.mark.parametrize("name", ["KVXFER_API_KEY", "KVXFER_CLUSTER_KEY"])
+def test_a_key_its_processes_could_not_use_is_a_usage_error(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(name, "two words")  # its workers and router inherit it, and would refuse it
+    err = _usage_error(SMALL, capsys)
+    assert f"{name} holds a space" in err and "two words" not in err
+
+
 def test_serve_refuses_model_flags_that_make_no_model(capsys: pytest.CaptureFixture[str]) -> None:
     from kvxfer.worker import serve
 

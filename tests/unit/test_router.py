@@ -17,6 +17,7 @@ from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, synthetic_prompts
 from kvxfer.router import Completion, InvalidRequest, Router, Token
 from kvxfer.serving.http import HttpError, HttpServer, Request, Response, request_json, request_text
+from kvxfer.serving.keys import BearerKey
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.core import Worker, WorkerConfig
 
@@ -35,7 +36,8 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(n_prefill: int = 1, n_decode: int = 1, **config: object) -> AsyncIterator[Cluster]:
+async def cluster(n_prefill: int = 1, n_decode: int = 1, cluster_key: BearerKey | None = None,
+                  **config: object) -> AsyncIterator[Cluster]:
     fabric = LoopbackFabric()
     servers: list[HttpServer] = []
     workers: dict[str, Worker] = {}
@@ -47,7 +49,7 @@ async def cluster(n_prefill: int = 1, n_decode: int = 1, **config: object) -> As
                                              name=f"{role}{i}", transfer_timeout_s=5.0, **config),  # type: ignore[arg-type]
                                 model=MODEL, fabric=fabric)
                 await worker.start()
-                server = HttpServer(make_handler(worker))
+                server = HttpServer(make_handler(worker, cluster_key=cluster_key))
                 port = await server.start()
                 servers.append(server)
                 url = f"http://127.0.0.1:{port}"

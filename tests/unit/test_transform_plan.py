@@ -136,10 +136,13 @@ def test_a_destination_holding_heads_the_source_lacks_is_refused() -> None:
     src = EngineKV.per_layer(layer_tensors(4, 16, 2, HeadOrder.NHD, fill=True), kv_heads=4, heads=(0, 2))
     dst = EngineKV.per_layer(layer_tensors(4, 16, 4, HeadOrder.NHD, fill=False), kv_heads=4)
     s = ExternalLender(src).lend_read("r", np.arange(2), (0, 32)).view()
-    d = ExternalLender(dst).lend_write("r", np.arange(2), (0, 32)).view()
+    dst_lender = ExternalLender(dst)  # one lender per engine KV: the narrowed lease is its second
+    whole = dst_lender.lend_write("r", np.arange(2), (0, 32))
+    d = whole.view()
     with pytest.raises(LayoutMismatch, match="narrow the destination"):
         plan_transform(s.geometry, Rows.of_view(s), d.geometry, Rows.of_view(d))
-    narrowed = ExternalLender(dst).lend_write("r", np.arange(2), (0, 32), heads=(0, 2)).view()
+    whole.release()  # nothing was submitted: the blocks may be lent for writing again
+    narrowed = dst_lender.lend_write("r", np.arange(2), (0, 32), heads=(0, 2)).view()
     plan = plan_transform(s.geometry, Rows.of_view(s), narrowed.geometry, Rows.of_view(narrowed))
     assert plan.heads == 2
 

@@ -7,21 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
+import pytest
 import torch
 from test_router import CFG, MODEL, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
-from kvxfer.backends.blob import MemoryStore
+from kvxfer.backends.blob import MemoryDriver, MemoryStore
 from kvxfer.backends.loopback import LoopbackFabric
+from kvxfer.contract import Peer
 from kvxfer.engine import synthetic_prompts
 from kvxfer.router import Completion, Router
 from kvxfer.serving.http import HttpServer, request_text
+from kvxfer.testing.faulty_driver import FaultyDriver
+from kvxfer.worker import core
 from kvxfer.worker.app import make_handler
+from kvxfer.worker.calls import AbortCall, PrefillCall, ReserveCall
 from kvxfer.worker.core import Worker, WorkerConfig
 
 torch.set_num_threads(1)
 BT = CFG.block_tokens  # 4 tokens a block
+T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
@@ -125,5 +133,103 @@ def test_a_dead_store_changes_nothing_but_the_misses() -> None:
                 _same(done, p, 4)
             assert await _store_rows(router, "decode", "get", "hit") == 0
             assert await _store_rows(router, "decode", "get", "miss") > 0
+
+    asyncio.run(main())
+
+
+# --- a store call that outlives its request (issue 36, item 1): the lease is released, and
+# its rows come back once the attempt quiesces, never before -----------------------------------
+async def _on_engine(worker: Worker, fn: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(worker._exec, fn)
+
+
+async def _until(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if await condition():
+            return True
+        await asyncio.sleep(0.01)
+    return await condition()
+
+
+@contextlib.asynccontextmanager
+async def stuck_store(monkeypatch: pytest.MonkeyPatch, role: str) -> AsyncIterator[tuple[Worker, FaultyDriver]]:
+    """A worker whose store driver holds every call (until ``release``), asserting at the end
+    that nothing stayed unquiesced or retained."""
+    faulty = FaultyDriver(MemoryDriver(MemoryStore()))
+    monkeypatch.setattr(core, "make_store_driver", lambda *a, **kw: faulty)
+    worker = Worker(WorkerConfig(role=role, model=CFG, num_blocks=64, backend="loopback", name=role,
+                                 transfer_timeout_s=5.0, store="memory"), model=MODEL, fabric=LoopbackFabric())
+    await worker.start()
+    try:
+        faulty.hold()
+        yield worker, faulty
+    finally:
+        faulty.release()
+        report = await worker.close()
+    assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}
+
+
+def _blocks(worker: Worker) -> dict[str, int]:
+    assert worker.pool is not None and worker.lender is not None
+    stats = next(iter(worker.pool.stats().values()))
+    return {"free": stats["free"], "pinned": stats["pinned"], "leases": worker.lender.open_leases,
+            "held": int(worker.pool.has("r1"))}
+
+
+async def _cancel_while_stuck(worker: Worker, faulty: FaultyDriver, call: Awaitable[object]) -> dict[str, int]:
+    """Start ``call``, cancel it once its store call is stuck in the driver; the pool then."""
+    task = asyncio.ensure_future(call)
+    assert await _until(lambda: _true(faulty.stuck.is_set()))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return await _on_engine(worker, lambda: _blocks(worker))
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _given_back(worker: Worker, free: int) -> bool:
+    await worker.refresh_metrics()  # the worker's reclaim: the lender unpins what quiesced
+    return await _on_engine(worker, lambda: _blocks(worker)) == {"free": free, "pinned": 0, "leases": 0, "held": 0}
+
+
+def test_a_put_cancelled_while_stuck_in_the_store_releases_its_lease_and_the_rows_return_once_it_quiesces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = synthetic_prompts(1, 37, 37, CFG.vocab_size, seed=8)[0]  # 10 blocks, 9 named
+
+    async def main() -> None:
+        async with stuck_store(monkeypatch, "prefill") as (worker, faulty):
+            free = (await _on_engine(worker, lambda: _blocks(worker)))["free"]
+            # The server closing cancels /prefill while its put is in the driver.
+            during = await _cancel_while_stuck(worker, faulty, worker.prefill(PrefillCall("r1", prompt)))
+            assert during == {"free": free - 9, "pinned": 9, "leases": 0, "held": 0}  # released, not reused
+            assert _metric(await worker.metrics_text(), "kvxfer_quarantined_slots") == 9
+            faulty.release()
+            assert await _until(lambda: _given_back(worker, free))
+            text = await worker.metrics_text()
+            assert _metric(text, "kvxfer_reclaimed_slots_total") == 9 and _metric(text, "kvxfer_quarantined_slots") == 0
+
+    asyncio.run(main())
+
+
+def test_a_lookup_cancelled_while_stuck_in_the_store_frees_the_reservation_and_its_rows_return_once_it_quiesces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = synthetic_prompts(1, 29, 29, CFG.vocab_size, seed=9)[0]  # 7 named blocks to look up
+
+    async def main() -> None:
+        async with stuck_store(monkeypatch, "decode") as (worker, faulty):
+            free = (await _on_engine(worker, lambda: _blocks(worker)))["free"]
+            during = await _cancel_while_stuck(worker, faulty,
+                                               worker.reserve(ReserveCall("r1", prompt, 3, Peer("p", "1"))))
+            assert during == {"free": free - 7, "pinned": 7, "leases": 0, "held": 0}  # only the fetch's rows stay
+            faulty.release()
+            assert await _until(lambda: _given_back(worker, free))
+            # The worker serves on: the next reservation fetches (the store lacks the blocks) and lends the rest.
+            answer = await worker.reserve(ReserveCall("r2", prompt, 3, Peer("p", "1")))
+            assert answer["store_tokens"] == 0 and answer["rows"] == 8
+            await worker.abort(AbortCall("r2", rows_safe=True))
 
     asyncio.run(main())

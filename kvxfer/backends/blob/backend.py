@@ -14,6 +14,11 @@ marked, naming what happened to the others (missing, failed, store full). Cancel
 and the deadline act between two batches; an attempt quiesces once no batch of it is in
 the driver (drivers return only when they are done with the memory).
 
+No driver stops the thread (guard.py): a call that raises, StoreError or anything else, or
+answers anything but one status per key, fails that batch's rows, naming it, and the thread
+serves the next batch. ``shutdown()`` returns every attempt not proven quiesced, the one
+whose batch is in the driver included, and closes the driver once no call of it is running.
+
 ``fetch_wait_s``: how long a fetch waits for keys that are not there yet (a publisher still
 putting them), checking with ``exists``; 0 (the default) takes what is there now, for a
 lookup before asking a prefill worker. Submissions are refused (SubmissionRejected) while
@@ -31,7 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.backends.blob.driver import BlobDriver, KeyStatus, Span, StoreError
+from kvxfer.backends.blob import guard
+from kvxfer.backends.blob.driver import BlobDriver, KeyStatus, Span
 from kvxfer.backends.blob.names import Namer, hint_names, names_extras, request_names
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.matching import check_submission, match_rows
@@ -111,8 +117,15 @@ class BlobBackend(Backend):
         self._own = OwnTransfers(name, hint_ttl_s)
         self._lock = threading.Condition()
         self._jobs: deque[_Job] = deque()
+        self._running: _Job | None = None  # the job the thread is stepping: maybe in the driver now
         self._queued_rows = 0
         self._closed = False
+        self._broken = ""  # why the thread ended before shutdown (then nothing is taken)
+        # Who closes the driver: shutdown, once the thread has ended; or the thread as it ends,
+        # when shutdown found it still in a driver call (never both, never during a call).
+        self._thread_ended = False
+        self._close_pending = False
+        self._driver_closed = False
         self.bytes_moved = 0  # by this backend's finished batches (put and get), for the bench
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-blob-{name}", daemon=True)
         self._thread.start()
@@ -134,14 +147,18 @@ class BlobBackend(Backend):
         done: list[SlotRegion] = []
         try:
             for region in added:
-                self.driver.register(Span(region.address, region.slot_bytes * region.slots))
+                self.driver.register(_span(region))
                 done.append(region)
-        except StoreError as exc:
+        except Exception as exc:
             for region in done:
-                self.driver.unregister(Span(region.address, region.slot_bytes * region.slots))
+                try:
+                    self.driver.unregister(_span(region))
+                except Exception as undo:
+                    log.warning("blob backend %s: unregistering from store %r failed: %s", self.name,
+                                self.driver.name, guard.named(undo))
             self._regions = _without(self._regions, self._kinds, added)
-            raise InvalidSubmission(f"store {self.driver.name!r} refused to register {len(added)} regions: {exc}") \
-                from None
+            raise InvalidSubmission(f"store {self.driver.name!r} refused to register {len(added)} regions: "
+                                    f"{guard.named(exc)}") from None
         return skipped
 
     def describe(self, view: View, audience: Peer | None = None) -> Hint:
@@ -162,29 +179,40 @@ class BlobBackend(Backend):
         return self._own.withdraw(hint)
 
     def shutdown(self) -> frozenset[Attempt]:
+        """Submissions still queued end Cancelled here (no call of theirs is in the driver);
+        the one the thread is running is cancelled and ends once its driver call returns,
+        waited for up to ``timeout_s``. Returns what is not quiesced then: that one, if its
+        call has not returned. The driver is closed once, never during a call: here when the
+        thread has ended, else by the thread as it ends. Idempotent: a later call returns
+        what is still not quiesced."""
         with self._lock:
-            first = not self._closed
             self._closed = True
-            jobs = list(self._jobs)
+            queued = list(self._jobs)
+            self._jobs.clear()
+            self._queued_rows -= sum(len(job.keys) for job in queued)
+            running = self._running
             self._lock.notify_all()
-        for job in jobs:
-            job.attempt.cancel()
+        for job in queued:
+            self._end(job, Cancelled(False, job.masks))
+        if running is not None:
+            running.attempt.cancel()
         self._thread.join(self.timeout_s)
-        left = frozenset(j.attempt for j in jobs if not j.attempt.quiesced())
-        if first and not self._thread.is_alive():
-            try:
-                for region in self._regions:
-                    self.driver.unregister(Span(region.address, region.slot_bytes * region.slots))
-            except StoreError as exc:  # the store may be gone: closing still releases the connection
-                log.warning("blob backend %s: unregistering from store %r failed: %s", self.name, self.driver.name, exc)
-            finally:
-                self.driver.close()
+        with self._lock:
+            close = self._thread_ended and not self._driver_closed
+            self._driver_closed |= close
+            self._close_pending = not self._thread_ended
+            left = frozenset(job.attempt for job in (*queued, running, self._running)
+                             if job is not None and not job.attempt.quiesced())
+        if close:
+            guard.release(self.driver, [_span(r) for r in self._regions], self.name)
         return left
 
     # --- submission --------------------------------------------------------------------------
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise SubmissionRejected(f"blob backend {self.name!r} is shut down")
+        if self._broken:
+            raise SubmissionRejected(f"blob backend {self.name!r} moves no more rows: {self._broken}")
 
     def _check_view(self, view: View, *, fetching: bool) -> None:
         if not isinstance(view, View):
@@ -203,8 +231,7 @@ class BlobBackend(Backend):
         attempt = TrackedAttempt(wake, label=f"{'put' if put else 'get'} {view.request}")
         job = self._job(view, hint, attempt, put)
         with self._lock:
-            if self._closed:
-                raise SubmissionRejected(f"blob backend {self.name!r} is shut down")
+            self._refuse_if_closed()
             if self._queued_rows + len(job.keys) > self.max_queued_rows:
                 raise SubmissionRejected(f"blob backend {self.name!r}: {self._queued_rows} rows are queued; "
                                          f"{len(job.keys)} more would pass max_queued_rows={self.max_queued_rows}")
@@ -236,21 +263,52 @@ class BlobBackend(Backend):
 
     # --- the backend's thread ----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # what _serve lets through (a driver's SystemExit, say): no call is running
+            log.exception("blob backend %s: its thread ended", self.name)
+            self._fail_all(f"its thread ended on {guard.named(exc)}")
+        finally:
+            with self._lock:
+                self._thread_ended = True
+                close = self._close_pending and not self._driver_closed
+                self._driver_closed |= close
+            if close:  # shutdown() found this thread in a driver call that has returned since
+                guard.release(self.driver, [_span(r) for r in self._regions], self.name)
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not self._jobs and not self._closed:
                     self._lock.wait()
                 if not self._jobs:
                     return
-                job = self._jobs.popleft()
-            finished = self._step(job)
+                job = self._running = self._jobs.popleft()
+            try:
+                finished = self._step(job)
+            except Exception as exc:  # not the driver's (guard.py catches those): end the job, serve the next
+                log.exception("blob backend %s: %s failed", self.name, job.attempt.label)
+                finished = self._end(job, Failed(f"blob backend {self.name!r}: {guard.named(exc)}", job.masks))
             with self._lock:
+                self._running = None
                 if finished:
                     self._queued_rows -= len(job.keys)
                 else:
                     self._jobs.append(job)  # round robin: the next submission's batch goes first
                     if self._closed and not job.attempt.cancel_requested:
                         job.attempt.cancel()
+
+    def _fail_all(self, reason: str) -> None:
+        """The thread is ending with submissions left: fail them (none is in the driver) and
+        take no more."""
+        with self._lock:
+            self._broken = reason
+            jobs = [*self._jobs, *([self._running] if self._running is not None else [])]
+            self._jobs.clear()
+            self._running = None
+            self._queued_rows = 0
+        for job in jobs:
+            self._end(job, Failed(f"blob backend {self.name!r}: {reason}", job.masks))
 
     def _step(self, job: _Job) -> bool:
         """One batch of ``job``, or its conclusion; True once it concluded and quiesced."""
@@ -270,19 +328,13 @@ class BlobBackend(Backend):
         return False
 
     def _present(self, job: _Job) -> bool:
-        try:
-            return all(self.driver.exists(job.keys[job.done:]))
-        except StoreError:
-            return False  # the get that follows names the failure per key
+        return guard.present(self.driver, job.keys[job.done:])
 
     def _batch(self, job: _Job) -> None:
         end = min(job.done + self.batch_rows, len(job.keys))
         keys, addresses, sizes = job.keys[job.done:end], job.addresses[job.done:end], job.sizes[job.done:end]
-        try:
-            statuses = (self.driver.put if job.put else self.driver.get)(keys, addresses, sizes)
-        except StoreError as exc:
-            statuses = [KeyStatus.FAILED] * len(keys)
-            job.first_bad = job.first_bad or f"store {self.driver.name!r}: {exc}"
+        statuses, failure = guard.move(self.driver, job.put, keys, addresses, sizes)
+        job.first_bad = job.first_bad or failure
         ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=np.bool_, count=len(keys))
         for g in np.unique(job.group[job.done:end]).tolist():
             sel = job.group[job.done:end] == g
@@ -306,6 +358,10 @@ class BlobBackend(Backend):
         job.attempt.conclude(outcome)
         job.attempt.mark_quiesced()  # no batch of it is in the driver: every call has returned
         return True
+
+
+def _span(region: SlotRegion) -> Span:
+    return Span(region.address, region.slot_bytes * region.slots)
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:

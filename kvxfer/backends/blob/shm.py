@@ -45,7 +45,7 @@ class ShmDriver(BlobDriver):
 
     def _used(self) -> int:
         try:
-            return sum(e.stat().st_size for e in os.scandir(self.path) if e.is_file())
+            return sum(_size(e) for e in os.scandir(self.path) if e.is_file())
         except OSError as exc:
             raise StoreError(f"store directory {self.path}: {exc.strerror or exc}") from None
 
@@ -65,7 +65,7 @@ class ShmDriver(BlobDriver):
         out = []
         for key, address, size in zip(keys, addresses.tolist(), sizes.tolist(), strict=True):
             target = self._file(key)
-            old = target.stat().st_size if target.exists() else 0
+            old = _size(target)
             if used - old + size > self.capacity_bytes:
                 out.append(KeyStatus.FULL)
                 continue
@@ -120,3 +120,11 @@ class ShmDriver(BlobDriver):
     def close(self) -> None:
         self._closed = True
 
+
+def _size(entry: os.DirEntry[str] | Path) -> int:
+    """The file's size, 0 once it is gone: another process may remove or replace it between
+    a listing (or an exists()) and the stat."""
+    try:
+        return entry.stat().st_size
+    except FileNotFoundError:
+        return 0

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.contract import KvxferError
+from kvxfer.ucx_env import ucx_settings
 
 CONTROL_TAG = 1 << 63  # records, heartbeats, pull requests; data tags keep this bit clear
 DATA_MASK = 1 << 63
@@ -52,24 +53,31 @@ def load_ucxx() -> tuple[ModuleType, Any, dict[str, str]]:
     global _LOADED
     if _LOADED is not None:
         return _LOADED
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets options this UCX may not know
-    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    try:
-        import ucxx._lib.libucxx as libucxx  # noqa: PLC0415 - optional: pip install "kvxfer[ucx]"
-        from ucxx._lib.arr import Array  # noqa: PLC0415
-    except ImportError as exc:
-        if "Support for UCX" in str(exc):  # an older system UCX found before the wheel's
-            raise UcxUnavailable(f"ucxx loaded an older UCX than it needs ({exc}); put the libucx wheel's "
-                                 f"libraries first: LD_LIBRARY_PATH={_wheel_ucx_dir()}:$LD_LIBRARY_PATH") from exc
-        raise UcxUnavailable(f"the ucx backend needs ucxx (pip install 'kvxfer[ucx]'): {exc}") from exc
-    finally:
-        added = {k: v for k, v in os.environ.items() if k.startswith("UCX_") and before.get(k) != v}
-        for name in added:
-            if name in before:
-                os.environ[name] = before[name]
-            else:
-                del os.environ[name]
-    _LOADED = (libucxx, Array, {k[len("UCX_"):]: v for k, v in added.items()})
+    # ucxx sets options this UCX may not know: UCX must not warn about them, here (its import)
+    # or when the context is made (WARN_UNUSED_ENV_VARS among the context's options). The
+    # host's UCX settings (kvxfer.ucx_env) apply while its UCX loads.
+    quiet = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+    with ucx_settings(quiet):
+        before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+        try:
+            import ucxx._lib.libucxx as libucxx  # noqa: PLC0415 - optional: pip install "kvxfer[ucx]"
+            from ucxx._lib.arr import Array  # noqa: PLC0415
+        except ImportError as exc:
+            if "Support for UCX" in str(exc):  # an older system UCX found before the wheel's
+                raise UcxUnavailable(f"ucxx loaded an older UCX than it needs ({exc}); put the libucx wheel's "
+                                     f"libraries first: LD_LIBRARY_PATH={_wheel_ucx_dir()}:$LD_LIBRARY_PATH") from exc
+            raise UcxUnavailable(f"the ucx backend needs ucxx (pip install 'kvxfer[ucx]'): {exc}") from exc
+        finally:
+            added = {k: v for k, v in os.environ.items() if k.startswith("UCX_") and before.get(k) != v}
+            for name in added:
+                if name in before:
+                    os.environ[name] = before[name]
+                else:
+                    del os.environ[name]
+    options = {k[len("UCX_"):]: v for k, v in added.items()}
+    if "UCX_WARN_UNUSED_ENV_VARS" not in os.environ:
+        options.setdefault("WARN_UNUSED_ENV_VARS", "n")
+    _LOADED = (libucxx, Array, options)
     return _LOADED
 
 

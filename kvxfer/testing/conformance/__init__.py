@@ -14,6 +14,10 @@ The kit runs the local backend both as publisher and as fetcher, and asserts wha
 holder relies on: destination bytes, exact masks, named rejections that touch nothing and
 tell the peer nothing, a peer's hint moving bytes once, conclusion and quiescence without
 polling, honest partial delivery and shutdown sets.
+
+Lenders have checks of their own (``lender_checks.LENDER_CHECKS``, over the rigs of
+``lender_rigs``: in place, staging and an engine's own KV); they are not imported here,
+since lenders bring torch.
 """
 
 from __future__ import annotations

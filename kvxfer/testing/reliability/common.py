@@ -108,7 +108,7 @@ class WorkerState:
     held: int
     reserved: int
     active_streams: int
-    open_leases: int       # quarantined leases stay open for good (rows a peer might still write)
+    open_leases: int       # quarantined leases stay open until proven safe (rows a peer might still write)
     quarantined_rows: int
     server_errors: int  # its kvxfer_worker_requests_total{result="error"}: answers of 500
 
