@@ -67,7 +67,15 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# Whole stacks, processes killed on purpose, namespaces, examples as a user runs them: each
+# test there takes seconds, so `-m "not slow"` leaves them out of a quick loop (docs/testing.md).
+_SLOW_DIRECTORIES = ("chaos", "e2e", "examples", "netns")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.parent.name in _SLOW_DIRECTORIES and item.path.parent.parent.name == "tests":
+            item.add_marker(pytest.mark.slow)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (gpu marker)")
