@@ -147,9 +147,11 @@ class Quarantine:
             self._staging_seen = seen
         if not self.settling:
             return
-        settled = [(a, n) for a, n in self.settling if a.quiesced()]
+        # One look per attempt: one that quiesced between two looks would be in neither list.
+        quiet = [a.quiesced() for a, _ in self.settling]
+        settled = [entry for entry, q in zip(self.settling, quiet) if q]
         if settled:
-            self.settling = [(a, n) for a, n in self.settling if not a.quiesced()]
+            self.settling = [entry for entry, q in zip(self.settling, quiet) if not q]
             self._meters.reclaimed.inc(sum(n for _, n in settled))
             if lender is not None:
                 lender.reclaim()

@@ -147,7 +147,10 @@ def test_a_reservation_set_aside_after_a_late_publish_comes_back_once_the_write_
             end = time.monotonic() + 10.0
             while time.monotonic() < end:
                 text = await request_text(d, "/metrics")
-                if _metric(text, "kvxfer_reclaimed_slots_total") == set_aside:
+                # All three at once: the counter moves the moment a row comes back, while the
+                # gauges are a snapshot taken as the scrape began (one scrape may show both).
+                if (_metric(text, "kvxfer_reclaimed_slots_total") == set_aside
+                        and _metric(text, "kvxfer_quarantined_slots") == 0 and _metric(text, PINNED) == 0):
                     break
                 await asyncio.sleep(0.1)
             assert _metric(text, "kvxfer_reclaimed_slots_total") == set_aside, text

@@ -27,7 +27,11 @@ from kvxfer.worker.probe import (
 
 
 def _threads() -> int:
-    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    """The process's OS threads (NIXL's and UCX's native ones included), less the event loop's
+    executor threads: asyncio.to_thread starts another whenever the last one has not yet
+    marked itself idle, which a busy machine makes likely, and none of them is the probe's."""
+    executor = sum(1 for t in threading.enumerate() if t.name.startswith("asyncio_"))
+    return len(os.listdir(f"/proc/{os.getpid()}/task")) - executor
 
 
 def _threads_back_to(count: int, timeout: float = 10.0) -> bool:
