@@ -4,6 +4,7 @@ backend's thread or any process it started (a child, or one reparented away) run
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from collections.abc import Iterator
@@ -28,13 +29,15 @@ _RUN_MARK = mark_run()  # every process this run starts carries it (kvxfer.testi
 
 
 @pytest.fixture(autouse=True, scope="module")
-def nothing_outlives_its_module() -> Iterator[None]:
+def nothing_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
     """Checked per module (module-scoped fixtures keep peers across a module's tests): the
     threads and processes its tests started have ended once its fixtures are torn down."""
     threads = {t.ident for t in threading.enumerate()}
     children = set(children_of(os.getpid()))
     before = set(marked_processes(_RUN_MARK))
+    cpu = _cpu_seconds()
     yield
+    _log_cpu(request.node.nodeid, cpu)
     deadline = time.monotonic() + _SETTLE_S
     while True:
         left = [t.name for t in threading.enumerate()
@@ -48,6 +51,23 @@ def nothing_outlives_its_module() -> Iterator[None]:
     assert not left, f"backend threads still running after the module's tests: {left}"
     assert not procs, f"child processes still running after the module's tests: {procs}"
     assert not strays, f"processes this module started still running after its tests: {strays}"
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """CPU seconds of this process and of its reaped descendants, and the monotonic clock."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, time.monotonic()
+
+
+def _log_cpu(module: str, start: tuple[float, float, float]) -> None:
+    """With KVXFER_TEST_CPU_LOG=PATH, one line per module (tab-separated: module, CPU seconds
+    in the test process, CPU seconds of the processes it started, wall seconds): the suite is
+    bound by the CPU, and a module's wall time under parallel workers says little about it."""
+    path = os.environ.get("KVXFER_TEST_CPU_LOG")
+    if path:
+        end = _cpu_seconds()
+        with open(path, "a") as log:
+            log.write(f"{module}\t{end[0] - start[0]:.2f}\t{end[1] - start[1]:.2f}\t{end[2] - start[2]:.2f}\n")
 
 
 @pytest.fixture(scope="module")
