@@ -4,14 +4,23 @@ figures and the JSON report; no probe process is left behind."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
+from kvxfer.testing.leftovers import marked_processes
+
+# This module's doctor runs carry a mark of their own: tests running beside it (other workers'
+# doctors) start probes too, and only ours must be gone.
+_MARK = secrets.token_hex(8)
+_ENV = {**os.environ, "KVXFER_DOCTOR_TEST": _MARK}
+
 
 def _probe_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if "kvxfer.doctor_probe" in line and "ps -eo" not in line]
+    ours = marked_processes(f"KVXFER_DOCTOR_TEST={_MARK}".encode())
+    return [cmd for cmd in ours.values() if "kvxfer.doctor_probe" in cmd]
 
 
 def test_doctor_reports_host_lanes_and_figures(tmp_path: Path) -> None:
@@ -19,7 +28,7 @@ def test_doctor_reports_host_lanes_and_figures(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "doctor", "--bytes", str(8 << 20), "--reps", "1", "--no-device",
          "--json", str(report_path)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, env=_ENV)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "[doctor] host: push (WRITE)" in run.stderr  # progress is shown as it goes
     report = json.loads(report_path.read_text())
@@ -36,9 +45,7 @@ def test_doctor_reports_host_lanes_and_figures(tmp_path: Path) -> None:
 def test_doctor_strict_exits_1_when_a_lane_falls_back_to_tcp(tmp_path: Path) -> None:
     """With UCX held to TCP both host lanes fall back; --strict makes that the exit status
     (a script or CI step can gate on it), and without it the report still says so, exit 0."""
-    import os
-
-    env = {**os.environ, "UCX_TLS": "tcp"}
+    env = {**_ENV, "UCX_TLS": "tcp"}
     base = [sys.executable, "-m", "kvxfer.cli", "doctor", "--bytes", str(1 << 20), "--reps", "1", "--no-device"]
     strict = subprocess.run(base + ["--strict"], capture_output=True, text=True, timeout=120, env=env)
     assert strict.returncode == 1, strict.stderr[-2000:]
