@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl
+from kvxfer.backends.nixl.loader import nixl_api
 from kvxfer.ucx_env import ucx_settings
 
 ROW = 64 << 10
@@ -59,7 +60,7 @@ def _buffer(mem: str, nbytes: int, fill: int, cuda_device: int = -1) -> tuple[An
 
 
 def _agent(role: str) -> Any:
-    import nixl._api as api  # noqa: PLC0415
+    api = nixl_api()
 
     # The target keeps NIXL's progress thread (lanes over TCP need the target's worker to
     # progress); the initiator progresses by polling its own requests, as the backend does,

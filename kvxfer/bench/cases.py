@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvxfer.backends.nixl.loader import nixl_api
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
 from kvxfer.contract import KvxferError
 
@@ -117,7 +118,7 @@ def requirement_missing(req: Requirement) -> str | None:
     if req is Requirement.NIXL:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout, amid our tables
         try:
-            importlib.import_module("nixl._api")
+            nixl_api()
         except Exception as err:  # the wheel raises ImportError or OSError on a broken install
             return f"nixl does not import: {err}"
         return None

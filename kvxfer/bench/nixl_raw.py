@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.backends.nixl.loader import nixl_api
 from kvxfer.bench.cases import CaseSpec, Measurement, Requirement, Role, Skip, device_scope, hold_until_run_end
 from kvxfer.bench.children import start_child
 from kvxfer.bench.config import BenchConfig, LatencySweep, OverheadSweep, Point
@@ -44,6 +45,11 @@ def _quiet_nixl() -> None:
     # NIXL logs INFO lines to stdout, which would interleave with the bench's table.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def _agent_api() -> tuple[Any, Any]:
+    api = nixl_api()
+    return api.nixl_agent, api.nixl_agent_config
 
 
 def _mem_type(memory: str) -> str:
@@ -105,7 +111,7 @@ def _target_main(conn: Connection, name: str, nbytes: int, memory: str, device: 
             import torch
 
             torch.cuda.set_device(device)
-        from nixl._api import nixl_agent, nixl_agent_config
+        nixl_agent, nixl_agent_config = _agent_api()
 
         with ucx_settings():  # the host's UCX settings (kvxfer.ucx_env), as the backend's agents get them
             agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
@@ -141,7 +147,7 @@ class NixlPair:
 
     def __init__(self, nbytes: int, memory: str, devices: tuple[int, int] = (0, 0)) -> None:
         _quiet_nixl()
-        from nixl._api import nixl_agent, nixl_agent_config
+        nixl_agent, nixl_agent_config = _agent_api()
 
         self.memory = memory
         self.nbytes = nbytes

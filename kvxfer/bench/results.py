@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvxfer.backends.nixl.loader import nixl_api
 from kvxfer.contract import KvxferError
 
 SCHEMA = "kvxfer-bench"
@@ -190,7 +191,7 @@ def _dist_version(name: str) -> str | None:
 def ucx_version() -> str | None:
     """UCX as bundled in the NIXL wheel that imports here, read from libucp itself."""
     try:
-        import nixl._api as api
+        api = nixl_api()
 
         package = os.path.dirname(sys.modules[api.nixl_agent.__module__].__file__ or "")
         for lib_path in sorted(glob.glob(package + ".libs/libucp*.so*")) + sorted(glob.glob(package + "/**/libucp.so*",

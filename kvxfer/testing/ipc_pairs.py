@@ -2,7 +2,8 @@
 
 CUDA refuses to open an IPC handle in the process that exported it, so the other end of an
 IpcBackend under test lives in a child process: :class:`ChildPeer` is a conformance-kit
-``PeerEnd`` that drives an IpcBackend in a spawned child over a pipe. Device row memory is
+``PeerEnd`` that drives an IpcBackend in a child process over a pipe (forked from the kit's
+fork server: ``kvxfer.testing.forked_peers``). Device row memory is
 plain ``cudaMalloc`` memory from ``kvxfer._native`` (no framework needed); rows are read and
 written through the native gather/scatter kernels and a staging buffer. An engine's own KV
 (``DeviceKV``, torch tensors) serves transfers between engine geometries.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import multiprocessing as mp
 import os
 import shutil
 import time
@@ -42,6 +42,7 @@ from kvxfer.contract import (
     View,
 )
 from kvxfer.testing.conformance import Pair, PeerEnd
+from kvxfer.testing.forked_peers import peer_context, start_peer
 from kvxfer.testing.memory import RowMemory
 
 Index = npt.NDArray[np.int64]
@@ -347,10 +348,9 @@ class ChildPeer(PeerEnd):
     """A PeerEnd whose IpcBackend and device memory live in a spawned child process."""
 
     def __init__(self, spec: PeerSpec, timeout_s: float = 60.0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = peer_context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, spec), name="kvxfer-ipc-peer", daemon=True)
-        self._proc.start()
+        self._proc = start_peer(ctx, _serve, (child, spec), "kvxfer-ipc-peer")
         child.close()
         self._timeout = timeout_s
         self._socket_dir = ""

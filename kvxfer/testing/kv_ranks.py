@@ -2,7 +2,7 @@
 
 A decode TP group's ranks each keep their own KV (an ``EngineKV`` over a block-major
 ``PagedKVPool`` holding the rank's heads, or a tensor per layer), and each runs its own
-backend. ``DecodeRanks`` starts one child process (``multiprocessing`` spawn) that builds every
+backend. ``DecodeRanks`` starts one child process (forked from the kit's fork server) that builds every
 rank's KV from a ``KVSpec``, one backend per rank (``NixlBackend`` or ``IpcBackend``, push
 mode: the ranks fetch), and registers each rank's tensors with its backend. The parent gets
 each rank's geometry (the child's addresses) as an ``EngineKV`` without tensors, to lend
@@ -20,7 +20,6 @@ rank's heads) in the child, on the device for device memory, for byte checks.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ import torch
 from kvxfer.contract import Backend, BlockOrder, HeadOrder, Hint, KVGeometry, Outcome, TransferMode, View
 from kvxfer.lender.engine_kv import EngineKV
 from kvxfer.pool import LayerGroupSpec, Layout, PagedKVPool
+from kvxfer.testing.forked_peers import peer_context, start_peer
 from kvxfer.wire import decode_hint, encode_hint
 
 PROCESS_NAME = "kvxfer-kv-ranks"
@@ -249,10 +249,9 @@ class DecodeRanks:
 
     def __init__(self, spec: RanksSpec, timeout_s: float = _START_TIMEOUT_S) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the child: NIXL logs INFO to stdout
-        ctx = mp.get_context("spawn")
+        ctx = peer_context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, spec), name=PROCESS_NAME, daemon=True)
-        self._proc.start()
+        self._proc = start_peer(ctx, _serve, (child, spec), PROCESS_NAME)
         child.close()
         self.spec = spec
         try:

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.backends.nixl.loader import nixl_api
 from kvxfer.contract import KvxferError
 from kvxfer.ucx_env import ucx_settings
 
@@ -83,7 +84,7 @@ def nixl_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     try:
-        import nixl._api as api  # noqa: PLC0415
+        api = nixl_api()
 
         package_dir = Path(api.__file__).resolve().parent
         libs = glob.glob(str(package_dir.parent / f"{package_dir.name}.libs" / "libucp-*.so*"))
@@ -116,7 +117,7 @@ def parse_open(body: dict[str, Any]) -> tuple[int, str]:
 
 def _agent(name: str) -> Any:
     """A NIXL agent with a UCX backend and NIXL's own progress thread (see the module)."""
-    import nixl._api as api  # noqa: PLC0415 - a worker without probes never loads it here
+    api = nixl_api()  # a worker without probes never loads it here
 
     from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl  # noqa: PLC0415
 

@@ -43,6 +43,7 @@ from kvxfer.backends.nixl.etcd_metadata import (
     hidden_from_nixl,
     parse_token,
 )
+from kvxfer.backends.nixl.loader import nixl_modules
 from kvxfer.contract import KvxferError, MemoryKind, SlotRegion
 from kvxfer.etcd import ETCD_ENV
 from kvxfer.ucx_env import ucx_settings
@@ -66,8 +67,7 @@ class XferError(KvxferError):
 
 def _nixl() -> Any:
     try:
-        import nixl._api as api  # noqa: PLC0415 - optional transport, imported on use
-        import nixl._bindings as bindings  # noqa: PLC0415
+        api, bindings = nixl_modules()
     except ImportError as exc:  # pragma: no cover - nixl is a dependency of the package
         raise RuntimeError(f"the nixl backend needs the nixl package: {exc}") from exc
     return api, bindings
