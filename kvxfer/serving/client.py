@@ -102,11 +102,11 @@ class HttpClient:
         except aiohttp.ConnectionTimeoutError:  # first: it is a TimeoutError too
             raise HttpError(f"{url}: cannot connect within {timeout:.1f}s", unreachable=True) from None
         except aiohttp.ClientConnectorError as exc:
-            raise HttpError(f"{url}: cannot connect: {exc.strerror or exc!r}", unreachable=True) from None
+            raise HttpError(f"{url}: cannot connect: {exc.strerror or _what(exc)}", unreachable=True) from None
         except asyncio.TimeoutError:
             raise HttpError(f"{url}{path}: no response within {timeout:.1f}s") from None
         except (aiohttp.ClientError, OSError, ValueError) as exc:  # refused, cut; a URL it cannot use
-            raise HttpError(f"{url}{path}: connection cut before a response: {exc!r}", unreachable=True) from None
+            raise HttpError(f"{url}{path}: connection cut before a response: {_what(exc)}", unreachable=True) from None
         try:
             yield response
         finally:
@@ -120,7 +120,7 @@ class HttpClient:
         except asyncio.TimeoutError:
             raise HttpError(f"{url}{path}: response not complete within {timeout:.1f}s") from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise HttpError(f"{url}{path}: response cut: {exc!r}", unreachable=True) from None
+            raise HttpError(f"{url}{path}: response cut: {_what(exc)}", unreachable=True) from None
 
     async def request_json(self, url: str, method: str, path: str, body: Any = None, timeout: float = 10.0, *,
                            headers: Mapping[str, str] | None = None) -> Any:
@@ -163,6 +163,22 @@ class HttpClient:
                     return
 
 
+def _what(exc: BaseException) -> str:
+    """An error of the exchange in one line: its type and message, never its repr. The repr
+    of aiohttp's ClientResponseError (a malformed answer's head, say) holds the request's
+    headers, the cluster key among them; this line is logged, and answered to API clients as
+    a completion's error."""
+    text = exc.message if isinstance(exc, aiohttp.ClientResponseError) else str(exc)
+    # A parser's message spans lines, with a caret under the bad byte: one line of it.
+    text = " ".join(" ".join(line.split()) for line in text.splitlines() if line.strip().strip("^"))
+    text = text[:_WHAT_CHARS]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_WHAT_CHARS = 200
+"""A message's length at most: what a peer sent back (a garbage head) goes into it."""
+
+
 def _no_read_timeout(response: aiohttp.ClientResponse) -> None:
     """Lift the head's read timeout (``sock_read``) off a stream, as aiohttp does for a
     websocket: the stream's own wait per event is ``idle_timeout``."""
@@ -182,7 +198,7 @@ async def _lines(url: str, path: str, response: aiohttp.ClientResponse, idle_tim
         except asyncio.TimeoutError:
             raise HttpError(f"{url}{path}: no event within {idle_timeout:.1f}s") from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise HttpError(f"{url}{path}: stream cut: {exc!r}", unreachable=True) from None
+            raise HttpError(f"{url}{path}: stream cut: {_what(exc)}", unreachable=True) from None
         if not chunk:
             raise HttpError(f"{url}{path}: stream ended before its final event", unreachable=True)
         pending += chunk

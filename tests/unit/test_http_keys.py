@@ -21,6 +21,7 @@ from kvxfer import doctor, doctor_peer, pair
 from kvxfer.router import Router
 from kvxfer.router import serve as router_serve
 from kvxfer.router.app import make_handler as router_handler
+from kvxfer.serving.client import HttpClient
 from kvxfer.serving.http import HttpError, HttpServer, request_json
 from kvxfer.serving.keys import BearerKey, InvalidKey, is_loopback, keys_from_args, open_door_warning
 from kvxfer.worker import serve as worker_serve
@@ -226,3 +227,53 @@ def test_the_doctor_reaches_a_keyed_worker_only_with_the_cluster_key(tmp_path: P
     (tmp_path / "key").write_text(CLUSTER.secret)
     args = _parsed(doctor._parser(), ["--peer", "http://127.0.0.1:9", "--cluster-key-file", str(tmp_path / "key")])
     assert args.cluster_key.secret == CLUSTER.secret
+
+
+async def _garbage_server(answer: bytes) -> tuple[asyncio.AbstractServer, str]:
+    """A raw TCP server that reads a request's first bytes and answers ``answer``, then closes."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def test_a_malformed_answer_is_named_without_the_key_the_request_carried(caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp's ClientResponseError holds the request's headers in its repr: the client's
+    errors, logged by the router and answered to its clients, name the problem without it."""
+    caplog.set_level(logging.DEBUG)
+
+    async def main() -> None:
+        bad_head, head_url = await _garbage_server(b"garbage garbage\r\n\r\n")
+        bad_decode, decode_url = await _garbage_server(b"garbage garbage\r\n\r\n")
+        bad_body, body_url = await _garbage_server(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                                                   b"Content-Length: 100\r\n\r\n{}")  # then cut
+        client = HttpClient(headers=CLUSTER.headers())
+        try:
+            with pytest.raises(HttpError) as info:
+                await client.request_json(head_url, "POST", "/prefill", {"request": "k"})
+            line = str(info.value)
+            assert "Bad status line" in line and "ClientResponseError" in line and info.value.unreachable, line
+            assert CLUSTER.secret not in line and "Authorization" not in line, line
+            with pytest.raises(HttpError) as info:
+                await client.request_json(body_url, "GET", "/health")
+            assert "response cut: ClientPayloadError" in str(info.value), info.value
+            with pytest.raises(HttpError) as info:
+                async for _ in client.stream_json(body_url, "/generate", {"request": "k"}, 5.0, 5.0):
+                    pass
+            assert "stream cut: ClientPayloadError" in str(info.value), info.value
+            async with Router([head_url], [decode_url], cluster_key=CLUSTER) as router:
+                done = await router.generate(PROMPT, 2)
+            assert not done.ok and done.error, done
+            assert CLUSTER.secret not in done.error and "Authorization" not in done.error, done.error
+        finally:
+            await client.close()
+            for server in (bad_head, bad_decode, bad_body):
+                server.close()
+                await server.wait_closed()
+        assert "Bad status line" in caplog.text  # the router's log names it
+
+    asyncio.run(main())
+    assert CLUSTER.secret not in caplog.text and "Authorization" not in caplog.text
