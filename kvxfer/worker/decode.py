@@ -12,6 +12,7 @@ until it is proven that none can: the publisher's word, or hint D's expiry and a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -299,8 +300,14 @@ class DecodeRole:
             # Refused (e.g. a layout mismatch, a replayed hint): no attempt watches the peer
             # that holds hint D, so, as for a reservation dropped without rows_safe, these rows
             # stay out of use until that peer takes hint D back or hint D has expired and any
-            # transfer begun with it has ended (kvxfer.worker.quarantine).
-            self._quarantine(reserved, rid=rid)
+            # transfer begun with it has ended (kvxfer.worker.quarantine). On the engine
+            # thread, as every change to the quarantine: its reclaim pass there replaces the
+            # lists an append from here would go into. Shielded: a cancelled request still
+            # sets its rows aside.
+            try:
+                await asyncio.shield(s.engine.run(self._quarantine, reserved, None, rid))
+            except RuntimeError:
+                pass  # the worker is torn down: the lender's forced shutdown retained the rows
             raise
         try:
             outcome = await s.engine.settle(attempt, event, timeout)

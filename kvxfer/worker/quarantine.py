@@ -39,8 +39,9 @@ class Exposed:
 
 
 class Quarantine:
-    """The set-aside rows, counted into the worker's meters. What calls the lender runs on
-    the engine thread. ``grace_s``: how long after hint D expired a set-aside reservation is
+    """The set-aside rows, counted into the worker's meters. Engine thread only, every
+    method: some call the lender, and a reclaim pass replaces the lists that another thread's
+    append would go into. ``grace_s``: how long after hint D expired a set-aside reservation is
     still held (``WorkerConfig.reclaim_grace_s``)."""
 
     def __init__(self, meters: Meters, grace_s: float = math.inf) -> None:
@@ -79,8 +80,7 @@ class Quarantine:
     def lease(self, lease: Lease, view: View, attempt: Attempt | None = None) -> None:
         """Set the lease's rows aside: with the ``attempt`` that touches them, until it
         quiesces (the lease is released and tracks it); without one, until the backend's
-        shutdown proves that nothing can touch them (rule 3). Engine thread with an attempt
-        (the lender is called)."""
+        shutdown proves that nothing can touch them (rule 3). Engine thread."""
         self._meters.quarantined.inc(view.rows)
         if attempt is None:
             self.quarantined.append((lease, view.rows))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+import threading
 import time
+from typing import Any
 
 import pytest
 from test_router import CFG, MODEL  # noqa: I001 - pytest puts tests/unit on sys.path
@@ -140,3 +142,25 @@ def test_the_grace_defaults_to_the_transfer_settle_bound_plus_clock_skew() -> No
     for bad in (-1.0, float("nan"), float("inf"), True, "5"):
         with pytest.raises(ValueError, match="expiry_grace_s"):
             WorkerConfig(role="decode", expiry_grace_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_refused_fetch_sets_its_rows_aside_on_the_engine_thread() -> None:
+    """The quarantine belongs to the engine thread: its reclaim pass there replaces the lists
+    that an append from the event loop's thread would go into, losing that reservation."""
+    async def main() -> None:
+        worker = await _worker(hold_s=30.0, grace_s=4.0)
+        try:
+            quarantine = worker._state.quarantine
+            original, threads = quarantine.reservation, []
+
+            def recording(*args: Any, **kwargs: Any) -> None:
+                threads.append(threading.current_thread().name)
+                original(*args, **kwargs)
+            quarantine.reservation = recording  # type: ignore[method-assign]
+            await _refused_fetch(worker, "replayed", [1, 6, 1, 8, 0, 3, 3, 9, 8])
+            assert len(threads) == 1 and threads[0].startswith("kvxfer-decode-q-engine"), threads
+            assert "replayed" in quarantine.exposed and (await worker._run(_pool_state, worker))[1] > 0
+        finally:
+            await worker.close()
+
+    asyncio.run(main())
