@@ -23,7 +23,7 @@ kvxfer's own:
 
 With an API key (``make_handler(..., api_key=)``, ``kvxfer router --api-key``), every route but
 /health (and /) and /metrics wants ``Authorization: Bearer <key>``: 401 in OpenAI's error shape,
-code "invalid_api_key", otherwise.
+code "invalid_api_key", otherwise, before the body is read.
 
 A /generate the workers' model cannot serve is answered 400 with what ``Router.validate``
 says in this process (``InvalidRequest``), as is malformed JSON or an unknown field.
@@ -64,12 +64,16 @@ def completion_json(c: Completion) -> dict[str, Any]:
 def make_handler(router: Router, frontend: OpenAIFrontend | None = None,  # type: ignore[no-untyped-def]
                  keepalive_s: float = KEEPALIVE_S, *, api_key: BearerKey | None = None):
     """The router's HTTP handler; with ``api_key``, every route but /health and /metrics
-    wants ``Authorization: Bearer <key>`` (401 otherwise: ``kvxfer.serving.keys``)."""
+    wants ``Authorization: Bearer <key>`` (401 otherwise: ``kvxfer.serving.keys``), from
+    ``handler.gate``, which an ``HttpServer`` asks before it reads the body."""
     openai = frontend if frontend is not None else OpenAIFrontend(router)
     started = int(time.time())
 
+    def gate(request: Request) -> Response | None:
+        return refusal(api_key, request, API_KEY)
+
     async def handle(request: Request) -> Response:
-        refused = refusal(api_key, request, API_KEY)
+        refused = gate(request)  # HttpServer asked it before the body: this is for other callers
         if refused is not None:
             return refused
         path = request.path.rstrip("/") or "/"
@@ -88,6 +92,7 @@ def make_handler(router: Router, frontend: OpenAIFrontend | None = None,  # type
         if path.startswith("/v1/"):
             return Response.json(OpenAIError(f"no {request.method} {path} here", 404, code="unknown_url").body(), 404)
         return Response.json({"error": f"no {request.method} {path}"}, 404)
+    handle.gate = gate  # type: ignore[attr-defined]
     return handle
 
 

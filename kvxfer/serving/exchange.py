@@ -89,6 +89,11 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+"""A server's handler. It may carry a ``gate`` attribute (a ``Gate``): ``HttpServer`` asks it
+first, with the request's head alone, and answers what it returns without reading the body."""
+Gate = Callable[[Request], Response | None]
+"""A refusal on the head alone (a missing key's 401), or None to go on: called with the request's
+``body`` empty."""
 
 
 def error_message(url: str, path: str, status: int, data: bytes) -> str:

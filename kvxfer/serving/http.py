@@ -26,6 +26,7 @@ from kvxfer.serving.exchange import (
     MAX_HEADER,
     READ_TIMEOUT_S,
     BadRequest,
+    Gate,
     Handler,
     HttpError,
     Request,
@@ -34,7 +35,7 @@ from kvxfer.serving.exchange import (
 from kvxfer.serving.server import HttpServer
 
 __all__ = [
-    "MAX_BODY", "MAX_CONNECTIONS", "MAX_HEADER", "READ_TIMEOUT_S", "BadRequest", "Handler", "HttpClient", "HttpError",
+    "MAX_BODY", "MAX_CONNECTIONS", "MAX_HEADER", "READ_TIMEOUT_S", "BadRequest", "Gate", "Handler", "HttpClient", "HttpError",
     "HttpServer", "Request", "Response", "check_url", "close_default_client", "default_client", "request_json", "request_text",
     "stream_json",
 ]

@@ -6,11 +6,17 @@ GET, without the body), and the limits of ``exchange``: MAX_HEADER, MAX_BODY, RE
 for the head, the body and an idle connection, MAX_CONNECTIONS. Malformed requests get a 400
 with a JSON ``error`` like every other refusal; a handler's exception a 500. One access log
 line per request at INFO: method, path, status, seconds (a stream's until its end).
+
+A handler's ``gate`` (``kvxfer.serving.exchange.Gate``; the key checks of
+``kvxfer.serving.keys``) sees each request's head before its body is read: what it refuses is
+answered at once, the body unread (dropped for up to DISCARD_S, as any unread body, and the
+connection closed when it did not end by then).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from http import HTTPStatus
@@ -28,6 +34,7 @@ from kvxfer.serving.exchange import (
     MAX_HEADER,
     READ_TIMEOUT_S,
     BadRequest,
+    Gate,
     Handler,
     Request,
     Response,
@@ -149,6 +156,25 @@ def _head_size(raw: web.BaseRequest) -> int:
     return len(raw.method) + len(raw.raw_path) + sum(len(k) + len(v) + 4 for k, v in raw.raw_headers)
 
 
+def _head(raw: web.BaseRequest) -> Request:
+    """The request as a handler sees it, but its body (not read yet)."""
+    if _head_size(raw) > MAX_HEADER:
+        raise BadRequest("header too large")
+    method = "GET" if raw.method == "HEAD" else raw.method
+    headers = {k.lower(): v for k, v in raw.headers.items()}
+    return Request(method, raw.raw_path.split("?", 1)[0], headers, b"")
+
+
+def _whole(raw: web.BaseRequest, response: Response, *, close: bool = False) -> web.Response:
+    """A handler's answer with its body whole."""
+    out = web.Response(status=response.status, body=response.body,
+                       headers={**response.headers, "Content-Type": response.content_type,
+                                "Cache-Control": "no-store"})
+    if close or _gone(raw):
+        out.force_close()
+    return out
+
+
 class HttpServer:
     """Serves ``handler`` on ``host`` (127.0.0.1 by default; port 0 = ephemeral: read ``port``
     after ``start``). ``close()`` stops listening, ends every connection and waits for their
@@ -159,6 +185,7 @@ class HttpServer:
                  read_timeout_s: float = READ_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
                  access_log: str = ACCESS_LOG) -> None:
         self._handler = handler
+        self._gate: Gate | None = getattr(handler, "gate", None)
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self.access_log = access_log
@@ -207,7 +234,14 @@ class HttpServer:
         if len(self._tasks) > self.max_connections:
             return _json({"error": f"over {self.max_connections} connections are open; retry later"}, 503, close=True)
         try:
-            request = await self._request(raw)
+            head = _head(raw)
+        except BadRequest as exc:
+            return _json({"error": str(exc)}, 400)
+        refused = self._gate(head) if self._gate is not None else None
+        if refused is not None:  # before the body is read: a request without its key sends none in vain
+            return _whole(raw, refused, close=not raw.content.is_eof())
+        try:
+            request = await self._request(raw, head)
         except BadRequest as exc:
             return _json({"error": str(exc)}, 400, close=isinstance(exc, (_BodyRefused, _BodyCut)))
         except asyncio.TimeoutError:
@@ -223,16 +257,10 @@ class HttpServer:
             return _json({"error": f"{type(exc).__name__}: {exc}"}, 500)
         if response.stream is not None:
             return await self._stream(raw, response)
-        out = web.Response(status=response.status, body=response.body,
-                           headers={**response.headers, "Content-Type": response.content_type,
-                                    "Cache-Control": "no-store"})
-        if _gone(raw):
-            out.force_close()
-        return out
+        return _whole(raw, response)
 
-    async def _request(self, raw: web.BaseRequest) -> Request:
-        if _head_size(raw) > MAX_HEADER:
-            raise BadRequest("header too large")
+    async def _request(self, raw: web.BaseRequest, head: Request) -> Request:
+        """``head`` with its body, read whole."""
         if raw.content_length is not None and raw.content_length > MAX_BODY:
             raise _BodyRefused(f"body of {raw.content_length} bytes is over the limit of {MAX_BODY}")
         protocol = raw.protocol
@@ -244,9 +272,7 @@ class HttpServer:
             protocol.watch_body(None)
         if protocol.body_cut:
             raise _BodyCut("the client closed the connection before its body was whole")
-        method = "GET" if raw.method == "HEAD" else raw.method
-        headers = {k.lower(): v for k, v in raw.headers.items()}
-        return Request(method, raw.raw_path.split("?", 1)[0], headers, body)
+        return dataclasses.replace(head, body=body)
 
     async def _stream(self, raw: web.BaseRequest, response: Response) -> web.StreamResponse:
         assert response.stream is not None

@@ -25,7 +25,7 @@
 With a cluster key (``make_handler(worker, cluster_key=)``, ``kvxfer serve --cluster-key-file``
 or ``KVXFER_CLUSTER_KEY``), every route but /health and /metrics wants
 ``Authorization: Bearer <key>``: 401 in OpenAI's error shape otherwise, before the body is read
-as a call (``kvxfer.serving.keys``).
+(``kvxfer.serving.keys``; the handler's ``gate``, which ``HttpServer`` asks on the head alone).
 
 The worker (``kvxfer.worker.core``) knows no HTTP: this module parses each body into a typed
 call (``kvxfer.worker.bodies``, BadRequest for what is malformed) and maps the worker's
@@ -69,17 +69,21 @@ STATUS_RESULT = {400: "bad_request", 409: "refused"}  # a status a route answere
 def make_handler(worker: Worker, *, cluster_key: BearerKey | None = None):  # type: ignore[no-untyped-def]
     """The worker's handler; ``handler.probes`` is its ProbeHost (``close()`` frees an open
     probe; one still open when the event loop ends is freed then). With ``cluster_key``, every
-    route but /health and /metrics wants it (``kvxfer.serving.keys``): 401 otherwise."""
+    route but /health and /metrics wants it (``kvxfer.serving.keys``): 401 otherwise, from
+    ``handler.gate``, which an ``HttpServer`` asks before it reads the body."""
     probes = ProbeHost(worker.name, worker.device)
 
-    async def handle(request: Request) -> Response:
-        path = request.path.strip("/") or "health"
-        probe = path == "doctor/probe" or path.startswith("doctor/probe/")
-        # The metric label is bounded: any path a client invents would otherwise be a new series.
-        endpoint = "doctor_probe" if probe else path if path in ENDPOINTS else "other"
+    def gate(request: Request) -> Response | None:
         refused = refusal(cluster_key, request, CLUSTER_KEY)
         if refused is not None:
-            worker.m_requests.inc(endpoint=endpoint, result="unauthorized")
+            worker.m_requests.inc(endpoint=_endpoint(request)[1], result="unauthorized")
+        return refused
+
+    async def handle(request: Request) -> Response:
+        path, endpoint = _endpoint(request)
+        probe = endpoint == "doctor_probe"
+        refused = gate(request)  # HttpServer asked it before the body: this is for other callers
+        if refused is not None:
             return refused
         try:
             response = await (_probe(worker, probes, path, request) if probe else _route(worker, path, request))
@@ -97,7 +101,16 @@ def make_handler(worker: Worker, *, cluster_key: BearerKey | None = None):  # ty
             worker.m_requests.inc(endpoint=endpoint, result="error")
             return Response.json({"error": f"{type(exc).__name__}: {exc}"}, 500)
     handle.probes = probes  # type: ignore[attr-defined]
+    handle.gate = gate  # type: ignore[attr-defined]
     return handle
+
+
+def _endpoint(request: Request) -> tuple[str, str]:
+    """The request's path (no slashes around it) and its endpoint, as a metric label."""
+    path = request.path.strip("/") or "health"
+    probe = path == "doctor/probe" or path.startswith("doctor/probe/")
+    # The label is bounded: any path a client invents would otherwise be a new series.
+    return path, "doctor_probe" if probe else path if path in ENDPOINTS else "other"
 
 
 async def _probe(worker: Worker, probes: ProbeHost, path: str, request: Request) -> Response:

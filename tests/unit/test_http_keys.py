@@ -22,7 +22,7 @@ from kvxfer.router import Router
 from kvxfer.router import serve as router_serve
 from kvxfer.router.app import make_handler as router_handler
 from kvxfer.serving.client import HttpClient
-from kvxfer.serving.http import HttpError, HttpServer, request_json
+from kvxfer.serving.http import HttpError, HttpServer, request_json, request_text
 from kvxfer.serving.keys import BearerKey, InvalidKey, is_loopback, keys_from_args, open_door_warning
 from kvxfer.worker import serve as worker_serve
 
@@ -277,3 +277,43 @@ def test_a_malformed_answer_is_named_without_the_key_the_request_carried(caplog:
 
     asyncio.run(main())
     assert CLUSTER.secret not in caplog.text and "Authorization" not in caplog.text
+
+
+async def _head_only(url: str, path: str, key: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """Send a request's head declaring a large body, and none of the body: the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        auth = f"Authorization: Bearer {key}\r\n" if key is not None else ""
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
+                     f"Content-Length: {32 << 20}\r\n\r\n".encode())
+        await writer.drain()
+        # Without the gate the server waits for the body (READ_TIMEOUT_S, 10 s) and answers 408.
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        status_line, *lines = head.decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines if line)
+        data = await asyncio.wait_for(reader.readexactly(int(headers["Content-Length"])), 5.0)
+        return int(status_line.split()[1]), headers, data
+    finally:
+        writer.close()
+
+
+def test_a_request_without_its_key_is_refused_before_its_body_is_read() -> None:
+    async def main() -> None:
+        async with cluster(cluster_key=CLUSTER) as c:
+            for url in (c.prefill[0], c.decode[0]):
+                for path in ("/reserve", "/prefill", "/doctor/probe"):
+                    for sent in (None, WRONG):
+                        _is_401(*await _head_only(url, path, sent), sent)
+            metrics = await request_text(c.decode[0], "/metrics")
+            assert 'kvxfer_worker_requests_total{endpoint="reserve",result="unauthorized"} 2.0' in metrics
+            async with Router(c.prefill, c.decode, cluster_key=CLUSTER) as router:
+                server = HttpServer(router_handler(router, api_key=API))
+                url = f"http://127.0.0.1:{await server.start()}"
+                try:
+                    for path in ("/v1/completions", "/generate"):
+                        _is_401(*await _head_only(url, path), None)
+                finally:
+                    await server.close()
+
+    asyncio.run(main())
