@@ -77,7 +77,11 @@ class StoreSide:
     def __init__(self, driver: BlobDriver, pool: PagedKVPool, lender: Lender, engine: EngineThread,
                  meters: Meters, quarantine: Quarantine, timeout_s: float, name: str) -> None:
         self.backend = BlobBackend(driver, name=name, namer=self.names, timeout_s=timeout_s)
-        skipped = self.backend.register(lender.regions)
+        try:
+            skipped = self.backend.register(lender.regions)
+        except BaseException:
+            self.backend.shutdown()  # its thread, and the driver it owns (nobody else will)
+            raise
         if skipped:
             self.backend.shutdown()
             raise RuntimeError(f"the {driver.name} store reaches host memory only, not the pool's "

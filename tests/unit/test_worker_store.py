@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -15,9 +16,9 @@ import pytest
 import torch
 from test_router import CFG, MODEL, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
-from kvxfer.backends.blob import MemoryDriver, MemoryStore
+from kvxfer.backends.blob import MemoryDriver, MemoryStore, Span, StoreError
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.contract import Peer
+from kvxfer.contract import InvalidSubmission, Peer
 from kvxfer.engine import synthetic_prompts
 from kvxfer.router import Completion, Router
 from kvxfer.serving.http import HttpServer, request_text
@@ -233,3 +234,29 @@ def test_a_lookup_cancelled_while_stuck_in_the_store_frees_the_reservation_and_i
             await worker.abort(AbortCall("r2", rows_safe=True))
 
     asyncio.run(main())
+
+
+class _RefusingDriver(FaultyDriver):
+    """A store that refuses to register the pool's memory (a Mooncake client out of segments)."""
+
+    def register(self, span: Span) -> None:
+        raise StoreError("cannot register: no segment left")
+
+
+def test_a_store_that_refuses_the_pool_at_start_leaves_no_thread_and_its_driver_closed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    driver = _RefusingDriver(MemoryDriver(MemoryStore()))
+    monkeypatch.setattr(core, "make_store_driver", lambda *a, **kw: driver)
+
+    async def main() -> None:
+        worker = Worker(WorkerConfig(role="decode", model=CFG, num_blocks=64, backend="loopback", name="refused",
+                                     store="memory"), model=MODEL, fabric=LoopbackFabric())
+        try:
+            with pytest.raises(InvalidSubmission, match="no segment left"):
+                await worker.start()
+        finally:
+            await worker.close()
+
+    asyncio.run(main())
+    assert driver.closes == 1
+    assert not [t.name for t in threading.enumerate() if t.name == "kvxfer-blob-refused-store"]
