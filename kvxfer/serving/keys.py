@@ -83,9 +83,12 @@ class BearerKey:
     def accepts(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header's value carries this key (in constant time)."""
         scheme, _, given = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer":
+        given = given.strip()
+        # A key is ASCII: anything else is wrong, and never mapped onto one ('?' for each
+        # other character would let a key holding '?' take them all).
+        if scheme.lower() != "bearer" or not given.isascii():
             return False
-        return hmac.compare_digest(given.strip().encode("ascii", "replace"), self.secret.encode("ascii"))
+        return hmac.compare_digest(given.encode("ascii"), self.secret.encode("ascii"))
 
     def headers(self) -> dict[str, str]:
         """The header a client sends."""

@@ -160,6 +160,8 @@ def test_a_key_is_read_whole_and_refused_by_its_source_never_by_its_value(tmp_pa
     assert key.accepts("Bearer abc") and key.accepts("BEARER  abc ") and not key.accepts("Bearer abcd")
     assert not key.accepts("Basic abc") and not key.accepts("abc") and not key.accepts(None)
     assert not key.accepts("Bearer ab\u00e7")
+    asked = BearerKey("ab?")  # a non-ASCII character sent is not taken for the '?'
+    assert asked.accepts("Bearer ab?") and not asked.accepts("Bearer ab\u00e7") and not asked.accepts("Bearer ab\udcff")
     assert key.headers() == {"Authorization": "Bearer abc"}
 
 
