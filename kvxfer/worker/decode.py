@@ -12,7 +12,6 @@ until it is proven that none can: the publisher's word, or hint D's expiry and a
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -96,7 +95,7 @@ class DecodeRole:
                 stored = await s.store.lookup(rid, prompt, reused)
             hint, lease, view, expires = await s.engine.run(self._lend_reserved, rid, len(prompt), publisher)
         except BaseException:
-            await s.engine.run(s.free, rid)
+            await s.engine.cleanup(s.free, rid)
             raise
         return hint, lease, view, expires, reused, stored
 
@@ -302,12 +301,9 @@ class DecodeRole:
             # stay out of use until that peer takes hint D back or hint D has expired and any
             # transfer begun with it has ended (kvxfer.worker.quarantine). On the engine
             # thread, as every change to the quarantine: its reclaim pass there replaces the
-            # lists an append from here would go into. Shielded: a cancelled request still
-            # sets its rows aside.
-            try:
-                await asyncio.shield(s.engine.run(self._quarantine, reserved, None, rid))
-            except RuntimeError:
-                pass  # the worker is torn down: the lender's forced shutdown retained the rows
+            # lists an append from here would go into. (Torn down meanwhile: the lender's
+            # forced shutdown retained the rows.)
+            await s.engine.cleanup(self._quarantine, reserved, None, rid)
             raise
         try:
             outcome = await s.engine.settle(attempt, event, timeout)

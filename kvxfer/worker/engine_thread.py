@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ import torch
 from kvxfer.contract import Attempt, Outcome
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class EngineThread:
@@ -44,6 +46,17 @@ class EngineThread:
         if self.torn_down:
             raise RuntimeError(f"worker {self.name!r} is shut down: its pool takes no more work")
         return fn(*args)
+
+    async def cleanup(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run a clean-up job while an exception (a cancellation, say) is on its way out:
+        shielded, so that the job runs even if the caller is cancelled again; a failure of its
+        own (the worker torn down meanwhile) is logged, never raised in place of the exception
+        under way. Call it from an ``except`` block that re-raises."""
+        try:
+            await asyncio.shield(self.run(fn, *args))
+        except Exception as exc:
+            log.warning("worker %s: clean-up %s failed while a call ended: %s: %s", self.name,
+                        getattr(fn, "__name__", fn), type(exc).__name__, exc)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True)

@@ -61,7 +61,7 @@ class PrefillRole:
             try:
                 await s.store.offer(rid, prompt)
             except BaseException:  # cancelled (the server closing): nobody will publish them
-                await asyncio.shield(s.engine.run(s.free, rid))
+                await s.engine.cleanup(s.free, rid)
                 raise
         self.held[rid] = Held(prompt, first, time.monotonic())
         return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt),
@@ -92,7 +92,7 @@ class PrefillRole:
                                                                                len(held.prompt), decode_hint, wake)
         except BaseException:
             self.held.pop(rid, None)
-            await s.engine.run(s.free, rid)
+            await s.engine.cleanup(s.free, rid)
             raise
         return self._publish_events(rid, lease, view, prefill_hint, attempt, submitted, event)
 

@@ -162,15 +162,13 @@ class StoreSide:
             await self._engine.wait(attempt, event, 5.0, lambda a: a.quiesced())
         except BaseException:
             # Cancelled or timed out: _submit may still be running, and _finish, queued behind
-            # it on the one engine thread, ends what it made.
-            await self._finish_soon(token, None)
+            # it on the one engine thread, ends what it made (shielded, and a failure of its
+            # own logged: the cancellation goes on).
+            await self._engine.cleanup(self._finish, token, None)
             raise
-        await self._finish_soon(token, None if put else outcome)
-        return self._count(view, outcome, start, put, time.perf_counter() - began)
-
-    async def _finish_soon(self, token: object, outcome: Outcome | None) -> None:
         # Shielded: were the caller cancelled now, the job would still run.
-        await asyncio.shield(self._engine.run(self._finish, token, outcome))
+        await asyncio.shield(self._engine.run(self._finish, token, None if put else outcome))
+        return self._count(view, outcome, start, put, time.perf_counter() - began)
 
     def _submit(self, token: object, rid: str, prompt: Sequence[int], start: int, end: int, put: bool,
                 wake: Callable[[], None]) -> tuple[View, Attempt]:

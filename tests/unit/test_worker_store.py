@@ -260,3 +260,34 @@ def test_a_store_that_refuses_the_pool_at_start_leaves_no_thread_and_its_driver_
     asyncio.run(main())
     assert driver.closes == 1
     assert not [t.name for t in threading.enumerate() if t.name == "kvxfer-blob-refused-store"]
+
+
+def test_a_cancelled_prefill_stays_cancelled_when_its_clean_up_fails(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The server closing cancels /prefill while its put is stuck in the store, and the engine
+    refuses work (the worker torn down meanwhile): the clean-up's RuntimeError is logged, and
+    the call ends cancelled, not with that error (nor, with the put's error swallowed as a
+    store miss, as a prefill that went on to hold its rows)."""
+    prompt = synthetic_prompts(1, 21, 21, CFG.vocab_size, seed=10)[0]  # 5 named blocks
+
+    async def main() -> None:
+        async with stuck_store(monkeypatch, "prefill") as (worker, faulty):
+            task = asyncio.ensure_future(worker.prefill(PrefillCall("r1", prompt)))
+            assert await _until(lambda: _true(faulty.stuck.is_set()))
+            engine, store = worker._engine, worker._state.store
+            assert store is not None
+            engine.torn_down = True  # every engine job refused from here on
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert "r1" not in worker._prefill.held
+            engine.torn_down = False  # as the clean-up would have: end the put's lease, free the rows
+            for token in list(store._moving):
+                await worker._run(store._finish, token, None)
+            await worker._run(worker._state.free, "r1")
+            faulty.release()
+
+    asyncio.run(main())
+    failures = [r.getMessage() for r in caplog.records if "clean-up" in r.getMessage()]
+    assert any("_finish failed" in m and "is shut down" in m for m in failures), failures
+    assert any("free failed" in m for m in failures), failures
