@@ -39,3 +39,32 @@ def test_the_ucx_backend_leaves_the_ucx_environment_as_it_was() -> None:
     assert report["changed"] == {} and report["removed"] == []
     assert report["given"].get("RNDV_THRESH") == "8192", report["given"]
     assert report["given"].get("WARN_UNUSED_ENV_VARS") == "n", report["given"]
+
+
+RACE = """
+import json, threading
+from kvxfer.backends.ucx.transport import load_ucxx
+barrier, got = threading.Barrier(4), []
+def load():
+    barrier.wait()
+    got.append(load_ucxx())
+threads = [threading.Thread(target=load) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"options": [g[2] for g in got], "same": all(g is got[0] for g in got),
+                  "loaded": load_ucxx() is got[0]}))
+"""
+
+
+def test_threads_loading_ucxx_at_once_all_get_the_options_ucxx_wanted() -> None:
+    """The first load imports ucxx and takes the options it set; a second that began before the
+    first ended found ucxx imported, saw no option set, and (before a lock made the load once
+    only) replaced the first's result with one without them."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    done = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["same"] and report["loaded"], report
+    assert all(options.get("RNDV_THRESH") == "8192" for options in report["options"]), report["options"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from collections.abc import Iterable
 from types import ModuleType
@@ -39,6 +40,9 @@ class UcxPeerGone(KvxferError):
 
 
 _LOADED: tuple[ModuleType, Any, dict[str, str]] | None = None
+_LOAD_LOCK = threading.Lock()
+"""Makes the load once only: a second load that began before the first ended would find ucxx
+imported, see no option set, and replace the first's options with none."""
 
 
 def load_ucxx() -> tuple[ModuleType, Any, dict[str, str]]:
@@ -50,9 +54,18 @@ def load_ucxx() -> tuple[ModuleType, Any, dict[str, str]]:
     process and in every process started from it, would read them too: on the CPU machine a
     NIXL pull probed after an import of ucxx took TCP instead of CMA. So they are taken back out
     of the environment and given to our UCX context alone."""
-    global _LOADED
-    if _LOADED is not None:
+    loaded = _LOADED
+    if loaded is not None:
+        return loaded
+    with _LOAD_LOCK:  # before ucx_settings' lock, never after it
+        if _LOADED is None:
+            _load()
+        assert _LOADED is not None
         return _LOADED
+
+
+def _load() -> None:
+    global _LOADED
     # ucxx sets options this UCX may not know: UCX must not warn about them, here (its import)
     # or when the context is made (WARN_UNUSED_ENV_VARS among the context's options). The
     # host's UCX settings (kvxfer.ucx_env) apply while its UCX loads.
@@ -78,7 +91,6 @@ def load_ucxx() -> tuple[ModuleType, Any, dict[str, str]]:
     if "UCX_WARN_UNUSED_ENV_VARS" not in os.environ:
         options.setdefault("WARN_UNUSED_ENV_VARS", "n")
     _LOADED = (libucxx, Array, options)
-    return _LOADED
 
 
 def ucxx_version() -> str:
