@@ -63,10 +63,14 @@ def claim(owner: object, regions: Iterable[SlotRegion], what: str, *, local: boo
     live lender holds any byte of them. ``local``: False for another process's memory."""
     wanted = tuple(regions)
     with _lock:
-        if _clash(wanted, local) is not None:
-            # A lender nobody can reach any more, kept only by a reference cycle (its open
-            # leases point back at it), is let go, not mistaken for a live one.
-            gc.collect()
+        clashes = _clash(wanted, local) is not None
+    if clashes:
+        # A lender nobody can reach any more, kept only by a reference cycle (its open
+        # leases point back at it), is let go, not mistaken for a live one. Outside the
+        # lock: the collection runs finalizers of anything, and one that waits for a thread
+        # waiting for this lock would never return. Looked at again below, under it.
+        gc.collect()
+    with _lock:
         found = _clash(wanted, local)
         if found is not None:
             other, region = found

@@ -7,6 +7,7 @@ test_lender_conformance.py; these are the engine's own calls."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import numpy as np
@@ -200,3 +201,29 @@ def test_a_forced_shutdown_retains_leased_and_deferred_blocks_and_frees_the_memo
     with pytest.raises(LendingDisabled, match="shut down"):
         lender.lend_read("r", [5], (0, BT))
     ExternalLender(kv).shutdown()
+
+
+def test_the_collection_a_claim_runs_holds_no_lock_a_finalizer_may_wait_for() -> None:
+    """A clash makes claim() collect garbage (a lender kept only by a cycle is let go): the
+    finalizers that collection runs may wait for a thread that asks the registry."""
+    kv = engine_kv()
+    lender = ExternalLender(kv)  # live: the second claim clashes, and collects
+    answered: list[object] = []
+
+    class WaitsForAThread:
+        def __del__(self) -> None:
+            asker = threading.Thread(target=lambda: answered.append(claims.holder(kv.regions)))
+            asker.start()
+            asker.join(10.0)  # over the registry's lock, before the fix: 10 s, then nothing answered
+
+    gc.disable()  # the cycle is collected by claim(), not before
+    try:
+        cycle = WaitsForAThread()
+        cycle.me = cycle  # type: ignore[attr-defined]
+        del cycle
+        with pytest.raises(AlreadyLent):
+            ExternalLender(kv)
+    finally:
+        gc.enable()
+    assert answered == [lender]
+    lender.shutdown()
