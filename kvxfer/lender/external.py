@@ -194,13 +194,18 @@ class ExternalLender:
         A block a lease or an unquiesced attempt may still touch is busy: BlocksBusy names
         them and nothing is recorded, unless ``defer``: then the lender holds them (a lease
         over them counts no arrival, and they cannot be lent) and ``reclaim()`` hands them back
-        once nothing can touch them."""
+        once nothing can touch them. A block a forced shutdown retained is refused by name
+        (without ``defer``) and never returned."""
         ids = self._block_ids(blocks, "free")
         self._progress()
-        again = ids[np.isin(ids, self._deferred) | np.isin(ids, self._retained)]
+        kept = ids[np.isin(ids, self._retained)]
+        if kept.size and not defer:
+            raise BlocksBusy(f"blocks {_listed(kept)} are retained for good: a forced shutdown left them to a "
+                             "transfer that may still touch them; never reuse them", kept)
+        again = ids[np.isin(ids, self._deferred)]
         if again.size and not defer:
             raise BlocksBusy(f"blocks {_listed(again)} were freed already and are held by the lender until "
-                             "reclaim() hands them back (or for good, after a forced shutdown)", again)
+                             "reclaim() hands them back", again)
         busy = ids[np.isin(ids, self._held())]
         if busy.size and not defer:
             raise BlocksBusy(f"blocks {_listed(busy)} are busy: a lease, or an attempt of a released lease that has "

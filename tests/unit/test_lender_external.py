@@ -198,6 +198,10 @@ def test_a_forced_shutdown_retains_leased_and_deferred_blocks_and_frees_the_memo
     assert lender.busy([3, 4, 5]).tolist() == [True, True, False]
     ended(attempt, 2)
     assert lender.reclaim().size == 0  # retained for good
+    with pytest.raises(BlocksBusy, match=r"blocks \[3, 4\] are retained for good: a forced shutdown") as caught:
+        lender.free([3, 4])
+    assert caught.value.blocks.tolist() == [3, 4] and "freed already" not in str(caught.value)
+    assert lender.free([3, 4, 5], defer=True).tolist() == [5]
     with pytest.raises(LendingDisabled, match="shut down"):
         lender.lend_read("r", [5], (0, BT))
     ExternalLender(kv).shutdown()
