@@ -1,9 +1,11 @@
 """Rows a worker sets aside because a peer may still touch them.
 
-A reservation whose rows a peer may still write (no hint P came, a fetch with hint P was
-refused, and the prefill worker is not known dead) is quarantined: its lease stays open, so
-its blocks are not reused, until it is proven that no peer can write them any more. Either
-proof gives them back:
+A reservation whose rows a peer may still write is quarantined: one for which no hint P came
+while the router does not know that the prefill worker cannot write (an /abort or a
+/generate without rows_safe: the publisher is not known dead, nor to have refused before
+submitting), or one whose fetch with hint P was refused (whatever the router knows). Its
+lease stays open, so its blocks are not reused, until it is proven that no peer can write
+them any more. Either proof gives them back:
 
 - the publisher's answer that it never used hint D, or can no longer (its /withdraw; the
   router then aborts here with rows_safe);
