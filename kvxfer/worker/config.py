@@ -32,8 +32,10 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     hold_s: float = 120.0
     # A decode reservation set aside because a peer holding its hint D might still write it
-    # comes back this long after hint D expired: the longest a transfer begun before then could
-    # still touch it, plus clock skew. None: settle_bound(transfer_timeout_s) + CLOCK_SKEW_S.
+    # comes back this long after hint D expired (kvxfer serve --expiry-grace): the longest a
+    # transfer begun before then could still touch it, plus clock skew. None:
+    # settle_bound(transfer_timeout_s) + CLOCK_SKEW_S, this worker's own deadline; the write
+    # runs under the prefill worker's, so set it when theirs is longer.
     expiry_grace_s: float | None = None
     prefix_cache: bool = True
     name: str = ""

@@ -201,7 +201,7 @@ def model_args_list(args: argparse.Namespace, device: str = "") -> list[str]:
 async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     model = model_from_args(args)
     config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
-                          mode=TransferMode(args.mode), lender=args.lender, transfer_timeout_s=args.transfer_timeout,
+                          mode=TransferMode(args.mode), lender=args.lender, **timing_fields(args),
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None,
                           chunk_pause_s=args.nixl_chunk_pause,
@@ -310,6 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a transfer may take")
+    p.add_argument("--expiry-grace", type=float, default=None, metavar="SECONDS",
+                   help="decode: a reservation set aside because a peer may still write it comes back this long "
+                        "after its hint D expired (default: the settle bound of --transfer-timeout plus 5 s of clock "
+                        "skew, 65 s at 30 s); at least the prefill workers' settle bound when their "
+                        "--transfer-timeout is longer")
     p.add_argument("--nixl-chunk-bytes", type=int, default=0,
                    help="nixl: bytes per submission chunk, the unit a partial delivery reports (0: default)")
     p.add_argument("--nixl-chunk-pause", type=float, default=0.0,
@@ -353,6 +358,11 @@ def etcd_fields(args: argparse.Namespace) -> dict[str, Any]:
             "etcd_ttl_s": args.etcd_ttl}
 
 
+def timing_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The WorkerConfig fields of the timing flags."""
+    return {"transfer_timeout_s": args.transfer_timeout, "expiry_grace_s": args.expiry_grace}
+
+
 def store_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The WorkerConfig fields of the store flags."""
     return {"store": args.store, "store_path": args.store_path, "store_master": args.store_master,
@@ -384,6 +394,8 @@ def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--port must be 0 to 65535, got {args.port}")
     if not args.transfer_timeout > 0:
         parser.error(f"--transfer-timeout must be positive, got {args.transfer_timeout}")
+    if args.expiry_grace is not None and not 0 <= args.expiry_grace < 1e9:
+        parser.error(f"--expiry-grace must be a number of seconds from 0 to below 1e9, got {args.expiry_grace}")
     if not args.nixl_chunk_pause >= 0:
         parser.error(f"--nixl-chunk-pause must not be negative, got {args.nixl_chunk_pause}")
 

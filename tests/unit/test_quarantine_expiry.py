@@ -21,6 +21,7 @@ from test_router import CFG, MODEL  # noqa: I001 - pytest puts tests/unit on sys
 from kvxfer import wire
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import InvalidSubmission, Peer
+from kvxfer.worker import serve
 from kvxfer.worker.calls import AbortCall, GenerateCall, ReserveCall
 from kvxfer.worker.config import CLOCK_SKEW_S, WorkerConfig, settle_bound
 from kvxfer.worker.core import Worker
@@ -164,3 +165,18 @@ def test_a_refused_fetch_sets_its_rows_aside_on_the_engine_thread() -> None:
             await worker.close()
 
     asyncio.run(main())
+
+
+def test_kvxfer_serve_takes_the_grace_as_expiry_grace_and_refuses_a_bad_one_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    parser = serve.build_parser()
+    for argv, grace in (([], 65.0), (["--transfer-timeout", "4"], 12.0 + CLOCK_SKEW_S),
+                        (["--expiry-grace", "90"], 90.0), (["--expiry-grace", "0", "--transfer-timeout", "4"], 0.0)):
+        args = parser.parse_args(["--role", "decode", *argv])
+        assert WorkerConfig(role="decode", **serve.timing_fields(args)).reclaim_grace_s == grace, argv
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as stopped:
+            serve.main(["--role", "decode", "--expiry-grace", bad])
+        assert stopped.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(lines) == 1 and "--expiry-grace" in lines[0], lines
