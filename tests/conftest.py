@@ -3,11 +3,13 @@ backend's thread or any process it started (a child, or one reparented away) run
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import resource
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -34,6 +36,7 @@ def nothing_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None
     threads and processes its tests started have ended once its fixtures are torn down."""
     threads = {t.ident for t in threading.enumerate()}
     children = set(children_of(os.getpid()))
+    peers = set(mp.active_children())
     before = set(marked_processes(_RUN_MARK))
     cpu = _cpu_seconds()
     yield
@@ -45,29 +48,55 @@ def nothing_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None
         procs = [pid for pid in children_of(os.getpid()) if pid not in children]
         # Descendants too, reparented ones included (started with setsid, or orphaned).
         strays = {pid: cmd for pid, cmd in marked_processes(_RUN_MARK).items() if pid not in before}
-        if not (left or procs or strays) or time.monotonic() > deadline:
+        # multiprocessing children, the kit's forked peers included (their parent is the fork server)
+        forked = [p.name for p in mp.active_children() if p not in peers]
+        if not (left or procs or strays or forked) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert not left, f"backend threads still running after the module's tests: {left}"
     assert not procs, f"child processes still running after the module's tests: {procs}"
     assert not strays, f"processes this module started still running after its tests: {strays}"
+    assert not forked, f"multiprocessing children still running after the module's tests: {forked}"
 
 
-def _cpu_seconds() -> tuple[float, float, float]:
-    """CPU seconds of this process and of its reaped descendants, and the monotonic clock."""
+def _cpu_group() -> Path | None:
+    """With KVXFER_TEST_CPU_LOG set, a cpuacct cgroup (v1, writable: root) that this test
+    process joins, so that every process it starts is counted, however it was started or
+    reparented (peers forked by a fork server are no descendants reaped here); None elsewhere."""
+    root = Path("/sys/fs/cgroup/cpuacct")
+    if not os.environ.get("KVXFER_TEST_CPU_LOG") or not os.access(root, os.W_OK):
+        return None
+    group = root / f"kvxfer-test-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    return group
+
+
+_CPU_GROUP = _cpu_group()
+
+
+def _cpu_seconds() -> tuple[float, float, float, float]:
+    """CPU seconds of this process, of its reaped descendants and (with a cgroup, else 0) of
+    every process in its cgroup, and the monotonic clock."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, time.monotonic()
+    group = int((_CPU_GROUP / "cpuacct.usage").read_text()) / 1e9 if _CPU_GROUP is not None else 0.0
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, group, time.monotonic()
 
 
-def _log_cpu(module: str, start: tuple[float, float, float]) -> None:
+def _log_cpu(module: str, start: tuple[float, float, float, float]) -> None:
     """With KVXFER_TEST_CPU_LOG=PATH, one line per module (tab-separated: module, CPU seconds
-    in the test process, CPU seconds of the processes it started, wall seconds): the suite is
-    bound by the CPU, and a module's wall time under parallel workers says little about it."""
+    in the test process, CPU seconds of the processes it started once reaped, wall seconds,
+    and, where the run may make a cpuacct cgroup, CPU seconds of every process in it): the
+    suite is bound by the CPU, and a module's wall time under parallel workers says little."""
     path = os.environ.get("KVXFER_TEST_CPU_LOG")
     if path:
         end = _cpu_seconds()
         with open(path, "a") as log:
-            log.write(f"{module}\t{end[0] - start[0]:.2f}\t{end[1] - start[1]:.2f}\t{end[2] - start[2]:.2f}\n")
+            log.write(f"{module}\t{end[0] - start[0]:.2f}\t{end[1] - start[1]:.2f}\t{end[3] - start[3]:.2f}"
+                      f"\t{end[2] - start[2]:.2f}\n")
 
 
 @pytest.fixture(scope="module")
