@@ -1,8 +1,10 @@
 """Shared test set-up: GPU tests skip cleanly without CUDA, and no test module leaves a
-backend's thread or any process it started (a child, or one reparented away) running behind it."""
+backend's thread, any process it started (a child, or one reparented away) or a UCX worker
+running behind it."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import resource
@@ -28,6 +30,7 @@ settings.load_profile("kvxfer")
 _BACKEND_THREADS = ("kvxfer-ipc-", "kvxfer-loopback-", "kvxfer-nixl-", "kvxfer-ucx-", "kvxfer-blob-", "etcd-")
 _SETTLE_S = 10.0  # a process killed at a module's end may take a moment to be reaped
 _RUN_MARK = mark_run()  # every process this run starts carries it (kvxfer.testing.leftovers)
+_UCX_FILES = pytest.StashKey[set[str]]()  # a module's UCX files when it started (_ucx_shared_memory)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,6 +41,7 @@ def nothing_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None
     children = set(children_of(os.getpid()))
     peers = set(mp.active_children())
     before = set(marked_processes(_RUN_MARK))
+    request.node.stash[_UCX_FILES] = _ucx_shared_memory()  # checked by pytest_runtest_teardown
     cpu = _cpu_seconds()
     yield
     _log_cpu(request.node.nodeid, cpu)
@@ -57,6 +61,42 @@ def nothing_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None
     assert not procs, f"child processes still running after the module's tests: {procs}"
     assert not strays, f"processes this module started still running after its tests: {strays}"
     assert not forked, f"multiprocessing children still running after the module's tests: {forked}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a module's last teardown: no UCX worker its tests made (ucxx's or NIXL's) is
+    still alive. Here, not in the module fixture above: until this teardown ends, pytest still
+    holds the last test's fixture values (a list of shut-down backends, say)."""
+    yield
+    module = item.getparent(pytest.Module)
+    if module is None or _UCX_FILES not in module.stash or (
+            nextitem is not None and nextitem.getparent(pytest.Module) is module):
+        return
+    if isinstance(item, pytest.Function):
+        item.funcargs.clear()  # pytest lets go of them next; it must be first
+    before = module.stash[_UCX_FILES]
+    if left := _ucx_shared_memory() - before:
+        gc.collect()  # a backend shut down but still in a reference cycle lets go of its worker here
+        left = _ucx_shared_memory() - before
+    assert not left, (f"UCX workers made by {module.nodeid}'s tests still exist: they hold {len(left)} of UCX's "
+                      f"shared-memory files, and sockets with UCX async handlers on them")
+
+
+def _ucx_shared_memory() -> set[str]:
+    """UCX's shared-memory files this process holds open: every live UCX worker, ucxx's or
+    NIXL's, holds some. A worker left alive keeps its descriptors (about 18) and UCX's async
+    handlers, keyed by descriptor number, for the life of the test process: under xdist one
+    process passed 1,100 descriptors, and a later UCX worker failed to start."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed since the listing (the listing's own, for one)
+        if "/ucx_shm_" in target:
+            found.add(target)
+    return found
 
 
 def _cpu_group() -> Path | None:

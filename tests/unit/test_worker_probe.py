@@ -5,6 +5,7 @@ agent's threads end), freeing when the event loop ends, and the doctor's own che
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import resource
@@ -178,10 +179,14 @@ def test_the_doctor_waits_on_a_descriptor_past_select_s_limit(monkeypatch: pytes
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
     monkeypatch.setattr(doctor, "TICK_S", 0.05)
     ours, theirs = socket.socketpair()
-    high = socket.socket(fileno=os.dup2(ours.fileno(), 1100))
+    # The lowest free descriptor from 1100 up. Not dup2() onto 1100: that closes whatever this
+    # process holds there, and once that was a live UCX worker's socket, whose async handler
+    # (keyed by the number) then kept the next UCX worker in the process from starting.
+    high = socket.socket(fileno=fcntl.fcntl(ours.fileno(), fcntl.F_DUPFD, 1100))
     try:
         body = json.dumps({"results": 2}).encode()
         theirs.sendall(len(body).to_bytes(8, "little") + body)
+        assert high.fileno() >= 1100
         assert doctor._next(high, 5.0, lambda: None) == {"results": 2}
     finally:
         for sock in (high, ours, theirs):

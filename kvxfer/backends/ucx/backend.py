@@ -158,7 +158,8 @@ class UcxBackend(BackendEngine):
         end_idle(list(self._sending.values()), list(self._receiving.values()))
         left = frozenset(a for a in self._all_attempts() if not a.quiesced())
         if not left and not self._transport.closed:
-            self._transport.drain_everything([self._early.everything()])
+            # Control messages still going (a cancel's record, a heartbeat) are let finish.
+            self._transport.drain_everything([self._early.everything()], [h[2] for h in self._heartbeats])
             self._transport.close()
         return left
 

@@ -229,13 +229,17 @@ class Transport:
         scratch = np.empty(max(1, int(probe.length)), np.uint8)
         return self.receive(probe, scratch), scratch
 
-    def drain_everything(self, held: Iterable[list[Any]]) -> None:
-        """At shutdown: every message still queued, and those taken out and ``held``, dropped."""
+    def drain_everything(self, held: Iterable[list[Any]], sends: Iterable[Any] = ()) -> None:
+        """At shutdown: every message still queued, and those taken out and ``held``, dropped;
+        ``sends`` still on their way given up to a second too. A send that close() must cancel
+        instead stays registered on its endpoint (ucxx 0.52), and keeps the endpoint, and
+        through it the worker with its descriptors, for the life of the process."""
         scratch = [self.drain(probe) for probes in held for probe in probes]
         while (probe := self.probe(0, 0)) is not None:
             scratch.append(self.drain(probe))
+        waiting = [request for request, _ in scratch] + list(sends)
         deadline = time.monotonic() + 1.0
-        while not all(request.completed for request, _ in scratch) and time.monotonic() < deadline:
+        while not all(request.completed for request in waiting) and time.monotonic() < deadline:
             self._worker.progress()
         # A receive still running past that keeps its buffer alive with the worker's lifetime.
         self._leftover += [entry for entry in scratch if not entry[0].completed]
@@ -256,7 +260,19 @@ class Transport:
         self._worker.progress()
 
     def close(self) -> None:
+        """Close every endpoint now, so that the UCX worker goes with this Transport.
+
+        Not with ``forget()``'s ``close()``: that leaves a close request registered on its
+        endpoint, holding the endpoint and through it the worker (C++ references Python's
+        collector does not see) until the peer answers, and a peer whose worker is no longer
+        progressed never does. The worker then lived on for the life of the process with its
+        descriptors (about 18: sockets, epoll, pipes, shared memory) and UCX's async handlers
+        on them; one conformance module left 1,881 open. ``close_blocking()`` cancels the
+        endpoint's requests and, with error handling, closes it by force without the peer."""
         self.closed = True
-        for agent in list(self._endpoints):
-            self.forget(agent)
-        self._worker.progress()
+        endpoints = [ep for _, ep in self._endpoints.values()]
+        self._endpoints.clear()
+        for ep in endpoints:
+            if ep.alive:  # a failed one is closed already (see forget())
+                ep.close_blocking()
+        self._worker.progress()  # cancellations of failed endpoints' requests complete here
