@@ -31,6 +31,10 @@ from kvxfer.lender.errors import AlreadyLent
 _lock = threading.RLock()
 _claims: dict[int, _Entry] = {}
 _tokens = itertools.count(1)
+# Claims that ended, dropped from _claims under the lock before it is next read. A finalizer
+# (a lender collected) may run in the middle of any allocation, the iteration over _claims
+# included: it only appends here, so the dict never changes size while it is read.
+_ended: list[int] = []
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ def claim(owner: object, regions: Iterable[SlotRegion], what: str, *, local: boo
 
 
 def _clash(wanted: tuple[SlotRegion, ...], local: bool) -> tuple[object, SlotRegion] | None:
+    while _ended:
+        _claims.pop(_ended.pop(), None)
     for token, entry in list(_claims.items()):
         owner = entry.owner()
         if owner is None:  # collected; its finalizer is about to run
@@ -103,5 +109,4 @@ def holder(regions: Iterable[SlotRegion], *, local: bool = True) -> object | Non
 
 
 def _drop(token: int) -> None:
-    with _lock:
-        _claims.pop(token, None)
+    _ended.append(token)  # no lock, no dict change: see _ended
