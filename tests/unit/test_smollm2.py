@@ -4,7 +4,7 @@ independent implementation of the same file, transformers' GGUF loading and its
 ``LlamaForCausalLM`` (which dequantizes with the same gguf package but runs its own
 un-permutation, tokenizer conversion and forward pass).
 
-Both models load once for the module (about 5 s for ours, 20 s for transformers' on 2 cores).
+Both models load once for the module (about 1 s for ours, 20 s for transformers' on 2 cores).
 """
 
 from __future__ import annotations
@@ -184,5 +184,5 @@ def test_bad_model_names_and_files_are_checkpoint_errors(tmp_path: Path) -> None
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(smollm2_path().read_bytes()[: 4 << 20])
     assert model_path(str(cut)) == cut
-    with pytest.raises(CheckpointError, match="cut.gguf is not a readable GGUF file"):
+    with pytest.raises(CheckpointError, match="cut.gguf: tensor 'token_embd.weight' runs past the end of the file"):
         load_gguf(cut)
