@@ -42,8 +42,8 @@ def _one_line_exit_2(argv: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def cut_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A GGUF whose header is sound and whose tensors are cut short: it passes the
-    command-line check and fails to load."""
+    """A GGUF whose header is sound and whose tensors' data is cut short: refused in one line
+    naming the first tensor that runs past the end."""
     path = tmp_path_factory.mktemp("gguf") / "cut.gguf"
     path.write_bytes(smollm2_path().read_bytes()[: 4 << 20])
     return path
@@ -56,13 +56,13 @@ def test_serve_refuses_a_bad_model_in_one_line(cut_gguf: Path, tmp_path: Path) -
     assert "notes.gguf is not a GGUF file" in _one_line_exit_2(["serve", "--role", "decode", "--model",
                                                                  str(tmp_path / "notes.gguf")])
     line = _one_line_exit_2(["serve", "--role", "decode", "--model", str(cut_gguf)])
-    assert line.startswith("kvxfer serve: ") and "cut.gguf is not a readable GGUF file" in line
+    assert line.startswith("kvxfer serve: ") and "cut.gguf: tensor 'token_embd.weight' runs past the end" in line
 
 
 def test_pair_refuses_a_bad_model_in_one_line(cut_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv, words in ((["--model", "nope"], "kvxfer pair: error: unknown model 'nope'"),
                         (["--model", "smollm2", "--checkpoint", "x"], "both name weights: give one"),
-                        (["--model", str(cut_gguf)], "cut.gguf is not a readable GGUF file"),
+                        (["--model", str(cut_gguf)], "cut.gguf: tensor 'token_embd.weight' runs past the end of the file"),
                         # The shape flags take the file's shape: SmolLM2 has 3 KV heads, not the toy's 2.
                         (["--model", "smollm2", "--prefill-tp", "2"], "--prefill-tp 2 must divide the model's 3 KV")):
         with pytest.raises(SystemExit) as exc:
