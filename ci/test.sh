@@ -22,12 +22,10 @@ wait "$warm" || true  # a collection that fails is reported by the run itself
 # Tests in parallel (pytest-xdist): most of the suite waits on processes, sockets and deadlines
 # rather than the CPU, so more workers than cores pay. One file per worker at a time
 # (--dist loadfile), so that a module's fixtures (worker pairs, a Mooncake master, etcd) are
-# started once. Files go out in the collection's order, which starts the longest modules first
-# (tests/longest_modules.txt), not xdist's (most tests first, which left the long end-to-end
-# modules to run last, alone). KVXFER_TEST_WORKERS=0 runs in this process, one test at a time.
+# started once. KVXFER_TEST_WORKERS=0 runs in this process, one test at a time.
 WORKERS=${KVXFER_TEST_WORKERS:-4}
 parallel=()
-[ "$WORKERS" != 0 ] && parallel=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+[ "$WORKERS" != 0 ] && parallel=(-n "$WORKERS" --dist loadfile)
 # pytest runs last so that its summary (with the slowest tests and the time per directory,
 # tests/conftest.py) is the run's closing lines.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"

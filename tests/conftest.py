@@ -161,22 +161,7 @@ def _cuda_available() -> bool:
 _SLOW_DIRECTORIES = ("chaos", "e2e", "examples", "netns")
 
 
-def _longest_modules() -> dict[str, float]:
-    """tests/longest_modules.txt: seconds per module path (relative to the repository)."""
-    out = {}
-    for line in (Path(__file__).parent / "longest_modules.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            seconds, path = line.split()
-            out[path] = float(seconds)
-    return out
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The longest modules first (ci/test.sh keeps this order: --no-loadscope-reorder), so that
-    # the workers end together instead of one running a long module alone at the end. The
-    # same order in every xdist worker: each collects and sorts the same way.
-    longest, root = _longest_modules(), config.rootpath
-    items.sort(key=lambda item: -longest.get(item.path.relative_to(root).as_posix(), 0.0))
     for item in items:
         if item.path.parent.name in _SLOW_DIRECTORIES and item.path.parent.parent.name == "tests":
             item.add_marker(pytest.mark.slow)
