@@ -19,22 +19,19 @@ Tensor parallelism by KV heads (``kvxfer.engine.tp``): ``ShardedKVCache.create(c
 num_blocks, block_tokens=..., layout=...)`` gives each rank a pool of its heads
 (``kv_head_range``, ``KVShard``); ``model.forward`` / ``next_token`` take it in place of a
 pool, and ``tp_generate`` is ``colocated_generate`` on such a group, token for token.
+
+The names that need torch load from their modules when first used. ``ModelConfig``,
+``model_shape`` and the model files' names need none, so a command line checks its flags in
+milliseconds and refuses bad ones before it pays for torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvxfer.engine.config import GROUP, ModelConfig, config_from_hf
-from kvxfer.engine.generate import colocated_generate, decode, synthetic_prompts, tokens_needed, tp_generate
-from kvxfer.engine.gguf_model import config_from_gguf, load_gguf, load_model, model_shape
-from kvxfer.engine.model import LlamaModel
-from kvxfer.engine.prompts import TEXT_PROMPTS, text_samples, workload_prompts
-from kvxfer.engine.tp import HeadReader, KVShard, ShardedKVCache, kv_head_range, kv_shards
-from kvxfer.engine.weights import (
-    Weights,
-    load_checkpoint,
-    read_safetensors,
-    seeded_weights,
-    to_hf_tensors,
-    write_safetensors,
-)
+from kvxfer.engine.shape import config_from_gguf, model_shape
 from kvxfer.modelfiles import (
     MODELS,
     SMOLLM2,
@@ -47,6 +44,42 @@ from kvxfer.modelfiles import (
     smollm2_path,
 )
 
+if TYPE_CHECKING:
+    from kvxfer.engine.generate import colocated_generate, decode, synthetic_prompts, tokens_needed, tp_generate
+    from kvxfer.engine.gguf_model import load_gguf, load_model
+    from kvxfer.engine.model import LlamaModel
+    from kvxfer.engine.prompts import TEXT_PROMPTS, text_samples, workload_prompts
+    from kvxfer.engine.tp import HeadReader, KVShard, ShardedKVCache, kv_head_range, kv_shards
+    from kvxfer.engine.weights import (
+        Weights,
+        load_checkpoint,
+        read_safetensors,
+        seeded_weights,
+        to_hf_tensors,
+        write_safetensors,
+    )
+
+_LAZY = {
+    "kvxfer.engine.generate": ("colocated_generate", "decode", "synthetic_prompts", "tokens_needed", "tp_generate"),
+    "kvxfer.engine.gguf_model": ("load_gguf", "load_model"),
+    "kvxfer.engine.model": ("LlamaModel",),
+    "kvxfer.engine.prompts": ("TEXT_PROMPTS", "text_samples", "workload_prompts"),
+    "kvxfer.engine.tp": ("HeadReader", "KVShard", "ShardedKVCache", "kv_head_range", "kv_shards"),
+    "kvxfer.engine.weights": ("Weights", "load_checkpoint", "read_safetensors", "seeded_weights", "to_hf_tensors",
+                              "write_safetensors"),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvxfer.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
 __all__ = [
     "GROUP", "MODELS", "SMOLLM2", "TEXT_PROMPTS", "TOY", "CheckpointError", "HeadReader", "KVShard", "LlamaModel",
     "ModelConfig", "ShardedKVCache", "Tokenizer", "Weights", "colocated_generate", "config_from_gguf",
@@ -55,3 +88,7 @@ __all__ = [
     "synthetic_prompts", "text_samples", "to_hf_tensors", "tokens_needed", "tp_generate", "workload_prompts",
     "write_safetensors",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -4,6 +4,9 @@ One frozen ``ModelConfig`` decides everything byte-affecting about the KV cache 
 KV heads, head size, dtype) and everything that decides which tokens come out (the weight
 seed or checkpoint digest). ``scope()`` folds all of it into the pool's layout identity,
 so a prefill and a decode worker built from different models refuse each other's hints.
+
+Importing it imports neither torch nor the pool: a command line builds and checks a
+ModelConfig from its flags, and refuses bad ones, before it pays for those.
 """
 
 from __future__ import annotations
@@ -11,16 +14,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kvxfer.pool import LayerGroupSpec, Layout, PagedKVPool
+    from kvxfer.pool import LayerGroupSpec, Layout, PagedKVPool
 
 GROUP = "full"
 """The single layer group of the reference model: every layer is full attention."""
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+"""The dtypes the model's weights and KV may have, by torch's names."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,10 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,21 +91,26 @@ class ModelConfig:
     def group_spec(self, *, kv_heads: int | None = None, block_tokens: int | None = None) -> LayerGroupSpec:
         """The model's one layer group. ``kv_heads`` (a tensor-parallel rank's share) and
         ``block_tokens`` default to the config's; the ends of a transfer may page differently."""
+        from kvxfer.pool import LayerGroupSpec
+
         tokens = self.block_tokens if block_tokens is None else block_tokens
         heads = self.kv_heads if kv_heads is None else kv_heads
         return LayerGroupSpec(GROUP, layers=self.layers, block_tokens=tokens, kv_heads=heads,
                               head_dim=self.head_dim, dtype=self.torch_dtype)
 
     def make_pool(self, num_blocks: int, *, device: str = "cpu", name: str = "kv", kv_heads: int | None = None,
-                  block_tokens: int | None = None, layout: Layout = Layout.BLOCK_MAJOR,
+                  block_tokens: int | None = None, layout: Layout | None = None,
                   tp: tuple[int, int] = (1, 0)) -> PagedKVPool:
         """A pool for this model, block-major by default: one row = one block of all layers, K and V.
 
         A tensor-parallel rank passes its head count as ``kv_heads`` and ``tp=(tp, rank)``,
         which goes into the layout identity (see ``kvxfer.engine.tp.ShardedKVCache``).
         """
+        from kvxfer.pool import Layout, PagedKVPool
+
         spec = self.group_spec(kv_heads=kv_heads, block_tokens=block_tokens)
-        return PagedKVPool([spec], num_blocks, device=device, layout=layout, scope=self.scope(), tp=tp, name=name)
+        return PagedKVPool([spec], num_blocks, device=device, layout=Layout.BLOCK_MAJOR if layout is None else layout,
+                           scope=self.scope(), tp=tp, name=name)
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:

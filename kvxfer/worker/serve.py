@@ -5,6 +5,9 @@ line on stdout: ``{"event": "ready", "port": N, "url": ..., "role": ..., "pid": 
 writes it to ``--port-file`` if given), so a parent learns the port without races. Logs go
 to stderr. It stops on SIGTERM/SIGINT and, with ``--parent-watch``, when its stdin closes
 (the parent died), so no worker outlives the job that started it.
+
+Flags are checked before torch and the worker's machinery are imported: a command line that
+cannot start is refused, in one line, within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -19,22 +22,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.backends.blob import ShmDriver, StoreError
 from kvxfer.contract import TransferMode, one_line
-from kvxfer.engine import (
-    MODELS,
-    TOY,
-    CheckpointError,
-    LlamaModel,
-    ModelConfig,
-    load_checkpoint,
-    load_model,
-    model_shape,
-)
+from kvxfer.engine import MODELS, TOY, CheckpointError, ModelConfig, model_shape
 from kvxfer.etcd import EtcdUnavailable
 from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
@@ -53,10 +45,15 @@ from kvxfer.serving.http import HttpServer
 from kvxfer.serving.keys import add_key_args, keys_from_args, open_door_warning
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 from kvxfer.ucx_env import net_devices_problem
-from kvxfer.worker.app import make_handler
 from kvxfer.worker.backends import BACKENDS
-from kvxfer.worker.core import Worker, WorkerConfig
+from kvxfer.worker.config import WorkerConfig
 from kvxfer.worker.procs import port_open
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvxfer.engine import LlamaModel
+    from kvxfer.worker.core import Worker
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +83,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def parse_device(name: str, flag: str = "--device") -> torch.device:
     """``name`` as a device (``auto``: cuda when present, else cpu); ValueError naming ``flag``
     when it is not cpu or cuda[:N]. Whether a CUDA index exists is ``check_visible``'s job."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -102,6 +101,8 @@ def check_visible(device: torch.device, flag: str = "--device") -> None:
     """ValueError naming ``flag``, the index and the visible count when this process cannot use ``device``."""
     if device.type != "cuda":
         return
+    import torch
+
     count = torch.cuda.device_count()
     index = device.index if device.index is not None else 0
     if index < count:
@@ -175,6 +176,8 @@ def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 def model_from_args(args: argparse.Namespace) -> LlamaModel:
     """The model the flags name, on their device; a model that cannot load is one line on
     stderr and exit status 2 (SystemExit), never a traceback."""
+    from kvxfer.engine import LlamaModel, load_checkpoint, load_model
+
     device = resolve_device(args.device)
     try:
         if args.model != TOY:
@@ -199,6 +202,9 @@ def model_args_list(args: argparse.Namespace, device: str = "") -> list[str]:
 
 
 async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
+    from kvxfer.worker.app import make_handler
+    from kvxfer.worker.core import Worker
+
     model = model_from_args(args)
     config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
                           mode=TransferMode(args.mode), lender=args.lender, **timing_fields(args),
@@ -417,12 +423,18 @@ def check_store(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                          "(start one: python -m kvxfer.backends.blob.mooncake_master)")
 
 
-def check_backend(parser: argparse.ArgumentParser, backend: str) -> None:
-    """A backend that cannot run on this machine, named before anything is built (also a
-    UCX_NET_DEVICES naming a device this host lacks, which NIXL and ucxx would fail on)."""
+def check_net_devices(parser: argparse.ArgumentParser, backend: str) -> None:
+    """A UCX_NET_DEVICES naming a device this host lacks, which NIXL and ucxx would fail on,
+    named before anything is built."""
     problem = net_devices_problem() if backend in ("nixl", "ucx") else None
     if problem:
         parser.error(problem)
+
+
+def check_backend(parser: argparse.ArgumentParser, backend: str) -> None:
+    """A backend that cannot run on this machine, named before anything is built (also a
+    UCX_NET_DEVICES naming a device this host lacks)."""
+    check_net_devices(parser, backend)
     if backend == "ipc":
         info = native_info()
         if not info.cuda_usable:
@@ -441,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     check_engine_kv(parser, args)
     check_store(parser, args)
     check_etcd(parser, args)
-    try:
+    check_net_devices(parser, args.backend)
+    try:  # the first check that imports torch (about 3 s of CPU): every cheaper one is done
         device = parse_device(args.device)
         check_visible(device)
     except ValueError as exc:
@@ -449,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     check_backend(parser, args.backend)  # after the device: a device that is not there says more
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
+    import torch
+
     torch.set_num_threads(args.threads)
     if device.type == "cuda" and device.index is not None:
         # Before any CUDA work: code that takes the current device (UCX/NIXL, streams and

@@ -1,5 +1,7 @@
 """`kvxfer serve` refuses what cannot start before it builds anything: one line naming the
-problem, exit status 2, no traceback; and says where it listens once it does."""
+problem, exit status 2, no traceback, and (but for a device it must ask torch about) before
+torch is imported, so the line comes within a fraction of a second; and says where it listens
+once it does."""
 
 from __future__ import annotations
 
@@ -11,17 +13,26 @@ import time
 
 import pytest
 
+# `kvxfer serve` as the console script runs it, saying on its way out whether torch was imported.
+KVXFER = """
+import atexit, sys
+atexit.register(lambda: print(f"torch imported: {'torch' in sys.modules}", flush=True))
+from kvxfer.cli import main
+sys.exit(main())
+"""
+
 
 def serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvxfer.cli", "serve", "--role", "prefill", *flags],
+    return subprocess.run([sys.executable, "-c", KVXFER, "serve", "--role", "prefill", *flags],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
-def refused(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+def refused(proc: subprocess.CompletedProcess[str], needle: str, *, torch: bool = False) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and needle in errors[0], proc.stderr
+    assert f"torch imported: {torch}" in proc.stdout
 
 
 def test_a_port_in_use_is_refused_before_anything_is_built() -> None:
@@ -56,7 +67,7 @@ def test_ipc_without_a_gpu_is_named() -> None:
 
     if info().cuda_usable:
         pytest.skip("this machine has a usable GPU: --backend ipc can start")
-    refused(serve("--backend", "ipc"), "--backend ipc needs a visible CUDA GPU")
+    refused(serve("--backend", "ipc"), "--backend ipc needs a visible CUDA GPU", torch=True)  # asked torch first
 
 
 def test_a_started_worker_says_where_it_listens() -> None:
