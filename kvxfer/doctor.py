@@ -44,6 +44,7 @@ from kvxfer import doctor_peer, doctor_ucx
 from kvxfer.backends.common.devices import cuda_device_count, cuda_present
 from kvxfer.doctor_probe import ROW
 from kvxfer.serving.client import check_url
+from kvxfer.serving.command import CommandParser
 from kvxfer.serving.keys import BearerKey, add_key_args, keys_from_args
 from kvxfer.ucx_env import net_devices_problem
 from kvxfer.worker.probe import MAX_BYTES as PEER_BYTES
@@ -365,7 +366,7 @@ def _devices(parser: argparse.ArgumentParser, text: str | None, no_device: bool)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvxfer doctor", description=__doc__.splitlines()[0])
+    parser = CommandParser(prog="kvxfer doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
     parser.add_argument("--bytes", type=int, default=None,
                         help=f"buffer size per process (default 512 MiB; with --peer {PEER_BYTES >> 20} MiB, "

@@ -38,6 +38,7 @@ from kvxfer.progress import Count, Line, wait_announced
 from kvxfer.progress import RequestProgress as Progress
 from kvxfer.router.app import KEEPALIVE_S
 from kvxfer.router.router import KEY_PATTERN
+from kvxfer.serving.command import CommandParser
 from kvxfer.serving.http import HttpError, request_text, stream_json
 from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
 from kvxfer.serving.keys import headers as key_headers
@@ -242,7 +243,7 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer pair", description=__doc__.split("\n\n")[1].replace("\n", " "),
+    p = CommandParser(prog="kvxfer pair", description=__doc__.split("\n\n")[1].replace("\n", " "),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--requests", type=int, default=20, help="prompts to send")
     p.add_argument("--min-len", type=int, default=8,

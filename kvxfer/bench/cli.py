@@ -36,13 +36,14 @@ from kvxfer.bench.config import (
 from kvxfer.bench.progress import Progress
 from kvxfer.bench.registry import registry
 from kvxfer.bench.targets import TargetRow, evaluate
+from kvxfer.serving.command import CommandParser
 
 T = TypeVar("T")
 D = TypeVar("D")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__,
+    p = CommandParser(prog="kvxfer bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu", choices=PRESETS, help="figure set (default: cpu)")
     p.add_argument("--cases", help="comma list of cases to run (default: the preset's); see --list-cases")

@@ -28,6 +28,7 @@ from kvxfer.etcd import etcd_endpoints
 from kvxfer.launch.placement import STRATEGIES, RolePlacement
 from kvxfer.progress import Line
 from kvxfer.serving.announce import announce, reserve_stdout
+from kvxfer.serving.command import CommandParser
 from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
 from kvxfer.wire import ENV_KEY as HINT_KEY_ENV
 
@@ -47,7 +48,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer launch", description=__doc__.split("\n\n")[2].replace("\n", " "),
+    p = CommandParser(prog="kvxfer launch", description=__doc__.split("\n\n")[2].replace("\n", " "),
                                 usage="kvxfer launch [options] [-- kvxfer serve flags for every worker]",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--address", default="auto",

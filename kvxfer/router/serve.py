@@ -33,6 +33,7 @@ from kvxfer.router.frontend import OpenAIFrontend
 from kvxfer.router.router import POLICIES, Router
 from kvxfer.router.workers import SELECTIONS
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.command import CommandParser
 from kvxfer.serving.discovery import Membership, add_etcd_args, check_etcd, in_thread, with_health
 from kvxfer.serving.http import HttpServer, check_url
 from kvxfer.serving.keys import add_key_args, keys_from_args, open_door_warning
@@ -93,7 +94,7 @@ async def _follow(args: argparse.Namespace, router: Router) -> Membership:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer router", description="Serve the kvxfer router over HTTP.",
+    p = CommandParser(prog="kvxfer router", description="Serve the kvxfer router over HTTP.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill worker (repeat)")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeat)")

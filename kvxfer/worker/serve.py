@@ -30,6 +30,7 @@ from kvxfer.engine import MODELS, TOY, CheckpointError, ModelConfig, model_shape
 from kvxfer.etcd import EtcdUnavailable
 from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
+from kvxfer.serving.command import CommandParser
 from kvxfer.serving.discovery import (
     Capabilities,
     Layout,
@@ -304,7 +305,7 @@ def arena_mib(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer serve", description="Run a prefill or decode worker.",
+    p = CommandParser(prog="kvxfer serve", description="Run a prefill or decode worker.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
     p.add_argument("--host", default="127.0.0.1")

@@ -30,8 +30,8 @@ def serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.Complete
 def refused(proc: subprocess.CompletedProcess[str], needle: str, *, torch: bool = False) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and needle in errors[0], proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr  # no usage, no log lines: the error alone
+    assert proc.stderr.startswith("kvxfer serve: error: ") and needle in proc.stderr, proc.stderr
     assert f"torch imported: {torch}" in proc.stdout
 
 

@@ -3,13 +3,13 @@ stdout (progress goes to stderr), write the JSON, exit 1 when a finding was made
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
+from kvxfer.serving.command import CommandParser
 from kvxfer.testing.reliability import QUICK, Config, Report, run
 
 
@@ -53,7 +53,7 @@ def render(report: Report) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvxfer.testing.reliability", description=__doc__)
+    p = CommandParser(prog="python -m kvxfer.testing.reliability", description=__doc__)
     p.add_argument("--kills", type=int, help=f"kill rounds (default {Config.kills}; 0 skips)")
     p.add_argument("--chaos", type=int, help=f"serving-chaos requests (default {Config.chaos}; 0 skips)")
     p.add_argument("--chaos-kills", type=int, help=f"worker kills during them (default {Config.chaos_kills})")
