@@ -26,12 +26,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from kvxfer.engine import LlamaModel, colocated_generate, text_samples, workload_prompts
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
 from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_lines, store_rows
 from kvxfer.progress import Count, Line, wait_announced
@@ -56,6 +54,11 @@ from kvxfer.worker.serve import (
     model_from_args,
     parse_device,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvxfer.engine import LlamaModel
 
 
 @dataclass
@@ -377,6 +380,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def _index(device: str) -> int:
     """A CUDA device's index for the lane probe (-1: cpu, or the current device)."""
+    import torch
+
     d = torch.device(device)
     return d.index if d.type == "cuda" and d.index is not None else -1
 
@@ -392,7 +397,7 @@ def _route_mode(args: argparse.Namespace, prefill_device: str, decode_device: st
         return None
     # The workers' memory kind (role_devices keeps it one kind), and their GPUs: UCX's lane
     # between two GPUs is not the one within one (on an H200 pair: cuda_ipc against TCP).
-    memory = "device" if torch.device(prefill_device).type == "cuda" else "host"
+    memory = "device" if prefill_device.startswith("cuda") else "host"  # role_devices resolved it
     try:
         lanes = probe_lanes(memory, args.startup_timeout, (_index(decode_device), _index(prefill_device)))
         args.mode, warning = choose_mode(args.mode, lanes, PullOnTcp(args.pull_on_tcp))
@@ -483,6 +488,8 @@ def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args
 
 def _reference(model: LlamaModel, prompts: list[list[int]], max_new: int, line: Line, workers: int) -> list[list[int]]:
     """Colocated generation of every prompt: what each completion must equal, token for token."""
+    from kvxfer.engine import colocated_generate
+
     count = Count(line, "computing reference outputs", len(prompts),
                   detail=f"colocated generation, while {workers} workers start")
     expected = []
@@ -563,6 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     check_engine_kv_args(parser, args)
     prefill_device, decode_device = role_devices(parser, args)
     check_store_args(parser, args, (prefill_device, decode_device))
+    import torch  # every check is done: now the engine, the oracle and torch
+
+    from kvxfer.engine import text_samples, workload_prompts
+
     torch.set_num_threads(1)
     model = model_from_args(args)
     longest, capped = prompt_range(parser, args, model.config.max_positions)
