@@ -130,7 +130,7 @@ async def _openai(openai: OpenAIFrontend, request: Request, chat: bool, keepaliv
         ask = parse(request.json(), chat)
         job = await openai.prepare(ask)
         if not ask.stream:
-            return Response.json(await openai.complete(job))
+            return Response.json(await openai.complete(job, request.gone))
         chunks = await openai.open_stream(job)
     except BadRequest as exc:  # the body is not JSON
         return Response.json(OpenAIError(str(exc)).body(), 400)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,14 @@ from kvxfer.router.router import Router
 from kvxfer.router.text import TextStream
 
 UNAVAILABLE = "service_unavailable_error"
+
+
+class ClientGone(OpenAIError):
+    """The client left before its whole answer: the request ended there. Answered 499 (the
+    status nginx logs for a client that closed its request), which nobody reads but the log."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 499, kind="client_closed_request")
 
 
 @dataclass(frozen=True)
@@ -123,12 +131,17 @@ class OpenAIFrontend:
         return ask.prompt
 
     # --- running ------------------------------------------------------------------------------
-    async def complete(self, job: Job) -> dict[str, Any]:
-        """The whole answer; OpenAIError (503 with no usable pair, 500 for a failed request)."""
+    async def complete(self, job: Job, gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """The whole answer; OpenAIError (503 with no usable pair, 500 for a failed request).
+        ClientGone once ``gone()`` says the client left: asked after every token, so the
+        request (its decode stream, its reservation) ends within a decode step, as a
+        streamed one does, rather than running on to ``max_tokens`` for nobody."""
         text: list[str] = []
         tokens: list[int] = []
         async with contextlib.aclosing(self._pieces(job)) as pieces:
             async for piece in pieces:
+                if gone():
+                    raise ClientGone("the client closed its connection before the answer was whole")
                 text.append(piece.text)
                 tokens.extend(piece.tokens)
                 if piece.usage is not None:

@@ -209,6 +209,11 @@ class Router:
                         break  # closing _serve closes the decode stream: the worker stops there
         except _Failure as exc:
             error, finish = str(exc), "unavailable" if exc.unavailable else "error"
+        except GeneratorExit:
+            # The caller closed the stream before its end (a client that left): counted, so
+            # that every request sent is in the requests counter.
+            self.meters.requests.inc(result="cancelled", path=run.path)
+            raise
         completion = Completion(
             run.rid, len(run.prompt), tuple(run.emitted), run.ttft, time.perf_counter() - run.start, run.prefill,
             run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events), finish)

@@ -50,6 +50,9 @@ class Request:
     path: str
     headers: dict[str, str]
     body: bytes
+    gone: Callable[[], bool] = field(default=lambda: False, compare=False, repr=False)
+    """Whether the client has gone away (closed its connection, or said it is done): a handler
+    that works long for a whole answer asks it between steps and stops for nobody."""
 
     def json(self) -> Any:
         if not self.body:

@@ -162,7 +162,7 @@ def _head(raw: web.BaseRequest) -> Request:
         raise BadRequest("header too large")
     method = "GET" if raw.method == "HEAD" else raw.method
     headers = {k.lower(): v for k, v in raw.headers.items()}
-    return Request(method, raw.raw_path.split("?", 1)[0], headers, b"")
+    return Request(method, raw.raw_path.split("?", 1)[0], headers, b"", gone=lambda: _gone(raw))
 
 
 def _whole(raw: web.BaseRequest, response: Response, *, close: bool = False) -> web.Response:
