@@ -151,7 +151,7 @@ def test_sampled_generation_differs_from_greedy_and_repeats_by_seed() -> None:
     assert sampled != colocated_generate(MODEL, PROMPT, 12, sampling=SamplingParams(temperature=1.0, seed=8))
     assert colocated_generate(MODEL, PROMPT, 12, sampling=SamplingParams(temperature=1.0, top_k=1, seed=3)) \
         == colocated_generate(MODEL, PROMPT, 12)
-    assert tp_generate(MODEL, PROMPT, 12, tp=1, sampling=params) == sampled
+    assert tp_generate(MODEL, PROMPT, 12, tp=2, sampling=params) == sampled  # a replicated KV head
     with pytest.raises(InvalidSampling, match="outside the vocabulary"):
         colocated_generate(MODEL, PROMPT, 4, sampling=SamplingParams(logit_bias={96: 1}))
 
