@@ -4,7 +4,7 @@ It starts ``kvxfer serve --role prefill``, ``kvxfer serve --role decode`` (NIXL;
 the GPU when CUDA is present, else in host memory) and ``kvxfer router`` as separate processes on this machine,
 sends N prompts of mixed lengths through the router at the given concurrency, and checks
 every completion token for token against colocated generation (prefill and decode in this
-process, one pool). It prints a report (requests, tokens, TTFT and transfer time p50/p99,
+process, one pool; sampled with the same parameters under ``--temperature``). It prints a report (requests, tokens, TTFT and transfer time p50/p99,
 GB/s, rows, failures) and writes it as JSON with ``--json PATH``; its phases (reference
 outputs, workers coming up, requests done and failed so far) show on stderr unless ``--quiet``
 (``kvxfer.progress``). Every process it started is stopped on success, on failure and on
@@ -23,14 +23,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvxfer.engine import SamplingParams
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
+from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_line, sampling_report
 from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_lines, store_rows
 from kvxfer.progress import Count, Line, wait_announced
 from kvxfer.progress import RequestProgress as Progress
@@ -88,10 +90,10 @@ ROUTER_SILENCE_S = 6 * KEEPALIVE_S
 
 
 async def run_workload(router_url: str, prompts: list[list[int]], expected: list[list[int]], max_new: int,
-                       concurrency: int, timeout: float, progress: Progress, api_key: BearerKey | None = None
-                       ) -> list[Result]:
+                       concurrency: int, timeout: float, progress: Progress, api_key: BearerKey | None = None,
+                       sampling: Sequence[SamplingParams] = ()) -> list[Result]:
     """Send every prompt through the router whose ``--timeout`` is ``timeout`` (with its API
-    key, when it wants one)."""
+    key, when it wants one), prompt i sampled as ``sampling[i]`` says (none: greedy)."""
     sem = asyncio.Semaphore(concurrency)
     # The router may wait on its workers for minutes between two tokens (a stalled transfer,
     # then a recompute elsewhere) and ends such a wait itself; meanwhile it sends a "waiting"
@@ -106,7 +108,8 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
             completion: dict[str, Any] = {}
             error = None
             try:
-                body = {"request": f"pair-{i}", "prompt": prompts[i], "max_new_tokens": max_new}
+                body = {"request": f"pair-{i}", "prompt": prompts[i], "max_new_tokens": max_new,
+                        **(sampling[i].to_json() if sampling else {})}
                 async for event in stream_json(router_url, "/generate", body, timeout, idle,
                                                headers=key_headers(api_key)):
                     if event.get("event") == "token":
@@ -221,6 +224,7 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
         f"kvxfer pair: {c['backend']} ({mode}, {c['lender']} lender), {c['prefill_workers']} prefill + "
         f"{c['decode_workers']} decode workers, model {c['model']}{placed}",
         *_kv_line(c.get("engine_kv")),
+        *sampling_line(c.get("sampling")),
         f"  requests     {report['requests']} sent, {report['completed']} completed, "
         f"{report['matched']} token-identical to colocated generation, {report['mismatched']} differ, "
         f"{report['failed']} failed",
@@ -286,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-device", default="",
                    help="the decode workers' device, e.g. cuda:1 with --prefill-device cuda:0; empty: --device")
     add_engine_kv_args(p)
+    add_sampling_args(p)
     add_store_args(p)
     add_model_args(p)
     return p
@@ -441,6 +446,7 @@ def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement,
             "device": str(model.device), "prefill_device": placed.prefill_device,
             "decode_device": placed.decode_device,
             "model_config": model.config.to_json(), "engine_kv": engine_kv_report(args),
+            "sampling": sampling_report(args.sampling),
             "log_dir": str(log_dir)}
 
 
@@ -480,21 +486,23 @@ def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args
              line: Line) -> None:
     warm = asyncio.run(run_workload(url, prompts[: args.warmup], expected[: args.warmup], args.max_new_tokens, 1,
                                     args.timeout, Progress(args.warmup, line=line, label="warm-up requests"),
-                                    args.api_key))
+                                    args.api_key, args.samplings[: args.warmup]))
     bad = [r for r in warm if not r.matched]
     if bad:
         print(f"kvxfer pair: warm-up request failed: {bad[0].error or 'tokens differ'}", file=sys.stderr)
 
 
-def _reference(model: LlamaModel, prompts: list[list[int]], max_new: int, line: Line, workers: int) -> list[list[int]]:
-    """Colocated generation of every prompt: what each completion must equal, token for token."""
+def _reference(model: LlamaModel, prompts: list[list[int]], max_new: int, line: Line, workers: int,
+               sampling: Sequence[SamplingParams]) -> list[list[int]]:
+    """Colocated generation of every prompt (sampled as its request is): what each completion
+    must equal, token for token."""
     from kvxfer.engine import colocated_generate
 
     count = Count(line, "computing reference outputs", len(prompts),
                   detail=f"colocated generation, while {workers} workers start")
     expected = []
-    for prompt in prompts:
-        expected.append(colocated_generate(model, prompt, max_new))
+    for prompt, params in zip(prompts, sampling):
+        expected.append(colocated_generate(model, prompt, max_new, sampling=params))
         count.advance()
     return expected
 
@@ -520,7 +528,7 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
         launched = time.perf_counter()
         workers = _start_workers(group, args, placed, store)
         if expected is None:  # the oracle runs while the workers start (they import torch and NIXL)
-            expected = _reference(model, prompts, args.max_new_tokens, line, len(workers))
+            expected = _reference(model, prompts, args.max_new_tokens, line, len(workers), args.samplings)
         wait_announced(group, workers, args.startup_timeout,
                        Count(line, "starting workers", len(workers), "up", every_step=True, started=launched))
         router = _start_router(group, args, workers)
@@ -536,7 +544,7 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
         progress = Progress(len(prompts), line=line)
         start = time.perf_counter()
         results = asyncio.run(run_workload(router.url, prompts, expected, args.max_new_tokens,
-                                           args.concurrency, args.timeout, progress, args.api_key))
+                                           args.concurrency, args.timeout, progress, args.api_key, args.samplings))
         wall = time.perf_counter() - start
         _save_metrics(group, log_dir)
     return results, wall, expected
@@ -564,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    args.sampling = check_sampling_args(parser, args)
+    args.samplings = per_request(args.sampling, args.requests)
     check_serving(parser, "127.0.0.1", 0)  # the hint key, which every worker would refuse
     check_backend(parser, args.backend)
     check_model_args(parser, args)

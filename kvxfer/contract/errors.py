@@ -28,6 +28,7 @@ module imports none of them, it only draws them):
     ├── ProcessFailed            a launched worker or router did not come up       [worker.procs]
     ├── PullOverTcp              a pull lane would run over TCP                    [worker.lanes]
     ├── CheckpointError          a model checkpoint cannot be loaded               [engine.weights]
+    ├── InvalidSampling          a sampling parameter is bad; also a ValueError    [engine.sampling]
     ├── ConfigError              a bench option is wrong; also a ValueError        [bench.config]
     ├── ResultError              a bench result file is wrong; also a ValueError   [bench.results]
     ├── Skip                     a bench case cannot run here (and why)            [bench.cases]

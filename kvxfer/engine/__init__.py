@@ -4,7 +4,10 @@
     model = LlamaModel(ModelConfig())                 # deterministic seeded weights (seed 0)
     tokens = colocated_generate(model, [1, 2, 3], max_new_tokens=8)   # the oracle
 
-Greedy decoding only. ``ModelConfig`` fixes the size (defaults run on a 2-core CPU in
+Greedy by default; ``sampling=SamplingParams(temperature=0.8, seed=7, top_p=0.9, ...)``
+samples instead (``kvxfer.engine.sampling``: each token drawn from a stream keyed by the seed
+and its index in the completion, so a disaggregated run makes the oracle's tokens).
+``ModelConfig`` fixes the size (defaults run on a 2-core CPU in
 seconds) and its ``scope()`` goes into the pool's layout identity, so workers with other
 weights refuse each other's hints. ``load_checkpoint(path)`` loads a local Hugging Face
 Llama safetensors file (with its ``config.json``); nothing is downloaded.
@@ -31,6 +34,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.engine.config import GROUP, ModelConfig, config_from_hf
+from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams, pick_token
 from kvxfer.engine.shape import config_from_gguf, model_shape
 from kvxfer.modelfiles import (
     MODELS,
@@ -81,10 +85,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "GROUP", "MODELS", "SMOLLM2", "TEXT_PROMPTS", "TOY", "CheckpointError", "HeadReader", "KVShard", "LlamaModel",
-    "ModelConfig", "ShardedKVCache", "Tokenizer", "Weights", "colocated_generate", "config_from_gguf",
+    "GREEDY", "GROUP", "MODELS", "SMOLLM2", "TEXT_PROMPTS", "TOY", "CheckpointError", "HeadReader", "InvalidSampling", "KVShard", "LlamaModel",
+    "ModelConfig", "SamplingParams", "ShardedKVCache", "Tokenizer", "Weights", "colocated_generate", "config_from_gguf",
     "config_from_hf", "decode", "gguf_metadata", "kv_head_range", "kv_shards", "load_checkpoint", "load_gguf",
-    "load_model", "load_tokenizer", "model_path", "model_shape", "read_safetensors", "seeded_weights", "smollm2_path",
+    "load_model", "load_tokenizer", "model_path", "model_shape", "pick_token", "read_safetensors", "seeded_weights", "smollm2_path",
     "synthetic_prompts", "text_samples", "to_hf_tensors", "tokens_needed", "tp_generate", "workload_prompts",
     "write_safetensors",
 ]

@@ -1,5 +1,6 @@
 """The reference decoder: RMSNorm, rotary embeddings, grouped-query attention over the
-paged pool, SwiGLU. Greedy only; one request per forward.
+paged pool, SwiGLU; one request per forward. ``next_token`` picks greedily, or samples
+(``kvxfer.engine.sampling``) from the last logits.
 
 Attention never keeps K/V of its own: each layer writes the new tokens' K/V into the
 request's blocks (``pool.write_kv``) and reads the whole prefix back through the block
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvxfer.engine.config import ModelConfig
+from kvxfer.engine.sampling import GREEDY, SamplingParams, pick_token
 from kvxfer.engine.tp import ShardedKVCache
 from kvxfer.engine.weights import LayerWeights, Weights, seeded_weights
 from kvxfer.modelfiles.tokenizer import Tokenizer
@@ -142,9 +144,15 @@ class LlamaModel:
         return (last @ self.weights.lm_head.T)[0].float()
 
     def next_token(self, kv: PagedKVPool | ShardedKVCache, request: str, tokens: Sequence[int] | torch.Tensor,
-                   start: int) -> int:
-        """Greedy: the argmax of the last logits (ties go to the lowest id, as torch.argmax does)."""
-        return int(torch.argmax(self.forward(kv, request, tokens, start)))
+                   start: int, sampling: SamplingParams = GREEDY, prompt: Sequence[int] = (),
+                   generated: Sequence[int] = ()) -> int:
+        """The token after the forward: greedy, the argmax of the last logits (ties go to the
+        lowest id, as torch.argmax does), or as ``sampling`` says, given the request's
+        ``prompt`` and the completion ``generated`` so far (its length is the new token's index)."""
+        logits = self.forward(kv, request, tokens, start)
+        if sampling.plain:
+            return int(torch.argmax(logits))
+        return pick_token(logits, sampling, prompt, generated)
 
 
 def _to_device(weights: Weights, device: torch.device) -> Weights:

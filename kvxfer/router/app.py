@@ -11,7 +11,11 @@ OpenAI-compatible (``kvxfer.router.openai_api`` says what differs):
     usable prefill/decode pair), 500 (the request failed)
 
 kvxfer's own:
-    POST /generate {"prompt": [ids], "max_new_tokens": N, "request"?: str, "stop_ids"?: [ids]}
+    POST /generate {"prompt": [ids], "max_new_tokens": N, "request"?: str, "stop_ids"?: [ids],
+                    "temperature"?, "top_p"?, "top_k"?, "min_p"?, "seed"?, "presence_penalty"?,
+                    "frequency_penalty"?, "repetition_penalty"?, "logit_bias"?: {"id": bias}}
+         (``kvxfer.engine.sampling``; greedy without them; sampling without a seed gets a random
+         one, which completion.seed names)
          -> NDJSON: {"event": "token", "index", "token", "at_s"} ... then
             {"event": "done", "final": true, "completion": {...}}  (completion.error set on failure)
             and {"event": "waiting"} whenever KEEPALIVE_S passed without another event
@@ -38,6 +42,8 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from kvxfer.engine.sampling import FIELDS as SAMPLING_FIELDS
+from kvxfer.engine.sampling import InvalidSampling, SamplingParams
 from kvxfer.router.frontend import OpenAIFrontend
 from kvxfer.router.inputs import InvalidRequest
 from kvxfer.router.openai_api import OpenAIError, parse
@@ -53,7 +59,7 @@ between two tokens (a stalled transfer, then a recompute elsewhere), and its own
 that wait with the failure or the recompute. The "waiting" events (NDJSON) and comments
 (SSE) let a client tell such a wait from a router that hung, with a short silence limit of its own."""
 
-GENERATE_FIELDS = frozenset({"prompt", "max_new_tokens", "request", "stop_ids"})
+GENERATE_FIELDS = frozenset({"prompt", "max_new_tokens", "request", "stop_ids", *SAMPLING_FIELDS})
 _WAITING = object()
 
 
@@ -106,12 +112,13 @@ async def _generate(router: Router, body: Any, keepalive_s: float) -> Response:
     if not isinstance(stop_ids, list):
         raise BadRequest("'stop_ids' must be a list of token ids")
     try:
-        await router.validate(prompt, max_new, stop_ids)  # type: ignore[arg-type]
-    except InvalidRequest as exc:
+        sampling = SamplingParams.from_json({k: body[k] for k in SAMPLING_FIELDS if k in body})
+        await router.validate(prompt, max_new, stop_ids, sampling)  # type: ignore[arg-type]
+    except (InvalidRequest, InvalidSampling) as exc:
         raise BadRequest(str(exc)) from None
     rid = body.get("request")
     stream = router.stream(prompt, max_new, rid if isinstance(rid, str) else None,  # type: ignore[arg-type]
-                           stop_ids=stop_ids)
+                           stop_ids=stop_ids, sampling=sampling)
     return Response.ndjson(_events(stream, keepalive_s))
 
 

@@ -106,9 +106,10 @@ class OpenAIFrontend:
         else:
             max_tokens = CHAT_MAX_TOKENS if ask.chat else COMPLETION_MAX_TOKENS
         try:
-            await self.router.validate(ids, max_tokens)
+            await self.router.validate(ids, max_tokens, sampling=ask.sampling)
         except InvalidRequest as exc:
-            param = "max_tokens" if "positions" in str(exc) else ("messages" if ask.chat else "prompt")
+            param = "logit_bias" if str(exc).startswith("'logit_bias'") else \
+                "max_tokens" if "positions" in str(exc) else ("messages" if ask.chat else "prompt")
             raise OpenAIError(str(exc), param=param) from None
         return Job(ask, model, ids, max_tokens, tok)
 
@@ -186,7 +187,7 @@ class OpenAIFrontend:
         texts = TextStream(tok, job.ask.stop) if tok is not None else None
         stop_ids = tok.stop_ids if tok is not None else frozenset()
         stream = self.router.stream(job.ids, job.max_tokens, stop_ids=stop_ids,
-                                    until=lambda _: texts is not None and texts.stopped)
+                                    until=lambda _: texts is not None and texts.stopped, sampling=job.ask.sampling)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 if isinstance(item, Completion):

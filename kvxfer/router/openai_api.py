@@ -3,10 +3,16 @@ read into ``Ask`` (every field checked, unknown ones refused), answers and strea
 shaped as OpenAI's, errors in OpenAI's error shape. No I/O here: ``kvxfer.router.frontend``
 runs the requests.
 
+Sampling as OpenAI's: ``temperature`` (absent or 0: greedy), ``top_p``, ``seed``,
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as strings; -100
+bans a token, +100 restricts the choice to those so biased), and vLLM's extras ``top_k``,
+``min_p`` and ``repetition_penalty`` (the openai client's ``extra_body``); each is checked
+by ``kvxfer.engine.sampling.SamplingParams`` and a bad one is a 400 naming it. A request
+with a seed makes the same tokens each time; one without gets a random seed from the router.
+
 What differs from OpenAI, on purpose, and said in the 400 a request gets:
-- decoding is greedy: ``temperature`` absent or 0, ``top_p`` absent or 1, ``n`` 1; a seed
-  is taken and changes nothing;
-- no logprobs, no echo, no suffix, no logit bias, no penalties other than 0, no tools;
+- one choice: ``n`` and ``best_of`` 1;
+- no logprobs (nor ``top_logprobs``), no echo, no suffix, no tools;
 - ``max_tokens`` absent means 16 for completions (OpenAI's default) and, for chat, the
   model's positions left after the prompt, at most ``CHAT_MAX_TOKENS``.
 A completion's choice carries ``token_ids`` besides its text (a model without a tokenizer,
@@ -21,27 +27,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.engine.sampling import FIELDS as SAMPLING_FIELDS
+from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16
 CHAT_MAX_TOKENS = 256
 MAX_STOPS = 4
 
-_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "user",
-                     "seed", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"})
+_COMMON = frozenset({"model", "max_tokens", "n", "stream", "stream_options", "stop", "user", "logprobs",
+                     *SAMPLING_FIELDS})
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
 ROLES = ("system", "user", "assistant")
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     # Fields a client may send at the value that asks for nothing this router lacks.
-    "temperature": (None, 0), "top_p": (None, 1), "n": (None, 1), "best_of": (None, 1),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
-    "parallel_tool_calls": (None, False, True),
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+    "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, False, True),
 }
-_WHY = {"temperature": "this router decodes greedily: temperature must be 0 (or absent)",
-        "top_p": "this router decodes greedily: top_p must be 1 (or absent)",
-        "n": "this router makes one choice per request: n must be 1", "best_of": "best_of must be 1"}
+_WHY = {"n": "this router makes one choice per request: n must be 1",
+        "best_of": "this router makes one choice per request: best_of must be 1"}
 
 
 class OpenAIError(KvxferError):
@@ -75,6 +80,7 @@ class Ask:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    sampling: SamplingParams = GREEDY
 
 
 def parse(body: Any, chat: bool) -> Ask:
@@ -102,10 +108,14 @@ def parse(body: Any, chat: bool) -> Ask:
     else:
         messages, prompt = (), _prompt(body.get("prompt"))
         max_tokens = _max_tokens(body, "max_tokens")
-    _check_seed(body.get("seed"))
+    try:
+        sampling = SamplingParams.from_json({k: body[k] for k in SAMPLING_FIELDS if k in body})
+    except InvalidSampling as exc:
+        raise OpenAIError(str(exc), param=exc.field) from None
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError("'user' must be a string", param="user")
-    return Ask(chat, model, prompt, messages, max_tokens, _stops(body.get("stop")), bool(stream), include_usage)
+    return Ask(chat, model, prompt, messages, max_tokens, _stops(body.get("stop")), bool(stream), include_usage,
+               sampling)
 
 
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
@@ -181,11 +191,6 @@ def _stops(stop: Any) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
         raise OpenAIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them", param="stop")
     return tuple(stops)
-
-
-def _check_seed(seed: Any) -> None:
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise OpenAIError("'seed' must be an integer", param="seed")
 
 
 # --- answers --------------------------------------------------------------------------------

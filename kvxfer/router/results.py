@@ -47,6 +47,9 @@ class Completion:
     """Why it ended: "length" (max_new_tokens streamed), "stop" (a stop id streamed, or the
     caller closed the stream on a stop of its own), "error" (``error`` says what), or
     "unavailable" (no usable prefill/decode pair: no worker ran anything)."""
+    seed: int | None = None
+    """The seed the tokens were sampled with (the caller's, or the router's random one, with
+    which the same request makes the same tokens again); None when decoding was greedy."""
 
     @property
     def ok(self) -> bool:

@@ -6,9 +6,14 @@
             if isinstance(item, Token): ...       # index, token, seconds since the request began
             else: completion = item               # the last item: a Completion (tokens, finish_reason, error)
         completion = await router.generate(prompt_ids, 32)   # the same, collected
+        completion = await router.generate(prompt_ids, 32, sampling=SamplingParams(temperature=0.8, top_p=0.9))
         router.add_worker("decode", "http://10.0.0.7:8002")  # or remove_worker(url), while it serves
     # leaving the block closes it (or await router.close()): lets its background aborts land,
     # closes its HTTP session
+
+Greedy unless ``sampling`` says otherwise (``kvxfer.engine.sampling``); a sampled request
+without a seed gets a random one here, sent to both workers, so the prefill worker's first
+token and the decode worker's later ones come from one stream (``Completion.seed`` names it).
 
 A request the workers' model cannot serve raises ``InvalidRequest`` (``validate``), in this
 process as over HTTP. ``health()`` asks every worker and says whether a pair is usable.
@@ -48,8 +53,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams
 from kvxfer.router.cleanup import Cleanup
-from kvxfer.router.inputs import check_limits, check_shape
+from kvxfer.router.inputs import InvalidRequest, check_limits, check_shape
 from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
 from kvxfer.router.workers import Endpoint, ModelLimits, RouterHealth, WorkerSet, judge
@@ -84,6 +90,7 @@ class _Run:
     prompt: list[int]
     max_new: int
     start: float
+    sampling: SamplingParams = GREEDY
     emitted: list[int] = field(default_factory=list)
     ttft: float | None = None
     prefill: str | None = None
@@ -181,22 +188,26 @@ class Router:
 
     # --- the public surface -------------------------------------------------------------------
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None, *,
-                       stop_ids: Collection[int] = (), until: Callable[[Token], bool] | None = None) -> Completion:
-        async for item in self.stream(prompt, max_new_tokens, request, stop_ids=stop_ids, until=until):
+                       stop_ids: Collection[int] = (), until: Callable[[Token], bool] | None = None,
+                       sampling: SamplingParams = GREEDY) -> Completion:
+        async for item in self.stream(prompt, max_new_tokens, request, stop_ids=stop_ids, until=until,
+                                      sampling=sampling):
             if isinstance(item, Completion):
                 return item
         raise AssertionError("stream ended without a Completion")
 
     async def stream(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None, *,
-                     stop_ids: Collection[int] = (), until: Callable[[Token], bool] | None = None
-                     ) -> AsyncGenerator[Token | Completion, None]:
+                     stop_ids: Collection[int] = (), until: Callable[[Token], bool] | None = None,
+                     sampling: SamplingParams = GREEDY) -> AsyncGenerator[Token | Completion, None]:
         """Tokens as they come, then the Completion. The request ends, with finish_reason
         "stop", after a token of ``stop_ids`` or one for which ``until`` (asked once the
         caller has taken the token: a stop string) is true. InvalidRequest, before anything
-        is sent to a worker, for a request the workers' model cannot serve (``validate``)."""
-        await self.validate(prompt, max_new_tokens, stop_ids)
+        is sent to a worker, for a request the workers' model cannot serve (``validate``).
+        ``sampling`` picks the tokens (greedy by default); without a seed it gets a random one."""
+        await self.validate(prompt, max_new_tokens, stop_ids, sampling)
         key = self._key()
-        run = _Run(request or key, key, [int(t) for t in prompt], max_new_tokens, time.perf_counter())
+        run = _Run(request or key, key, [int(t) for t in prompt], max_new_tokens, time.perf_counter(),
+                   sampling.with_seed())
         stops = frozenset(int(t) for t in stop_ids)
         error: str | None = None
         finish = "length"
@@ -216,18 +227,27 @@ class Router:
             raise
         completion = Completion(
             run.rid, len(run.prompt), tuple(run.emitted), run.ttft, time.perf_counter() - run.start, run.prefill,
-            run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events), finish)
+            run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events), finish,
+            None if run.sampling.greedy else run.sampling.seed)
         self.meters.count(completion)
         yield completion
 
-    async def validate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Collection[int] = ()) -> None:
+    async def validate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Collection[int] = (),
+                       sampling: SamplingParams = GREEDY) -> None:
         """InvalidRequest naming what the workers' model cannot serve: a prompt that is not
-        token ids, ids past its vocabulary, more tokens than its positions. The limits come
-        from the workers' /health; with no worker answering, only the shape is checked."""
+        token ids, ids past its vocabulary (a ``logit_bias`` too), more tokens than its
+        positions. The limits come from the workers' /health; with no worker answering, only
+        the shape is checked."""
         check_shape(prompt, max_new_tokens, stop_ids)
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequest(f"'sampling' must be a SamplingParams, got {type(sampling).__name__}")
         limits = await self.model()
         if limits is not None:
             check_limits(prompt, max_new_tokens, limits)
+            try:
+                sampling.check_vocab(limits.vocab_size)
+            except InvalidSampling as exc:
+                raise InvalidRequest(str(exc)) from None
 
     def _key(self) -> str:
         """A worker-side id no other request of any router gets. A client's own id is never
@@ -356,8 +376,8 @@ class Router:
             return
         outcome = asyncio.create_task(self._publish_outcome(publish))
         try:
-            body = {"request": run.key, "hint": published["hint"], "first_token": run.emitted[0],
-                    "on_failure": self.on_failure, "timeout_s": t}
+            body = _sampled(run, {"request": run.key, "hint": published["hint"], "first_token": run.emitted[0],
+                                  "on_failure": self.on_failure, "timeout_s": t})
             async for tok in self._generate(run, d, body):
                 yield tok
         except _Failure as exc:
@@ -374,8 +394,8 @@ class Router:
         """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised."""
         t = self.timeout_s
         reserve = asyncio.create_task(self._http.request_json(d.url, "POST", "/reserve", ask, t))
-        prefill = asyncio.create_task(self._http.request_json(p.url, "POST", "/prefill",
-                                                              {"request": run.key, "prompt": run.prompt}, t))
+        prefill = asyncio.create_task(self._http.request_json(p.url, "POST", "/prefill", _sampled(
+            run, {"request": run.key, "prompt": run.prompt}), t))
         reserved: Any
         prefilled: Any
         try:
@@ -472,7 +492,8 @@ class Router:
             await self._cleanup.abort(d, {"request": run.key, "rows_safe": rows_safe})
             raise _Failure(f"{what} (policy fail)", dead=False, unavailable=not run.emitted)
         run.path = "local"
-        body = {"request": run.key, "on_failure": "recompute", "rows_safe": rows_safe, "timeout_s": self.timeout_s}
+        body = _sampled(run, {"request": run.key, "on_failure": "recompute", "rows_safe": rows_safe,
+                              "timeout_s": self.timeout_s})
         try:
             async for tok in self._generate(run, d, body):
                 yield tok
@@ -503,8 +524,9 @@ class Router:
         run.path, run.decode = "local", d.url
         context = run.prompt + run.emitted
         run.recomputed += len(context)
-        body = {"request": f"{run.key}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
-                "on_failure": "recompute", "timeout_s": self.timeout_s}
+        # The emitted tokens are the completion's: penalties count them and the next draw is index ``done``.
+        body = _sampled(run, {"request": f"{run.key}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
+                              "on_failure": "recompute", "timeout_s": self.timeout_s, "generated": done})
         d.outstanding += 1
         try:
             shifted = _Run(run.rid, run.key, context, run.max_new - done, run.start)
@@ -547,6 +569,12 @@ class Router:
             except HttpError:
                 pass
         return out
+
+
+def _sampled(run: _Run, body: dict[str, Any]) -> dict[str, Any]:
+    """A worker call's body with the request's sampling, when it is not plain greedy."""
+    sampling = run.sampling.to_json()
+    return {**body, "sampling": sampling} if sampling else body
 
 
 def _generated(run: _Run, d: Endpoint, event: dict[str, Any]) -> Token | None:

@@ -3,12 +3,13 @@
     GET  /health                      -> {"status": "ok", "role": ..., ...}
     GET  /metrics                     -> Prometheus text (prometheus_client's, of ``Worker.metrics``)
     HEAD on either                    -> the GET's status and headers, no body
-    POST /prefill  {request, prompt}  -> {"token": first, "compute_s": ...}          (prefill)
+    POST /prefill  {request, prompt, sampling?}  -> {"token": first, "compute_s": ...}   (prefill)
     POST /publish  {request, hint}    -> NDJSON: published {hint}, transfer {...}     (prefill)
     POST /reserve  {request, prompt, max_new_tokens, publisher} -> {"hint": ...}    (decode)
                                       (publisher: the prefill worker's {agent, run}, from its /health or /prefill;
                                        hint D is bound to it, and expires after hold_s)
-    POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, on_failure, timeout_s, rows_safe?}
+    POST /generate {request, hint?, first_token?, max_new_tokens?, prompt?, generated?, sampling?, on_failure,
+                    timeout_s, rows_safe?}
                                       -> NDJSON: resume {...}, token {index, token}..., done | error   (decode)
     POST /withdraw {hint}             -> {"withdrawn": bool}   (the worker holding a hint D: true when it
                                       can reach those rows no more, now or later; it refuses the hint from then on)
@@ -26,6 +27,10 @@ With a cluster key (``make_handler(worker, cluster_key=)``, ``kvxfer serve --clu
 or ``KVXFER_CLUSTER_KEY``), every route but /health and /metrics wants
 ``Authorization: Bearer <key>``: 401 in OpenAI's error shape otherwise, before the body is read
 (``kvxfer.serving.keys``; the handler's ``gate``, which ``HttpServer`` asks on the head alone).
+
+``sampling`` (both ends of a request get the same): ``SamplingParams.to_json()``, e.g.
+``{"temperature": 0.8, "top_p": 0.9, "seed": 7}``; absent, greedy; sampling needs its seed.
+``generated``: the prompt's last tokens that are the completion's own (a recompute going on).
 
 The worker (``kvxfer.worker.core``) knows no HTTP: this module parses each body into a typed
 call (``kvxfer.worker.bodies``, BadRequest for what is malformed) and maps the worker's

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvxfer import wire
 from kvxfer.contract import Hint, Peer
-from kvxfer.engine import ModelConfig
+from kvxfer.engine import InvalidSampling, ModelConfig, SamplingParams
 from kvxfer.serving.http import BadRequest
 from kvxfer.worker.calls import (
     POLICIES,
@@ -22,7 +22,7 @@ from kvxfer.worker.calls import (
 
 
 def prefill_call(body: dict[str, Any], model: ModelConfig) -> PrefillCall:
-    return PrefillCall(request_id(body), prompt(body, model))
+    return PrefillCall(request_id(body), prompt(body, model), sampling(body, model))
 
 
 def publish_call(body: dict[str, Any]) -> PublishCall:
@@ -57,7 +57,13 @@ def generate_call(body: dict[str, Any], model: ModelConfig) -> GenerateCall:
         raise BadRequest("generate with a hint needs first_token (the prefill worker's token id)")
     ids = prompt(body, model) if "prompt" in body else None
     max_new = positive(body, "max_new_tokens") if "max_new_tokens" in body else None
-    return GenerateCall(rid, policy, timeout, rows_safe, prefill_hint, first, ids, max_new)
+    generated = body.get("generated", 0)
+    if not isinstance(generated, int) or isinstance(generated, bool) or generated < 0 \
+            or (generated and (ids is None or generated >= len(ids))):
+        raise BadRequest("'generated' must be a count of the prompt's last tokens that the completion made, "
+                         "fewer than the prompt's (and only with a prompt)")
+    return GenerateCall(rid, policy, timeout, rows_safe, prefill_hint, first, ids, max_new, sampling(body, model),
+                        generated)
 
 
 def request_id(body: dict[str, Any]) -> str:
@@ -76,6 +82,19 @@ def prompt(body: dict[str, Any], model: ModelConfig) -> list[int]:
     if len(ids) > model.max_positions:
         raise BadRequest(f"'prompt' has {len(ids)} tokens, over max_positions {model.max_positions}")
     return ids
+
+
+def sampling(body: dict[str, Any], model: ModelConfig) -> SamplingParams:
+    """``body["sampling"]``, SamplingParams' JSON (absent: greedy). Sampling needs its seed
+    here: the prefill and the decode worker must draw from one stream."""
+    try:
+        params = SamplingParams.from_json(body.get("sampling"), model.vocab_size)
+    except InvalidSampling as exc:
+        raise BadRequest(f"'sampling': {exc}") from None
+    if not params.greedy and params.seed is None:
+        raise BadRequest("'sampling': 'seed' is required with a temperature above 0 (the router picks one for a "
+                         "request without): the prefill and decode workers draw from one stream")
+    return params
 
 
 def positive(body: dict[str, Any], key: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvxfer.contract import Hint, Peer
+from kvxfer.engine.sampling import GREEDY, SamplingParams
 
 POLICIES = ("fail", "recompute")
 
@@ -14,6 +15,7 @@ POLICIES = ("fail", "recompute")
 class PrefillCall:
     request: str
     prompt: list[int]
+    sampling: SamplingParams = GREEDY  # picks the first token (index 0 of the completion)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,10 @@ class WithdrawCall:
 @dataclass(frozen=True)
 class GenerateCall:
     """With a reservation: ``prefill_hint`` and ``first_token`` (or neither: the prefill side
-    failed before publishing). Without one: ``prompt`` and ``max_new_tokens``, decoded here."""
+    failed before publishing). Without one: ``prompt`` and ``max_new_tokens``, decoded here;
+    the prompt's last ``generated`` tokens are then the completion's first (a recompute that
+    goes on from them), so penalties count them and the next token's draw is index
+    ``generated``. ``sampling``: as the prefill worker's first token was picked."""
 
     request: str
     on_failure: str = "fail"
@@ -54,3 +59,5 @@ class GenerateCall:
     first_token: int | None = None
     prompt: list[int] | None = None
     max_new_tokens: int | None = None
+    sampling: SamplingParams = GREEDY
+    generated: int = 0

@@ -3,8 +3,9 @@
 - ``reserve``: allocate, ``lend_write`` the prompt's rows, ``describe`` -> hint D.
 - ``generate``: ``fetch(view_D, hint_P)``, ``mark_arrived(masks)``, release, then
   ``readiness()``: resume at ``usable_until`` and recompute the rest (policy recompute) or
-  refuse (policy fail); then decode token by token, streaming. Without a reservation, it
-  decodes a prompt locally.
+  refuse (policy fail); then decode token by token, streaming, each picked as the call's
+  sampling says (the prefill worker picked the first the same way). Without a reservation,
+  it decodes a prompt locally.
 
 A reservation whose rows a peer may still write is quarantined (``kvxfer.worker.quarantine``)
 until it is proven that none can: the publisher's word, or hint D's expiry and a grace.
@@ -21,6 +22,7 @@ from typing import Any
 from kvxfer import wire
 from kvxfer.contract import Attempt, KvxferError, Outcome, Peer, View
 from kvxfer.engine import tokens_needed
+from kvxfer.engine.sampling import SamplingParams
 from kvxfer.lender import Lease
 from kvxfer.worker.calls import GenerateCall, ReserveCall
 from kvxfer.worker.errors import Aborted, Refused
@@ -52,7 +54,19 @@ class _Stream:
     max_new: int
     name: str
     owned: bool
+    sampling: SamplingParams
+    generated: int = 0  # the prompt's last tokens that are the completion's (a recompute going on)
     suspect: bool = False
+
+    @property
+    def origin(self) -> list[int]:
+        """The request's prompt proper: what precedes the completion."""
+        return self.prompt[: len(self.prompt) - self.generated]
+
+    @property
+    def earlier(self) -> list[int]:
+        """The completion's tokens before this stream's first."""
+        return self.prompt[len(self.prompt) - self.generated:]
 
 
 class DecodeRole:
@@ -178,8 +192,9 @@ class DecodeRole:
             if reserved.busy:
                 raise Refused(f"request {rid!r} is already generating")
             reserved.busy = True  # only once the call is known to be well formed
-            return self._decode_events(rid, reserved.prompt, reserved.max_new, reserved, call.prefill_hint,
-                                       call.first_token, policy, timeout, rows_safe)
+            stream = _Stream(rid, reserved.prompt, reserved.max_new, name=rid, owned=True, sampling=call.sampling)
+            return self._decode_events(stream, reserved, call.prefill_hint, call.first_token, policy, timeout,
+                                       rows_safe)
         if call.prefill_hint is not None:
             raise Refused(f"request {rid!r} has no reservation here: reserve before generating with a hint")
         if call.prompt is None or call.max_new_tokens is None:
@@ -193,16 +208,17 @@ class DecodeRole:
         assert s.pool is not None
         if rid in s.calls.starting or s.pool.has(rid):
             raise Refused(f"request {rid!r} is already in use here")
-        return self._decode_events(rid, prompt, max_new, None, None, None, policy, timeout, True)
+        stream = _Stream(rid, prompt, max_new, name=rid, owned=False, sampling=call.sampling,
+                         generated=call.generated)
+        return self._decode_events(stream, None, None, None, policy, timeout, True)
 
-    async def _decode_events(self, rid: str, prompt: list[int], max_new: int, reserved: Reserved | None,
-                             prefill_hint: Any, first: int | None, policy: str, timeout: float,
-                             rows_safe: bool) -> AsyncGenerator[dict[str, Any], None]:
+    async def _decode_events(self, stream: _Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
+                             policy: str, timeout: float, rows_safe: bool) -> AsyncGenerator[dict[str, Any], None]:
         s = self._s
         s.calls.streams += 1
+        rid, prompt, max_new = stream.rid, stream.prompt, stream.max_new
         n = len(prompt)
         own = reserved  # the reservation this stream took over; others under this id are not ours
-        stream = _Stream(rid, prompt, max_new, name=rid, owned=reserved is not None)
         if reserved is None:
             s.calls.starting[rid] = "generate"
         try:
@@ -227,9 +243,12 @@ class DecodeRole:
                 first = local
                 yield {"event": "token", "index": 0, "token": first}
             token = first
+            origin, generated = stream.origin, [*stream.earlier, first]
             for index in range(1, max_new):
                 start = time.perf_counter()
-                token = await s.engine.run(s.model.next_token, s.pool, stream.name, [token], n + index - 1)
+                token = await s.engine.run(s.model.next_token, s.pool, stream.name, [token], n + index - 1,
+                                           stream.sampling, origin, generated)
+                generated.append(token)
                 s.meters.step.observe(time.perf_counter() - start)
                 s.meters.tokens.inc()
                 yield {"event": "token", "index": index, "token": token}
@@ -283,7 +302,8 @@ class DecodeRole:
         """Run the prompt from ``position`` on: the first token, as this worker computes it."""
         s = self._s
         start = time.perf_counter()
-        local = await s.engine.run(s.model.next_token, s.pool, stream.name, stream.prompt[position:], position)
+        local = await s.engine.run(s.model.next_token, s.pool, stream.name, stream.prompt[position:], position,
+                                   stream.sampling, stream.origin, stream.earlier)
         s.meters.prefill.observe(time.perf_counter() - start)
         s.meters.recomputed.inc(len(stream.prompt) - position)
         s.meters.tokens.inc()

@@ -1,6 +1,7 @@
 """A prefill worker's role (DESIGN.md section 5):
 
-- ``prefill``: allocate, run the prompt, keep its K/V, answer the first token.
+- ``prefill``: allocate, run the prompt, keep its K/V, answer the first token (greedy, or
+  sampled as the call says: index 0 of the completion's stream).
 - ``publish``: ``lend_read``, ``describe`` -> hint P (streamed at once), then
   ``publish(view_P, hint_D)``, stream the outcome, release, free.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.contract import Attempt, InvalidSubmission, SubmissionRejected, View
+from kvxfer.engine.sampling import SamplingParams
 from kvxfer.lender import Lease
 from kvxfer.worker.calls import PrefillCall, PublishCall
 from kvxfer.worker.errors import Aborted, Refused
@@ -46,7 +48,7 @@ class PrefillRole:
         start = time.perf_counter()
         s.calls.starting[rid] = "prefill"
         try:
-            first = await s.engine.run(self._prefill_sync, rid, prompt)
+            first = await s.engine.run(self._prefill_sync, rid, prompt, call.sampling)
         finally:
             aborted = s.calls.end_start(rid)
         if aborted:
@@ -67,12 +69,12 @@ class PrefillRole:
         return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt),
                 "publisher": s.publisher()}
 
-    def _prefill_sync(self, rid: str, prompt: list[int]) -> int:
+    def _prefill_sync(self, rid: str, prompt: list[int], sampling: SamplingParams) -> int:
         pool = self._s.pool
         assert pool is not None
         pool.allocate(rid, len(prompt))
         try:
-            return self._s.model.next_token(pool, rid, prompt, 0)
+            return self._s.model.next_token(pool, rid, prompt, 0, sampling, prompt)
         except BaseException:
             pool.free(rid)
             raise

@@ -18,6 +18,11 @@ from kvxfer import pair
     (["--min-len", "300", "--max-len", "10"], "--min-len 300 is over --max-len 10"),
     (["--max-new-tokens", "5000"], "do not fit"),
     (["--timeout", "0"], "--timeout must be positive"),
+    (["--temperature", "-1"], "--temperature: must lie in [0, 1e+06], got -1.0"),
+    (["--temperature", "1", "--top-p", "0"], "--top-p: must lie in (0, 1], got 0.0"),
+    (["--temperature", "1", "--top-k", "-3"], "--top-k: must be an int, 0 or -1 for none, got -3"),
+    (["--top-p", "0.5"], "--top-p, --top-k and --sampling-seed need --temperature above 0"),
+    (["--temperature", "1", "--sampling-seed", str(2 ** 64 - 2), "--requests", "5"], "passes 2**64"),
 ])
 def test_bad_workload_is_a_usage_error(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

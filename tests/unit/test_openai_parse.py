@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_router import cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
+from kvxfer.engine.sampling import GREEDY, SamplingParams
 from kvxfer.router import Router
 from kvxfer.router.app import make_handler
 from kvxfer.router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, Ask, OpenAIError, parse
@@ -47,12 +48,42 @@ def test_any_body_reads_or_is_refused_by_name(body: dict[str, Any], chat: bool) 
     ({"model": "m", "prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),
     ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
     ({"prompt": "x"}, "model", "'model' is required"),
-    ({"model": "m", "prompt": "x", "temperature": False}, "temperature", "temperature must be 0"),
+    ({"model": "m", "prompt": "x", "temperature": False}, "temperature", "'temperature' must be a number"),
+    ({"model": "m", "prompt": "x", "temperature": -0.5}, "temperature", r"'temperature' must lie in \[0"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p", r"'top_p' must lie in \(0, 1\]"),
+    ({"model": "m", "prompt": "x", "top_k": 1.5}, "top_k", "'top_k' must be an int"),
+    ({"model": "m", "prompt": "x", "min_p": 2}, "min_p", "'min_p' must lie in"),
+    ({"model": "m", "prompt": "x", "seed": "7"}, "seed", "'seed' must be an integer"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 3}, "presence_penalty", r"must lie in \[-2, 2\]"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", r"must lie in \[-2, 2\]"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "'repetition_penalty' must"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"12": 150}}, "logit_bias", r"must lie in \[-100, 100\]"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n", "n must be 1"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "best_of must be 1"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs", "'logprobs' is not supported"),
 ])
 def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(OpenAIError, match=words) as info:
         parse(body, chat=False)
     assert info.value.param == param
+
+
+def test_sampling_fields_are_taken_as_openai_and_vllm_name_them() -> None:
+    body = {"model": "m", "prompt": "x", "temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 7,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+            "logit_bias": {"12": -100, "7": 3}}
+    ask = parse(body, chat=False)
+    assert ask.sampling == SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=7,
+                                          presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+                                          logit_bias={12: -100, 7: 3})
+    # Absent, null or neutral: greedy, as before.
+    neutral = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "top_p": 1,
+               "seed": None, "logit_bias": {}, "presence_penalty": 0, "n": 1}
+    assert parse(neutral, chat=True).sampling == GREEDY
+    with pytest.raises(OpenAIError, match="top_logprobs") as info:
+        parse({**neutral, "top_logprobs": 2}, chat=True)
+    assert info.value.param == "top_logprobs"
 
 
 def test_a_chat_with_tool_calls_or_images_is_refused_by_name() -> None:

@@ -19,7 +19,7 @@ import torch
 from test_router import CFG, cluster, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.engine import SMOLLM2, LlamaModel, colocated_generate, load_model
+from kvxfer.engine import SMOLLM2, LlamaModel, SamplingParams, colocated_generate, load_model
 from kvxfer.modelfiles.tokenizer import Tokenizer
 from kvxfer.router import InvalidRequest, Router
 from kvxfer.router.app import make_handler as router_handler
@@ -82,10 +82,12 @@ async def stack(model: LlamaModel, *, dead_decode: bool = False) -> AsyncIterato
             await worker.close()
 
 
-def expected(model: LlamaModel, ids: list[int], n: int) -> tuple[list[int], str, str]:
-    """Colocated greedy tokens (through the stop id, which ends them), their text, the finish reason."""
+def expected(model: LlamaModel, ids: list[int], n: int,
+             sampling: SamplingParams | None = None) -> tuple[list[int], str, str]:
+    """Colocated tokens, greedy unless ``sampling`` (through the stop id, which ends them),
+    their text, the finish reason."""
     tok = _tok(model)
-    out = colocated_generate(model, ids, n)
+    out = colocated_generate(model, ids, n, sampling=sampling or SamplingParams())
     cut = tok.cut_at_stop(out)
     if len(cut) < len(out):
         return out[: len(cut) + 1], tok.decode(cut), "stop"
@@ -114,6 +116,29 @@ def test_completions_streamed_and_not_match_colocated_generation(model: LlamaMod
             assert finishes[-1] == finish and set(finishes[:-1]) == {None}
             assert chunks[-1].choices == [] and chunks[-1].usage is not None
             assert chunks[-1].usage.total_tokens == len(ids) + len(tokens)
+
+    asyncio.run(main())
+
+
+def test_sampled_completions_match_colocated_sampling_with_the_same_parameters(model: LlamaModel) -> None:
+    ids = _tok(model).encode(PROMPT)
+    params = SamplingParams(temperature=1.3, top_p=0.95, top_k=50, seed=11, frequency_penalty=0.5,
+                            logit_bias={12: -100})
+    tokens, text, finish = expected(model, ids, 8, params)
+    assert tokens != expected(model, ids, 8)[0]  # not the greedy answer
+
+    async def main() -> None:
+        async with stack(model) as s:
+            done = await s.client.completions.create(
+                model=SMOLLM2, prompt=PROMPT, max_tokens=8, temperature=1.3, top_p=0.95, seed=11,
+                frequency_penalty=0.5, logit_bias={"12": -100}, extra_body={"top_k": 50})
+            choice = done.choices[0]
+            assert (choice.text, choice.finish_reason) == (text, finish)
+            assert choice.model_extra is not None and choice.model_extra["token_ids"] == tokens
+            # The chat route takes the same fields; without a seed each answer is its own.
+            chat = await s.client.chat.completions.create(model=SMOLLM2, messages=CHAT, max_tokens=2,
+                                                          temperature=0.9, presence_penalty=0.2)
+            assert chat.choices[0].finish_reason in ("length", "stop")
 
     asyncio.run(main())
 
@@ -170,7 +195,10 @@ def test_a_stop_string_ends_the_text_before_it_and_the_decode_worker_stops(model
 
 BAD_REQUESTS: list[tuple[dict[str, Any], int, str, str | None]] = [
     ({"prompt": PROMPT, "extra_body": {"frobnicate": 1}}, 400, "unknown field 'frobnicate'", "frobnicate"),
-    ({"prompt": PROMPT, "temperature": 0.7}, 400, "decodes greedily: temperature must be 0", "temperature"),
+    ({"prompt": PROMPT, "temperature": -0.7}, 400, "'temperature' must lie in [0", "temperature"),
+    ({"prompt": PROMPT, "temperature": 0.7, "extra_body": {"top_k": 0.5}}, 400, "'top_k' must be an int", "top_k"),
+    ({"prompt": PROMPT, "logit_bias": {"49152": 5}}, 400, "token id 49152 is outside the vocabulary", "logit_bias"),
+    ({"prompt": PROMPT, "logprobs": 2}, 400, "'logprobs' is not supported", "logprobs"),
     ({"prompt": PROMPT, "n": 2}, 400, "n must be 1", "n"),
     ({"prompt": [1, 49152]}, 400, "token ids must lie in [0, 49152) for the workers' model 'smollm2'", "prompt"),
     ({"prompt": PROMPT, "max_tokens": 10**6}, 400, "positions, over the workers' model's", "max_tokens"),
