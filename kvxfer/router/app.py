@@ -5,7 +5,8 @@ OpenAI-compatible (``kvxfer.router.openai_api`` says what differs):
     POST /v1/chat/completions  {"model", "messages": [{role, content}], ...}
          -> OpenAI's objects; with "stream": true, server-sent events ("data: {chunk}" ...
             "data: [DONE]"), and a ": waiting" comment whenever KEEPALIVE_S passed without one
-    GET  /v1/models
+    GET  /v1/models            -> its one model object, with vLLM's "root", "parent", "max_model_len"
+    GET  /v1/models/{id}       -> that object; 404 (code "model_not_found") for an id not served
     errors: {"error": {"message", "type", "param", "code"}} with 400 (a field unknown, of the
     wrong type, or past the model's vocabulary or positions), 404 (another model), 503 (no
     usable prefill/decode pair), 500 (the request failed)
@@ -37,6 +38,7 @@ import json
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
+from urllib.parse import unquote
 
 from kvxfer.router.frontend import OpenAIFrontend
 from kvxfer.router.inputs import InvalidRequest
@@ -87,6 +89,8 @@ def make_handler(router: Router, frontend: OpenAIFrontend | None = None,  # type
             return await _generate(router, request.json(), keepalive_s)
         if route == ("GET", "/v1/models"):
             return Response.json(await openai.models(started))
+        if request.method == "GET" and path.startswith("/v1/models/"):
+            return await _model(openai, unquote(path[len("/v1/models/"):]), started)
         if route in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
             return await _openai(openai, request, path.endswith("chat/completions"), keepalive_s)
         if path.startswith("/v1/"):
@@ -123,6 +127,13 @@ async def _events(stream: AsyncGenerator[Any, None], keepalive_s: float) -> Asyn
             yield {"event": "done", "final": True, "completion": completion_json(item)}
         else:
             yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
+
+
+async def _model(openai: OpenAIFrontend, name: str, started: int) -> Response:
+    try:
+        return Response.json(await openai.model(name, started))
+    except OpenAIError as exc:
+        return Response.json(exc.body(), exc.status)
 
 
 async def _openai(openai: OpenAIFrontend, request: Request, chat: bool, keepalive_s: float) -> Response:

@@ -22,7 +22,16 @@ from typing import Any
 
 from kvxfer.modelfiles import CheckpointError, Tokenizer, load_tokenizer
 from kvxfer.router.inputs import InvalidRequest
-from kvxfer.router.openai_api import CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, Ask, OpenAIError, Shaper, Usage, models
+from kvxfer.router.openai_api import (
+    CHAT_MAX_TOKENS,
+    COMPLETION_MAX_TOKENS,
+    Ask,
+    OpenAIError,
+    Shaper,
+    Usage,
+    model_card,
+    models,
+)
 from kvxfer.router.results import Completion
 from kvxfer.router.router import Router
 from kvxfer.router.text import TextStream
@@ -66,9 +75,24 @@ class OpenAIFrontend:
         limits = await self.router.model()
         return limits.name or None if limits is not None else None
 
+    async def max_model_len(self) -> int | None:
+        """The model's positions, as the workers' /health says them (None while none answers)."""
+        limits = await self.router.model()
+        return limits.max_positions if limits is not None else None
+
     async def models(self, created: int = 0) -> dict[str, Any]:
         model = await self.model_id()
-        return models([model] if model else [], created)
+        return models([model] if model else [], created, await self.max_model_len())
+
+    async def model(self, name: str, created: int = 0) -> dict[str, Any]:
+        """The model object of ``name`` (``GET /v1/models/{name}``); OpenAIError 404 naming
+        it when this router does not serve it."""
+        served = await self.model_id()
+        if name != served:
+            also = f"this router serves {served!r}" if served else "no worker answers, so no model is served yet"
+            raise OpenAIError(f"The model {name!r} does not exist here; {also} (GET /v1/models)", 404,
+                              param="model", code="model_not_found")
+        return model_card(name, created, await self.max_model_len())
 
     async def tokenizer(self) -> Tokenizer | None:
         """The served model's tokenizer, loaded once (a GGUF's tokenizer takes ~0.2 s)."""
