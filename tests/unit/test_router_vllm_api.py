@@ -1,11 +1,14 @@
-"""What an OpenAI or vLLM client expects of the router beyond completions: the model object
-(``GET /v1/models/{id}``, with vLLM's ``max_model_len``), through the official ``openai``
-client against a real router over toy workers in this process."""
+"""What an OpenAI or vLLM client, and an operator, expect of the router beyond completions:
+the model object (``GET /v1/models/{id}``, with vLLM's ``max_model_len``), through the
+official ``openai`` client against a real router over toy workers in this process; each
+refusal's reason in the access log."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -16,14 +19,18 @@ from test_router import CFG, cluster  # noqa: I001 - pytest puts tests/unit on s
 from kvxfer.router import Router
 from kvxfer.router.app import make_handler
 from kvxfer.serving.http import HttpServer
+from kvxfer.serving.keys import BearerKey
+
+ACCESS = "kvxfer.router.access"  # the logger kvxfer router gives its server
 
 
 @contextlib.asynccontextmanager
-async def toy_router() -> AsyncIterator[tuple[str, Router, openai.AsyncOpenAI]]:
+async def toy_router(api_key: BearerKey | None = None) -> AsyncIterator[tuple[str, Router, openai.AsyncOpenAI]]:
     async with cluster() as c, Router(c.prefill, c.decode) as router:
-        server = HttpServer(make_handler(router))
+        server = HttpServer(make_handler(router, api_key=api_key), access_log=ACCESS)
         url = f"http://127.0.0.1:{await server.start()}"
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key.secret if api_key else "unused",
+                                    max_retries=0)
         try:
             yield url, router, client
         finally:
@@ -50,3 +57,54 @@ def test_models_list_and_retrieve_give_vllms_model_object_and_404_names_the_id()
                     assert answer.status == 404 and "'org/name'" in (await answer.json())["error"]["message"]
 
     asyncio.run(main())
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, start: str) -> str:
+    """The access line that starts with ``start``: aiohttp writes it once the answer is sent,
+    which may be after the client has read it."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        for record in caplog.records:
+            if record.name == ACCESS and record.getMessage().startswith(start):
+                return record.getMessage()
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no access line {start!r} in {[r.getMessage() for r in caplog.records]}")
+
+
+def test_every_refusal_is_logged_at_info_with_its_reason_on_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    key = BearerKey("sk-test-0123456789", "test")
+
+    async def main() -> None:
+        async with toy_router(api_key=key) as (url, _, client):
+            auth = {"Authorization": f"Bearer {key.secret}"}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{url}/v1/completions", headers=auth,
+                                     json={"model": "toy", "prompt": [1], "bogus": 1}) as answer:
+                    assert answer.status == 400
+                async with http.post(f"{url}/generate", headers=auth, json={"prompt": [1], "max_new_tokens": 0}):
+                    pass
+                async with http.post(f"{url}/generate", headers=auth, data=b"{not json"):
+                    pass
+                async with http.get(f"{url}/v1/models/nope", headers=auth):
+                    pass
+                async with http.get(f"{url}/v1/models"):
+                    pass
+                async with http.get(f"{url}/v1/models", headers=auth) as answer:
+                    assert answer.status == 200
+            line = await _logged(caplog, "POST /v1/completions 400 ")
+            assert line.endswith("s: unknown field 'bogus': this router does not support it"), line
+            await _logged(caplog, "POST /generate 400 ")
+            await _logged(caplog, "GET /v1/models 200 ")  # the last request: every line is in now
+            generate = sorted(r.getMessage().split("s: ", 1)[1] for r in caplog.records
+                              if r.getMessage().startswith("POST /generate 400 "))
+            assert generate[0] == "'max_new_tokens' must be a positive integer, got 0", generate
+            assert generate[1].startswith("body is not JSON: Expecting property name"), generate
+            line = await _logged(caplog, "GET /v1/models/nope 404 ")
+            assert "The model 'nope' does not exist here" in line and "\n" not in line
+            line = await _logged(caplog, "GET /v1/models 401 ")
+            assert "s: no key: this server wants " in line, line
+            line = await _logged(caplog, "GET /v1/models 200 ")
+            assert line.endswith("s") and ": " not in line, line  # no refusal: no reason
+
+    with caplog.at_level(logging.INFO, logger=ACCESS):
+        asyncio.run(main())
