@@ -7,6 +7,11 @@ OpenAI-compatible (``kvxfer.router.openai_api`` says what differs):
             "data: [DONE]"), and a ": waiting" comment whenever KEEPALIVE_S passed without one
     GET  /v1/models            -> its one model object, with vLLM's "root", "parent", "max_model_len"
     GET  /v1/models/{id}       -> that object; 404 (code "model_not_found") for an id not served
+vLLM's (``kvxfer.router.tokenizing``; the model's tokenizer, so not the toy model's: 400):
+    POST /tokenize   {"model"?, "prompt", "add_special_tokens"?} or {"model"?, "messages", ...}
+                     -> {"count", "max_model_len", "tokens"}
+    POST /detokenize {"model"?, "tokens"} -> {"prompt"}
+    GET  /version    -> {"version": kvxfer.__version__}
     errors: {"error": {"message", "type", "param", "code"}} with 400 (a field unknown, of the
     wrong type, or past the model's vocabulary or positions), 404 (another model), 503 (no
     usable prefill/decode pair), 500 (the request failed)
@@ -40,11 +45,13 @@ from collections.abc import AsyncGenerator
 from typing import Any
 from urllib.parse import unquote
 
+from kvxfer import __version__
 from kvxfer.router.frontend import OpenAIFrontend
 from kvxfer.router.inputs import InvalidRequest
 from kvxfer.router.openai_api import OpenAIError, parse
 from kvxfer.router.results import Completion
 from kvxfer.router.router import Router
+from kvxfer.router.tokenizing import parse_detokenize, parse_tokenize
 from kvxfer.serving.http import BadRequest, Request, Response
 from kvxfer.serving.keys import API_KEY, BearerKey, refusal
 from kvxfer.serving.metrics import CONTENT_TYPE
@@ -91,6 +98,10 @@ def make_handler(router: Router, frontend: OpenAIFrontend | None = None,  # type
             return Response.json(await openai.models(started))
         if request.method == "GET" and path.startswith("/v1/models/"):
             return await _model(openai, unquote(path[len("/v1/models/"):]), started)
+        if route == ("GET", "/version"):
+            return Response.json({"version": __version__})
+        if route in (("POST", "/tokenize"), ("POST", "/detokenize")):
+            return await _tokens(openai, request, path == "/tokenize")
         if route in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
             return await _openai(openai, request, path.endswith("chat/completions"), keepalive_s)
         if path.startswith("/v1/"):
@@ -132,6 +143,18 @@ async def _events(stream: AsyncGenerator[Any, None], keepalive_s: float) -> Asyn
 async def _model(openai: OpenAIFrontend, name: str, started: int) -> Response:
     try:
         return Response.json(await openai.model(name, started))
+    except OpenAIError as exc:
+        return Response.json(exc.body(), exc.status)
+
+
+async def _tokens(openai: OpenAIFrontend, request: Request, tokenize: bool) -> Response:
+    try:
+        body = request.json()
+        if tokenize:
+            return Response.json(await openai.tokenize(parse_tokenize(body)))
+        return Response.json(await openai.detokenize(parse_detokenize(body)))
+    except BadRequest as exc:  # the body is not JSON
+        return Response.json(OpenAIError(str(exc)).body(), 400)
     except OpenAIError as exc:
         return Response.json(exc.body(), exc.status)
 

@@ -35,6 +35,7 @@ from kvxfer.router.openai_api import (
 from kvxfer.router.results import Completion
 from kvxfer.router.router import Router
 from kvxfer.router.text import TextStream
+from kvxfer.router.tokenizing import DetokenizeAsk, TokenizeAsk
 
 UNAVAILABLE = "service_unavailable_error"
 
@@ -104,6 +105,47 @@ class OpenAIFrontend:
                 self._tokenizer, self._why_none = await asyncio.to_thread(_load, name)
                 self._loaded = True
             return self._tokenizer
+
+    # --- vLLM's /tokenize and /detokenize -------------------------------------------------------
+    async def tokenize(self, ask: TokenizeAsk) -> dict[str, Any]:
+        """vLLM's TokenizeResponse: ``{"count", "max_model_len", "tokens"}``; OpenAIError 400
+        for a model without a tokenizer (the toy one), 404 for another model, 503 with none yet."""
+        tok = await self._tokenizer_for(ask.model, "/tokenize")
+        if ask.chat:
+            try:
+                text = tok.chat([{"role": m.role, "content": m.content} for m in ask.messages],
+                                add_generation_prompt=ask.add_generation_prompt)
+            except ValueError as exc:
+                raise OpenAIError(f"'messages': {exc}", param="messages") from None
+        else:
+            text = ask.prompt
+        ids = tok.encode(text)
+        bos = tok.info.bos_id
+        if not ask.add_special_tokens and tok.info.add_bos and ids[:1] == [bos]:
+            ids = ids[1:]  # encode adds the BOS the GGUF asks for: the special token this leaves out
+        return {"count": len(ids), "max_model_len": await self.max_model_len(), "tokens": ids}
+
+    async def detokenize(self, ask: DetokenizeAsk) -> dict[str, Any]:
+        """vLLM's DetokenizeResponse: ``{"prompt"}``, the ids' text (special tokens kept)."""
+        tok = await self._tokenizer_for(ask.model, "/detokenize")
+        vocab = tok.vocab_size
+        bad = [t for t in ask.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"'tokens' must lie in [0, {vocab}) for model {await self.model_id()!r}, "
+                              f"got {bad[0]}", param="tokens")
+        return {"prompt": tok.decode(ask.tokens)}
+
+    async def _tokenizer_for(self, name: str | None, route: str) -> Tokenizer:
+        served = await self.model_id()
+        if served is None:
+            raise OpenAIError("no worker answers, so no model is served yet", 503, kind=UNAVAILABLE)
+        if name is not None and name != served:
+            raise OpenAIError(f"model {name!r} is not served here; this router serves {served!r} "
+                              "(GET /v1/models)", 404, param="model", code="model_not_found")
+        tok = await self.tokenizer()
+        if tok is None:
+            raise OpenAIError(f"{route} needs the model's tokenizer, and this router has none: {self._why_none}")
+        return tok
 
     async def prepare(self, ask: Ask) -> Job:
         model = await self.model_id()

@@ -16,6 +16,7 @@ import openai
 import pytest
 from test_router import CFG, cluster  # noqa: I001 - pytest puts tests/unit on sys.path
 
+import kvxfer
 from kvxfer.router import Router
 from kvxfer.router.app import make_handler
 from kvxfer.serving.http import HttpServer
@@ -108,3 +109,39 @@ def test_every_refusal_is_logged_at_info_with_its_reason_on_one_line(caplog: pyt
 
     with caplog.at_level(logging.INFO, logger=ACCESS):
         asyncio.run(main())
+
+
+def test_version_and_tokenize_without_a_tokenizer_say_so_and_bad_fields_are_named() -> None:
+    async def main() -> None:
+        async with toy_router() as (url, _, _client), aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/version") as answer:
+                assert answer.status == 200 and await answer.json() == {"version": kvxfer.__version__}
+            for path, body, status, param, words in (
+                    ("/tokenize", {"prompt": "hi"}, 400, None, "/tokenize needs the model's tokenizer, and this "
+                                                               "router has none: model 'toy' has none"),
+                    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, 400, None,
+                     "/tokenize needs the model's tokenizer"),
+                    ("/detokenize", {"tokens": [1, 2]}, 400, None, "/detokenize needs the model's tokenizer"),
+                    ("/tokenize", {"model": "other", "prompt": "hi"}, 404, "model", "model 'other' is not served"),
+                    ("/tokenize", {"prompt": "hi", "bogus": 1}, 400, "bogus", "unknown field 'bogus': /tokenize "
+                                                                              "takes add_special_tokens, model"),
+                    ("/tokenize", {"prompt": "hi", "messages": []}, 400, "prompt", "not both"),
+                    ("/tokenize", {"prompt": 5}, 400, "prompt", "'prompt' must be a string"),
+                    ("/tokenize", {"prompt": "hi", "return_token_strs": True}, 400, "return_token_strs",
+                     "not supported"),
+                    ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, 400, "add_special_tokens",
+                     "must be true or false"),
+                    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400, "tools",
+                     "the model's own chat template"),
+                    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+                     400, "continue_final_message", "not supported"),
+                    ("/detokenize", {"tokens": [1, "2"]}, 400, "tokens", "list of token ids"),
+                    ("/detokenize", {"tokens": [1], "prompt": "x"}, 400, "prompt", "unknown field 'prompt'")):
+                async with http.post(f"{url}{path}", json=body) as answer:
+                    error = (await answer.json())["error"]
+                assert answer.status == status and words in error["message"], (body, error)
+                assert error["param"] == param and set(error) == {"message", "type", "param", "code"}, error
+            async with http.post(f"{url}/tokenize", data=b"{") as answer:
+                assert answer.status == 400 and "body is not JSON" in (await answer.json())["error"]["message"]
+
+    asyncio.run(main())
