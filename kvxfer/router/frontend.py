@@ -65,6 +65,8 @@ class OpenAIFrontend:
         workers'); ``tokenizer``: one already loaded (default: loaded on first use)."""
         self.router = router
         self._model = model
+        if model is not None:
+            router.served_model = model  # the name the router's vllm: metrics carry
         self._tokenizer = tokenizer
         self._loaded = tokenizer is not None
         self._why_none = ""  # why the model has no tokenizer here, for the 400 a text prompt gets
