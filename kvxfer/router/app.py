@@ -5,7 +5,13 @@ OpenAI-compatible (``kvxfer.router.openai_api`` says what differs):
     POST /v1/chat/completions  {"model", "messages": [{role, content}], ...}
          -> OpenAI's objects; with "stream": true, server-sent events ("data: {chunk}" ...
             "data: [DONE]"), and a ": waiting" comment whenever KEEPALIVE_S passed without one
-    GET  /v1/models
+    GET  /v1/models            -> its one model object, with vLLM's "root", "parent", "max_model_len"
+    GET  /v1/models/{id}       -> that object; 404 (code "model_not_found") for an id not served
+vLLM's (``kvxfer.router.tokenizing``; the model's tokenizer, so not the toy model's: 400):
+    POST /tokenize   {"model"?, "prompt", "add_special_tokens"?} or {"model"?, "messages", ...}
+                     -> {"count", "max_model_len", "tokens"}
+    POST /detokenize {"model"?, "tokens"} -> {"prompt"}
+    GET  /version    -> {"version": kvxfer.__version__}
     errors: {"error": {"message", "type", "param", "code"}} with 400 (a field unknown, of the
     wrong type, or past the model's vocabulary or positions), 404 (another model), 503 (no
     usable prefill/decode pair), 500 (the request failed)
@@ -41,7 +47,9 @@ import json
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
+from urllib.parse import unquote
 
+from kvxfer import __version__
 from kvxfer.engine.sampling import FIELDS as SAMPLING_FIELDS
 from kvxfer.engine.sampling import InvalidSampling, SamplingParams
 from kvxfer.router.frontend import OpenAIFrontend
@@ -49,6 +57,7 @@ from kvxfer.router.inputs import InvalidRequest
 from kvxfer.router.openai_api import OpenAIError, parse
 from kvxfer.router.results import Completion
 from kvxfer.router.router import Router
+from kvxfer.router.tokenizing import parse_detokenize, parse_tokenize
 from kvxfer.serving.http import BadRequest, Request, Response
 from kvxfer.serving.keys import API_KEY, BearerKey, refusal
 from kvxfer.serving.metrics import CONTENT_TYPE
@@ -93,6 +102,12 @@ def make_handler(router: Router, frontend: OpenAIFrontend | None = None,  # type
             return await _generate(router, request.json(), keepalive_s)
         if route == ("GET", "/v1/models"):
             return Response.json(await openai.models(started))
+        if request.method == "GET" and path.startswith("/v1/models/"):
+            return await _model(openai, unquote(path[len("/v1/models/"):]), started)
+        if route == ("GET", "/version"):
+            return Response.json({"version": __version__})
+        if route in (("POST", "/tokenize"), ("POST", "/detokenize")):
+            return await _tokens(openai, request, path == "/tokenize")
         if route in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
             return await _openai(openai, request, path.endswith("chat/completions"), keepalive_s)
         if path.startswith("/v1/"):
@@ -130,6 +145,25 @@ async def _events(stream: AsyncGenerator[Any, None], keepalive_s: float) -> Asyn
             yield {"event": "done", "final": True, "completion": completion_json(item)}
         else:
             yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
+
+
+async def _model(openai: OpenAIFrontend, name: str, started: int) -> Response:
+    try:
+        return Response.json(await openai.model(name, started))
+    except OpenAIError as exc:
+        return Response.json(exc.body(), exc.status)
+
+
+async def _tokens(openai: OpenAIFrontend, request: Request, tokenize: bool) -> Response:
+    try:
+        body = request.json()
+        if tokenize:
+            return Response.json(await openai.tokenize(parse_tokenize(body)))
+        return Response.json(await openai.detokenize(parse_detokenize(body)))
+    except BadRequest as exc:  # the body is not JSON
+        return Response.json(OpenAIError(str(exc)).body(), 400)
+    except OpenAIError as exc:
+        return Response.json(exc.body(), exc.status)
 
 
 async def _openai(openai: OpenAIFrontend, request: Request, chat: bool, keepalive_s: float) -> Response:

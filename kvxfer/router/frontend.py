@@ -22,10 +22,20 @@ from typing import Any
 
 from kvxfer.modelfiles import CheckpointError, Tokenizer, load_tokenizer
 from kvxfer.router.inputs import InvalidRequest
-from kvxfer.router.openai_api import CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, Ask, OpenAIError, Shaper, Usage, models
+from kvxfer.router.openai_api import (
+    CHAT_MAX_TOKENS,
+    COMPLETION_MAX_TOKENS,
+    Ask,
+    OpenAIError,
+    Shaper,
+    Usage,
+    model_card,
+    models,
+)
 from kvxfer.router.results import Completion
 from kvxfer.router.router import Router
 from kvxfer.router.text import TextStream
+from kvxfer.router.tokenizing import DetokenizeAsk, TokenizeAsk
 
 UNAVAILABLE = "service_unavailable_error"
 
@@ -63,6 +73,8 @@ class OpenAIFrontend:
         workers'); ``tokenizer``: one already loaded (default: loaded on first use)."""
         self.router = router
         self._model = model
+        if model is not None:
+            router.served_model = model  # the name the router's vllm: metrics carry
         self._tokenizer = tokenizer
         self._loaded = tokenizer is not None
         self._why_none = ""  # why the model has no tokenizer here, for the 400 a text prompt gets
@@ -74,9 +86,24 @@ class OpenAIFrontend:
         limits = await self.router.model()
         return limits.name or None if limits is not None else None
 
+    async def max_model_len(self) -> int | None:
+        """The model's positions, as the workers' /health says them (None while none answers)."""
+        limits = await self.router.model()
+        return limits.max_positions if limits is not None else None
+
     async def models(self, created: int = 0) -> dict[str, Any]:
         model = await self.model_id()
-        return models([model] if model else [], created)
+        return models([model] if model else [], created, await self.max_model_len())
+
+    async def model(self, name: str, created: int = 0) -> dict[str, Any]:
+        """The model object of ``name`` (``GET /v1/models/{name}``); OpenAIError 404 naming
+        it when this router does not serve it."""
+        served = await self.model_id()
+        if name != served:
+            also = f"this router serves {served!r}" if served else "no worker answers, so no model is served yet"
+            raise OpenAIError(f"The model {name!r} does not exist here; {also} (GET /v1/models)", 404,
+                              param="model", code="model_not_found")
+        return model_card(name, created, await self.max_model_len())
 
     async def tokenizer(self) -> Tokenizer | None:
         """The served model's tokenizer, loaded once (a GGUF's tokenizer takes ~0.2 s)."""
@@ -88,6 +115,47 @@ class OpenAIFrontend:
                 self._tokenizer, self._why_none = await asyncio.to_thread(_load, name)
                 self._loaded = True
             return self._tokenizer
+
+    # --- vLLM's /tokenize and /detokenize -------------------------------------------------------
+    async def tokenize(self, ask: TokenizeAsk) -> dict[str, Any]:
+        """vLLM's TokenizeResponse: ``{"count", "max_model_len", "tokens"}``; OpenAIError 400
+        for a model without a tokenizer (the toy one), 404 for another model, 503 with none yet."""
+        tok = await self._tokenizer_for(ask.model, "/tokenize")
+        if ask.chat:
+            try:
+                text = tok.chat([{"role": m.role, "content": m.content} for m in ask.messages],
+                                add_generation_prompt=ask.add_generation_prompt)
+            except ValueError as exc:
+                raise OpenAIError(f"'messages': {exc}", param="messages") from None
+        else:
+            text = ask.prompt
+        ids = tok.encode(text)
+        bos = tok.info.bos_id
+        if not ask.add_special_tokens and tok.info.add_bos and ids[:1] == [bos]:
+            ids = ids[1:]  # encode adds the BOS the GGUF asks for: the special token this leaves out
+        return {"count": len(ids), "max_model_len": await self.max_model_len(), "tokens": ids}
+
+    async def detokenize(self, ask: DetokenizeAsk) -> dict[str, Any]:
+        """vLLM's DetokenizeResponse: ``{"prompt"}``, the ids' text (special tokens kept)."""
+        tok = await self._tokenizer_for(ask.model, "/detokenize")
+        vocab = tok.vocab_size
+        bad = [t for t in ask.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"'tokens' must lie in [0, {vocab}) for model {await self.model_id()!r}, "
+                              f"got {bad[0]}", param="tokens")
+        return {"prompt": tok.decode(ask.tokens)}
+
+    async def _tokenizer_for(self, name: str | None, route: str) -> Tokenizer:
+        served = await self.model_id()
+        if served is None:
+            raise OpenAIError("no worker answers, so no model is served yet", 503, kind=UNAVAILABLE)
+        if name is not None and name != served:
+            raise OpenAIError(f"model {name!r} is not served here; this router serves {served!r} "
+                              "(GET /v1/models)", 404, param="model", code="model_not_found")
+        tok = await self.tokenizer()
+        if tok is None:
+            raise OpenAIError(f"{route} needs the model's tokenizer, and this router has none: {self._why_none}")
+        return tok
 
     async def prepare(self, ask: Ask) -> Job:
         model = await self.model_id()

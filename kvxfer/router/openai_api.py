@@ -239,6 +239,12 @@ class Shaper:
         return {**self._head(obj), "choices": [], "usage": usage.as_json()}
 
 
-def models(names: list[str], created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "kvxfer"}
-                                       for n in names]}
+def model_card(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """A model object as vLLM answers it: OpenAI's fields, ``root``, ``parent`` and
+    ``max_model_len`` (the model's positions; None while no worker has said them)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "kvxfer", "root": name,
+            "parent": None, "max_model_len": max_model_len}
+
+
+def models(names: list[str], created: int, max_model_len: int | None = None) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(n, created, max_model_len) for n in names]}

@@ -99,6 +99,7 @@ class _Run:
     recomputed: int = 0
     path: str = "disaggregated"
     events: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # each emitted token's at_s
 
     def token(self, index: int, token: int) -> Token | None:
         """Accept token ``index`` once (a recompute re-sends tokens the router already has)."""
@@ -110,6 +111,7 @@ class _Run:
             raise _Failure(f"token {index} arrived before token {len(self.emitted)}", dead=False)
         self.emitted.append(token)
         now = time.perf_counter() - self.start
+        self.times.append(now)
         if self.ttft is None:
             self.ttft = now
         return Token(index, token, now)
@@ -139,7 +141,16 @@ class Router:
         # cluster key, if any, on each (kvxfer.serving.keys).
         self._http = HttpClient(headers=key_headers(cluster_key))
         self._cleanup = Cleanup(self._http, timeout_s, connect_timeout_s)
-        self.meters = RouterMeters(lambda: self.workers)
+        self.served_model: str | None = None
+        """The model name clients use, when not the workers' (``OpenAIFrontend``'s ``model``):
+        the ``model_name`` label of the vllm: series."""
+        self._runs: set[_Run] = set()  # the requests in flight, for the vllm: gauges
+        self.meters = RouterMeters(lambda: self.workers, lambda: tuple(self._runs), self._model_name)
+
+    def _model_name(self) -> str:
+        if self.served_model is not None:
+            return self.served_model
+        return self._limits.name if self._limits is not None else ""
 
     async def __aenter__(self) -> Router:
         return self
@@ -211,6 +222,7 @@ class Router:
         stops = frozenset(int(t) for t in stop_ids)
         error: str | None = None
         finish = "length"
+        self._runs.add(run)
         try:
             async with contextlib.aclosing(self._serve(run)) as tokens:
                 async for item in tokens:
@@ -225,11 +237,13 @@ class Router:
             # that every request sent is in the requests counter.
             self.meters.requests.inc(result="cancelled", path=run.path)
             raise
+        finally:
+            self._runs.discard(run)
         completion = Completion(
             run.rid, len(run.prompt), tuple(run.emitted), run.ttft, time.perf_counter() - run.start, run.prefill,
             run.decode, run.transfer, run.recomputed, run.path, error, tuple(run.events), finish,
             None if run.sampling.greedy else run.sampling.seed)
-        self.meters.count(completion)
+        self.meters.count(completion, run.times)
         yield completion
 
     async def validate(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Collection[int] = (),

@@ -10,7 +10,8 @@ With ``KVXFER_CLUSTER_KEY`` (or ``--cluster-key-file``) it sends the workers' cl
 every worker call.
 
 Every request gets an access log line at INFO (logger ``kvxfer.router.access``: method,
-path, status, seconds), and a failed worker call a warning (``kvxfer.router``).
+path, status, seconds, and for a 4xx the message it answered), and a failed worker call a
+warning (``kvxfer.router``).
 
 Announces ``{"event": "ready", "port": N, ...}`` on stdout like ``kvxfer serve``, and says
 where it listens on stderr.

@@ -5,7 +5,8 @@ HTTP/1.1 with keep-alive, chunked request bodies and streamed (chunked) answers,
 GET, without the body), and the limits of ``exchange``: MAX_HEADER, MAX_BODY, READ_TIMEOUT_S
 for the head, the body and an idle connection, MAX_CONNECTIONS. Malformed requests get a 400
 with a JSON ``error`` like every other refusal; a handler's exception a 500. One access log
-line per request at INFO: method, path, status, seconds (a stream's until its end).
+line per request at INFO: method, path, status, seconds (a stream's until its end), and for a
+4xx the message of its JSON error.
 
 A handler's ``gate`` (``kvxfer.serving.exchange.Gate``; the key checks of
 ``kvxfer.serving.keys``) sees each request's head before its body is read: what it refuses is
@@ -55,7 +56,11 @@ class _BodyCut(BadRequest):
 
 class _AccessLog(AbstractAccessLogger):
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        self.logger.info("%s %s %d %.4fs", request.method, request.path, response.status, time)
+        reason = _refusal_reason(response) if 400 <= response.status < 500 else ""
+        if reason:  # an operator sees why a client was refused, not only that it was
+            self.logger.info("%s %s %d %.4fs: %s", request.method, request.path, response.status, time, reason)
+        else:
+            self.logger.info("%s %s %d %.4fs", request.method, request.path, response.status, time)
 
     @property
     def enabled(self) -> bool:
@@ -119,6 +124,27 @@ class _Protocol(RequestHandler):
         super().handle_error(request, status, exc, message)  # logs; raises if an answer is under way
         what = _one_line(message) if message else HTTPStatus(status).phrase
         return _json({"error": f"malformed request: {what}" if status == 400 else what}, status, close=True)
+
+
+REASON_CHARS = 500
+"""The most of a refusal's message an access line carries."""
+
+
+def _refusal_reason(response: web.StreamResponse) -> str:
+    """The message of a 4xx answer's JSON error, ``{"error": "..."}`` or OpenAI's
+    ``{"error": {"message": ...}}``, on one line; "" for any other body."""
+    body = response.body if isinstance(response, web.Response) else None
+    if not isinstance(body, bytes):
+        return ""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else error
+    if not isinstance(message, str):
+        return ""
+    line = _one_line(message)
+    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS] + "..."
 
 
 def _one_line(message: str) -> str:

@@ -1,4 +1,11 @@
-"""A worker's metrics: the names and help texts below are its /metrics API."""
+"""A worker's metrics: the names and help texts below are its /metrics API.
+
+Beside kvxfer's own series, the KV-transfer ones vLLM's NIXL connector exports, by the same
+names, types, bucket bounds and ``model_name`` label, from the same transfers (each worker
+counts those it took part in, publishing or fetching, whatever its backend):
+``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred`` (histograms, one
+observation per delivered transfer: submission to outcome, and its bytes) and
+``vllm:nixl_num_failed_transfers_total`` (those that failed or were cancelled)."""
 
 from __future__ import annotations
 
@@ -28,12 +35,19 @@ def _status(outcome: Outcome) -> str:
     return {Delivered: "delivered", Failed: "failed", Cancelled: "cancelled"}[type(outcome)]
 
 
+NIXL_XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))  # 2 KiB to 8 GiB
+"""vLLM's NIXL connector's bucket bounds (NixlPromMetrics in vLLM's nixl_connector.py)."""
+
+
 class Meters:
     """The counters, histograms and gauges of one worker, in one registry of its own (a
-    prometheus_client CollectorRegistry: ``Worker.metrics``)."""
+    prometheus_client CollectorRegistry: ``Worker.metrics``). ``model_name``: the vllm:
+    series' label (the worker's ``--model``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = Registry()
+        self.model_name = model_name
         self.requests = r.counter("kvxfer_worker_requests_total", "Control API calls, by endpoint and result.",
                                   ("endpoint", "result"))
         self.transfers = r.counter("kvxfer_transfers_total", "Transfers concluded, by status.", ("status",))
@@ -57,6 +71,15 @@ class Meters:
         self.store_rows = r.counter("kvxfer_store_rows_total", "Rows put into or read from the KV store, by "
                                     "operation and whether the store took or held them.", ("op", "result"))
         self.store_errors = r.counter("kvxfer_store_errors_total", "Store calls that failed as a whole.", ("op",))
+        model = ("model_name",)
+        self.nixl_time = r.histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for KV Cache "
+                                     "transfers (kvxfer's, by vLLM's NIXL name).", model, NIXL_XFER_TIME_BUCKETS)
+        self.nixl_bytes = r.histogram("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per KV Cache "
+                                      "transfer (kvxfer's, by vLLM's NIXL name).", model, NIXL_BYTES_BUCKETS)
+        self.nixl_failed = r.counter("vllm:nixl_num_failed_transfers_total", "Number of failed KV Cache transfers "
+                                     "(kvxfer's, by vLLM's NIXL name).", model)
+        for series in (self.nixl_time, self.nixl_bytes, self.nixl_failed):
+            series.metric.labels(model_name=model_name)  # at 0 from the start, as vLLM's are
 
     def count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:
         """Count a concluded transfer; its figures, as the /publish and /generate streams report them."""
@@ -69,5 +92,9 @@ class Meters:
         reason = outcome.reason if isinstance(outcome, Failed) else ""
         if not isinstance(outcome, Delivered):
             self.failures.inc(reason=reason_label(outcome))
+            self.nixl_failed.inc(model_name=self.model_name)
+        else:
+            self.nixl_time.observe(seconds, model_name=self.model_name)
+            self.nixl_bytes.observe(nbytes, model_name=self.model_name)
         return {"status": status, "reason": reason, "rows": view.rows, "rows_delivered": outcome.rows_delivered,
                 "bytes": nbytes, "seconds": seconds}

@@ -26,7 +26,7 @@ class WorkerState:
         self.model = model
         self.name = name
         self.engine = engine
-        self.meters = Meters()
+        self.meters = Meters(config.model_name)
         self.calls = InFlight(config.hold_s)
         self.quarantine = Quarantine(self.meters, config.reclaim_grace_s)
         # One pool and its lender; or, for a TP group (``config.engine_kv``), the group's

@@ -31,7 +31,7 @@ from kvxfer.serving.http import (
     stream_json,
 )
 
-LINE = re.compile(r"^(GET|HEAD|POST) (/\S*) (\d{3}) \d+\.\d{4}s$")
+LINE = re.compile(r"^(GET|HEAD|POST) (/\S*) (\d{3}) \d+\.\d{4}s(?:: (.+))?$")
 
 
 async def _echo(request: Request) -> Response:
@@ -172,9 +172,12 @@ def test_every_request_gets_an_access_log_line(caplog: pytest.LogCaptureFixture)
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "kvxfer.test.access")
     parsed = [LINE.match(line) for line in lines[:4]]
     assert all(parsed), lines
-    assert [m.groups() for m in parsed if m] == [("POST", "/x", "200"), ("POST", "/stream", "200"),
-                                                 ("GET", "/missing", "404"), ("HEAD", "/x", "200")], lines
+    # A refusal's line says why (its JSON error's message); the others say no more.
+    assert [m.groups() for m in parsed if m] == [("POST", "/x", "200", None), ("POST", "/stream", "200", None),
+                                                 ("GET", "/missing", "404", "no such thing"),
+                                                 ("HEAD", "/x", "200", None)], lines
     assert len(lines) == 5 and " 400 " in lines[4], lines  # the malformed one too
+    assert "s: malformed request: " in lines[4], lines
 
 
 def test_the_router_warns_when_a_worker_call_fails(caplog: pytest.LogCaptureFixture) -> None:

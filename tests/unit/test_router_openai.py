@@ -143,6 +143,36 @@ def test_sampled_completions_match_colocated_sampling_with_the_same_parameters(m
     asyncio.run(main())
 
 
+def test_tokenize_and_detokenize_use_the_models_tokenizer_as_vllms_do(model: LlamaModel) -> None:
+    tok = _tok(model)
+
+    async def main() -> None:
+        async with stack(model) as s, aiohttp.ClientSession() as http:
+            async def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+                async with http.post(f"{s.url}{path}", json=body) as answer:
+                    return answer.status, await answer.json()
+
+            ids = tok.encode(PROMPT)
+            assert await post("/tokenize", {"model": SMOLLM2, "prompt": PROMPT}) == (
+                200, {"count": len(ids), "max_model_len": model.config.max_positions, "tokens": ids})
+            assert (await post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}))[1]["tokens"] == ids
+            # The chat form counts what a chat completion sends the workers.
+            status, chat = await post("/tokenize", {"model": SMOLLM2, "messages": CHAT})
+            assert status == 200 and chat["tokens"] == tok.encode(tok.chat(CHAT)) and chat["count"] == len(chat["tokens"])
+            done = await s.client.chat.completions.create(model=SMOLLM2, messages=CHAT, max_tokens=1)  # type: ignore[arg-type]
+            assert done.usage is not None and done.usage.prompt_tokens == chat["count"]
+            status, bare = await post("/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+            assert status == 200 and bare["tokens"] == tok.encode(tok.chat(CHAT, add_generation_prompt=False))
+            assert bare["count"] < chat["count"]
+            assert await post("/detokenize", {"model": SMOLLM2, "tokens": ids}) == (200, {"prompt": PROMPT})
+            assert await post("/detokenize", {"tokens": chat["tokens"]}) == (200, {"prompt": tok.chat(CHAT)})
+            status, body = await post("/detokenize", {"tokens": [1, tok.vocab_size]})
+            assert status == 400 and body["error"]["param"] == "tokens"
+            assert f"'tokens' must lie in [0, {tok.vocab_size})" in body["error"]["message"]
+
+    asyncio.run(main())
+
+
 def test_chat_completions_end_at_the_models_stop_token(model: LlamaModel) -> None:
     tok = _tok(model)
     ids = tok.encode(tok.chat(CHAT))
