@@ -10,6 +10,7 @@ from collections.abc import Sequence
 # subcommand -> (module, one-line help). A module's ``main(argv) -> int`` runs it.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pair": ("kvxfer.pair", "run prefill, decode and router locally and check output token for token"),
+    "up": ("kvxfer.up", "the router on port 8000 and its workers as one supervised service"),
     "serve": ("kvxfer.worker.serve", "run a prefill or decode worker (--role prefill|decode)"),
     "router": ("kvxfer.router.serve", "serve the embeddable router over HTTP"),
     "bench": ("kvxfer.bench.cli", "transfer microbenchmarks with in-run baselines"),

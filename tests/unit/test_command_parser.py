@@ -11,6 +11,7 @@ from kvxfer.launch.cli import build_parser as launch_parser
 from kvxfer.pair import build_parser as pair_parser
 from kvxfer.router.serve import build_parser as router_parser
 from kvxfer.serving.command import CommandParser
+from kvxfer.up import build_parser as up_parser
 from kvxfer.worker.serve import build_parser as serve_parser
 
 
@@ -35,7 +36,7 @@ def test_an_abbreviated_flag_is_not_taken_for_the_whole_one(capsys: pytest.Captu
     assert "unrecognized arguments: --selec round_robin" in err
 
 
-@pytest.mark.parametrize("parser", [pair_parser, serve_parser, router_parser, bench_parser, doctor_parser, launch_parser])
+@pytest.mark.parametrize("parser", [pair_parser, serve_parser, router_parser, bench_parser, doctor_parser, launch_parser, up_parser])
 def test_every_command_parser_is_one(parser: object) -> None:
     assert isinstance(parser(), CommandParser)  # type: ignore[operator]
 
