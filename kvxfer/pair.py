@@ -18,26 +18,23 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvxfer.engine import SamplingParams
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
-from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_line, sampling_report
-from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_lines, store_rows
+from kvxfer.pair_report import Result, outcomes, print_report, summarize
+from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
+from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_rows
 from kvxfer.progress import Count, Line, wait_announced
 from kvxfer.progress import RequestProgress as Progress
 from kvxfer.router.app import KEEPALIVE_S
-from kvxfer.router.router import KEY_PATTERN
 from kvxfer.serving.command import CommandParser
 from kvxfer.serving.http import HttpError, request_text, stream_json
 from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
@@ -61,28 +58,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvxfer.engine import LlamaModel
-
-
-@dataclass
-class Result:
-    request: str
-    prompt_tokens: int
-    tokens: list[int]
-    expected: list[int]
-    ttft_s: float | None
-    total_s: float
-    transfer: dict[str, Any] | None
-    path: str
-    error: str | None
-    events: list[str] = field(default_factory=list)
-
-    @property
-    def matched(self) -> bool:
-        return self.error is None and self.tokens == self.expected
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
 
 
 ROUTER_SILENCE_S = 6 * KEEPALIVE_S
@@ -128,125 +103,6 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
             return result
 
     return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
-
-
-_URL = re.compile(r"https?://(?:\[[0-9a-fA-F:]*\]|[\w.-]+)(?::\d+)?")
-_REQUEST_ID = re.compile(rf"\b(?:{KEY_PATTERN}(?:-local\d+)?(?:#local)?|pair-\d+)\b")
-_NUMBER = re.compile(r"(?<![\w.])(?<!HTTP )\d+(?:\.\d+)?(?![\w.])")
-
-
-def failure_kind(error: str) -> str:
-    """What went wrong, without where or to which request: an error with its worker's URL,
-    request ids and counts replaced, so one cause on several workers is one line of the report.
-    HTTP statuses stay (a 409 refusal is not a 500)."""
-    text = _REQUEST_ID.sub("<request>", _URL.sub("<worker>", error))
-    return _NUMBER.sub("N", text)[:160]
-
-
-def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> dict[str, Any]:
-    tokens = sum(len(r.tokens) for r in results)
-    return {
-        "config": config,
-        **_outcomes(results),
-        "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
-        "ttft_s": _quantiles([r.ttft_s for r in results if r.ttft_s is not None]),
-        **_transfer_summary([r.transfer for r in results if r.transfer]),
-        "paths": _tally(r.path for r in results),
-        "failures": _tally(_failure(r) for r in results if not r.matched),
-        "results": [asdict(r) | {"matched": r.matched} for r in results],
-    }
-
-
-def _outcomes(results: list[Result]) -> dict[str, int]:
-    return {
-        "requests": len(results), "completed": sum(1 for r in results if r.error is None),
-        "matched": sum(1 for r in results if r.matched),
-        "mismatched": sum(1 for r in results if r.error is None and not r.matched),
-        "failed": sum(1 for r in results if r.error is not None),
-    }
-
-
-def _quantiles(values: list[float]) -> dict[str, float | None]:
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
-
-
-def _transfer_summary(transfers: list[dict[str, Any]]) -> dict[str, Any]:
-    seconds = [float(t["seconds"]) for t in transfers]
-    moved = sum(int(t["bytes"]) for t in transfers)
-    return {
-        "transfer_s": _quantiles(seconds),
-        "transfers": len(transfers),
-        "transfer_bytes": moved,
-        "transfer_gb_per_s": (moved / sum(seconds) / 1e9) if seconds and sum(seconds) > 0 else None,
-        "rows": sum(int(t["rows_delivered"]) for t in transfers),
-        "rows_requested": sum(int(t["rows"]) for t in transfers),
-        # Rows a delivered transfer did not move: the decode worker had those prompt blocks cached.
-        "rows_cached_at_decode": sum(int(t["rows"]) - int(t["rows_delivered"]) for t in transfers
-                                     if t["status"] == "delivered"),
-    }
-
-
-def _failure(result: Result) -> str:
-    """The report's line for a request that did not match."""
-    return "tokens differ from colocated generation" if result.error is None else failure_kind(result.error)
-
-
-def _tally(keys: Iterable[str]) -> dict[str, int]:
-    """How often each key occurs, in order of first occurrence."""
-    counts: dict[str, int] = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.2f} ms"
-
-
-def _kv_line(kv: dict[str, Any] | None) -> list[str]:
-    if not kv:
-        return []
-    ends = [f"{role} TP {e['tp']}, {e['block_tokens']}-token {e['layout'].replace('_', '-')}"
-            for role, e in kv.items()]
-    return [f"  KV           {' -> '.join(ends)} (engine geometries, one transfer per rank pair)"]
-
-
-def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
-    c = report["config"]
-    gbps = report["transfer_gb_per_s"]
-    mode = c["mode"]
-    if c.get("mode_requested", mode) != mode:
-        mode = f"{mode}, routed from {c['mode_requested']}: its lane is TCP"
-    # The model line names the oracle's device; the workers' follow when either differs from it.
-    placed = "" if c["prefill_device"] == c["decode_device"] == c["device"] else \
-        f" (oracle), prefill on {c['prefill_device']}, decode on {c['decode_device']}"
-    lines = [
-        f"kvxfer pair: {c['backend']} ({mode}, {c['lender']} lender), {c['prefill_workers']} prefill + "
-        f"{c['decode_workers']} decode workers, model {c['model']}{placed}",
-        *_kv_line(c.get("engine_kv")),
-        *sampling_line(c.get("sampling")),
-        f"  requests     {report['requests']} sent, {report['completed']} completed, "
-        f"{report['matched']} token-identical to colocated generation, {report['mismatched']} differ, "
-        f"{report['failed']} failed",
-        f"  tokens       {report['tokens']} in {report['wall_s']:.2f} s ({report['tokens_per_s'] or 0:.0f} tokens/s, "
-        f"concurrency {c['concurrency']})",
-        f"  TTFT         p50 {_ms(report['ttft_s']['p50'])}   p99 {_ms(report['ttft_s']['p99'])}",
-        f"  transfer     p50 {_ms(report['transfer_s']['p50'])}   p99 {_ms(report['transfer_s']['p99'])}   "
-        f"{report['transfers']} transfers, {report['transfer_bytes'] / 1e6:.2f} MB, "
-        f"{'-' if gbps is None else f'{gbps:.3f}'} GB/s (bytes / summed transfer time)",
-        f"  rows         {report['rows']} delivered of {report['rows_requested']} prompt blocks "
-        f"({report['rows_cached_at_decode']} already cached at the decode worker"
-        f"{', or taken from the store' if report.get('store_rounds') else ''})",
-        *store_lines(report.get("store_rounds", [])),
-        f"  paths        {', '.join(f'{k}: {v}' for k, v in sorted(report['paths'].items()))}",
-        f"  failures     {', '.join(f'{k}: {v}' for k, v in report['failures'].items()) or 'none'}",
-    ]
-    for r in report["results"]:
-        if not r["matched"]:
-            lines.append(f"    {r['request']}: {r['error'] or 'tokens differ'}")
-    # A model with a tokenizer: what it said, as the router delivered it (repr keeps newlines on one line).
-    lines += [f"  text         {s['prompt']!r} -> {s['completion']!r}" for s in report.get("samples", [])]
-    print("\n".join(lines), file=out, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -564,7 +420,7 @@ def _run_rounds(args: argparse.Namespace, model: LlamaModel, prompts: list[list[
             results, wall = results + got, wall + seconds
             if store is not None:
                 config["store"] = store.where
-                rounds.append({"store_rows": store_rows(where), **_outcomes(got)})
+                rounds.append({"store_rows": store_rows(where), **outcomes(got)})
     return results, wall, rounds
 
 

@@ -49,15 +49,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.contract import KvxferError
 from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams
 from kvxfer.router.cleanup import Cleanup
 from kvxfer.router.inputs import InvalidRequest, check_limits, check_shape
 from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
+from kvxfer.router.run import Failure, Run, generated, rows_safe_after, sampled, settled
 from kvxfer.router.workers import Endpoint, ModelLimits, RouterHealth, WorkerSet, judge
 from kvxfer.serving.http import HttpClient, HttpError
 from kvxfer.serving.keys import BearerKey
@@ -74,47 +73,6 @@ WORKER_SETTLE_S = 15.0
 KEY_PATTERN = r"r[0-9a-f]{12}-\d+"
 """The shape of the ids the router gives the workers (``Router._key``), for tools that read
 them out of reasons and logs."""
-
-
-class _Failure(KvxferError):
-    def __init__(self, message: str, *, dead: bool, unavailable: bool = False) -> None:
-        super().__init__(message)
-        self.dead = dead
-        self.unavailable = unavailable  # no usable pair: nothing of the request ran anywhere
-
-
-@dataclass(eq=False)
-class _Run:
-    rid: str  # the client's id, only echoed back in the Completion
-    key: str  # the id the workers see: the router's own, unique per request (see Router._key)
-    prompt: list[int]
-    max_new: int
-    start: float
-    sampling: SamplingParams = GREEDY
-    emitted: list[int] = field(default_factory=list)
-    ttft: float | None = None
-    prefill: str | None = None
-    decode: str | None = None
-    transfer: TransferFigures | None = None
-    recomputed: int = 0
-    path: str = "disaggregated"
-    events: list[str] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)  # each emitted token's at_s
-
-    def token(self, index: int, token: int) -> Token | None:
-        """Accept token ``index`` once (a recompute re-sends tokens the router already has)."""
-        if index < len(self.emitted):
-            if self.emitted[index] != token:
-                raise _Failure(f"token {index} diverged on recompute: {token} after {self.emitted[index]}", dead=False)
-            return None
-        if index != len(self.emitted):
-            raise _Failure(f"token {index} arrived before token {len(self.emitted)}", dead=False)
-        self.emitted.append(token)
-        now = time.perf_counter() - self.start
-        self.times.append(now)
-        if self.ttft is None:
-            self.ttft = now
-        return Token(index, token, now)
 
 
 class Router:
@@ -144,7 +102,7 @@ class Router:
         self.served_model: str | None = None
         """The model name clients use, when not the workers' (``OpenAIFrontend``'s ``model``):
         the ``model_name`` label of the vllm: series."""
-        self._runs: set[_Run] = set()  # the requests in flight, for the vllm: gauges
+        self._runs: set[Run] = set()  # the requests in flight, for the vllm: gauges
         self.meters = RouterMeters(lambda: self.workers, lambda: tuple(self._runs), self._model_name)
 
     def _model_name(self) -> str:
@@ -217,7 +175,7 @@ class Router:
         ``sampling`` picks the tokens (greedy by default); without a seed it gets a random one."""
         await self.validate(prompt, max_new_tokens, stop_ids, sampling)
         key = self._key()
-        run = _Run(request or key, key, [int(t) for t in prompt], max_new_tokens, time.perf_counter(),
+        run = Run(request or key, key, [int(t) for t in prompt], max_new_tokens, time.perf_counter(),
                    sampling.with_seed())
         stops = frozenset(int(t) for t in stop_ids)
         error: str | None = None
@@ -230,7 +188,7 @@ class Router:
                     if item.token in stops or (until is not None and until(item)):
                         finish = "stop"
                         break  # closing _serve closes the decode stream: the worker stops there
-        except _Failure as exc:
+        except Failure as exc:
             error, finish = str(exc), "unavailable" if exc.unavailable else "error"
         except GeneratorExit:
             # The caller closed the stream before its end (a client that left): counted, so
@@ -311,26 +269,26 @@ class Router:
         return None if p.publisher is not None else f"prefill worker {p.url}: its /health names no publisher"
 
     # --- one request ---------------------------------------------------------------------------
-    async def _serve(self, run: _Run) -> AsyncGenerator[Token, None]:
+    async def _serve(self, run: Run) -> AsyncGenerator[Token, None]:
         d = self._pick("decode")
         if d is None:
-            raise _Failure("no decode worker is reachable", dead=True, unavailable=True)
+            raise Failure("no decode worker is reachable", dead=True, unavailable=True)
         p = self._pick("prefill")
         unknown = await self._identify(p) if p is not None and p.publisher is None else None
         if unknown is not None:
             # Nothing of this request is held anywhere yet: go on as without a prefill worker.
             if self.on_failure == "fail":
-                raise _Failure(unknown, dead=True, unavailable=True)
+                raise Failure(unknown, dead=True, unavailable=True)
             run.events.append(unknown)
             p = None
         if p is None:
             if self.on_failure == "fail":
-                raise _Failure("no prefill worker is reachable (policy fail)", dead=True, unavailable=True)
+                raise Failure("no prefill worker is reachable (policy fail)", dead=True, unavailable=True)
             run.events.append("no prefill worker reachable: decode prefills")
             try:
                 async for t in self._local(run, d):
                     yield t
-            except _Failure as exc:
+            except Failure as exc:
                 if not exc.dead:
                     raise
                 async for t in self._after_decode_loss(run, d, str(exc)):  # another decode worker goes on
@@ -346,7 +304,7 @@ class Router:
             p.outstanding -= 1
             d.outstanding -= 1
 
-    async def _disaggregated(self, run: _Run, p: Endpoint, d: Endpoint) -> AsyncIterator[Token]:
+    async def _disaggregated(self, run: Run, p: Endpoint, d: Endpoint) -> AsyncIterator[Token]:
         t = self.timeout_s
         # Hint D is bound to the prefill worker's run: no other worker, nor a restart of it,
         # may write into the reservation's rows with it.
@@ -390,25 +348,25 @@ class Router:
             return
         outcome = asyncio.create_task(self._publish_outcome(publish))
         try:
-            body = _sampled(run, {"request": run.key, "hint": published["hint"], "first_token": run.emitted[0],
+            body = sampled(run, {"request": run.key, "hint": published["hint"], "first_token": run.emitted[0],
                                   "on_failure": self.on_failure, "timeout_s": t})
             async for tok in self._generate(run, d, body):
                 yield tok
-        except _Failure as exc:
+        except Failure as exc:
             if not exc.dead:
                 raise
             async for tok in self._after_decode_loss(run, d, str(exc)):
                 yield tok
         finally:
-            figures = await _settled(outcome, t)
+            figures = await settled(outcome, t)
             if figures is not None:
                 run.transfer = figures  # the publisher's view: submission to its outcome
 
-    async def _reserve_and_prefill(self, run: _Run, p: Endpoint, d: Endpoint, ask: dict[str, Any]) -> tuple[Any, Any]:
+    async def _reserve_and_prefill(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any]) -> tuple[Any, Any]:
         """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised."""
         t = self.timeout_s
         reserve = asyncio.create_task(self._http.request_json(d.url, "POST", "/reserve", ask, t))
-        prefill = asyncio.create_task(self._http.request_json(p.url, "POST", "/prefill", _sampled(
+        prefill = asyncio.create_task(self._http.request_json(p.url, "POST", "/prefill", sampled(
             run, {"request": run.key, "prompt": run.prompt}), t))
         reserved: Any
         prefilled: Any
@@ -428,7 +386,7 @@ class Router:
             self._cleanup.abort_later(p, {"request": run.key})
         return reserved, prefilled
 
-    async def _rebound(self, run: _Run, p: Endpoint, d: Endpoint, ask: dict[str, Any], reserved: Any,
+    async def _rebound(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any], reserved: Any,
                        prefilled: dict[str, Any]) -> Any:
         """The reservation to publish into: ``reserved``, or one made again for the prefill
         worker's run when /prefill names another than the one ``ask`` bound hint D to."""
@@ -444,7 +402,7 @@ class Router:
         except HttpError as exc:
             return exc
 
-    async def _reserve_failed(self, run: _Run, p: Endpoint, d: Endpoint, exc: BaseException, prefilled: Any) -> None:
+    async def _reserve_failed(self, run: Run, p: Endpoint, d: Endpoint, exc: BaseException, prefilled: Any) -> None:
         self._down(d, exc)
         # The reservation may still be made after our timer fired, as the prefill above.
         # Hint D never reached us, so no prefill worker can write into its rows: they
@@ -453,12 +411,12 @@ class Router:
         if not isinstance(prefilled, BaseException):
             await self._cleanup.abort(p, {"request": run.key})
 
-    async def _publish_failed(self, run: _Run, p: Endpoint, d: Endpoint,
+    async def _publish_failed(self, run: Run, p: Endpoint, d: Endpoint,
                               publish: AsyncGenerator[dict[str, Any], None], hint: str, exc: BaseException) -> bool:
         """After /publish failed before its hint: whether the reservation's rows are safe to reuse."""
         await publish.aclose()
         self._down(p, exc)
-        safe = _rows_safe(exc)
+        safe = rows_safe_after(exc)
         if not safe:
             # Nothing says whether the publisher wrote: ask it to take hint D back, and
             # keep asking in the background until the decode worker may reuse the rows.
@@ -478,8 +436,8 @@ class Router:
             await publish.aclose()
         return None
 
-    async def _generate(self, run: _Run, d: Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
-        """Run /generate on ``d``; a cut stream raises _Failure(dead=True).
+    async def _generate(self, run: Run, d: Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
+        """Run /generate on ``d``; a cut stream raises Failure(dead=True).
 
         The decode worker gives its fetch ``timeout_s``, then a cancel grace and a quiescence
         wait, before its first event says how it resumes: the router waits that long too, or
@@ -488,49 +446,49 @@ class Router:
         events = self._http.stream_json(d.url, "/generate", body, self.timeout_s, idle)
         try:
             async for event in events:
-                tok = _generated(run, d, event)
+                tok = generated(run, d, event)
                 if tok is not None:
                     yield tok
         except HttpError as exc:
             if exc.status == 400:  # the worker is fine: it named what is wrong with the request
-                raise _Failure(f"decode {d.url} refused the request: {exc}", dead=False) from None
+                raise Failure(f"decode {d.url} refused the request: {exc}", dead=False) from None
             self._down(d, exc)
-            raise _Failure(f"decode {d.url} failed: {exc}", dead=True) from None
+            raise Failure(f"decode {d.url} failed: {exc}", dead=True) from None
         finally:
             await events.aclose()  # now, not at garbage collection: the worker sees the router leave
 
-    async def _after_prefill_loss(self, run: _Run, p: Endpoint, d: Endpoint, what: str,
+    async def _after_prefill_loss(self, run: Run, p: Endpoint, d: Endpoint, what: str,
                                   rows_safe: bool) -> AsyncIterator[Token]:
         run.events.append(what)
         if self.on_failure == "fail":
             await self._cleanup.abort(d, {"request": run.key, "rows_safe": rows_safe})
-            raise _Failure(f"{what} (policy fail)", dead=False, unavailable=not run.emitted)
+            raise Failure(f"{what} (policy fail)", dead=False, unavailable=not run.emitted)
         run.path = "local"
-        body = _sampled(run, {"request": run.key, "on_failure": "recompute", "rows_safe": rows_safe,
+        body = sampled(run, {"request": run.key, "on_failure": "recompute", "rows_safe": rows_safe,
                               "timeout_s": self.timeout_s})
         try:
             async for tok in self._generate(run, d, body):
                 yield tok
-        except _Failure as exc:
+        except Failure as exc:
             if not exc.dead:
                 raise
             async for tok in self._after_decode_loss(run, d, str(exc)):
                 yield tok
         run.recomputed = max(run.recomputed, len(run.prompt))
 
-    async def _after_decode_loss(self, run: _Run, d: Endpoint, what: str) -> AsyncIterator[Token]:
+    async def _after_decode_loss(self, run: Run, d: Endpoint, what: str) -> AsyncIterator[Token]:
         run.events.append(what)
         # Nothing streamed yet: the caller may try again later, as with no worker at all.
         unavailable = not run.emitted
         if self.on_failure == "fail":
-            raise _Failure(f"{what} (policy fail)", dead=False, unavailable=unavailable)
+            raise Failure(f"{what} (policy fail)", dead=False, unavailable=unavailable)
         other = self._pick("decode", exclude=frozenset({d.url}))
         if other is None:
-            raise _Failure(f"{what}; no other decode worker to recompute on", dead=False, unavailable=unavailable)
+            raise Failure(f"{what}; no other decode worker to recompute on", dead=False, unavailable=unavailable)
         async for tok in self._local(run, other):
             yield tok
 
-    async def _local(self, run: _Run, d: Endpoint) -> AsyncIterator[Token]:
+    async def _local(self, run: Run, d: Endpoint) -> AsyncIterator[Token]:
         """The decode worker prefills the prompt plus every token streamed so far, then goes on."""
         done = len(run.emitted)
         if done >= run.max_new:
@@ -539,11 +497,11 @@ class Router:
         context = run.prompt + run.emitted
         run.recomputed += len(context)
         # The emitted tokens are the completion's: penalties count them and the next draw is index ``done``.
-        body = _sampled(run, {"request": f"{run.key}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
+        body = sampled(run, {"request": f"{run.key}-local{done}", "prompt": context, "max_new_tokens": run.max_new - done,
                               "on_failure": "recompute", "timeout_s": self.timeout_s, "generated": done})
         d.outstanding += 1
         try:
-            shifted = _Run(run.rid, run.key, context, run.max_new - done, run.start)
+            shifted = Run(run.rid, run.key, context, run.max_new - done, run.start)
             async for event in self._generate(shifted, d, body):
                 tok = run.token(done + event.index, event.token)
                 if tok is not None:
@@ -583,44 +541,3 @@ class Router:
             except HttpError:
                 pass
         return out
-
-
-def _sampled(run: _Run, body: dict[str, Any]) -> dict[str, Any]:
-    """A worker call's body with the request's sampling, when it is not plain greedy."""
-    sampling = run.sampling.to_json()
-    return {**body, "sampling": sampling} if sampling else body
-
-
-def _generated(run: _Run, d: Endpoint, event: dict[str, Any]) -> Token | None:
-    """One /generate event: a token to stream (None when the router has it already), a
-    resume's figures, or the worker's error (_Failure)."""
-    kind = event.get("event")
-    if kind == "token":
-        return run.token(int(event["index"]), int(event["token"]))
-    # Under policy fail the worker's error is where the transfer's figures come.
-    if kind in ("resume", "error") and event.get("transfer") and run.transfer is None:
-        run.transfer = TransferFigures.from_event(event["transfer"])
-    if kind == "resume" and event.get("recompute_tokens"):
-        run.recomputed += int(event["recompute_tokens"])
-        if run.path == "disaggregated":
-            run.path = "resumed"
-        run.events.append(f"decode {d.url} resumed at {event['position']} and recomputed "
-                          f"{event['recompute_tokens']} prompt tokens")
-    elif kind == "error":
-        raise _Failure(f"decode {d.url}: {event.get('error')}", dead=False)
-    return None
-
-
-def _rows_safe(exc: BaseException) -> bool:
-    """After a failed /publish: can the prefill worker still write into the decode rows?
-    Not if it is gone (connection refused or cut), nor if it refused before submitting
-    (400, 401: not the cluster key, 409). A timeout or a 500 proves nothing, so the rows are
-    quarantined then."""
-    return isinstance(exc, HttpError) and (exc.unreachable or exc.status in (400, 401, 409))
-
-
-async def _settled(task: asyncio.Task[TransferFigures | None], timeout: float) -> TransferFigures | None:
-    try:
-        return await asyncio.wait_for(task, timeout)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        return None

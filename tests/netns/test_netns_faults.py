@@ -193,18 +193,26 @@ def test_a_link_cut_mid_transfer_fails_with_exact_masks_and_the_next_transfer_su
     net.delivered()
 
 
+def _retransmitted(net: Pair, host: str) -> int:
+    """TCP segments ``host`` has sent again so far (its namespace's /proc/net/snmp RetransSegs)."""
+    lines = [line.split() for line in net.hosts.run(host, ["cat", "/proc/net/snmp"]).stdout.splitlines()
+             if line.startswith("Tcp:")]
+    return int(lines[1][lines[0].index("RetransSegs")])
+
+
 @pytest.mark.timeout(180)
-def test_packet_loss_slows_transfers_but_corrupts_nothing(net: Pair) -> None:
+def test_packet_loss_costs_retransmissions_but_corrupts_nothing(net: Pair) -> None:
+    """What a lossy lane costs is seen in TCP's own counters, not in a race of wall clocks
+    (a loaded machine once made a lossy push faster than the clean ones)."""
     rows = SLOTS  # 64 MiB, unpaced
     clean = [net.delivered(rows).settled_s[0] for _ in range(3)]
     net.hosts.loss("decode", 5)
-    dropped = net.hosts.dropped("decode")
-    lossy = [net.delivered(rows).settled_s[0] for _ in range(3)]
-    dropped = net.hosts.dropped("decode") - dropped
+    dropped, resent = net.hosts.dropped("decode"), _retransmitted(net, "prefill")
+    lossy = [net.delivered(rows).settled_s[0] for _ in range(3)]  # each checked byte for byte
+    dropped, resent = net.hosts.dropped("decode") - dropped, _retransmitted(net, "prefill") - resent
     print(f"\n5% loss at the fetcher: 64 MiB pushes took {', '.join(f'{s:.3f}' for s in lossy)} s against "
-          f"{', '.join(f'{s:.3f}' for s in clean)} s clean; {dropped} packets dropped")
-    assert dropped > 0
-    assert min(lossy) > min(clean)
+          f"{', '.join(f'{s:.3f}' for s in clean)} s clean; {dropped} packets dropped, {resent} segments resent")
+    assert dropped > 0 and resent > 0
 
 
 @pytest.mark.timeout(180)
