@@ -117,6 +117,15 @@ class SamplingParams:
             return self
         return replace(self, seed=secrets.randbits(63))
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of a request for several (OpenAI's ``n``): the
+        seed plus the index, modulo 2**64 (vLLM's rule), so choice 0 is the request's own
+        completion and each other one is reproducible; without a seed, or greedy, unchanged."""
+        if self.seed is None or self.greedy or index == 0:
+            return self
+        seed = self.seed + index
+        return replace(self, seed=seed - 2 ** 64 if seed >= SEED_RANGE[1] else seed)
+
     def check_vocab(self, vocab_size: int) -> None:
         """InvalidSampling when a ``logit_bias`` token id lies outside ``[0, vocab_size)``."""
         for token, _ in self.logit_bias:
