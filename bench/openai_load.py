@@ -203,11 +203,16 @@ def _quantile(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 4)
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the kvxfer up this run started is stopped on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     up = None
     url = args.url.rstrip("/")
     if not url:
+        signal.signal(signal.SIGTERM, _interrupted)
         up, url = start_up(args.model)
     try:
         report = asyncio.run(run(url, args))
