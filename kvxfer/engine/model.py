@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvxfer.engine.config import ModelConfig
-from kvxfer.engine.sampling import GREEDY, SamplingParams, pick_token
+from kvxfer.engine.sampling import GREEDY, Pick, SamplingParams, pick_token, with_logprobs
 from kvxfer.engine.tp import ShardedKVCache
 from kvxfer.engine.weights import LayerWeights, Weights, seeded_weights
 from kvxfer.modelfiles.tokenizer import Tokenizer
@@ -149,10 +149,16 @@ class LlamaModel:
         """The token after the forward: greedy, the argmax of the last logits (ties go to the
         lowest id, as torch.argmax does), or as ``sampling`` says, given the request's
         ``prompt`` and the completion ``generated`` so far (its length is the new token's index)."""
+        return self.next_pick(kv, request, tokens, start, sampling, prompt, generated).token
+
+    def next_pick(self, kv: PagedKVPool | ShardedKVCache, request: str, tokens: Sequence[int] | torch.Tensor,
+                  start: int, sampling: SamplingParams = GREEDY, prompt: Sequence[int] = (),
+                  generated: Sequence[int] = (), logprobs: int | None = None) -> Pick:
+        """``next_token``'s token; with ``logprobs`` (0 to 20), its logprob and that many
+        likeliest tokens' too, from the same logits (``kvxfer.engine.sampling.with_logprobs``)."""
         logits = self.forward(kv, request, tokens, start)
-        if sampling.plain:
-            return int(torch.argmax(logits))
-        return pick_token(logits, sampling, prompt, generated)
+        token = int(torch.argmax(logits)) if sampling.plain else pick_token(logits, sampling, prompt, generated)
+        return Pick(token) if logprobs is None else with_logprobs(logits, token, logprobs)
 
 
 def _to_device(weights: Weights, device: torch.device) -> Weights:

@@ -42,6 +42,8 @@ import numpy as np
 from kvxfer.contract import KvxferError
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64)
+MAX_LOGPROBS = 20
+"""The most alternatives a token's logprobs name (OpenAI's chat ``top_logprobs`` bound)."""
 """Seeds taken: any int64 or uint64 (OpenAI's is an int64); the Philox key is the seed mod 2**64."""
 BAN, FORCE = -100.0, 100.0
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -115,6 +117,15 @@ class SamplingParams:
             return self
         return replace(self, seed=secrets.randbits(63))
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of a request for several (OpenAI's ``n``): the
+        seed plus the index, modulo 2**64 (vLLM's rule), so choice 0 is the request's own
+        completion and each other one is reproducible; without a seed, or greedy, unchanged."""
+        if self.seed is None or self.greedy or index == 0:
+            return self
+        seed = self.seed + index
+        return replace(self, seed=seed - 2 ** 64 if seed >= SEED_RANGE[1] else seed)
+
     def check_vocab(self, vocab_size: int) -> None:
         """InvalidSampling when a ``logit_bias`` token id lies outside ``[0, vocab_size)``."""
         for token, _ in self.logit_bias:
@@ -186,6 +197,32 @@ GREEDY = SamplingParams()
 
 
 # --- picking -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pick:
+    """A picked token and, when asked for, its logprob and the ``top`` likeliest tokens'
+    (token id, logprob), likeliest first: log-softmax of the model's raw logits, before
+    bias, penalties and temperature (vLLM's default "raw" logprobs)."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def with_logprobs(logits: Any, token: int, k: int) -> Pick:
+    """``token`` with its logprob and the ``k`` likeliest tokens' (ties to the lower id), from
+    the model's logits as they came, in float64."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+        raise InvalidSampling("logprobs", f"must be an int in [0, {MAX_LOGPROBS}], got {str(k)[:40]}")
+    x = _as_array(logits).astype(np.float64)
+    top = x.max()
+    lp = x - (top + math.log(float(np.exp(x - top).sum())))
+    if k == 0:
+        return Pick(int(token), float(lp[token]))
+    part = np.argpartition(-lp, k - 1)[:k] if k < lp.size else np.arange(lp.size)
+    ranked = part[np.lexsort((part, -lp[part]))]
+    return Pick(int(token), float(lp[token]), tuple((int(t), float(lp[t])) for t in ranked))
+
+
 def pick_token(logits: Any, params: SamplingParams, prompt: Sequence[int] = (),
                generated: Sequence[int] = ()) -> int:
     """The next token after ``prompt`` + ``generated`` (the completion so far, whose length

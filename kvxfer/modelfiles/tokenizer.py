@@ -14,6 +14,7 @@ applies GPT-2's byte-level split; that is also what SmolLM2's ``tokenizer.json``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be part of a UTF-8
+        character; a control token, its own text), as OpenAI's logprobs ``bytes`` give them."""
+        piece = self._tok.id_to_token(int(token))
+        if piece is None:
+            return b""
+        unbyte = _unicode_to_byte()
+        if all(ch in unbyte for ch in piece):
+            return bytes(unbyte[ch] for ch in piece)
+        return str(piece).encode()
+
     def chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         """``messages`` rendered with the GGUF's chat template (SmolLM2's inserts its own
         system prompt when the first message is not one)."""
@@ -90,6 +102,21 @@ class Tokenizer:
                 break
             out.append(token)
         return out
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's alphabet back to bytes: GPT-2's ``bytes_to_unicode``, inverted (the
+    printable bytes stand for themselves, the others for chr(256 + n) in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    out = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
 
 
 def tokenizer_from_gguf(fields: dict[str, Any], where: str) -> Tokenizer:

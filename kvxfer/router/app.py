@@ -19,10 +19,11 @@ vLLM's (``kvxfer.router.tokenizing``; the model's tokenizer, so not the toy mode
 kvxfer's own:
     POST /generate {"prompt": [ids], "max_new_tokens": N, "request"?: str, "stop_ids"?: [ids],
                     "temperature"?, "top_p"?, "top_k"?, "min_p"?, "seed"?, "presence_penalty"?,
-                    "frequency_penalty"?, "repetition_penalty"?, "logit_bias"?: {"id": bias}}
+                    "frequency_penalty"?, "repetition_penalty"?, "logit_bias"?: {"id": bias}, "logprobs"?: k}
          (``kvxfer.engine.sampling``; greedy without them; sampling without a seed gets a random
          one, which completion.seed names)
-         -> NDJSON: {"event": "token", "index", "token", "at_s"} ... then
+         -> NDJSON: {"event": "token", "index", "token", "at_s"} (with "logprobs": k, also
+            "logprob" and "top_logprobs": [[id, logprob], ...]) ... then
             {"event": "done", "final": true, "completion": {...}}  (completion.error set on failure)
             and {"event": "waiting"} whenever KEEPALIVE_S passed without another event
          "request" comes back as completion.request; the workers see the router's own id instead
@@ -53,7 +54,7 @@ from kvxfer import __version__
 from kvxfer.engine.sampling import FIELDS as SAMPLING_FIELDS
 from kvxfer.engine.sampling import InvalidSampling, SamplingParams
 from kvxfer.router.frontend import OpenAIFrontend
-from kvxfer.router.inputs import InvalidRequest
+from kvxfer.router.inputs import InvalidRequest, check_logprobs
 from kvxfer.router.openai_api import OpenAIError, parse
 from kvxfer.router.results import Completion
 from kvxfer.router.router import Router
@@ -68,7 +69,7 @@ between two tokens (a stalled transfer, then a recompute elsewhere), and its own
 that wait with the failure or the recompute. The "waiting" events (NDJSON) and comments
 (SSE) let a client tell such a wait from a router that hung, with a short silence limit of its own."""
 
-GENERATE_FIELDS = frozenset({"prompt", "max_new_tokens", "request", "stop_ids", *SAMPLING_FIELDS})
+GENERATE_FIELDS = frozenset({"prompt", "max_new_tokens", "request", "stop_ids", "logprobs", *SAMPLING_FIELDS})
 _WAITING = object()
 
 
@@ -129,11 +130,12 @@ async def _generate(router: Router, body: Any, keepalive_s: float) -> Response:
     try:
         sampling = SamplingParams.from_json({k: body[k] for k in SAMPLING_FIELDS if k in body})
         await router.validate(prompt, max_new, stop_ids, sampling)  # type: ignore[arg-type]
+        check_logprobs(body.get("logprobs"))
     except (InvalidRequest, InvalidSampling) as exc:
         raise BadRequest(str(exc)) from None
     rid = body.get("request")
     stream = router.stream(prompt, max_new, rid if isinstance(rid, str) else None,  # type: ignore[arg-type]
-                           stop_ids=stop_ids, sampling=sampling)
+                           stop_ids=stop_ids, sampling=sampling, logprobs=body.get("logprobs"))
     return Response.ndjson(_events(stream, keepalive_s))
 
 
@@ -143,8 +145,11 @@ async def _events(stream: AsyncGenerator[Any, None], keepalive_s: float) -> Asyn
             yield {"event": "waiting"}  # writing it also shows whether the client is still there
         elif isinstance(item, Completion):
             yield {"event": "done", "final": True, "completion": completion_json(item)}
-        else:
+        elif item.logprob is None:
             yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s}
+        else:
+            yield {"event": "token", "index": item.index, "token": item.token, "at_s": item.at_s,
+                   "logprob": item.logprob, "top_logprobs": [list(t) for t in item.top_logprobs]}
 
 
 async def _model(openai: OpenAIFrontend, name: str, started: int) -> Response:

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvxfer.modelfiles import CheckpointError, Tokenizer, load_tokenizer
 from kvxfer.router.inputs import InvalidRequest
+from kvxfer.router.logprobs import TokenLogprobs
 from kvxfer.router.openai_api import (
     CHAT_MAX_TOKENS,
     COMPLETION_MAX_TOKENS,
@@ -61,10 +62,15 @@ class Job:
 
 @dataclass(frozen=True)
 class _Piece:
+    """Some of choice ``index``'s text and tokens (with their logprobs, when asked); its last
+    piece has ``finish`` and ``count``, the choice's completion tokens."""
+
     text: str
     tokens: tuple[int, ...]
+    index: int = 0
     finish: str | None = None
-    usage: Usage | None = None
+    count: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class OpenAIFrontend:
@@ -203,20 +209,28 @@ class OpenAIFrontend:
     async def complete(self, job: Job, gone: Callable[[], bool] = lambda: False) -> dict[str, Any]:
         """The whole answer; OpenAIError (503 with no usable pair, 500 for a failed request).
         ClientGone once ``gone()`` says the client left: asked after every token, so the
-        request (its decode stream, its reservation) ends within a decode step, as a
+        request (its decode streams, its reservations) ends within a decode step, as a
         streamed one does, rather than running on to ``max_tokens`` for nobody."""
-        text: list[str] = []
-        tokens: list[int] = []
+        n = job.ask.n
+        text: list[list[str]] = [[] for _ in range(n)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        finish: list[str] = ["length"] * n
+        count = 0
         async with contextlib.aclosing(self._pieces(job)) as pieces:
             async for piece in pieces:
                 if gone():
                     raise ClientGone("the client closed its connection before the answer was whole")
-                text.append(piece.text)
-                tokens.extend(piece.tokens)
-                if piece.usage is not None:
-                    return Shaper(job.ask, job.model).whole("".join(text), tuple(tokens), piece.finish or "length",
-                                                            piece.usage)
-        raise AssertionError("a completion ended without its last piece")
+                i = piece.index
+                text[i].append(piece.text)
+                tokens[i].extend(piece.tokens)
+                logprobs[i].extend(piece.logprobs)
+                if piece.finish is not None:
+                    finish[i], count = piece.finish, count + piece.count
+        shape = Shaper(job.ask, job.model, job.tokenizer)
+        choices = [shape.choice(i, "".join(text[i]), tuple(tokens[i]), finish[i], tuple(logprobs[i]))
+                   for i in range(n)]
+        return shape.whole(choices, Usage(len(job.ids), count))
 
     async def open_stream(self, job: Job) -> AsyncGenerator[dict[str, Any], None]:
         """The answer's chunks. The first token is awaited here: a request no worker pair
@@ -232,48 +246,97 @@ class OpenAIFrontend:
 
     async def _chunks(self, job: Job, pieces: AsyncGenerator[_Piece, None],
                       first: _Piece) -> AsyncGenerator[dict[str, Any], None]:
-        shape = Shaper(job.ask, job.model)
-        piece: _Piece | None = first
-        opening = True
+        shape = Shaper(job.ask, job.model, job.tokenizer)
+        chat = job.ask.chat
+        opening = [True] * job.ask.n  # a chat choice's first chunk names the role
+        ended = count = 0
+        piece = first
         try:
-            while piece is not None:
-                if piece.text or piece.finish is not None or opening or not job.ask.chat:
-                    yield shape.chunk(piece.text, piece.tokens, piece.finish, first=opening and job.ask.chat)
-                    opening = False
-                if piece.usage is not None:
-                    if job.ask.include_usage:
-                        yield shape.usage_chunk(piece.usage)
-                    return
+            while True:
+                i = piece.index
+                if piece.text or piece.finish is not None or opening[i] or not chat or piece.logprobs:
+                    yield shape.chunk(piece.text, piece.tokens, piece.finish, first=opening[i] and chat, index=i,
+                                      logprobs=piece.logprobs)
+                    opening[i] = False
+                if piece.finish is not None:
+                    ended, count = ended + 1, count + piece.count
+                    if ended == job.ask.n:
+                        if job.ask.include_usage:
+                            yield shape.usage_chunk(Usage(len(job.ids), count))
+                        return
                 piece = await pieces.__anext__()
         except OpenAIError as exc:
             yield exc.body()
         finally:
             await pieces.aclose()
 
-    async def _pieces(self, job: Job) -> AsyncGenerator[_Piece, None]:
+    def _pieces(self, job: Job) -> AsyncGenerator[_Piece, None]:
+        """Every choice's pieces, as they come; each choice's ends with its finish."""
+        if job.ask.n == 1:
+            return self._choice(job, 0)
+        return merged([self._choice(job, i) for i in range(job.ask.n)])
+
+    async def _choice(self, job: Job, index: int) -> AsyncGenerator[_Piece, None]:
         tok = job.tokenizer
         texts = TextStream(tok, job.ask.stop) if tok is not None else None
         stop_ids = tok.stop_ids if tok is not None else frozenset()
         stream = self.router.stream(job.ids, job.max_tokens, stop_ids=stop_ids,
-                                    until=lambda _: texts is not None and texts.stopped, sampling=job.ask.sampling)
+                                    until=lambda _: texts is not None and texts.stopped,
+                                    sampling=job.ask.sampling.for_choice(index), logprobs=job.ask.logprobs)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 if isinstance(item, Completion):
-                    yield _last(item, texts, len(job.ids))
+                    yield _last(item, texts, index)
                     return
+                lp = (TokenLogprobs(item.token, item.logprob, item.top_logprobs),) if item.logprob is not None else ()
                 if item.token in stop_ids or texts is None:
-                    yield _Piece("", (item.token,))  # a stop id ends the text and is not part of it
+                    yield _Piece("", (item.token,), index, logprobs=lp)  # a stop id ends the text, not part of it
                 else:
-                    yield _Piece(texts.feed(item.token), (item.token,))
+                    yield _Piece(texts.feed(item.token), (item.token,), index, logprobs=lp)
 
 
-def _last(c: Completion, texts: TextStream | None, prompt_tokens: int) -> _Piece:
+async def merged(choices: list[AsyncGenerator[_Piece, None]]) -> AsyncGenerator[_Piece, None]:
+    """The pieces of several choices, each as soon as it comes (the lower index first among
+    those ready together). Closed, or failing in one choice, it closes every choice at its
+    next piece, not mid-call, as ``kvxfer.router.app.with_keepalive`` does for one: each
+    router stream settles its worker calls and counts itself cancelled."""
+    pending: dict[asyncio.Future[_Piece], int] = {}
+    try:
+        for i, choice in enumerate(choices):
+            pending[asyncio.ensure_future(choice.__anext__())] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                i = pending.pop(future)
+                try:
+                    piece = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield piece
+                pending[asyncio.ensure_future(choices[i].__anext__())] = i
+    finally:
+        if pending:
+            try:
+                await asyncio.wait(pending)
+            except asyncio.CancelledError:
+                for future in pending:
+                    future.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                raise
+            for future in pending:
+                if not future.cancelled():
+                    future.exception()  # retrieved: a choice failing while another failed first
+        for choice in choices:
+            await choice.aclose()
+
+
+def _last(c: Completion, texts: TextStream | None, index: int) -> _Piece:
     if c.error is not None:
         if c.finish_reason == "unavailable":
             raise OpenAIError(f"no usable prefill/decode worker pair: {c.error}", 503, kind=UNAVAILABLE)
         raise OpenAIError(f"the request failed: {c.error}", 500, kind="server_error")
     rest = texts.finish() if texts is not None else ""
-    return _Piece(rest, (), c.finish_reason, Usage(prompt_tokens, len(c.tokens)))
+    return _Piece(rest, (), index, c.finish_reason, len(c.tokens))
 
 
 def _load(name: str) -> tuple[Tokenizer | None, str]:

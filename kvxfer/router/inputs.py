@@ -7,6 +7,7 @@ import numbers
 from collections.abc import Collection, Sequence
 
 from kvxfer.contract import KvxferError
+from kvxfer.engine.sampling import MAX_LOGPROBS
 from kvxfer.router.workers import ModelLimits
 
 
@@ -36,6 +37,12 @@ def check_limits(prompt: Sequence[int], max_new_tokens: int, limits: ModelLimits
     if need > limits.max_positions:
         raise InvalidRequest(f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) needs {need} "
                              f"positions, over the workers' model's {limits.max_positions}")
+
+
+def check_logprobs(logprobs: object) -> None:
+    """None (no logprobs), or how many likeliest tokens' logprobs go with each token's own."""
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):  # type: ignore[operator]
+        raise InvalidRequest(f"'logprobs' must be None or an int in [0, {MAX_LOGPROBS}], got {logprobs!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -10,9 +10,14 @@ bans a token, +100 restricts the choice to those so biased), and vLLM's extras `
 by ``kvxfer.engine.sampling.SamplingParams`` and a bad one is a 400 naming it. A request
 with a seed makes the same tokens each time; one without gets a random seed from the router.
 
+``n`` choices (1 to ``MAX_N``), each its own run through the workers (``kvxfer.router.frontend``);
+choice i samples with the seed plus i (``SamplingParams.for_choice``). Logprobs as OpenAI's
+(``kvxfer.router.logprobs``): chat's ``logprobs: true`` with ``top_logprobs`` 0 to 20, legacy
+completions' ``logprobs`` 0 to 5.
+
 What differs from OpenAI, on purpose, and said in the 400 a request gets:
-- one choice: ``n`` and ``best_of`` 1;
-- no logprobs (nor ``top_logprobs``), no echo, no suffix, no tools;
+- ``best_of`` only equal to ``n`` (every choice made is returned);
+- no echo, no suffix, no tools;
 - ``max_tokens`` absent means 16 for completions (OpenAI's default) and, for chat, the
   model's positions left after the prompt, at most ``CHAT_MAX_TOKENS``.
 A completion's choice carries ``token_ids`` besides its text (a model without a tokenizer,
@@ -29,10 +34,16 @@ from typing import Any
 from kvxfer.contract import KvxferError
 from kvxfer.engine.sampling import FIELDS as SAMPLING_FIELDS
 from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams
+from kvxfer.modelfiles import Tokenizer
+from kvxfer.router.logprobs import CompletionLogprobs, TokenLogprobs, TokenTexts, chat_content
 
 COMPLETION_MAX_TOKENS = 16
 CHAT_MAX_TOKENS = 256
 MAX_STOPS = 4
+MAX_N = 16
+"""The most choices one request may ask for: each is a run of its own on the workers."""
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 _COMMON = frozenset({"model", "max_tokens", "n", "stream", "stream_options", "stop", "user", "logprobs",
                      *SAMPLING_FIELDS})
@@ -42,11 +53,8 @@ ROLES = ("system", "user", "assistant")
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     # Fields a client may send at the value that asks for nothing this router lacks.
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
     "echo": (None, False), "suffix": (None, ""), "parallel_tool_calls": (None, False, True),
 }
-_WHY = {"n": "this router makes one choice per request: n must be 1",
-        "best_of": "this router makes one choice per request: best_of must be 1"}
 
 
 class OpenAIError(KvxferError):
@@ -81,6 +89,9 @@ class Ask:
     stream: bool
     include_usage: bool
     sampling: SamplingParams = GREEDY
+    n: int = 1
+    logprobs: int | None = None
+    """None: no logprobs; k: each token's logprob and its k likeliest alternatives'."""
 
 
 def parse(body: Any, chat: bool) -> Ask:
@@ -93,7 +104,7 @@ def parse(body: Any, chat: bool) -> Ask:
         raise OpenAIError(f"unknown field {unknown[0]!r}: this router does not support it", param=unknown[0])
     for name, allowed in _NEUTRAL.items():
         if name in body and not _neutral(body[name], allowed):
-            raise OpenAIError(_WHY.get(name, f"{name!r} is not supported (only {allowed[1]!r})"), param=name)
+            raise OpenAIError(f"{name!r} is not supported (only {allowed[1]!r})", param=name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError("'model' is required: a model id from GET /v1/models", param="model")
@@ -114,8 +125,45 @@ def parse(body: Any, chat: bool) -> Ask:
         raise OpenAIError(str(exc), param=exc.field) from None
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise OpenAIError("'user' must be a string", param="user")
+    n = _n(body)
     return Ask(chat, model, prompt, messages, max_tokens, _stops(body.get("stop")), bool(stream), include_usage,
-               sampling)
+               sampling, n, _logprobs(body, chat))
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        n = 1
+    elif not _int(n) or not 1 <= n <= MAX_N:
+        raise OpenAIError(f"'n' must be an integer in [1, {MAX_N}], got {str(n)[:40]}", param="n")
+    best_of = body.get("best_of")
+    if best_of is not None and (not _int(best_of) or best_of != n):
+        raise OpenAIError(f"'best_of' must equal 'n' ({n}) here: this router returns every choice it makes, "
+                          "it does not pick the best of more", param="best_of")
+    return int(n)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Chat: ``logprobs`` true or false, ``top_logprobs`` 0..20 with it; completions: ``logprobs`` 0..5."""
+    value = body.get("logprobs")
+    if not chat:
+        if value is not None and (not _int(value) or not 0 <= value <= MAX_COMPLETION_LOGPROBS):
+            raise OpenAIError(f"'logprobs' must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] (the likeliest "
+                              f"tokens to list), got {str(value)[:40]}", param="logprobs")
+        return value  # type: ignore[no-any-return]
+    if value is not None and not isinstance(value, bool):
+        raise OpenAIError(f"'logprobs' must be true or false, got {str(value)[:40]}", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (not _int(top) or not 0 <= top <= MAX_CHAT_TOP_LOGPROBS):
+        raise OpenAIError(f"'top_logprobs' must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}], got {str(top)[:40]}",
+                          param="top_logprobs")
+    if top and not value:
+        raise OpenAIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if value else None
 
 
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
@@ -205,33 +253,48 @@ class Usage:
 
 
 class Shaper:
-    """The id, time and model one answer's objects share, and their shapes."""
+    """The id, time and model one answer's objects share, and their shapes; each choice's
+    logprobs objects (``kvxfer.router.logprobs``) when the request asked for them."""
 
-    def __init__(self, ask: Ask, model: str) -> None:
+    def __init__(self, ask: Ask, model: str, tokenizer: Tokenizer | None = None) -> None:
         self.chat = ask.chat
         self.id = ("chatcmpl-" if ask.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self._wants_logprobs = ask.logprobs is not None
+        self._texts = TokenTexts(tokenizer)
+        self._legacy = [CompletionLogprobs(self._texts) for _ in range(ask.n)] if not ask.chat else []
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, tokens: tuple[int, ...], finish: str, usage: Usage) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": None, "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_json()}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": list(tokens)}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_json()}
+    def _logprobs(self, index: int, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any] | None:
+        if not self._wants_logprobs:
+            return None
+        return chat_content(entries, self._texts) if self.chat else self._legacy[index](entries)
 
-    def chunk(self, text: str, tokens: tuple[int, ...], finish: str | None, *, first: bool = False) -> dict[str, Any]:
+    def choice(self, index: int, text: str, tokens: tuple[int, ...], finish: str,
+               logprobs: tuple[TokenLogprobs, ...] = ()) -> dict[str, Any]:
+        lp = self._logprobs(index, logprobs)
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "token_ids": list(tokens)}
+
+    def whole(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage.as_json()}
+
+    def chunk(self, text: str, tokens: tuple[int, ...], finish: str | None, *, first: bool = False, index: int = 0,
+              logprobs: tuple[TokenLogprobs, ...] = ()) -> dict[str, Any]:
+        lp = self._logprobs(index, logprobs) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
                 ({"content": text} if text or finish is None else {})
             return {**self._head("chat.completion.chunk"),
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
                              "token_ids": list(tokens)}]}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

@@ -12,6 +12,10 @@ class Token:
     index: int
     token: int
     at_s: float
+    logprob: float | None = None
+    """Asked for (``Router.stream(logprobs=k)``): log-softmax of the model's raw logits at the
+    token, before bias, penalties and temperature; None otherwise."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # the k likeliest (token id, logprob), likeliest first
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from typing import Any
 
 from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams
 from kvxfer.router.cleanup import Cleanup
-from kvxfer.router.inputs import InvalidRequest, check_limits, check_shape
+from kvxfer.router.inputs import InvalidRequest, check_limits, check_logprobs, check_shape
 from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
 from kvxfer.router.run import Failure, Run, generated, rows_safe_after, sampled, settled
@@ -167,16 +167,19 @@ class Router:
 
     async def stream(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None, *,
                      stop_ids: Collection[int] = (), until: Callable[[Token], bool] | None = None,
-                     sampling: SamplingParams = GREEDY) -> AsyncGenerator[Token | Completion, None]:
+                     sampling: SamplingParams = GREEDY,
+                     logprobs: int | None = None) -> AsyncGenerator[Token | Completion, None]:
         """Tokens as they come, then the Completion. The request ends, with finish_reason
         "stop", after a token of ``stop_ids`` or one for which ``until`` (asked once the
         caller has taken the token: a stop string) is true. InvalidRequest, before anything
         is sent to a worker, for a request the workers' model cannot serve (``validate``).
-        ``sampling`` picks the tokens (greedy by default); without a seed it gets a random one."""
+        ``sampling`` picks the tokens (greedy by default); without a seed it gets a random one.
+        ``logprobs`` k (0 to 20): each Token carries its logprob and the k likeliest tokens'."""
         await self.validate(prompt, max_new_tokens, stop_ids, sampling)
+        check_logprobs(logprobs)
         key = self._key()
         run = Run(request or key, key, [int(t) for t in prompt], max_new_tokens, time.perf_counter(),
-                   sampling.with_seed())
+                  sampling.with_seed(), logprobs)
         stops = frozenset(int(t) for t in stop_ids)
         error: str | None = None
         finish = "length"
@@ -314,7 +317,7 @@ class Router:
         if not isinstance(prefilled, BaseException) and not doomed:
             # (Under policy fail a failed reservation ends the request: it ends before its
             # first token, which a caller can then tell from a failure midway.)
-            tok = run.token(0, int(prefilled["token"]))
+            tok = run.token(0, int(prefilled["token"]), prefilled)
             if tok is not None:
                 try:
                     yield tok
@@ -501,9 +504,10 @@ class Router:
                               "on_failure": "recompute", "timeout_s": self.timeout_s, "generated": done})
         d.outstanding += 1
         try:
-            shifted = Run(run.rid, run.key, context, run.max_new - done, run.start)
+            shifted = Run(run.rid, run.key, context, run.max_new - done, run.start, logprobs=run.logprobs)
             async for event in self._generate(shifted, d, body):
-                tok = run.token(done + event.index, event.token)
+                tok = run.token(done + event.index, event.token, {"logprob": event.logprob,
+                                                                   "top_logprobs": event.top_logprobs})
                 if tok is not None:
                     yield tok
         finally:

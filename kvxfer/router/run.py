@@ -31,6 +31,7 @@ class Run:
     max_new: int
     start: float
     sampling: SamplingParams = GREEDY
+    logprobs: int | None = None  # each token's logprob and this many likeliest tokens' asked of the workers
     emitted: list[int] = field(default_factory=list)
     ttft: float | None = None
     prefill: str | None = None
@@ -41,7 +42,7 @@ class Run:
     events: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # each emitted token's at_s
 
-    def token(self, index: int, token: int) -> Token | None:
+    def token(self, index: int, token: int, answer: dict[str, Any] | None = None) -> Token | None:
         """Accept token ``index`` once (a recompute re-sends tokens the router already has)."""
         if index < len(self.emitted):
             if self.emitted[index] != token:
@@ -54,13 +55,24 @@ class Run:
         self.times.append(now)
         if self.ttft is None:
             self.ttft = now
-        return Token(index, token, now)
+        logprob, top = _logprobs(answer) if answer is not None and self.logprobs is not None else (None, ())
+        return Token(index, token, now, logprob, top)
+
+
+def _logprobs(answer: dict[str, Any]) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+    """A worker's token answer's logprob and top logprobs ([[id, logprob], ...]), as it sent them."""
+    logprob = answer.get("logprob")
+    if logprob is None:
+        return None, ()
+    return float(logprob), tuple((int(t), float(lp)) for t, lp in answer.get("top_logprobs") or ())
 
 
 def sampled(run: Run, body: dict[str, Any]) -> dict[str, Any]:
-    """A worker call's body with the request's sampling, when it is not plain greedy."""
+    """A worker call's body with the request's sampling, when it is not plain greedy, and the
+    logprobs it asks for, if any."""
     sampling = run.sampling.to_json()
-    return {**body, "sampling": sampling} if sampling else body
+    body = {**body, "sampling": sampling} if sampling else body
+    return body if run.logprobs is None else {**body, "logprobs": run.logprobs}
 
 
 def generated(run: Run, d: Endpoint, event: dict[str, Any]) -> Token | None:
@@ -68,7 +80,7 @@ def generated(run: Run, d: Endpoint, event: dict[str, Any]) -> Token | None:
     resume's figures, or the worker's error (Failure)."""
     kind = event.get("event")
     if kind == "token":
-        return run.token(int(event["index"]), int(event["token"]))
+        return run.token(int(event["index"]), int(event["token"]), event)
     # Under policy fail the worker's error is where the transfer's figures come.
     if kind in ("resume", "error") and event.get("transfer") and run.transfer is None:
         run.transfer = TransferFigures.from_event(event["transfer"])

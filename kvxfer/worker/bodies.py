@@ -9,6 +9,7 @@ from typing import Any
 from kvxfer import wire
 from kvxfer.contract import Hint, Peer
 from kvxfer.engine import InvalidSampling, ModelConfig, SamplingParams
+from kvxfer.engine.sampling import MAX_LOGPROBS
 from kvxfer.serving.http import BadRequest
 from kvxfer.worker.calls import (
     POLICIES,
@@ -22,7 +23,7 @@ from kvxfer.worker.calls import (
 
 
 def prefill_call(body: dict[str, Any], model: ModelConfig) -> PrefillCall:
-    return PrefillCall(request_id(body), prompt(body, model), sampling(body, model))
+    return PrefillCall(request_id(body), prompt(body, model), sampling(body, model), logprobs(body))
 
 
 def publish_call(body: dict[str, Any]) -> PublishCall:
@@ -63,7 +64,7 @@ def generate_call(body: dict[str, Any], model: ModelConfig) -> GenerateCall:
         raise BadRequest("'generated' must be a count of the prompt's last tokens that the completion made, "
                          "fewer than the prompt's (and only with a prompt)")
     return GenerateCall(rid, policy, timeout, rows_safe, prefill_hint, first, ids, max_new, sampling(body, model),
-                        generated)
+                        generated, logprobs(body))
 
 
 def request_id(body: dict[str, Any]) -> str:
@@ -95,6 +96,18 @@ def sampling(body: dict[str, Any], model: ModelConfig) -> SamplingParams:
         raise BadRequest("'sampling': 'seed' is required with a temperature above 0 (the router picks one for a "
                          "request without): the prefill and decode workers draw from one stream")
     return params
+
+
+def logprobs(body: dict[str, Any]) -> int | None:
+    """``body["logprobs"]``: absent (none), or how many likeliest tokens' logprobs go with each
+    token's own (0 to ``MAX_LOGPROBS``)."""
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(f"'logprobs' must be an int in [0, {MAX_LOGPROBS}] (the likeliest tokens to name), "
+                         f"got {str(value)[:40]}")
+    return value
 
 
 def positive(body: dict[str, Any], key: str) -> int:

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvxfer.contract import Hint, Peer
-from kvxfer.engine.sampling import GREEDY, SamplingParams
+from kvxfer.engine.sampling import GREEDY, Pick, SamplingParams
 
 POLICIES = ("fail", "recompute")
 
@@ -16,6 +17,7 @@ class PrefillCall:
     request: str
     prompt: list[int]
     sampling: SamplingParams = GREEDY  # picks the first token (index 0 of the completion)
+    logprobs: int | None = None  # answer the token's logprob and this many likeliest tokens' too
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,12 @@ class GenerateCall:
     max_new_tokens: int | None = None
     sampling: SamplingParams = GREEDY
     generated: int = 0
+    logprobs: int | None = None  # each token event carries its logprob and this many likeliest tokens'
+
+
+def pick_json(pick: Pick) -> dict[str, Any]:
+    """A token's fields in an answer or a token event: its id, and, when the call asked for
+    them, ``logprob`` and ``top_logprobs`` ([[token id, logprob], ...], likeliest first)."""
+    if pick.logprob is None:
+        return {"token": pick.token}
+    return {"token": pick.token, "logprob": pick.logprob, "top_logprobs": [list(t) for t in pick.top]}

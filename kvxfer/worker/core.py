@@ -252,7 +252,7 @@ class Worker:
         return self._state.publisher()
 
     async def refresh_metrics(self) -> None:
-        """Set the gauges (open leases, set-aside rows, pool blocks, active streams) from
+        """Set the gauges (open leases, set-aside rows, pool blocks, active streams, held requests) from
         what they count now: read on the engine thread (lender and pool are not thread-safe).
         An embedder that scrapes ``metrics`` itself calls this first."""
         if not self._state.closed:
@@ -260,7 +260,11 @@ class Worker:
             for key, value in snapshot.items():
                 gauge, labels = key
                 gauge.set(value, **dict(labels))
-        self._state.meters.active.set(float(self._active))
+        m = self._state.meters
+        m.active.set(float(self._active))
+        for table, count in (("prefill", len(self._held)), ("reservation", len(self._reserved)),
+                             ("starting", len(self._starting))):
+            m.held.set(float(count), table=table)
 
     async def metrics_text(self) -> str:
         """The Prometheus text of ``metrics`` (a prometheus_client CollectorRegistry of this
@@ -279,6 +283,9 @@ class Worker:
             for group, stats in s.pool.stats().items():
                 for state, value in stats.items():
                     out[(m.blocks, (("group", group), ("state", state)))] = float(value)
+                # Held by a request (or retained for a peer): neither free nor cached for reuse.
+                in_use = stats["blocks"] - stats["free"] - stats["cached"]
+                out[(m.blocks, (("group", group), ("state", "in_use")))] = float(in_use)
         return out
 
     # --- the tables the tests and health read (each has one owner) --------------------------

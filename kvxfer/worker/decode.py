@@ -4,7 +4,8 @@
 - ``generate``: ``fetch(view_D, hint_P)``, ``mark_arrived(masks)``, release, then
   ``readiness()``: resume at ``usable_until`` and recompute the rest (policy recompute) or
   refuse (policy fail); then decode token by token, streaming, each picked as the call's
-  sampling says (the prefill worker picked the first the same way). Without a reservation,
+  sampling says (the prefill worker picked the first the same way), with its logprobs when
+  the call asks for them (computed from the logits that picked it). Without a reservation,
   it decodes a prompt locally.
 
 A reservation whose rows a peer may still write is quarantined (``kvxfer.worker.quarantine``)
@@ -22,9 +23,9 @@ from typing import Any
 from kvxfer import wire
 from kvxfer.contract import Attempt, KvxferError, Outcome, Peer, View
 from kvxfer.engine import tokens_needed
-from kvxfer.engine.sampling import SamplingParams
+from kvxfer.engine.sampling import Pick, SamplingParams
 from kvxfer.lender import Lease
-from kvxfer.worker.calls import GenerateCall, ReserveCall
+from kvxfer.worker.calls import GenerateCall, ReserveCall, pick_json
 from kvxfer.worker.errors import Aborted, Refused
 from kvxfer.worker.meters import reason_label
 from kvxfer.worker.state import WorkerState
@@ -56,6 +57,7 @@ class _Stream:
     owned: bool
     sampling: SamplingParams
     generated: int = 0  # the prompt's last tokens that are the completion's (a recompute going on)
+    logprobs: int | None = None  # each token's logprob and this many likeliest tokens' go with it
     suspect: bool = False
 
     @property
@@ -192,7 +194,8 @@ class DecodeRole:
             if reserved.busy:
                 raise Refused(f"request {rid!r} is already generating")
             reserved.busy = True  # only once the call is known to be well formed
-            stream = _Stream(rid, reserved.prompt, reserved.max_new, name=rid, owned=True, sampling=call.sampling)
+            stream = _Stream(rid, reserved.prompt, reserved.max_new, name=rid, owned=True, sampling=call.sampling,
+                             logprobs=call.logprobs)
             return self._decode_events(stream, reserved, call.prefill_hint, call.first_token, policy, timeout,
                                        rows_safe)
         if call.prefill_hint is not None:
@@ -209,7 +212,7 @@ class DecodeRole:
         if rid in s.calls.starting or s.pool.has(rid):
             raise Refused(f"request {rid!r} is already in use here")
         stream = _Stream(rid, prompt, max_new, name=rid, owned=False, sampling=call.sampling,
-                         generated=call.generated)
+                         generated=call.generated, logprobs=call.logprobs)
         return self._decode_events(stream, None, None, None, policy, timeout, True)
 
     async def _decode_events(self, stream: _Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
@@ -234,24 +237,25 @@ class DecodeRole:
             yield {"event": "resume", "position": position, "recompute_tokens": n - position, "transfer": transfer}
             if position < n or first is None:
                 local = await self._recompute(stream, position)
-                if first is not None and local != first:
+                if first is not None and local.token != first:
                     # The rows that arrived are suspect: never name them for reuse (_finish).
                     stream.suspect = True
                     yield {"event": "error", "final": True,
-                           "error": f"recomputed first token {local} differs from the prefill worker's {first}"}
+                           "error": f"recomputed first token {local.token} differs from the prefill worker's {first}"}
                     return
-                first = local
-                yield {"event": "token", "index": 0, "token": first}
+                first = local.token
+                yield {"event": "token", "index": 0, **pick_json(local)}
             token = first
             origin, generated = stream.origin, [*stream.earlier, first]
             for index in range(1, max_new):
                 start = time.perf_counter()
-                token = await s.engine.run(s.model.next_token, s.pool, stream.name, [token], n + index - 1,
-                                           stream.sampling, origin, generated)
+                pick = await s.engine.run(s.model.next_pick, s.pool, stream.name, [token], n + index - 1,
+                                          stream.sampling, origin, generated, stream.logprobs)
+                token = pick.token
                 generated.append(token)
                 s.meters.step.observe(time.perf_counter() - start)
                 s.meters.tokens.inc()
-                yield {"event": "token", "index": index, "token": token}
+                yield {"event": "token", "index": index, **pick_json(pick)}
             yield {"event": "done", "final": True, "tokens": max_new}
         finally:
             try:
@@ -298,12 +302,12 @@ class DecodeRole:
             stream.owned = True
         return transfer, first
 
-    async def _recompute(self, stream: _Stream, position: int) -> int:
+    async def _recompute(self, stream: _Stream, position: int) -> Pick:
         """Run the prompt from ``position`` on: the first token, as this worker computes it."""
         s = self._s
         start = time.perf_counter()
-        local = await s.engine.run(s.model.next_token, s.pool, stream.name, stream.prompt[position:], position,
-                                   stream.sampling, stream.origin, stream.earlier)
+        local = await s.engine.run(s.model.next_pick, s.pool, stream.name, stream.prompt[position:], position,
+                                   stream.sampling, stream.origin, stream.earlier, stream.logprobs)
         s.meters.prefill.observe(time.perf_counter() - start)
         s.meters.recomputed.inc(len(stream.prompt) - position)
         s.meters.tokens.inc()

@@ -68,6 +68,9 @@ class Meters:
                                    "Set-aside rows given back once no peer could touch them.")
         self.blocks = r.gauge("kvxfer_pool_blocks", "Pool blocks by state.", ("group", "state"))
         self.active = r.gauge("kvxfer_worker_active_streams", "Publish or generate streams in progress.")
+        self.held = r.gauge("kvxfer_worker_held_requests", "Requests holding pool blocks between calls: prefills "
+                            "waiting for their publish, reservations waiting for their generate, and prefills, "
+                            "reservations or local generations being set up, by table.", ("table",))
         self.store_rows = r.counter("kvxfer_store_rows_total", "Rows put into or read from the KV store, by "
                                     "operation and whether the store took or held them.", ("op", "result"))
         self.store_errors = r.counter("kvxfer_store_errors_total", "Store calls that failed as a whole.", ("op",))

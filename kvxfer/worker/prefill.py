@@ -1,7 +1,7 @@
 """A prefill worker's role (DESIGN.md section 5):
 
 - ``prefill``: allocate, run the prompt, keep its K/V, answer the first token (greedy, or
-  sampled as the call says: index 0 of the completion's stream).
+  sampled as the call says: index 0 of the completion's stream), with its logprobs when asked.
 - ``publish``: ``lend_read``, ``describe`` -> hint P (streamed at once), then
   ``publish(view_P, hint_D)``, stream the outcome, release, free.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.contract import Attempt, InvalidSubmission, SubmissionRejected, View
-from kvxfer.engine.sampling import SamplingParams
+from kvxfer.engine.sampling import Pick, SamplingParams
 from kvxfer.lender import Lease
-from kvxfer.worker.calls import PrefillCall, PublishCall
+from kvxfer.worker.calls import PrefillCall, PublishCall, pick_json
 from kvxfer.worker.errors import Aborted, Refused
 from kvxfer.worker.state import WorkerState
 
@@ -48,7 +48,7 @@ class PrefillRole:
         start = time.perf_counter()
         s.calls.starting[rid] = "prefill"
         try:
-            first = await s.engine.run(self._prefill_sync, rid, prompt, call.sampling)
+            first = await s.engine.run(self._prefill_sync, rid, prompt, call.sampling, call.logprobs)
         finally:
             aborted = s.calls.end_start(rid)
         if aborted:
@@ -65,16 +65,16 @@ class PrefillRole:
             except BaseException:  # cancelled (the server closing): nobody will publish them
                 await s.engine.cleanup(s.free, rid)
                 raise
-        self.held[rid] = Held(prompt, first, time.monotonic())
-        return {"request": rid, "token": first, "compute_s": seconds, "prompt_tokens": len(prompt),
+        self.held[rid] = Held(prompt, first.token, time.monotonic())
+        return {"request": rid, **pick_json(first), "compute_s": seconds, "prompt_tokens": len(prompt),
                 "publisher": s.publisher()}
 
-    def _prefill_sync(self, rid: str, prompt: list[int], sampling: SamplingParams) -> int:
+    def _prefill_sync(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick:
         pool = self._s.pool
         assert pool is not None
         pool.allocate(rid, len(prompt))
         try:
-            return self._s.model.next_token(pool, rid, prompt, 0, sampling, prompt)
+            return self._s.model.next_pick(pool, rid, prompt, 0, sampling, prompt, (), logprobs)
         except BaseException:
             pool.free(rid)
             raise

@@ -46,7 +46,7 @@ def test_any_body_reads_or_is_refused_by_name(body: dict[str, Any], chat: bool) 
     ({"model": "m", "prompt": ["a", "b"]}, "prompt", "several prompts"),
     ({"model": "m", "prompt": [1, True]}, "prompt", "list of token ids"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),
-    ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
+    ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs", r"'logprobs' must be an integer in \[0, 5\]"),
     ({"prompt": "x"}, "model", "'model' is required"),
     ({"model": "m", "prompt": "x", "temperature": False}, "temperature", "'temperature' must be a number"),
     ({"model": "m", "prompt": "x", "temperature": -0.5}, "temperature", r"'temperature' must lie in \[0"),
@@ -59,9 +59,12 @@ def test_any_body_reads_or_is_refused_by_name(body: dict[str, Any], chat: bool) 
     ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "'repetition_penalty' must"),
     ({"model": "m", "prompt": "x", "logit_bias": {"12": 150}}, "logit_bias", r"must lie in \[-100, 100\]"),
     ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
-    ({"model": "m", "prompt": "x", "n": 2}, "n", "n must be 1"),
-    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", "best_of must be 1"),
-    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs", "'logprobs' is not supported"),
+    ({"model": "m", "prompt": "x", "n": 17}, "n", r"'n' must be an integer in \[1, 16\], got 17"),
+    ({"model": "m", "prompt": "x", "n": True}, "n", r"'n' must be an integer in \[1, 16\]"),
+    ({"model": "m", "prompt": "x", "n": 0}, "n", r"'n' must be an integer in \[1, 16\]"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of", r"'best_of' must equal 'n' \(1\)"),
+    ({"model": "m", "prompt": "x", "n": 2, "best_of": 3}, "best_of", r"'best_of' must equal 'n' \(2\)"),
+    ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs", r"'logprobs' must be an integer in \[0, 5\]"),
 ])
 def test_refusals_name_the_field(body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(OpenAIError, match=words) as info:
@@ -81,9 +84,32 @@ def test_sampling_fields_are_taken_as_openai_and_vllm_name_them() -> None:
     neutral = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "top_p": 1,
                "seed": None, "logit_bias": {}, "presence_penalty": 0, "n": 1}
     assert parse(neutral, chat=True).sampling == GREEDY
-    with pytest.raises(OpenAIError, match="top_logprobs") as info:
+    with pytest.raises(OpenAIError, match="'top_logprobs' needs 'logprobs': true") as info:
         parse({**neutral, "top_logprobs": 2}, chat=True)
     assert info.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"logprobs": 1}, "logprobs", "'logprobs' must be true or false"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", r"'top_logprobs' must be an integer in \[0, 20\]"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", r"'top_logprobs' must be an integer in \[0, 20\]"),
+    ({"n": 1.5}, "n", r"'n' must be an integer in \[1, 16\], got 1.5"),
+])
+def test_chat_refusals_of_n_and_logprobs_name_the_field(fields: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(OpenAIError, match=words) as info:
+        parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}, chat=True)
+    assert info.value.param == param and info.value.status == 400
+
+
+def test_n_and_logprobs_are_read_as_openai_names_them() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert (parse(chat, chat=True).n, parse(chat, chat=True).logprobs) == (1, None)
+    assert parse({**chat, "logprobs": True}, chat=True).logprobs == 0
+    assert parse({**chat, "logprobs": True, "top_logprobs": 20, "n": 16}, chat=True).logprobs == 20
+    assert parse({**chat, "logprobs": False, "top_logprobs": 0}, chat=True).logprobs is None
+    legacy = parse({"model": "m", "prompt": "x", "logprobs": 5, "n": 3, "best_of": 3}, chat=False)
+    assert (legacy.n, legacy.logprobs) == (3, 5)
+    assert parse({"model": "m", "prompt": "x", "logprobs": 0}, chat=False).logprobs == 0
 
 
 def test_a_chat_with_tool_calls_or_images_is_refused_by_name() -> None:

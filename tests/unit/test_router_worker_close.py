@@ -28,18 +28,18 @@ def test_no_decode_step_runs_after_the_lender_was_shut_down() -> None:
         await worker.start()
         order: list[str] = []
         assert worker.lender is not None
-        shutdown, step = worker.lender.shutdown, model.next_token
+        shutdown, step = worker.lender.shutdown, model.next_pick
 
         def record_shutdown(*args: Any, **kwargs: Any) -> Any:
             order.append("shutdown")
             return shutdown(*args, **kwargs)
 
-        def record_step(*args: Any, **kwargs: Any) -> int:
+        def record_step(*args: Any, **kwargs: Any) -> Any:
             order.append("step")
             return step(*args, **kwargs)
 
         worker.lender.shutdown = record_shutdown  # type: ignore[method-assign]
-        model.next_token = record_step  # type: ignore[method-assign]
+        model.next_pick = record_step  # type: ignore[method-assign]
         streams = [await worker.generate(GenerateCall(f"r{i}", prompt=list(range(1, 20)), max_new_tokens=100))
                    for i in range(2)]
         started = asyncio.Event()
