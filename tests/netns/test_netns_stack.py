@@ -99,7 +99,7 @@ def test_prefill_decode_and_router_on_three_hosts_are_token_identical_and_the_kv
 
 PACE = ["--nixl-chunk-bytes", "32768", "--nixl-chunk-pause", "0.3", "--transfer-timeout", "8"]  # a row a chunk
 LONG = synthetic_prompts(1, 200, 200, ModelConfig().vocab_size, seed=28)[0]  # 13 rows: about 4 s paced
-CUT_AFTER_S = 1.5    # from the request to the cut: the transfer is under way
+UNDER_WAY_BYTES = 4 * 32768  # four paced chunks (rows) on the decode veth: the transfer is under way
 CUT_FOR_S = 11.0     # past both ends' deadline (8 s): the transfer fails while the link is down
 
 
@@ -121,9 +121,15 @@ def test_a_link_cut_mid_transfer_is_recomputed_token_identical_and_the_next_requ
             services.append(router)
             router.wait_ready(120)
             box: dict[str, Any] = {}
+            received = hosts.counters("decode")["rx_bytes"]
             request = threading.Thread(target=lambda: box.update(done=generate(hosts, router.url, LONG, "cut")))
             request.start()
-            time.sleep(CUT_AFTER_S)
+            # Cut once KV rows are crossing, not after a guessed delay: on a busy machine the
+            # reserve call itself came later than 1.5 s, and the cut refused it instead.
+            deadline = time.monotonic() + 120
+            while hosts.counters("decode")["rx_bytes"] - received < UNDER_WAY_BYTES:
+                assert request.is_alive() and time.monotonic() < deadline, f"no KV crossed: {box}"
+                time.sleep(0.05)
             hosts.cut("decode")
             time.sleep(CUT_FOR_S)
             hosts.restore("decode")
