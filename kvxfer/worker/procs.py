@@ -1,6 +1,8 @@
 """Start and stop worker and router processes without races or orphans.
 
-Each child is ``python -m kvxfer.cli serve|router ... --parent-watch``: it announces its
+Each child is ``python -m kvxfer.cli serve|router ... --parent-watch``, forked from a server
+that has imported torch and kvxfer once (``forked.py``; ``forked=False`` starts a fresh
+interpreter instead): it announces its
 port as one JSON line on stdout once listening (no port guessing), logs to a file, and
 exits when its stdin closes, so even a parent killed with SIGKILL leaves no child behind.
 ``stop()`` closes stdin, sends SIGTERM, waits, then SIGKILL: every path ends with the
@@ -21,11 +23,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvxfer.contract import KvxferError
+from kvxfer.worker.forked import ForkedProcess
 
 INTERPRETER_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
 
 
-def end_process(proc: subprocess.Popen[bytes], timeout: float = 10.0, *, grace: float = 5.0,
+def end_process(proc: subprocess.Popen[bytes] | ForkedProcess, timeout: float = 10.0, *, grace: float = 5.0,
                 send: Any = None) -> int | None:
     """Stop ``proc`` and reap it: close its stdin (a child with a parent watch takes that as
     the request) and wait up to ``grace``; then SIGTERM and wait ``timeout``; then SIGKILL and
@@ -90,15 +93,20 @@ class ProcessFailed(KvxferError):
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 *, forked: bool = True) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvxfer.cli", *argv, "--parent-watch"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-        )
+        self.proc: subprocess.Popen[bytes] | ForkedProcess
+        if forked:
+            self.proc = ForkedProcess([*argv, "--parent-watch"], self._log, env)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvxfer.cli", *argv, "--parent-watch"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+            )
         self.info: dict[str, Any] = {}
         self._buf = b""
 

@@ -1,0 +1,131 @@
+"""Served processes (``kvxfer serve``, ``kvxfer router``) forked from a server that has
+imported torch and kvxfer once, behind the small part of ``subprocess.Popen`` that
+``Child`` and ``end_process`` use.
+
+Why: a worker started as a fresh interpreter spends about 3 of its 4 CPU seconds to ready
+importing torch and kvxfer again. ``kvxfer pair``, ``kvxfer up`` and the reliability
+harness start several workers (and restart killed ones): on a 2-core machine each one
+delays the others. multiprocessing's fork server imports them once
+(``set_forkserver_preload``) and forks each child from that clean, single-threaded
+process: nothing of the caller (its threads, locks, event loop or CUDA context) is copied,
+which is why ``fork`` itself is not used. The server never touches CUDA (importing torch
+does not initialise it), so each child still picks its own device.
+
+A forked child runs what ``python -m kvxfer.cli ARGV`` would run, with the caller's
+environment and the three standard descriptors it was given. Its parent in /proc is the
+fork server; its exit status still comes back (as multiprocessing reports it: -N for a
+signal), and its stdin still closes when the caller dies, which is what ``--parent-watch``
+waits for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import types
+from multiprocessing.reduction import DupFd
+from typing import IO, Any
+
+# What a served process imports on its way to ready: loaded once in the fork server.
+PRELOAD = ("torch", "aiohttp", "kvxfer.cli", "kvxfer.worker.serve", "kvxfer.worker.app", "kvxfer.router.serve",
+           "kvxfer.router", "kvxfer.bench", "kvxfer.engine")
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: at the first child
+    return ctx
+
+
+def _standard_stream(fd: int, mode: str) -> IO[Any]:
+    return open(fd, mode, buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+
+
+def _run_cli(environ: dict[str, str], cwd: str, argv: list[str], stdin: Any, stdout: Any, stderr: Any) -> None:
+    """The child: take the caller's environment, directory and descriptors, run the command,
+    exit as the interpreter would (atexit handlers included, which multiprocessing skips)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)  # the server's is the caller's when the server started
+    for fd, passed in ((0, stdin), (1, stdout), (2, stderr)):
+        received = passed.detach()
+        os.dup2(received, fd)
+        os.close(received)
+    sys.stdin, sys.stdout, sys.stderr = (_standard_stream(0, "r"), _standard_stream(1, "w"),
+                                         _standard_stream(2, "w"))
+    sys.argv = [sys.executable, *argv]
+    from kvxfer.cli import main  # noqa: PLC0415 - preloaded: a lookup
+
+    try:
+        code = main(argv)
+    finally:
+        atexit._run_exitfuncs()
+    sys.exit(code)
+
+
+def _start_without_main(proc: Any) -> None:
+    """``proc.start()`` with the caller's ``__main__`` hidden: multiprocessing would run the
+    caller's script again in the child (as ``__mp_main__``), and a script that starts a
+    ``kvxfer pair`` at module level, with no ``if __name__ == "__main__"`` guard, would then
+    start it again in each worker. The child needs nothing from it: it runs the kvxfer CLI."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        proc.start()
+    finally:
+        sys.modules["__main__"] = main
+
+
+class ForkedProcess:
+    """A started ``python -m kvxfer.cli ARGV`` forked from the fork server: ``pid``,
+    ``stdin`` (writable, binary), ``stdout`` (readable, binary), ``poll``, ``wait``,
+    ``send_signal`` and ``returncode`` as ``subprocess.Popen`` has them."""
+
+    def __init__(self, argv: list[str], stderr: IO[bytes], env: dict[str, str] | None = None) -> None:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        try:
+            self._proc = _context().Process(
+                target=_run_cli, name=f"kvxfer {argv[0] if argv else ''}".strip(),
+                args=(dict(os.environ) if env is None else dict(env), os.getcwd(), list(argv),
+                      DupFd(stdin_r), DupFd(stdout_w), DupFd(stderr.fileno())))
+            _start_without_main(self._proc)
+        except BaseException:
+            for fd in (stdin_w, stdout_r):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (stdin_r, stdout_w):  # the child has its own copies now
+                os.close(fd)
+        self.pid: int = self._proc.pid
+        self.args = argv
+        self.stdin: IO[bytes] | None = open(stdin_w, "wb", buffering=0)  # noqa: SIM115 - closed by end_process
+        self.stdout: IO[bytes] | None = open(stdout_r, "rb", buffering=0)  # noqa: SIM115 - closed by Child.stop
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        import signal  # noqa: PLC0415
+
+        self.send_signal(signal.SIGKILL)
