@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,27 @@ def load_gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
     with _gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval()
+
+
+def save_model(model: Any, directory: Path) -> None:
+    """The model's loaded weights as a checkpoint ``from_pretrained`` reads (``save_pretrained``
+    refuses a model loaded from a GGUF): config, generation config, safetensors."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the GGUF's; the weights saved are dequantized
+    (directory / "config.json").write_text(json.dumps(config))
+    model.generation_config.save_pretrained(str(directory))
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {
+        name for name, p in model.named_parameters()}  # a tied tensor is saved once
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_saved_model(directory: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """A model ``save_model`` wrote: the same weights, without parsing a GGUF again."""
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).eval()
 
 
 def model_eos(model: Any) -> int | None:
