@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -166,15 +167,14 @@ def disaggregate(engine: TransformersEngine, backend: NixlBackend, peer: DecodeP
             hint_d, run.held[request] = peer.reserve(request, list(done.prompt), backend.peer)
             lease = engine.lend_prefill(request)
             hint_p = backend.describe(lease.view(), peer.peer)
-            attempt = backend.publish(lease.view(), decode_hint(hint_d),
-                                      wake=lambda r=request: woken.__setitem__(r, time.perf_counter()))
+            attempt = backend.publish(lease.view(), decode_hint(hint_d), wake=_stamp(woken, request))
             publishing[request] = attempt, time.perf_counter()
             lease.track(attempt)
             lease.release()
             engine.finish_prefill(request)  # its blocks go back to transformers once the attempt quiesced
             peer.fetch(request, encode_hint(hint_p), done.first, max_new_tokens)
-        for request, (attempt, sent) in list(publishing.items()):
-            if attempt.poll() is not None and attempt.quiesced():
+        for request, (published, sent) in list(publishing.items()):
+            if published.poll() is not None and published.quiesced():
                 run.transfer_s[request] = woken.get(request, time.perf_counter()) - sent
                 del publishing[request]
         if engine.idle():
@@ -185,6 +185,12 @@ def disaggregate(engine: TransformersEngine, backend: NixlBackend, peer: DecodeP
                 time.sleep(0.005)  # the child decodes; nothing to do here meanwhile
     run.wall_s = time.perf_counter() - start
     return run
+
+
+def _stamp(woken: dict[str, float], request: str) -> Callable[[], None]:
+    def wake() -> None:  # on the backend's thread: one dict store
+        woken[request] = time.perf_counter()
+    return wake
 
 
 # --- the child ---------------------------------------------------------------------------------
@@ -252,7 +258,7 @@ def _serve(conn: Connection, options: dict[str, Any]) -> None:
         conn.send(("err", type(exc).__name__, str(exc)))
         return
     conn.send(("ok", child.info()))
-    ops = {"reserve": child.reserve, "fetch": child.fetch, "results": child.results}
+    ops: dict[str, Callable[..., Any]] = {"reserve": child.reserve, "fetch": child.fetch, "results": child.results}
     busy = False
     while True:
         if conn.poll(0 if busy else 0.01):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import TransferMode
@@ -31,6 +33,7 @@ REQUESTS = 10
 NEW = 8
 
 
+@pytest.mark.slow  # 43-54 s: transformers loads the GGUF once (10-17 s), its generate_batch is the oracle
 def test_disaggregated_over_nixl_is_token_identical_to_generate_batch(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     model = load_smollm2()

@@ -84,12 +84,12 @@ def _gguf_parsed_once() -> Iterator[None]:
     import gguf
 
     saved = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.lru_cache(maxsize=None)(gguf.GGUFReader)
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(gguf.GGUFReader)  # type: ignore[misc, assignment]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)  # type: ignore[assignment]
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved  # type: ignore[misc]
 
 
 def load_gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -197,10 +197,11 @@ class Batch:
             raise UnsupportedCache(f"the model's cache has {kinds} layers; the transformers adapter lends "
                                    f"{FULL_ATTENTION!r} layers only (sliding-window groups have their own block size "
                                    "and allocator, not described yet)")
-        self.allocator = self.cache.cache_allocators[FULL_ATTENTION]
+        allocator = self.cache.cache_allocators[FULL_ATTENTION]
+        if not isinstance(allocator, FullAttentionCacheAllocator):  # pragma: no cover - the pinned version
+            raise UnsupportedCache(f"unexpected allocator {type(allocator).__name__}")
+        self.allocator: FullAttentionCacheAllocator = allocator
         self._ended: list[tuple[str, list[int], str | None]] = []
-        if not isinstance(self.allocator, FullAttentionCacheAllocator):  # pragma: no cover - the pinned version
-            raise UnsupportedCache(f"unexpected allocator {type(self.allocator).__name__}")
 
     def close(self) -> None:
         """Restore the model's attention implementation (the manager switched it)."""
@@ -277,7 +278,8 @@ class Batch:
         return k, v
 
     def idle(self) -> bool:
-        return not self.scheduler.has_pending_requests() and self.processor.input_queue.empty()
+        queued = self.processor.input_queue
+        return not self.scheduler.has_pending_requests() and (queued is None or queued.empty())
 
     # --- block ownership -------------------------------------------------------------------------
     def pin(self, blocks: Sequence[int]) -> None:
