@@ -18,7 +18,7 @@ from kvxfer.adapters.errors import AdapterError, EngineMismatch, EngineVersionEr
 from kvxfer.adapters.transformers import ENGINE, TransformersEngine, check_peer_engine
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
-from kvxfer.contract import Delivered, Failed, InvalidSubmission, TransferMode
+from kvxfer.contract import Cancelled, Delivered, Failed, InvalidSubmission, TransferMode
 from kvxfer.lender.engine_kv import EngineKV
 from kvxfer.lender.external import ExternalLease, ExternalLender
 from kvxfer.pool import LayerGroupSpec, PagedKVPool
@@ -63,11 +63,18 @@ def engines(model: Any) -> Iterator[Any]:
 
 
 @pytest.fixture
-def wire() -> Iterator[tuple[LoopbackBackend, LoopbackBackend]]:
-    fabric = LoopbackFabric()
-    pair = LoopbackBackend(fabric, "prefill", TransferMode.PUSH), LoopbackBackend(fabric, "decode", TransferMode.PUSH)
-    yield pair
-    assert not (pair[0].shutdown() | pair[1].shutdown())
+def wire() -> Iterator[Any]:
+    """A factory of loopback pairs (prefill end, decode end), shut down after the test."""
+    made: list[LoopbackBackend] = []
+
+    def make(mode: TransferMode = TransferMode.PUSH, **options: Any) -> tuple[LoopbackBackend, LoopbackBackend]:
+        fabric = LoopbackFabric()
+        pair = LoopbackBackend(fabric, "prefill", mode, **options), LoopbackBackend(fabric, "decode", mode)
+        made.extend(pair)
+        return pair
+
+    yield make
+    assert not set().union(*(b.shutdown() for b in made))
 
 
 def prefill_all(engine: TransformersEngine, prompts: list[list[int]]) -> dict[str, int]:
@@ -142,9 +149,11 @@ def test_prefill_blocks_stay_out_of_reuse_until_the_lease_and_its_attempts_end(e
         engine.lend_prefill("r0")
 
 
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL], ids=["push", "pull"])
 def test_decode_adopts_transferred_requests_token_identical_beside_its_own(
-        engines: Any, wire: Any, oracle: list[list[int]]) -> None:
+        engines: Any, wire: Any, oracle: list[list[int]], mode: TransferMode) -> None:
     prefill, decode = engines(), engines()
+    wire = wire(mode)
     wire[0].register(prefill.regions)
     wire[1].register(decode.regions)
     firsts = prefill_all(prefill, PROMPTS[1:])
@@ -167,6 +176,7 @@ def test_decode_adopts_transferred_requests_token_identical_beside_its_own(
 
 def test_a_prefix_the_decode_engine_holds_is_not_fetched_again(engines: Any, wire: Any, oracle: list[list[int]]) -> None:
     prefill, decode = engines(), engines()
+    wire = wire()
     wire[0].register(prefill.regions)
     wire[1].register(decode.regions)
     decode.generate("warm", PROMPTS[0], NEW)  # 11 tokens: its first two blocks become a shared prefix
@@ -183,9 +193,9 @@ def test_a_prefix_the_decode_engine_holds_is_not_fetched_again(engines: Any, wir
 
 def test_a_partial_arrival_resumes_from_the_first_gap(engines: Any, wire: Any, oracle: list[list[int]]) -> None:
     prefill, decode = engines(), engines()
+    wire = wire(fail_after_rows=1)  # one 4-token run of the 14-token prompt arrives
     wire[0].register(prefill.regions)
     wire[1].register(decode.regions)
-    wire[0].fail_after_rows = 1  # one 4-token run of the 14-token prompt arrives
     firsts = prefill_all(prefill, [PROMPTS[3]])
     reservation = decode.reserve("r0", PROMPTS[3])
     assert reservation is not None and reservation.lease is not None
@@ -193,6 +203,35 @@ def test_a_partial_arrival_resumes_from_the_first_gap(engines: Any, wire: Any, o
     assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [True, False, False, False]
     assert decode.adopt("r0", firsts["r0"], NEW) == PAGE  # the rest of the prompt is prefilled again here
     assert decode_all(decode, 1)["r0"] == oracle[3]
+
+
+def test_a_cancelled_transfer_leaves_both_caches_consistent(engines: Any, wire: Any, oracle: list[list[int]]) -> None:
+    prefill, decode = engines(), engines()
+    src, dst = wire(delay_s=30.0)  # the publisher's submission waits: the cancel comes before a byte moves
+    src.register(prefill.regions)
+    dst.register(decode.regions)
+    firsts = prefill_all(prefill, [PROMPTS[0]])
+    pinned = prefill.batch.reusable_block_count()
+    reservation = decode.reserve("r0", PROMPTS[0])
+    assert reservation is not None and reservation.lease is not None
+    read, write = prefill.lend_prefill("r0"), reservation.lease
+    hint_d, hint_p = dst.describe(write.view(), src.peer), src.describe(read.view(), dst.peer)
+    fetch, publish = dst.fetch(write.view(), hint_p), src.publish(read.view(), hint_d)
+    read.track(publish)
+    write.track(fetch)
+    read.release()
+    prefill.finish_prefill("r0")
+    prefill.step()
+    assert prefill.batch.reusable_block_count() == pinned, "blocks went back while a publish may read them"
+    fetch.cancel()
+    assert fetch.wait(10) and publish.wait(10)
+    assert isinstance(fetch.poll(), Cancelled) and isinstance(publish.poll(), Cancelled)
+    write.mark_arrived(fetch.poll().masks)
+    write.release()
+    prefill.step()
+    assert prefill.batch.reusable_block_count() == pinned + 3 and prefill.idle()
+    assert decode.adopt("r0", firsts["r0"], NEW) == 0  # nothing arrived: the prompt is prefilled again here
+    assert decode_all(decode, 1)["r0"] == oracle[0]
 
 
 def test_a_dropped_reservation_goes_back_only_once_quiesced(engines: Any) -> None:
@@ -229,6 +268,7 @@ def test_mixed_engines_are_refused_by_name(engines: Any, wire: Any) -> None:
     with pytest.raises(EngineMismatch, match="mixed engines: this end runs 'transformers 5.24.0', the peer 'kvxfer'"):
         check_peer_engine(ENGINE, "kvxfer")
     check_peer_engine(ENGINE, "transformers 5.24.0")
+    wire = wire()
     # The same model's KV shape in kvxfer's own pool: the KV identity names another engine.
     decode = engines()
     pool = PagedKVPool([LayerGroupSpec("full", layers=3, block_tokens=PAGE, kv_heads=2, head_dim=16,
