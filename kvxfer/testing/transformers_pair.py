@@ -12,7 +12,7 @@ framing; hints cross as ``kvxfer.wire`` bytes, as a router carries them)::
     run.completions                                                   # request -> tokens
 
 A request's path is the workers': the decode end reserves blocks and describes them (hint D,
-bound to the prefill backend), the prefill end lends its prompt's blocks straight out of
+bound to the prefill backend; all requests' in one call before prefill starts), the prefill end lends its prompt's blocks straight out of
 transformers' cache, publishes them with hint D and sends hint P; the decode end fetches with
 it, adopts the request once the attempt concluded and quiesced, and decodes it in its batch
 beside the others.
@@ -118,11 +118,14 @@ class DecodePeer:
             raise RuntimeError(f"decode child: {reply[1]}: {reply[2]}")
         return reply[1]
 
-    def reserve(self, request: str, prompt: list[int], publisher: Peer) -> tuple[bytes, int]:
-        return self._call("reserve", request, prompt, publisher)  # type: ignore[no-any-return]
+    def reserve(self, requests: list[tuple[str, list[int]]], publisher: Peer) -> list[tuple[bytes, int]]:
+        """Reservations for ``(request, prompt)`` pairs: hint D (bound to ``publisher``) and the
+        prompt tokens already held, each."""
+        return self._call("reserve", requests, publisher)  # type: ignore[no-any-return]
 
-    def fetch(self, request: str, hint: bytes, first: int, max_new_tokens: int) -> None:
-        self._call("fetch", request, hint, first, max_new_tokens)
+    def fetch(self, fetches: list[tuple[str, bytes, int, int]]) -> None:
+        """Start fetches: ``(request, hint P, first token, max new tokens)`` each."""
+        self._call("fetch", fetches)
 
     def results(self) -> tuple[dict[str, list[int]], dict[str, str]]:
         return self._call("results")  # type: ignore[no-any-return]
@@ -152,6 +155,8 @@ def disaggregate(engine: TransformersEngine, backend: NixlBackend, peer: DecodeP
     check_peer_engine(engine.engine, str(peer.info["engine"]))
     run, start = PairRun(), time.perf_counter()
     ids = [f"req-{i}" for i in range(len(prompts))]
+    # As a router does: the decode end reserves (hint D) while, or here before, prefill runs.
+    hints = dict(zip(ids, peer.reserve(list(zip(ids, prompts)), backend.peer)))
     for request, prompt in zip(ids, prompts):
         engine.prefill(request, prompt)
     publishing: dict[str, tuple[Attempt, float]] = {}
@@ -161,10 +166,11 @@ def disaggregate(engine: TransformersEngine, backend: NixlBackend, peer: DecodeP
         if time.perf_counter() > end:
             raise TimeoutError(f"{len(run.completions)} of {len(prompts)} completions after {timeout_s:g}s")
         engine.step()
+        now, fetches = time.perf_counter(), []
         for request in [r for r in ids if r in engine.prefilled]:
             done = engine.prefilled[request]
-            run.first_token_s[request] = time.perf_counter() - start
-            hint_d, run.held[request] = peer.reserve(request, list(done.prompt), backend.peer)
+            run.first_token_s[request] = now - start  # a prefill worker would answer the first token now
+            hint_d, run.held[request] = hints.pop(request)
             lease = engine.lend_prefill(request)
             hint_p = backend.describe(lease.view(), peer.peer)
             attempt = backend.publish(lease.view(), decode_hint(hint_d), wake=_stamp(woken, request))
@@ -172,7 +178,9 @@ def disaggregate(engine: TransformersEngine, backend: NixlBackend, peer: DecodeP
             lease.track(attempt)
             lease.release()
             engine.finish_prefill(request)  # its blocks go back to transformers once the attempt quiesced
-            peer.fetch(request, encode_hint(hint_p), done.first, max_new_tokens)
+            fetches.append((request, encode_hint(hint_p), done.first, max_new_tokens))
+        if fetches:
+            peer.fetch(fetches)
         for request, (published, sent) in list(publishing.items()):
             if published.poll() is not None and published.quiesced():
                 run.transfer_s[request] = woken.get(request, time.perf_counter()) - sent
@@ -212,19 +220,24 @@ class DecodeChild:
     def info(self) -> dict[str, Any]:
         return {"peer": self.backend.peer, "engine": self.engine.engine}
 
-    def reserve(self, request: str, prompt: list[int], publisher: Peer) -> tuple[bytes, int]:
-        reservation = self.engine.reserve(request, prompt)
-        if reservation is None or reservation.lease is None:
-            raise KvxferError(f"no room for {request!r} in the decode cache" if reservation is None
-                              else f"{request!r}: the whole prompt is held; nothing to fetch")
-        self.reserved[request] = reservation
-        return encode_hint(self.backend.describe(reservation.lease.view(), publisher)), reservation.held
+    def reserve(self, requests: list[tuple[str, list[int]]], publisher: Peer) -> list[tuple[bytes, int]]:
+        hints = []
+        for request, prompt in requests:
+            reservation = self.engine.reserve(request, prompt)
+            if reservation is None or reservation.lease is None:
+                raise KvxferError(f"no room for {request!r} in the decode cache" if reservation is None
+                                  else f"{request!r}: the whole prompt is held; nothing to fetch")
+            self.reserved[request] = reservation
+            hints.append((encode_hint(self.backend.describe(reservation.lease.view(), publisher)),
+                          reservation.held))
+        return hints
 
-    def fetch(self, request: str, hint: bytes, first: int, max_new_tokens: int) -> None:
-        reservation = self.reserved.pop(request)
-        attempt = self.backend.fetch(reservation.lease.view(), decode_hint(hint))
-        reservation.lease.track(attempt)
-        self.waiting[request] = attempt, reservation, first, max_new_tokens
+    def fetch(self, fetches: list[tuple[str, bytes, int, int]]) -> None:
+        for request, hint, first, max_new_tokens in fetches:
+            reservation = self.reserved.pop(request)
+            attempt = self.backend.fetch(reservation.lease.view(), decode_hint(hint))
+            reservation.lease.track(attempt)
+            self.waiting[request] = attempt, reservation, first, max_new_tokens
 
     def results(self) -> tuple[dict[str, list[int]], dict[str, str]]:
         done, self.done = self.done, {}

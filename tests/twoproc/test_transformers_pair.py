@@ -33,7 +33,7 @@ REQUESTS = 10
 NEW = 8
 
 
-@pytest.mark.slow  # 43-54 s: transformers loads the GGUF once (10-17 s), its generate_batch is the oracle
+@pytest.mark.slow  # 21-54 s: transformers loads the GGUF once (10-17 s), its generate_batch is the oracle
 def test_disaggregated_over_nixl_is_token_identical_to_generate_batch(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     model = load_smollm2()

@@ -205,6 +205,28 @@ def test_a_partial_arrival_resumes_from_the_first_gap(engines: Any, wire: Any, o
     assert decode_all(decode, 1)["r0"] == oracle[3]
 
 
+def test_a_prompt_longer_than_a_batch_is_prefilled_in_chunks_and_moved_whole(engines: Any, wire: Any,
+                                                                            model: Any) -> None:
+    prompt = [(7 * i + 3) % 128 for i in range(150)]  # 150 tokens: three steps of 64
+    want = hf.colocated(model, [prompt], NEW, hf.batching_config(PAGE, 64, 64))[0]
+    prefill, decode = engines(), engines()
+    src, dst = wire()
+    src.register(prefill.regions)
+    dst.register(decode.regions)
+    prefill.prefill("long", prompt)
+    steps = 0
+    while "long" not in prefill.prefilled:
+        prefill.step()
+        steps += 1
+    assert steps == 3
+    reservation = decode.reserve("long", prompt)
+    assert reservation is not None and reservation.lease is not None
+    outcome = move((src, dst), prefill.lend_prefill("long"), reservation.lease)
+    assert isinstance(outcome, Delivered) and outcome.masks[0].size == 38
+    assert decode.adopt("long", prefill.prefilled["long"].first, NEW) == 150
+    assert decode_all(decode, 1)["long"] == want
+
+
 def test_a_cancelled_transfer_leaves_both_caches_consistent(engines: Any, wire: Any, oracle: list[list[int]]) -> None:
     prefill, decode = engines(), engines()
     src, dst = wire(delay_s=30.0)  # the publisher's submission waits: the cancel comes before a byte moves

@@ -150,13 +150,20 @@ def greedy_config(model: Any, max_new_tokens: int) -> Any:
 def colocated(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, config: Any) -> list[list[int]]:
     """transformers' own colocated continuous batching (``generate_batch``), greedy: the
     generated tokens of each prompt, in order."""
+    return [tokens for tokens, _ in colocated_timed(model, prompts, max_new_tokens, config)]
+
+
+def colocated_timed(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    config: Any) -> list[tuple[list[int], float]]:
+    """``colocated``, with each request's time to its first token (from its creation, s)."""
     out = model.generate_batch([list(p) for p in prompts], generation_config=greedy_config(model, max_new_tokens),
-                               continuous_batching_config=config, warmup=False)
+                               continuous_batching_config=config, warmup=False, record_timestamps=True)
     results = list(out.values())
     if len(results) != len(prompts) or any(r.error for r in results):
         raise RuntimeError(f"generate_batch returned {len(results)} of {len(prompts)} results "
                            f"({[r.error for r in results if r.error]})")
-    return [list(r.generated_tokens) for r in results]
+    return [(list(r.generated_tokens), r.timestamps[0] - r.created_time if r.timestamps else float("nan"))
+            for r in results]
 
 
 # --- the batch, stepped by its owner ----------------------------------------------------------
