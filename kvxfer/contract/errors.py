@@ -28,6 +28,10 @@ module imports none of them, it only draws them):
     ├── ProcessFailed            a launched worker or router did not come up       [worker.procs]
     ├── PullOverTcp              a pull lane would run over TCP                    [worker.lanes]
     ├── CheckpointError          a model checkpoint cannot be loaded               [engine.weights]
+    ├── AdapterError             an engine adapter cannot do what was asked        [adapters.errors]
+    │   ├── EngineVersionError   the installed engine is not the pinned version
+    │   ├── EngineMismatch       the two ends run different engines
+    │   └── UnsupportedCache     the engine's cache has a shape not lent (sliding window)
     ├── InvalidSampling          a sampling parameter is bad; also a ValueError    [engine.sampling]
     ├── ConfigError              a bench option is wrong; also a ValueError        [bench.config]
     ├── ResultError              a bench result file is wrong; also a ValueError   [bench.results]

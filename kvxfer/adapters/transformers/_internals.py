@@ -1,0 +1,353 @@
+"""Every reach into transformers, for one pinned version: a version change breaks here, loudly.
+
+transformers' continuous batching (``transformers.generation.continuous_batching``) is not a
+stable API. The adapter needs more of it than ``generate_batch`` offers, and this module is the
+only one of kvxfer that imports transformers (an import-linter contract keeps it so). What it
+reaches, and why:
+
+- the step loop: ``ContinuousBatchingManager._create_batch_processor`` and
+  ``_generation_loop_body``, run by the adapter's owner thread instead of the manager's own
+  background thread, so that between two steps nothing else touches the scheduler or the cache;
+- the cache: ``PagedAttentionCache.cache_tensor`` (one flat uint8 tensor) and the full-attention
+  allocator's layout (``FullAttentionCacheAllocator``: a block is ``2 * page_size * layers`` rows
+  of ``[kv_heads, head_dim]``, layer ``i``'s K at row ``2 i page_size`` of the block and its V at
+  ``(2 i + 1) page_size``; block ids count from the tensor's start, trash sectors included);
+- block ownership: the allocator's ``block_table`` (a request's block ids), its ``BlockLedger``
+  (reference counts: a pin is one more reference, so the pool cannot hand the block out again
+  until the pin goes), ``CachePool.free_blocks``;
+- requests: ``RequestState`` built at a position (``position_offset``, ``generated_tokens``,
+  ``tokens_to_process``, status ``DECODING``) and put into ``Scheduler.active_requests``; the
+  same fields the scheduler sets after a prompt's last chunk, and what ``OffloadingManager``
+  restores "with exact request state";
+- results: ``OutputRouter.output_queue`` (``get_result`` wants the manager's own thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvxfer.adapters.errors import EngineVersionError, UnsupportedCache
+
+PINNED = "5.24.0"
+ENGINE = f"transformers {PINNED}"
+
+
+def installed_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def check_version(found: str | None = None) -> str:
+    """The installed transformers' version if it is the pinned one; EngineVersionError naming
+    both otherwise (``found``: a version to check instead of the installed one)."""
+    found = installed_version() if found is None else found
+    if found is None:  # a missing extra, as any other: an import error naming the package
+        raise ModuleNotFoundError(f"transformers is not installed: the transformers adapter needs transformers=="
+                                  f"{PINNED} (pip install 'kvxfer[transformers]')", name="transformers")
+    if found != PINNED:
+        raise EngineVersionError(f"transformers {found} is installed, but the transformers adapter reaches into the "
+                                 f"continuous-batching internals of transformers {PINNED} only (kvxfer/adapters/"
+                                 f"transformers/_internals.py); install transformers=={PINNED}")
+    return found
+
+
+check_version()
+
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
+    FULL_ATTENTION,
+    FullAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager  # noqa: E402
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus  # noqa: E402
+
+
+# --- the model ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers 5.24 parses a GGUF three times (config, weights, tokenizer) and rebuilds gguf's
+    tensor-name map for each tensor; both are pure functions of their arguments, so memoizing them
+    while one load runs gives the same objects in a third of the time."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(gguf.GGUFReader)  # type: ignore[misc, assignment]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved  # type: ignore[misc]
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """A causal LM loaded by transformers itself from a GGUF file (``gguf_file=``), eval mode."""
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.eval()
+
+
+def save_model(model: Any, directory: Path) -> None:
+    """The model's loaded weights as a checkpoint ``from_pretrained`` reads (``save_pretrained``
+    refuses a model loaded from a GGUF): config, generation config, safetensors."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the GGUF's; the weights saved are dequantized
+    (directory / "config.json").write_text(json.dumps(config))
+    model.generation_config.save_pretrained(str(directory))
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {
+        name for name, p in model.named_parameters()}  # a tied tensor is saved once
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_saved_model(directory: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """A model ``save_model`` wrote: the same weights, without parsing a GGUF again."""
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).eval()
+
+
+def model_eos(model: Any) -> int | None:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if isinstance(eos, (list, tuple)):
+        if len(eos) != 1:
+            raise UnsupportedCache(f"the model names {len(eos)} end-of-sequence tokens; the adapter takes one")
+        eos = eos[0]
+    return None if eos is None else int(eos)
+
+
+def batching_config(page_size: int, num_blocks: int, max_batch_tokens: int,
+                    max_requests_per_batch: int | None = None) -> Any:
+    """A continuous-batching config the adapter can step by hand: no async double buffering, no
+    CUDA graphs, no compile, no fast decode path (its block table is not the adapter's concern),
+    block sharing on (prefix sharing)."""
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                    max_requests_per_batch=max_requests_per_batch, use_async_batching=False,
+                                    use_cuda_graph=False, max_blocks_per_request=0, allow_block_sharing=True,
+                                    auto_switch_to_flash=False)
+
+
+def greedy_config(model: Any, max_new_tokens: int) -> Any:
+    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=model_eos(model),
+                            pad_token_id=model.generation_config.pad_token_id)
+
+
+def colocated(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, config: Any) -> list[list[int]]:
+    """transformers' own colocated continuous batching (``generate_batch``), greedy: the
+    generated tokens of each prompt, in order."""
+    return [tokens for tokens, _ in colocated_timed(model, prompts, max_new_tokens, config)]
+
+
+def colocated_timed(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    config: Any) -> list[tuple[list[int], float]]:
+    """``colocated``, with each request's time to its first token (from its creation, s)."""
+    out = model.generate_batch([list(p) for p in prompts], generation_config=greedy_config(model, max_new_tokens),
+                               continuous_batching_config=config, warmup=False, record_timestamps=True)
+    results = list(out.values())
+    if len(results) != len(prompts) or any(r.error for r in results):
+        raise RuntimeError(f"generate_batch returned {len(results)} of {len(prompts)} results "
+                           f"({[r.error for r in results if r.error]})")
+    return [(list(r.generated_tokens), r.timestamps[0] - r.created_time if r.timestamps else float("nan"))
+            for r in results]
+
+
+# --- the batch, stepped by its owner ----------------------------------------------------------
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the adapter needs of the full-attention cache: the tensor that owns the memory and
+    where each layer's K and V pages lie in a block."""
+
+    tensor: torch.Tensor       # the flat uint8 cache tensor (contiguous, trash sectors first)
+    typed: torch.Tensor        # the same memory as rows of [kv_heads, head_dim] in the cache dtype
+    page_size: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    blocks: int                # block ids lie in [0, blocks): the tensor's whole blocks
+
+    def plane(self, layer: int, value: bool) -> torch.Tensor:
+        """Layer ``layer``'s K (or V) as ``[blocks, page_size, kv_heads, head_dim]``, a view."""
+        p, h, d = self.page_size, self.kv_heads, self.head_dim
+        row = h * d
+        offset = self.typed.storage_offset() + (2 * layer + int(value)) * p * row
+        return self.typed.as_strided((self.blocks, p, h, d), (2 * p * self.layers * row, row, d, 1), offset)
+
+
+class Batch:
+    """A continuous batch (manager, processor, scheduler, cache) stepped by one owner thread."""
+
+    def __init__(self, model: Any, config: Any, max_new_tokens: int) -> None:
+        self.model = model
+        self.manager = ContinuousBatchingManager(model, greedy_config(model, max_new_tokens), config)
+        self.processor = self.manager._create_batch_processor()
+        self.manager.batch_processor = self.processor
+        self.manager.current_batch = 0
+        self.cache = self.processor.cache
+        self.scheduler = self.processor.scheduler
+        kinds = sorted(self.cache.cache_allocators)
+        if kinds != [FULL_ATTENTION]:
+            raise UnsupportedCache(f"the model's cache has {kinds} layers; the transformers adapter lends "
+                                   f"{FULL_ATTENTION!r} layers only (sliding-window groups have their own block size "
+                                   "and allocator, not described yet)")
+        allocator = self.cache.cache_allocators[FULL_ATTENTION]
+        if not isinstance(allocator, FullAttentionCacheAllocator):  # pragma: no cover - the pinned version
+            raise UnsupportedCache(f"unexpected allocator {type(allocator).__name__}")
+        self.allocator: FullAttentionCacheAllocator = allocator
+        self._ended: list[tuple[str, list[int], str | None]] = []
+
+    def close(self) -> None:
+        """Restore the model's attention implementation (the manager switched it)."""
+        self.manager._generation_thread = None
+        if self.manager._original_attn_impl is not None:
+            self.model.set_attn_implementation(self.manager._original_attn_impl)
+            self.manager._original_attn_impl = None
+
+    def layout(self) -> CacheLayout:
+        a = self.allocator
+        if a.layer_indices != list(range(len(a.layer_indices))):
+            raise UnsupportedCache(f"full-attention layers {a.layer_indices} are not the model's layers in order")
+        tensor = self.cache.cache_tensor
+        pages = tensor.numel() // a.bytes_per_page
+        return CacheLayout(tensor=tensor, typed=a.cache_tensor.view(-1, a.num_key_value_heads, a.head_dim),
+                           page_size=a.tokens_per_page, layers=a.pages_per_block, kv_heads=a.num_key_value_heads,
+                           head_dim=a.head_dim, blocks=pages // a.pages_per_block)
+
+    # --- the step loop -------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, eos: int | None) -> None:
+        """Queue a prompt; the next step takes it. ``eos`` None: no end-of-sequence token."""
+        self.manager.add_request(list(prompt), request_id=request_id, max_new_tokens=max_new_tokens,
+                                 eos_token_id=-1 if eos is None else eos)
+
+    def step(self) -> bool:
+        """One scheduling round and forward pass; False when there was nothing to run."""
+        if not self.processor.prepare_next_batch():
+            return False
+        self.manager._generation_step()
+        self.manager.current_batch += 1
+        self.processor.update_batch()
+        return True
+
+    def results(self) -> list[tuple[str, list[int], str | None]]:
+        """(request id, generated tokens, error) of each request that ended since the last call."""
+        out, self._ended = self._ended, []
+        q = self.processor.output_router.output_queue
+        while not q.empty():
+            r = q.get_nowait()
+            if r.is_finished():
+                out.append((r.request_id, list(r.generated_tokens), r.error))
+        return out
+
+    def active(self, request_id: str) -> Any:
+        return self.scheduler.active_requests.get(request_id)
+
+    def generated(self, request_id: str) -> list[int]:
+        state = self.active(request_id)
+        return [] if state is None else list(state.generated_tokens)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self.allocator.block_table.get(request_id, ()))
+
+    def reusable_block_count(self) -> int:
+        """Blocks transformers may hand out now: free ones, free sectors' and those its prefix
+        cache keeps with no reference (evicted under pressure)."""
+        pool, a = self.cache.pool, self.allocator
+        free = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
+        return free + len(a.ledger.cached_blocks)
+
+    def read_rows(self, blocks: Sequence[int], tokens: int) -> list[int]:
+        """The cache rows transformers' attention reads for tokens [0, tokens) held in ``blocks``
+        (its own ``get_read_indices``), for checking a geometry against the engine."""
+        probe = "kvxfer-probe"
+        self.allocator.block_table[probe] = [int(b) for b in blocks]
+        try:
+            return list(self.allocator.get_read_indices(probe, 0, tokens))
+        finally:
+            del self.allocator.block_table[probe]
+
+    def token_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V rows as transformers indexes them when it reads the cache."""
+        k, v = self.allocator._kv_token_views[layer]
+        return k, v
+
+    def idle(self) -> bool:
+        queued = self.processor.input_queue
+        return not self.scheduler.has_pending_requests() and (queued is None or queued.empty())
+
+    # --- block ownership -------------------------------------------------------------------------
+    def pin(self, blocks: Sequence[int]) -> None:
+        """One more reference to each block: the pool cannot hand it out until ``unpin``."""
+        for b in blocks:
+            self.allocator.ledger.acquire(int(b))
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        """Drop a pin; a block nobody references goes back to transformers' pool (or its prefix cache)."""
+        freed = [int(b) for b in blocks if self.allocator.ledger.release(int(b))]
+        self.cache.pool.free_blocks(self.allocator.index, freed)
+
+    def detach(self, request_id: str) -> None:
+        """End a request in the scheduler without a result (its blocks lose the request's reference)."""
+        state = self.scheduler.active_requests.get(request_id)
+        if state is not None:
+            state.status = RequestStatus.FINISHED
+        self.scheduler.finish_request(request_id)
+
+    def reserve(self, request_id: str, prompt: Sequence[int]) -> tuple[list[int], int] | None:
+        """Blocks for ``prompt`` outside the scheduler: (block table, tokens of the prompt already
+        held by prefix sharing), or None when the cache has no room. The blocks are the request's
+        until ``release`` or ``adopt``."""
+        state = RequestState(request_id=request_id, initial_tokens=list(prompt))
+        held = self.cache.search_prefix_match(request_id, list(prompt))
+        state.position_offset = held
+        self.scheduler._try_to_meet_safety_margin()
+        if not self.cache.can_store_request_tokens(state, len(prompt) - held):
+            self.cache.free_blocks(request_id)
+            return None
+        return self.block_table(request_id), held
+
+    def end(self, request_id: str, tokens: list[int]) -> None:
+        """End a reserved request without running it (its first token ended it)."""
+        self.release(request_id)
+        self._ended.append((request_id, tokens, None))
+
+    def release(self, request_id: str) -> None:
+        """Give a reservation's blocks back (not kept for prefix sharing: their KV may be partial)."""
+        self.cache.free_blocks(request_id, no_cache=True)
+
+    def adopt(self, request_id: str, prompt: Sequence[int], first: int, max_new_tokens: int, eos: int | None,
+              position: int) -> None:
+        """Make a reserved request decode in the batch: its KV holds ``prompt[:position]``. At
+        ``position == len(prompt)`` it resumes with ``first`` (the token prefill produced) as
+        the next input, as the scheduler leaves a request after its prompt's last chunk;
+        below, the rest of the prompt is prefilled again (its first token recomputed)."""
+        n = len(prompt)
+        state = RequestState(request_id=request_id, initial_tokens=list(prompt), max_new_tokens=max_new_tokens,
+                             eos_token_id=-1 if eos is None else eos)
+        state.position_offset = position
+        if position == n:
+            state.remaining_prefill_tokens = []
+            state.generated_tokens = [int(first)]
+            state.tokens_to_process = [int(first)]
+            state.status = RequestStatus.DECODING
+            complete = n // self.allocator.tokens_per_page - len(self.allocator.ledger.block_to_hash.keys()
+                                                                  & set(self.block_table(request_id)))
+            if complete > 0:  # the prompt's whole blocks become a prefix other requests may share
+                self.cache.mark_complete_blocks(state, {FULL_ATTENTION: complete})
+        else:
+            state.remaining_prefill_tokens = list(prompt[position:])
+            state.status = RequestStatus.PREFILLING
+        self.scheduler.active_requests[request_id] = state

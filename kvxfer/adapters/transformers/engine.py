@@ -1,0 +1,257 @@
+"""transformers' continuous batching as a disaggregated engine: its cache lent in place.
+
+::
+
+    engine = TransformersEngine(model, page_size=16, num_blocks=256)   # its own PagedAttentionCache
+    backend.register(engine.regions)                                   # the cache tensor, no pool
+
+    # prefill end
+    engine.prefill("r1", prompt)
+    while "r1" not in engine.prefilled: engine.step()                 # the batch runs beside others
+    first = engine.prefilled["r1"].first                               # greedy first token
+    lease = engine.lend_prefill("r1")                                  # its blocks, for reading
+    ... publish(lease.view(), hint); lease.track(attempt); lease.release()
+    engine.finish_prefill("r1")                                        # blocks go back once quiesced
+
+    # decode end
+    reservation = engine.reserve("r1", prompt)                         # blocks in its own cache
+    ... fetch(reservation.lease.view(), hint); mark_arrived; release
+    engine.adopt("r1", reservation, first, max_new_tokens)             # decodes in the batch
+    while not done: engine.step(); done = engine.results()
+
+One owner thread calls every method: the engine steps transformers' batch itself, so nothing
+else touches its scheduler or cache between two steps. A block stays out of transformers'
+reuse while a lease or an unquiesced attempt may touch it: prefill's blocks hold a pin (one
+more reference in transformers' own block ledger) until ``finish_prefill`` and quiescence;
+decode's reserved blocks belong to a request the scheduler does not see until ``adopt``, which
+refuses while they are busy. The lease, not the allocator, decides when a block goes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.adapters.errors import AdapterError, EngineMismatch
+from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.contract import BlockOrder, HeadOrder
+from kvxfer.lender.engine_kv import EngineKV
+from kvxfer.lender.external import ExternalLease, ExternalLender
+
+ENGINE = hf.ENGINE
+
+
+def check_peer_engine(local: str, peer: str) -> None:
+    """Refuse, by name, a peer whose engine is not this one: transformers' cache at one end and
+    another engine's (kvxfer's reference engine, another transformers version) at the other."""
+    if local != peer:
+        raise EngineMismatch(f"mixed engines: this end runs {local!r}, the peer {peer!r}; both ends of a "
+                             "disaggregated pair must run the same engine (kvxfer serve --engine)")
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prompt prefill ran: its greedy first token and the blocks (held) that hold its KV."""
+
+    request: str
+    prompt: tuple[int, ...]
+    first: int
+    blocks: np.ndarray
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks reserved in the decode engine's cache for a prompt. ``held`` tokens from the
+    start are already in place (prefix sharing) and are not fetched; ``lease`` writes the rest
+    (None when nothing is left to fetch)."""
+
+    request: str
+    prompt: tuple[int, ...]
+    blocks: np.ndarray
+    held: int
+    lease: ExternalLease | None
+
+
+def checkpoint_scope(path: Any) -> bytes:
+    """A KV scope for weights read from ``path``: its bytes' digest."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.digest()
+
+
+class TransformersEngine:
+    """One transformers continuous batch, for either role, with its cache lent in place."""
+
+    def __init__(self, model: Any, *, page_size: int = 16, num_blocks: int = 256, max_batch_tokens: int = 256,
+                 max_requests_per_batch: int | None = None, scope: bytes = b"", name: str = "transformers-kv") -> None:
+        self.engine = ENGINE
+        self.model = model
+        self.eos = hf.model_eos(model)
+        self.config = hf.batching_config(page_size, num_blocks, max_batch_tokens, max_requests_per_batch)
+        self.batch = hf.Batch(model, self.config, max_new_tokens=1)
+        layout = self.batch.layout()
+        k = [layout.plane(i, value=False) for i in range(layout.layers)]
+        v = [layout.plane(i, value=True) for i in range(layout.layers)]
+        self.kv = EngineKV.from_planes(k, v, tensors=(layout.tensor,), kv_heads=layout.kv_heads, heads=None,
+                                       head_order=HeadOrder.NHD, order=BlockOrder.BLOCK_MAJOR,
+                                       scope=ENGINE.encode() + b"|" + scope, name=name)
+        self.lender = ExternalLender(self.kv)
+        self.page_size = layout.page_size
+        self.prefilled: dict[str, Prefilled] = {}
+        self._prefilling: dict[str, tuple[int, ...]] = {}
+        self._lent: dict[str, Prefilled] = {}
+        self._unpin: dict[str, np.ndarray] = {}      # finished prefills: unpinned once quiesced
+        self._reserved: dict[str, Reservation] = {}
+        self._dropped: dict[str, np.ndarray] = {}    # abandoned reservations: released once quiesced
+        self._adopted: set[str] = set()
+
+    @property
+    def regions(self) -> tuple[Any, ...]:
+        return self.kv.regions
+
+    # --- the loop ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One step of the batch (False when it had nothing to run); then prompts whose first
+        token came are taken out of the batch with their blocks pinned, and blocks nothing may
+        touch any more go back to transformers."""
+        ran = self.batch.step()
+        for request, prompt in list(self._prefilling.items()):
+            tokens = self.batch.generated(request)
+            if tokens:
+                blocks = np.asarray(self.batch.block_table(request), dtype=np.int64)
+                self.batch.pin(blocks.tolist())
+                self.batch.detach(request)
+                del self._prefilling[request]
+                self.prefilled[request] = Prefilled(request, prompt, int(tokens[0]), blocks)
+        self._give_back()
+        return ran
+
+    def results(self) -> dict[str, list[int]]:
+        """Completions that ended since the last call (adopted or colocated requests): request id
+        -> every generated token, the first included."""
+        out = {}
+        for request, tokens, error in self.batch.results():
+            if error is not None:
+                raise AdapterError(f"transformers failed request {request!r}: {error}")
+            self._adopted.discard(request)
+            out[request] = tokens
+        return out
+
+    def idle(self) -> bool:
+        return self.batch.idle() and not self._prefilling
+
+    # --- colocated -------------------------------------------------------------------------------
+    def generate(self, request: str, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """A whole request in this batch (prefill and decode), as transformers serves it."""
+        self.batch.submit(request, [int(t) for t in prompt], max_new_tokens, self.eos)
+
+    # --- prefill ---------------------------------------------------------------------------------
+    def prefill(self, request: str, prompt: Sequence[int]) -> None:
+        """Queue ``prompt``; once a step produced its first token it is in ``prefilled``. The
+        request runs without an end-of-sequence token and two new tokens at most, so that the
+        batch never ends it (and frees its blocks) before it is taken out."""
+        self._check_new(request)
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt:
+            raise AdapterError(f"request {request!r}: an empty prompt has nothing to prefill")
+        self._prefilling[request] = prompt
+        self.batch.submit(request, prompt, 2, None)
+
+    def lend_prefill(self, request: str) -> ExternalLease:
+        """The prompt's blocks lent for reading (tokens [0, len(prompt)))."""
+        done = self.prefilled.get(request)
+        if done is None:
+            raise AdapterError(f"request {request!r} has not been prefilled here")
+        return self.lender.lend_read(request, done.blocks, (0, len(done.prompt)))
+
+    def finish_prefill(self, request: str) -> None:
+        """The prefill end is done with ``request``: its blocks go back to transformers once no
+        lease or attempt may touch them."""
+        done = self.prefilled.pop(request, None)
+        if done is None:
+            raise AdapterError(f"request {request!r} has not been prefilled here")
+        self._unpin[request] = done.blocks
+        self._give_back()
+
+    # --- decode ----------------------------------------------------------------------------------
+    def reserve(self, request: str, prompt: Sequence[int]) -> Reservation | None:
+        """Blocks for ``prompt`` in this cache, the tokens it already holds by prefix sharing, and
+        a write lease over the rest; None when the cache has no room now."""
+        self._check_new(request)
+        prompt = tuple(int(t) for t in prompt)
+        got = self.batch.reserve(request, prompt)
+        if got is None:
+            return None
+        table, held = got
+        blocks = np.asarray(table, dtype=np.int64)
+        shared = blocks[: held // self.page_size]
+        lease = None
+        if held < len(prompt):
+            try:
+                lease = self.lender.lend_write(request, blocks, (held, len(prompt)), shared=shared)
+            except BaseException:
+                self.batch.release(request)
+                raise
+        reservation = Reservation(request, prompt, blocks, held, lease)
+        self._reserved[request] = reservation
+        return reservation
+
+    def adopt(self, request: str, first: int, max_new_tokens: int) -> int:
+        """Decode ``request`` in the batch from the KV that arrived, with ``first`` (prefill's
+        token) next. Its lease must be released and its attempts quiesced. Returns the position
+        it resumes at: the prompt's length, or less where KV is missing (the rest is prefilled
+        again here). A request whose first token ends it (end-of-sequence, or one new token)
+        ends at once: ``results()`` gives it."""
+        reservation = self._reserved.get(request)
+        if reservation is None:
+            raise AdapterError(f"request {request!r} has no reservation here")
+        lease = reservation.lease
+        if lease is not None and not lease.released:
+            raise AdapterError(f"request {request!r}: release its lease (after mark_arrived) before adopting it")
+        if self.lender.busy(reservation.blocks).any():
+            raise AdapterError(f"request {request!r}: an attempt on its blocks has not quiesced; adopt it once it has")
+        position = len(reservation.prompt) if lease is None else lease.usable_until
+        del self._reserved[request]
+        if first == self.eos or max_new_tokens <= 1:
+            self.batch.end(request, [int(first)])
+            return position
+        self.batch.adopt(request, reservation.prompt, int(first), max_new_tokens, self.eos, position)
+        self._adopted.add(request)
+        return position
+
+    def drop(self, request: str) -> None:
+        """Give up a reservation (its transfer failed or was cancelled): its blocks go back once
+        nothing may touch them."""
+        reservation = self._reserved.pop(request, None)
+        if reservation is None:
+            raise AdapterError(f"request {request!r} has no reservation here")
+        self._dropped[request] = reservation.blocks
+        self._give_back()
+
+    # --- internals -------------------------------------------------------------------------------
+    def _check_new(self, request: str) -> None:
+        if (request in self._prefilling or request in self.prefilled or request in self._reserved
+                or request in self._adopted or request in self._unpin or request in self._dropped):
+            raise AdapterError(f"request {request!r} is already known to this engine")
+
+    def _give_back(self) -> None:
+        for pending, give in ((self._unpin, self.batch.unpin), (self._dropped, None)):
+            for request, blocks in list(pending.items()):
+                if not self.lender.busy(blocks).any():
+                    del pending[request]
+                    if give is not None:
+                        give(blocks.tolist())
+                    else:
+                        self.batch.release(request)
+
+    def shutdown(self) -> None:
+        """Stop lending (refused while leases hold blocks) and restore the model's attention."""
+        self.lender.shutdown()
+        self.batch.close()
+
