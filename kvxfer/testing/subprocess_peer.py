@@ -44,13 +44,12 @@ from kvxfer.contract import (
 from kvxfer.testing.conformance import PeerEnd
 from kvxfer.testing.memory import retain_if_unquiesced
 from kvxfer.wire import WireError, decode_hint, encode_hint
-from kvxfer.worker.forked import ForkedProcess
 
 START_TIMEOUT = 90.0  # a loaded 2-core CI machine can take tens of seconds to start one
 _ERRORS: dict[str, type[Exception]] = {
     "InvalidSubmission": InvalidSubmission, "SubmissionRejected": SubmissionRejected, "WireError": WireError,
 }
-_live: set[subprocess.Popen[bytes] | ForkedProcess] = set()
+_live: set[subprocess.Popen[bytes]] = set()
 _live_lock = threading.Lock()
 
 
@@ -97,23 +96,14 @@ class SubprocessPeer(PeerEnd):
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None, *,
                  env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
         """``prefix``: a command that execs the child's (e.g. ``ip netns exec NS``: the
-        child keeps its pid and the socket's descriptor). Without one the child is forked
-        from the fork server (``kvxfer.worker.forked``), which has imported numpy, torch and
-        kvxfer once, instead of a fresh interpreter: the peer's own state (NIXL, UCX) is
-        still made in the child, after the fork."""
+        child keeps its pid and the socket's descriptor)."""
         parent, child = socket.socketpair()
         child_env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {})}
         try:
-            self.process: subprocess.Popen[bytes] | ForkedProcess
-            if prefix:
-                self.process = subprocess.Popen(
-                    [*prefix, sys.executable, "-m", "kvxfer.testing.subprocess_peer", str(child.fileno()), factory,
-                     json.dumps(kwargs or {})],
-                    pass_fds=[child.fileno()], env=child_env, stdin=subprocess.DEVNULL)
-            else:
-                self.process = ForkedProcess(["{fd0}", factory, json.dumps(kwargs or {})], env=child_env,
-                                             main="kvxfer.testing.subprocess_peer:main", pipes=False,
-                                             pass_fds=(child.fileno(),), preload=(__name__,))
+            self.process = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "kvxfer.testing.subprocess_peer", str(child.fileno()), factory,
+                 json.dumps(kwargs or {})],
+                pass_fds=[child.fileno()], env=child_env, stdin=subprocess.DEVNULL)
         finally:
             child.close()
         with _live_lock:

@@ -21,7 +21,6 @@ waits for.
 from __future__ import annotations
 
 import atexit
-import importlib
 import multiprocessing as mp
 import os
 import subprocess
@@ -35,11 +34,9 @@ PRELOAD = ("torch", "aiohttp", "kvxfer.cli", "kvxfer.worker.serve", "kvxfer.work
            "kvxfer.router", "kvxfer.bench", "kvxfer.engine")
 
 
-def _context(preload: tuple[str, ...] = ()) -> Any:
+def _context() -> Any:
     ctx = mp.get_context("forkserver")
-    # Read when the server starts (at the first child); a child of a server started with
-    # another list imports what it misses itself.
-    ctx.set_forkserver_preload([*PRELOAD, *preload])
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: at the first child
     return ctx
 
 
@@ -47,28 +44,23 @@ def _standard_stream(fd: int, mode: str) -> IO[Any]:
     return open(fd, mode, buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
 
 
-def _run_main(environ: dict[str, str], cwd: str, main: str, argv: list[str], std: list[Any],
-              passed: list[Any]) -> None:
-    """The child: take the caller's environment, directory and descriptors, run
-    ``main(argv)`` (``"{fdN}"`` in argv stands for the Nth passed descriptor's number here),
-    and exit as the interpreter would (atexit handlers included, which multiprocessing skips)."""
+def _run_cli(environ: dict[str, str], cwd: str, argv: list[str], stdin: Any, stdout: Any, stderr: Any) -> None:
+    """The child: take the caller's environment, directory and descriptors, run the command,
+    exit as the interpreter would (atexit handlers included, which multiprocessing skips)."""
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)  # the server's is the caller's when the server started
-    for fd, given in enumerate(std):
-        received = given.detach()
+    for fd, passed in ((0, stdin), (1, stdout), (2, stderr)):
+        received = passed.detach()
         os.dup2(received, fd)
         os.close(received)
     sys.stdin, sys.stdout, sys.stderr = (_standard_stream(0, "r"), _standard_stream(1, "w"),
                                          _standard_stream(2, "w"))
-    numbers = {f"{{fd{i}}}": str(given.detach()) for i, given in enumerate(passed)}
-    argv = [numbers.get(arg, arg) for arg in argv]
     sys.argv = [sys.executable, *argv]
-    module, _, function = main.partition(":")
-    run = getattr(importlib.import_module(module), function)  # preloaded: a lookup
+    from kvxfer.cli import main  # noqa: PLC0415 - preloaded: a lookup
 
     try:
-        code = run(argv)
+        code = main(argv)
     finally:
         atexit._run_exitfuncs()
     sys.exit(code)
@@ -88,45 +80,30 @@ def _start_without_main(proc: Any) -> None:
 
 
 class ForkedProcess:
-    """A started ``main(argv)`` (by default ``python -m kvxfer.cli ARGV``) forked from the
-    fork server: ``pid``, ``stdin`` (writable, binary) and ``stdout`` (readable, binary)
-    with ``pipes``, ``poll``, ``wait``, ``send_signal``, ``kill`` and ``returncode`` as
-    ``subprocess.Popen`` has them. Without ``pipes`` the child reads /dev/null and writes
-    to the caller's stdout. ``pass_fds``: descriptors the child gets too ("{fdN}" in argv)."""
+    """A started ``python -m kvxfer.cli ARGV`` forked from the fork server: ``pid``,
+    ``stdin`` (writable, binary), ``stdout`` (readable, binary), ``poll``, ``wait``,
+    ``send_signal`` and ``returncode`` as ``subprocess.Popen`` has them."""
 
-    def __init__(self, argv: list[str], stderr: IO[bytes] | None = None, env: dict[str, str] | None = None, *,
-                 main: str = "kvxfer.cli:main", pipes: bool = True, pass_fds: tuple[int, ...] = (),
-                 preload: tuple[str, ...] = ()) -> None:
-        ours: list[int] = []     # the caller keeps these
-        theirs: list[int] = []   # the child's ends: closed here once it has them
+    def __init__(self, argv: list[str], stderr: IO[bytes], env: dict[str, str] | None = None) -> None:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
         try:
-            if pipes:
-                stdin_r, stdin_w = os.pipe()
-                stdout_r, stdout_w = os.pipe()
-                ours += [stdin_w, stdout_r]
-                theirs += [stdin_r, stdout_w]
-                std_in, std_out = stdin_r, stdout_w
-            else:
-                std_in = os.open(os.devnull, os.O_RDONLY)
-                theirs.append(std_in)
-                std_out = 1
-            std_err = stderr.fileno() if stderr is not None else 2
-            self._proc = _context(preload).Process(
-                target=_run_main, name=f"kvxfer {argv[0] if argv else ''}".strip(),
-                args=(dict(os.environ) if env is None else dict(env), os.getcwd(), main, list(argv),
-                      [DupFd(std_in), DupFd(std_out), DupFd(std_err)], [DupFd(fd) for fd in pass_fds]))
+            self._proc = _context().Process(
+                target=_run_cli, name=f"kvxfer {argv[0] if argv else ''}".strip(),
+                args=(dict(os.environ) if env is None else dict(env), os.getcwd(), list(argv),
+                      DupFd(stdin_r), DupFd(stdout_w), DupFd(stderr.fileno())))
             _start_without_main(self._proc)
         except BaseException:
-            for fd in ours:
+            for fd in (stdin_w, stdout_r):
                 os.close(fd)
             raise
         finally:
-            for fd in theirs:  # the child has its own copies now
+            for fd in (stdin_r, stdout_w):  # the child has its own copies now
                 os.close(fd)
         self.pid: int = self._proc.pid
         self.args = argv
-        self.stdin: IO[bytes] | None = open(ours[0], "wb", buffering=0) if pipes else None  # noqa: SIM115 - closed by end_process
-        self.stdout: IO[bytes] | None = open(ours[1], "rb", buffering=0) if pipes else None  # noqa: SIM115 - closed by Child.stop
+        self.stdin: IO[bytes] | None = open(stdin_w, "wb", buffering=0)  # noqa: SIM115 - closed by end_process
+        self.stdout: IO[bytes] | None = open(stdout_r, "rb", buffering=0)  # noqa: SIM115 - closed by Child.stop
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
