@@ -306,6 +306,11 @@ class Batch:
             state.status = RequestStatus.FINISHED
         self.scheduler.finish_request(request_id)
 
+    def cancel(self, request_id: str) -> None:
+        """End a request queued or running in the batch, without a result: the next step takes
+        it out and its blocks go back (transformers' own cancellation)."""
+        self.scheduler.set_request_cancellation(request_id)
+
     def reserve(self, request_id: str, prompt: Sequence[int]) -> tuple[list[int], int] | None:
         """Blocks for ``prompt`` outside the scheduler: (block table, tokens of the prompt already
         held by prefix sharing), or None when the cache has no room. The blocks are the request's

@@ -1,0 +1,118 @@
+"""Workers serving with transformers' continuous batching (``WorkerConfig(engine="transformers")``,
+``kvxfer serve --engine transformers``) behind the router: concurrent requests of mixed lengths
+are token-identical to transformers' own colocated ``generate_batch``, each prompt's KV moved
+out of one transformers cache into the other (nothing recomputed); a pair of a transformers
+worker and a reference worker is refused by name, as are sampling parameters this engine does
+not serve. Real Worker objects behind real HTTP servers in this process, a tiny random Llama
+(no GGUF, so it is fast), the loopback backend."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvxfer.adapters.transformers import ENGINE
+from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.backends.loopback import LoopbackFabric
+from kvxfer.engine import LlamaModel, ModelConfig, SamplingParams
+from kvxfer.router import Router
+from kvxfer.router.inputs import MixedEngines
+from kvxfer.serving.http import HttpServer
+from kvxfer.worker.app import make_handler
+from kvxfer.worker.core import Worker, WorkerConfig
+from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE
+
+torch.set_num_threads(1)
+SHAPE = ModelConfig(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                    max_positions=256)
+BLOCKS = 64
+NEW = 6
+# Mixed lengths: under one block, across one, several blocks; two share a 16-token prefix.
+PROMPTS = [[5, 9, 17, 3, 8, 44, 21, 7, 60, 2, 13], [7, 7, 1], list(range(20, 58)),
+           [*range(20, 36), 90, 91, 92], [100, 101, 102, 103, 104], list(range(60, 77)), [3] * 33, [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    import transformers  # the test's own model; the adapter's reach is in _internals
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=128, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@contextlib.asynccontextmanager
+async def served(engines: dict[str, tuple[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    """A worker per role ({role: (engine, model)}) behind an HTTP server; their URLs."""
+    fabric = LoopbackFabric()
+    servers: list[HttpServer] = []
+    workers: list[Worker] = []
+    urls = {}
+    try:
+        for role, (engine, model) in engines.items():
+            config = WorkerConfig(role=role, model=SHAPE if engine == "transformers" else model.config,
+                                  num_blocks=BLOCKS, backend="loopback", name=role, transfer_timeout_s=10.0,
+                                  engine=engine)
+            worker = Worker(config, model=model, fabric=fabric)
+            workers.append(worker)
+            await worker.start()
+            server = HttpServer(make_handler(worker))
+            servers.append(server)
+            urls[role] = f"http://127.0.0.1:{await server.start()}"
+        yield urls
+    finally:
+        for server in servers:
+            await server.close()
+        for worker in workers:
+            report = await worker.close()
+            assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
+
+
+def test_concurrent_requests_are_token_identical_to_generate_batch(model: Any) -> None:
+    expected = hf.colocated(model, PROMPTS, NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
+
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as urls:
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                done = await asyncio.gather(*(router.generate(p, NEW) for p in PROMPTS))
+        for completion, want in zip(done, expected):
+            assert completion.ok, completion.error
+            assert list(completion.tokens) == want
+            assert completion.path == "disaggregated" and completion.recomputed_tokens == 0
+            assert completion.transfer is not None and completion.transfer.status == "delivered"
+
+    asyncio.run(main())
+
+
+def test_a_mixed_pair_is_refused_naming_both_engines(model: Any) -> None:
+    reference = LlamaModel(SHAPE)
+
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("reference", reference)}) as urls:
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                with pytest.raises(MixedEngines) as exc:
+                    await router.generate(PROMPTS[0], NEW)
+        text = str(exc.value)
+        assert f"prefill worker {urls['prefill']} runs {ENGINE!r}" in text
+        assert f"decode worker {urls['decode']} runs 'kvxfer reference'" in text
+
+    asyncio.run(main())
+
+
+def test_sampling_is_refused_by_name(model: Any) -> None:
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as urls:
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                done = await router.generate(PROMPTS[0], NEW, sampling=SamplingParams(temperature=0.8, seed=3))
+                assert not done.ok and done.error is not None
+                assert f"the {ENGINE} engine serves greedy requests only" in done.error, done.error
+                again = await router.generate(PROMPTS[1], NEW)  # the workers serve on
+                assert again.ok, again.error
+
+    asyncio.run(main())
