@@ -70,6 +70,7 @@ class TransformersServing:
         self._local: set[str] = set()              # allocate_local names not submitted yet
         self._work = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     # --- lifecycle (the worker's) ------------------------------------------------------------
@@ -80,6 +81,7 @@ class TransformersServing:
         return self.engine
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._driver = asyncio.create_task(self._drive())
 
     async def stop(self) -> None:
@@ -166,6 +168,14 @@ class TransformersServing:
     def _kick(self) -> None:
         self._work.set()
 
+    def _kick_from_engine_thread(self) -> None:
+        """A step must run (a cancellation takes effect at the next one) though nothing is queued."""
+        if self._loop is not None and not self._closed:
+            try:
+                self._loop.call_soon_threadsafe(self._work.set)
+            except RuntimeError:  # the loop closed: the worker is gone
+                pass
+
     # --- the seam: prefill end --------------------------------------------------------------------
     def check(self, sampling: SamplingParams, logprobs: int | None) -> None:
         greedy_only(self.name, sampling, logprobs)
@@ -200,6 +210,7 @@ class TransformersServing:
             engine.drop(rid)
         elif engine.running(rid):
             engine.cancel(rid)
+            self._kick_from_engine_thread()
         self._local.discard(rid)
 
     def has(self, rid: str) -> bool:

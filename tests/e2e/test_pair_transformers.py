@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from kvxfer import pair
 from kvxfer.testing.processes import assert_nothing_left
+from kvxfer.worker import serve
 
 
 def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) -> None:
@@ -35,3 +39,24 @@ def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_what_the_transformers_engine_cannot_run_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, words in ((["--engine", "transformers"], "give --model smollm2 or a .gguf path"),
+                        (["--engine", "transformers", "--model", "smollm2", "--temperature", "0.7"],
+                         "greedy requests only"),
+                        (["--engine", "transformers", "--model", "smollm2", "--backend", "ucx"],
+                         "over nixl for now, not --backend ucx"),
+                        (["--engine", "transformers", "--model", "smollm2", "--lender", "staging"],
+                         "no engine-KV flags, --store or --lender staging")):
+        with pytest.raises(SystemExit) as exc:
+            pair.main(argv)  # refused before any process starts
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err and "Traceback" not in err, err
+    for argv, words in ((["--role", "prefill", "--engine", "transformers"], "give --model smollm2 or a .gguf path"),
+                        (["--role", "decode", "--engine", "transformers", "--model", "smollm2", "--store", "memory"],
+                         "does not use a KV store")):
+        with pytest.raises(SystemExit) as exc:
+            serve.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err, err

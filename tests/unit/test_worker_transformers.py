@@ -48,11 +48,11 @@ def model() -> Any:
 
 
 @contextlib.asynccontextmanager
-async def served(engines: dict[str, tuple[str, Any]]) -> AsyncIterator[dict[str, str]]:
-    """A worker per role ({role: (engine, model)}) behind an HTTP server; their URLs."""
+async def served(engines: dict[str, tuple[str, Any]]) -> AsyncIterator[tuple[dict[str, str], dict[str, Worker]]]:
+    """A worker per role ({role: (engine, model)}) behind an HTTP server; their URLs and the workers."""
     fabric = LoopbackFabric()
     servers: list[HttpServer] = []
-    workers: list[Worker] = []
+    workers: dict[str, Worker] = {}
     urls = {}
     try:
         for role, (engine, model) in engines.items():
@@ -60,16 +60,16 @@ async def served(engines: dict[str, tuple[str, Any]]) -> AsyncIterator[dict[str,
                                   num_blocks=BLOCKS, backend="loopback", name=role, transfer_timeout_s=10.0,
                                   engine=engine)
             worker = Worker(config, model=model, fabric=fabric)
-            workers.append(worker)
+            workers[role] = worker
             await worker.start()
             server = HttpServer(make_handler(worker))
             servers.append(server)
             urls[role] = f"http://127.0.0.1:{await server.start()}"
-        yield urls
+        yield urls, workers
     finally:
         for server in servers:
             await server.close()
-        for worker in workers:
+        for worker in workers.values():
             report = await worker.close()
             assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
 
@@ -78,7 +78,7 @@ def test_concurrent_requests_are_token_identical_to_generate_batch(model: Any) -
     expected = hf.colocated(model, PROMPTS, NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
 
     async def main() -> None:
-        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as urls:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, _):
             async with Router([urls["prefill"]], [urls["decode"]]) as router:
                 done = await asyncio.gather(*(router.generate(p, NEW) for p in PROMPTS))
         for completion, want in zip(done, expected):
@@ -94,7 +94,7 @@ def test_a_mixed_pair_is_refused_naming_both_engines(model: Any) -> None:
     reference = LlamaModel(SHAPE)
 
     async def main() -> None:
-        async with served({"prefill": ("transformers", model), "decode": ("reference", reference)}) as urls:
+        async with served({"prefill": ("transformers", model), "decode": ("reference", reference)}) as (urls, _):
             async with Router([urls["prefill"]], [urls["decode"]]) as router:
                 with pytest.raises(MixedEngines) as exc:
                     await router.generate(PROMPTS[0], NEW)
@@ -107,12 +107,53 @@ def test_a_mixed_pair_is_refused_naming_both_engines(model: Any) -> None:
 
 def test_sampling_is_refused_by_name(model: Any) -> None:
     async def main() -> None:
-        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as urls:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, _):
             async with Router([urls["prefill"]], [urls["decode"]]) as router:
                 done = await router.generate(PROMPTS[0], NEW, sampling=SamplingParams(temperature=0.8, seed=3))
                 assert not done.ok and done.error is not None
                 assert f"the {ENGINE} engine serves greedy requests only" in done.error, done.error
                 again = await router.generate(PROMPTS[1], NEW)  # the workers serve on
                 assert again.ok, again.error
+
+    asyncio.run(main())
+
+
+def test_a_decode_worker_alone_serves_whole_requests(model: Any) -> None:
+    """No prefill worker, policy recompute: the decode worker runs each request in its batch."""
+    expected = hf.colocated(model, PROMPTS[:3], NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
+
+    async def main() -> None:
+        async with served({"decode": ("transformers", model)}) as (urls, _):
+            async with Router([], [urls["decode"]], on_failure="recompute") as router:
+                done = await asyncio.gather(*(router.generate(p, NEW) for p in PROMPTS[:3]))
+        for completion, want in zip(done, expected):
+            assert completion.ok and completion.path == "local", completion
+            assert list(completion.tokens) == want
+
+    asyncio.run(main())
+
+
+def test_a_client_that_stops_early_ends_its_request_in_the_batch(model: Any) -> None:
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, workers):
+            engine = workers["decode"]._state.serving.engine  # type: ignore[attr-defined]
+            ended: list[int] = []  # the lengths of the completions the batch ended itself
+            results = engine.results
+
+            def watched() -> dict[str, list[int]]:
+                out: dict[str, list[int]] = results()
+                ended.extend(len(t) for t in out.values())
+                return out
+            engine.results = watched
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                done = await router.generate(PROMPTS[2], 200, until=lambda t: t.index >= 1)
+                assert done.ok and done.finish_reason == "stop" and len(done.tokens) == 2, done
+                deadline = asyncio.get_running_loop().time() + 10
+                while engine.batch.scheduler.active_requests or not engine.batch.idle():
+                    assert asyncio.get_running_loop().time() < deadline, "the stopped request still runs"
+                    await asyncio.sleep(0.01)
+                again = await router.generate(PROMPTS[0], NEW)
+                assert again.ok, again.error
+            assert ended == [NEW], ended  # the stopped request was cancelled, never run to its 200 tokens
 
     asyncio.run(main())
