@@ -28,6 +28,7 @@ from kvxfer.engine.sampling import Pick, SamplingParams
 from kvxfer.worker.errors import Refused
 
 if TYPE_CHECKING:
+    from kvxfer.engine import LlamaModel
     from kvxfer.worker.state import WorkerState
 
 REFERENCE = "kvxfer reference"
@@ -101,6 +102,12 @@ class ReferenceEngine:
     def __init__(self, state: WorkerState) -> None:
         self._s = state
 
+    @property
+    def _model(self) -> LlamaModel:
+        model = self._s.model
+        assert model is not None  # a worker under another engine never makes a ReferenceEngine its engine
+        return model
+
     def check(self, sampling: SamplingParams, logprobs: int | None) -> None:
         """Every sampling parameter and logprobs are served."""
 
@@ -112,7 +119,7 @@ class ReferenceEngine:
         assert pool is not None
         pool.allocate(rid, len(prompt))
         try:
-            return self._s.model.next_pick(pool, rid, prompt, 0, sampling, prompt, (), logprobs)
+            return self._model.next_pick(pool, rid, prompt, 0, sampling, prompt, (), logprobs)
         except BaseException:
             pool.free(rid)
             raise
@@ -158,14 +165,14 @@ class ReferenceEngine:
 
     async def first(self, stream: Stream, position: int) -> Pick:
         s = self._s
-        return await s.engine.run(s.model.next_pick, s.pool, stream.name, stream.prompt[position:], position,
+        return await s.engine.run(self._model.next_pick, s.pool, stream.name, stream.prompt[position:], position,
                                   stream.sampling, stream.origin, stream.earlier, stream.logprobs)
 
     async def tokens(self, stream: Stream, first: int) -> AsyncGenerator[Pick, None]:
         s, n = self._s, len(stream.prompt)
         token, origin, generated = first, stream.origin, [*stream.earlier, first]
         for index in range(1, stream.max_new):
-            pick = await s.engine.run(s.model.next_pick, s.pool, stream.name, [token], n + index - 1,
+            pick = await s.engine.run(self._model.next_pick, s.pool, stream.name, [token], n + index - 1,
                                       stream.sampling, origin, generated, stream.logprobs)
             token = pick.token
             generated.append(token)
