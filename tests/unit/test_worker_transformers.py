@@ -157,3 +157,27 @@ def test_a_client_that_stops_early_ends_its_request_in_the_batch(model: Any) -> 
             assert ended == [NEW], ended  # the stopped request was cancelled, never run to its 200 tokens
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_partial_transfer_resumes_from_the_first_gap_or_fails_by_name(model: Any, policy: str) -> None:
+    """One of the 38-token prompt's three blocks arrives: under recompute the decode worker adopts
+    the request at token 16, prefills the rest again in its batch (its first token checked
+    against the prefill worker's) and decodes as generate_batch does; under fail it says so."""
+    prompt = PROMPTS[2]
+    expected = hf.colocated(model, [prompt], NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))[0]
+
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, workers):
+            workers["prefill"].backend.fail_after_rows = 1  # type: ignore[union-attr]  # push: the publisher writes
+            async with Router([urls["prefill"]], [urls["decode"]], on_failure=policy) as router:
+                done = await router.generate(prompt, NEW)
+        assert done.transfer is not None and done.transfer.status == "failed"
+        if policy == "fail":
+            assert not done.ok and done.error is not None and "1 of 3 rows arrived" in done.error, done.error
+            return
+        assert done.ok, done.error
+        assert done.path == "resumed" and done.recomputed_tokens == len(prompt) - PAGE_SIZE, done
+        assert list(done.tokens) == expected
+
+    asyncio.run(main())
