@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer.engine import SamplingParams
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
+from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
 from kvxfer.pair_report import Result, outcomes, print_report, summarize
 from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
 from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_rows
@@ -40,6 +41,7 @@ from kvxfer.serving.http import HttpError, request_text, stream_json
 from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
 from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.startup import check_serving
+from kvxfer.worker.forked import preload
 from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
@@ -57,7 +59,7 @@ from kvxfer.worker.serve import (
 if TYPE_CHECKING:
     import torch
 
-    from kvxfer.engine import LlamaModel
+Oracle = ReferenceOracle | TransformersOracle
 
 
 ROUTER_SILENCE_S = 6 * KEEPALIVE_S
@@ -145,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prefill workers' device (auto, cpu, cuda[:N]); empty: --device")
     p.add_argument("--decode-device", default="",
                    help="the decode workers' device, e.g. cuda:1 with --prefill-device cuda:0; empty: --device")
+    add_engine_arg(p)
     add_engine_kv_args(p)
     add_sampling_args(p)
     add_store_args(p)
@@ -284,11 +287,11 @@ class _Placement:
     lanes: Lanes | None
 
 
-def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement, longest: int,
+def _run_config(args: argparse.Namespace, oracle: Oracle, placed: _Placement, longest: int,
                 log_dir: Path) -> dict[str, Any]:
     """The report's ``config``: what was asked for and what ran."""
-    lanes = placed.lanes
-    return {"backend": args.backend, "busy_poll": args.busy_poll, "nixl_arena_mib": args.nixl_arena_mib,
+    lanes, shape = placed.lanes, oracle.shape
+    return {"engine": args.engine, "backend": args.backend, "busy_poll": args.busy_poll, "nixl_arena_mib": args.nixl_arena_mib,
             "mode": args.mode, "mode_requested": placed.requested_mode,
             "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                  "pull": list(lanes.pull)},
@@ -297,11 +300,11 @@ def _run_config(args: argparse.Namespace, model: LlamaModel, placed: _Placement,
             "max_new_tokens": args.max_new_tokens,
             "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,
             "decode_workers": args.decode_workers, "selection": args.selection, "on_failure": args.on_failure,
-            "model": f"{'' if args.model == 'toy' else args.model + ' '}{model.config.layers}L/{model.config.hidden}H/{model.config.heads}h/"
-                     f"{model.config.kv_heads}kv/{model.config.dtype} on {model.device}",
-            "device": str(model.device), "prefill_device": placed.prefill_device,
+            "model": f"{'' if args.model == 'toy' else args.model + ' '}{shape.layers}L/{shape.hidden}H/{shape.heads}h/"
+                     f"{shape.kv_heads}kv/{shape.dtype} on {oracle.device}",
+            "device": oracle.device, "prefill_device": placed.prefill_device,
             "decode_device": placed.decode_device,
-            "model_config": model.config.to_json(), "engine_kv": engine_kv_report(args),
+            "model_config": shape.to_json(), "engine_kv": engine_kv_report(args),
             "sampling": sampling_report(args.sampling),
             "log_dir": str(log_dir)}
 
@@ -311,7 +314,7 @@ def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Place
     # The pair's router knows its workers by URL: no discovery, even where NIXL_ETCD_ENDPOINTS
     # is set (then the NIXL agents' metadata still goes through etcd), so that no other router
     # watching etcd picks these workers up.
-    common = [*worker_args(args), *(store.argv if store is not None else ()), "--etcd", ""]
+    common = [*worker_args(args), *(store.argv if store is not None else ()), "--etcd", "", "--engine", args.engine]
     role_args = {role: [*common, *engine_kv_argv(args, role), *model_args_list(args, device)]
                  for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
     workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
@@ -348,21 +351,6 @@ def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args
         print(f"kvxfer pair: warm-up request failed: {bad[0].error or 'tokens differ'}", file=sys.stderr)
 
 
-def _reference(model: LlamaModel, prompts: list[list[int]], max_new: int, line: Line, workers: int,
-               sampling: Sequence[SamplingParams]) -> list[list[int]]:
-    """Colocated generation of every prompt (sampled as its request is): what each completion
-    must equal, token for token."""
-    from kvxfer.engine import colocated_generate
-
-    count = Count(line, "computing reference outputs", len(prompts),
-                  detail=f"colocated generation, while {workers} workers start")
-    expected = []
-    for prompt, params in zip(prompts, sampling):
-        expected.append(colocated_generate(model, prompt, max_new, sampling=params))
-        count.advance()
-    return expected
-
-
 def _save_metrics(group: ProcessGroup, log_dir: Path) -> None:
     """Keep each process's metrics beside its log (the e2e test reads them)."""
     for child in group.children:
@@ -373,7 +361,7 @@ def _save_metrics(group: ProcessGroup, log_dir: Path) -> None:
             print(f"kvxfer pair: no metrics from {child.name}: {exc}", file=sys.stderr)
 
 
-def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, prompts: list[list[int]],
+def _run_pair(group: ProcessGroup, args: argparse.Namespace, oracle: Oracle, prompts: list[list[int]],
               placed: _Placement, config: dict[str, Any], log_dir: Path, store: StoreSetup | None = None,
               expected: list[list[int]] | None = None) -> tuple[list[Result], float, list[list[int]]]:
     """Start the workers and the router, send the workload through them; the results, the
@@ -384,7 +372,7 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
         launched = time.perf_counter()
         workers = _start_workers(group, args, placed, store)
         if expected is None:  # the oracle runs while the workers start (they import torch and NIXL)
-            expected = _reference(model, prompts, args.max_new_tokens, line, len(workers), args.samplings)
+            expected = oracle.expected(prompts, args.max_new_tokens, line, len(workers), args.samplings)
         wait_announced(group, workers, args.startup_timeout,
                        Count(line, "starting workers", len(workers), "up", every_step=True, started=launched))
         router = _start_router(group, args, workers)
@@ -406,7 +394,7 @@ def _run_pair(group: ProcessGroup, args: argparse.Namespace, model: LlamaModel, 
     return results, wall, expected
 
 
-def _run_rounds(args: argparse.Namespace, model: LlamaModel, prompts: list[list[int]], placed: _Placement,
+def _run_rounds(args: argparse.Namespace, oracle: Oracle, prompts: list[list[int]], placed: _Placement,
                 config: dict[str, Any], log_dir: Path) -> tuple[list[Result], float, list[dict[str, Any]]]:
     """One instance, or with --store one per round on the same store: every round's results,
     their wall time together, and each round's store figures."""
@@ -415,7 +403,7 @@ def _run_rounds(args: argparse.Namespace, model: LlamaModel, prompts: list[list[
     with store_for(args) as store:
         for r in range(args.store_rounds):
             where = log_dir if args.store_rounds == 1 else log_dir / f"round{r + 1}"
-            got, seconds, expected = _run_pair(ProcessGroup(where), args, model, prompts, placed, config, where,
+            got, seconds, expected = _run_pair(ProcessGroup(where), args, oracle, prompts, placed, config, where,
                                                store, expected)
             results, wall = results + got, wall + seconds
             if store is not None:
@@ -434,18 +422,22 @@ def main(argv: list[str] | None = None) -> int:
     check_backend(parser, args.backend)
     check_model_args(parser, args)
     check_engine_kv_args(parser, args)
+    check_engine_args(parser, args)
     prefill_device, decode_device = role_devices(parser, args)
     check_store_args(parser, args, (prefill_device, decode_device))
     import torch  # every check is done: now the engine, the oracle and torch
 
-    from kvxfer.engine import text_samples, workload_prompts
+    from kvxfer.engine import text_samples
 
     torch.set_num_threads(1)
-    model = model_from_args(args)
-    longest, capped = prompt_range(parser, args, model.config.max_positions)
+    if args.engine == "transformers":
+        preload("kvxfer.worker.hf_engine")  # transformers, imported once for every worker
+    oracle: Oracle = TransformersOracle(args, args.blocks) if args.engine == "transformers" \
+        else ReferenceOracle(model_from_args(args))
+    longest, capped = prompt_range(parser, args, oracle.shape.max_positions)
     if capped:
         print(f"kvxfer pair: {capped}", file=sys.stderr, flush=True)
-    prompts = workload_prompts(model, args.requests, args.min_len, longest, args.prompt_seed)
+    prompts = oracle.prompts(args.requests, args.min_len, longest, args.prompt_seed)
     requested_mode = args.mode
     try:
         lanes = _route_mode(args, prefill_device, decode_device)
@@ -454,9 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     placed = _Placement(prefill_device, decode_device, requested_mode, lanes)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-pair-"))
-    config = _run_config(args, model, placed, longest, log_dir)
+    config = _run_config(args, oracle, placed, longest, log_dir)
     try:
-        results, wall, rounds = _run_rounds(args, model, prompts, placed, config, log_dir)
+        results, wall, rounds = _run_rounds(args, oracle, prompts, placed, config, log_dir)
     except KeyboardInterrupt:
         print("\nkvxfer pair: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
@@ -466,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize(results, wall, config)
     if rounds:
         report["store_rounds"] = rounds
-    if model.tokenizer is not None:
-        report["samples"] = text_samples(model.tokenizer, prompts, [r.tokens for r in results])
+    if oracle.tokenizer is not None:
+        report["samples"] = text_samples(oracle.tokenizer, prompts, [r.tokens for r in results])
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -15,6 +15,11 @@ class InvalidRequest(KvxferError, ValueError):
     """A request the router refuses before any worker sees it; the message names the field."""
 
 
+class MixedEngines(InvalidRequest):
+    """The router's workers run different engines (``kvxfer serve --engine``): no request is
+    served until they agree; the message names both engines and their workers."""
+
+
 def check_shape(prompt: object, max_new_tokens: object, stop_ids: Collection[object] = ()) -> None:
     """A prompt of at least one int token id, a positive int max_new_tokens, int stop ids."""
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:

@@ -53,11 +53,11 @@ from typing import Any
 
 from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams
 from kvxfer.router.cleanup import Cleanup
-from kvxfer.router.inputs import InvalidRequest, check_limits, check_logprobs, check_shape
+from kvxfer.router.inputs import InvalidRequest, MixedEngines, check_limits, check_logprobs, check_shape
 from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
 from kvxfer.router.run import Failure, Run, generated, rows_safe_after, sampled, settled
-from kvxfer.router.workers import Endpoint, ModelLimits, RouterHealth, WorkerSet, judge
+from kvxfer.router.workers import REFERENCE_ENGINE, Endpoint, ModelLimits, RouterHealth, WorkerSet, judge, mixed_engines
 from kvxfer.serving.http import HttpClient, HttpError
 from kvxfer.serving.keys import BearerKey
 from kvxfer.serving.keys import headers as key_headers
@@ -154,6 +154,7 @@ class Router:
         if isinstance(exc, HttpError) and exc.unreachable:
             endpoint.down_until = time.monotonic() + self.probe_interval_s
             endpoint.publisher = None  # it may come back as another run: ask again
+            endpoint.engine = None
 
     # --- the public surface -------------------------------------------------------------------
     async def generate(self, prompt: Sequence[int], max_new_tokens: int, request: str | None = None, *,
@@ -216,6 +217,7 @@ class Router:
         check_shape(prompt, max_new_tokens, stop_ids)
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequest(f"'sampling' must be a SamplingParams, got {type(sampling).__name__}")
+        await self.check_engines()
         limits = await self.model()
         if limits is not None:
             check_limits(prompt, max_new_tokens, limits)
@@ -242,6 +244,24 @@ class Router:
         answers = await asyncio.gather(*(one(e) for e in self.prefill + self.decode))
         n = len(self.prefill)
         return judge(answers[:n], answers[n:], self.on_failure)
+
+    async def check_engines(self) -> None:
+        """MixedEngines naming both engines when the workers run different ones (kvxfer serve
+        --engine); each worker's engine is learnt from its /health once, while it answers."""
+        now = time.monotonic()
+        unknown = [e for e in self.workers if e.engine is None and e.down_until <= now]
+        if unknown:
+            async def learn(e: Endpoint) -> None:
+                try:
+                    health = await self._http.request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
+                except HttpError:
+                    return
+                named = health.get("engine") if isinstance(health, dict) else None
+                e.engine = named if isinstance(named, str) and named else REFERENCE_ENGINE
+            await asyncio.gather(*(learn(e) for e in unknown))
+        problem = mixed_engines(list(self.workers))
+        if problem is not None:
+            raise MixedEngines(problem)
 
     async def model(self) -> ModelLimits | None:
         """The workers' model as their /health states it (learnt once), or None while no

@@ -27,6 +27,7 @@ class Endpoint:
     down_until: float = 0.0
     failures: int = 0
     publisher: Any = None  # a prefill worker's {agent, run}, from its /health or /prefill
+    engine: str | None = None  # what its /health names (kvxfer serve --engine), once learnt
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,24 @@ class RouterHealth:
         return {"status": self.status, "reason": self.reason,
                 "workers": {url: up for url, up in self.prefill + self.decode},
                 "prefill": dict(self.prefill), "decode": dict(self.decode)}
+
+
+REFERENCE_ENGINE = "kvxfer reference"
+"""The engine of a worker whose /health names none (kvxfer's own, before --engine)."""
+
+
+def mixed_engines(endpoints: Sequence[Endpoint]) -> str | None:
+    """What is wrong when the workers run different engines (one's KV means nothing to the
+    other's), naming each engine and a worker that runs it; None when they agree."""
+    runs: dict[str, Endpoint] = {}
+    for e in endpoints:
+        if e.engine is not None:
+            runs.setdefault(e.engine, e)
+    if len(runs) < 2:
+        return None
+    named = "; ".join(f"{e.role} worker {e.url} runs {engine!r}" for engine, e in sorted(runs.items()))
+    return (f"mixed engines: {named}. Both ends of a disaggregated pair must run the same engine "
+            "(kvxfer serve --engine): refused before any worker sees the request")
 
 
 def judge(prefill: Sequence[tuple[str, bool]], decode: Sequence[tuple[str, bool]], on_failure: str) -> RouterHealth:

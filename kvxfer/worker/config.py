@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from kvxfer.contract import TransferMode
 from kvxfer.engine import ModelConfig
 
+ENGINES = ("reference", "transformers")
+
 ROLES = ("prefill", "decode")
 CLOCK_SKEW_S = 5.0
 """How far apart two hosts' clocks may be (hints expire by the publisher's wall clock)."""
@@ -64,6 +66,10 @@ class WorkerConfig:
     etcd_endpoints: str = ""
     etcd_namespace: str = ""       # "": KVXFER_ETCD_NAMESPACE, else "default"
     etcd_ttl_s: int = 10           # how long a killed worker's metadata outlives it
+    # What computes and holds KV (kvxfer.worker.engines): "reference" (kvxfer's LlamaModel and
+    # its pool) or "transformers" (Hugging Face transformers' continuous batching, its cache
+    # lent in place; kvxfer serve --engine transformers).
+    engine: str = "reference"
 
     @property
     def reclaim_grace_s(self) -> float:
@@ -90,9 +96,20 @@ class WorkerConfig:
             self._check_engine_kv()
         if self.store:
             self._check_store()
+        if self.engine != "reference":
+            self._check_engine()
         if self.arena_bytes is not None and (self.backend != "nixl" or self.arena_bytes < 0):
             raise ValueError(f"arena_bytes applies to the nixl backend only and is >= 0, got {self.arena_bytes} "
                              f"with {self.backend!r}")
+
+    def _check_engine(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine_kv or self.store or self.lender != "inplace":
+            raise ValueError("--engine transformers lends transformers' own cache in place: it takes no --engine-kv, "
+                             "--tp, --kv-block-tokens, --kv-layout, --store or --lender staging")
+        if self.device != "cpu":
+            raise ValueError(f"--engine transformers runs on the cpu for now, not {self.device}")
 
     def _check_store(self) -> None:
         if self.store not in ("memory", "mooncake"):

@@ -46,17 +46,26 @@ T = TypeVar("T")
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, *, model: LlamaModel | None = None,
+    def __init__(self, config: WorkerConfig, *, model: Any = None,
                  fabric: LoopbackFabric | None = None, shared_store: MemoryStore | None = None) -> None:
-        """``fabric``: the loopback backend's, for workers of one process; ``shared_store``:
-        an in-process store that ``store="memory"`` uses instead of /dev/shm (tests)."""
+        """``model``: a ``LlamaModel`` (None: made from ``config.model``), or under
+        ``config.engine == "transformers"`` the model transformers loaded. ``fabric``: the
+        loopback backend's, for workers of one process; ``shared_store``: an in-process store
+        that ``store="memory"`` uses instead of /dev/shm (tests)."""
         self.config = config
         self.role = config.role
         # Bare "cuda" means the caller's current device, pinned here: the engine thread that
         # makes the pool has a current device of its own.
         device = _pinned(torch.device(config.device))
-        model = model if model is not None else LlamaModel(config.model, device=device)
-        if _pinned(model.device) != device:
+        hf_model = None
+        self._hf: Any = None  # the transformers engine's driver (TransformersServing), if that engine serves
+        if config.engine == "transformers":  # ``model`` is transformers' own (kvxfer.worker.hf_engine)
+            if model is None:
+                raise ValueError(f"worker {config.name!r}: the transformers engine needs the model transformers loaded")
+            hf_model, model = model, None
+        elif model is None:
+            model = LlamaModel(config.model, device=device)
+        if model is not None and _pinned(model.device) != device:
             raise ValueError(f"worker {config.name!r}: model on {model.device}, pool on {config.device}")
         self.device = str(device)  # where the pool lives (announced by ``kvxfer serve``)
         self.name = config.name or f"{config.role}"
@@ -64,6 +73,11 @@ class Worker:
         self._shared_store = shared_store
         self._engine = EngineThread(self.name, device)
         self._state = WorkerState(config, model, self.name, self._engine)
+        if hf_model is not None:
+            from kvxfer.worker.hf_engine import TransformersServing  # noqa: PLC0415 - imports transformers
+
+            self._state.serving = self._hf = TransformersServing(hf_model, self._engine, num_blocks=config.num_blocks,
+                                                                 model_name=config.model_name, name=f"{self.name}-kv")
         self._prefill = PrefillRole(self._state)
         self._decode = DecodeRole(self._state)
         self._sweeper: asyncio.Task[None] | None = None
@@ -71,7 +85,7 @@ class Worker:
         self.m_requests = self._state.meters.requests  # the HTTP adapter counts its calls here
 
     @property
-    def model(self) -> LlamaModel:
+    def model(self) -> LlamaModel | None:
         return self._state.model
 
     @model.setter
@@ -95,10 +109,16 @@ class Worker:
     async def start(self) -> None:
         self._engine.loop = asyncio.get_running_loop()
         await self._run(self._build)
+        if self._hf is not None:
+            self._hf.start()
         self._sweeper = asyncio.create_task(self._sweep())
 
     def _build(self) -> None:
         cfg, s = self.config, self._state
+        if self._hf is not None:  # transformers' cache, lent in place: no pool
+            s.lender = self._hf.build().lender
+            self._make_backend(0)
+            return
         if cfg.engine_kv:
             self._build_group()
             return
@@ -152,6 +172,8 @@ class Worker:
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        if self._hf is not None:
+            await self._hf.stop()  # no step after this: the teardown retains what a peer may touch
         report = await self._run(self._teardown)
         self._engine.shutdown()
         return report
@@ -171,6 +193,8 @@ class Worker:
         if s.lender is not None:
             report = s.lender.shutdown(force=True)
             retained = sum(int(b.size) for b in report.retained_blocks.values())
+        if self._hf is not None:
+            self._hf.shutdown()
         return {"unquiesced_attempts": unquiesced, "retained_blocks": retained}
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -181,6 +205,7 @@ class Worker:
         while True:
             await asyncio.sleep(min(5.0, self.config.hold_s / 4))
             await self._run(self._state.reclaim)
+            await self._run(self._state.serving.reclaim)
             now = time.monotonic()
             await self._prefill.expire(now)
             await self._decode.expire(now)
@@ -239,6 +264,7 @@ class Worker:
     # --- health and metrics ----------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         return {"status": "ok" if not self._state.closed else "closing", "role": self.role, "name": self.name,
+                "engine": self._state.serving.name,
                 "backend": self.config.backend, "mode": self.config.mode.value,
                 "scope": self.config.model.scope().hex()[:24], "active": self._active,
                 "held": len(self._held), "reserved": len(self._reserved), "publisher": self.publisher(),

@@ -15,6 +15,7 @@ until it is proven that none can: the publisher's word, or hint D's expiry and a
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from typing import Any
 from kvxfer import wire
 from kvxfer.contract import Attempt, KvxferError, Outcome, Peer, View
 from kvxfer.engine import tokens_needed
-from kvxfer.engine.sampling import Pick, SamplingParams
+from kvxfer.engine.sampling import Pick
 from kvxfer.lender import Lease
 from kvxfer.worker.calls import GenerateCall, ReserveCall, pick_json
+from kvxfer.worker.engines import Stream
 from kvxfer.worker.errors import Aborted, Refused
 from kvxfer.worker.meters import reason_label
 from kvxfer.worker.state import WorkerState
@@ -42,33 +44,6 @@ class Reserved:
     since: float
     busy: bool = False
     expires_ms: int = 0  # when hint D expires (wall clock): after it, and a grace, no peer can write here
-
-
-@dataclass(eq=False)
-class _Stream:
-    """One /generate stream's pool request: ``name`` is the request id, or ``rid#local`` once
-    it recomputes in fresh blocks; ``owned``: it is ours to finish; ``suspect``: the delivered
-    rows proved wrong, so they are freed, not kept for prefix reuse."""
-
-    rid: str
-    prompt: list[int]
-    max_new: int
-    name: str
-    owned: bool
-    sampling: SamplingParams
-    generated: int = 0  # the prompt's last tokens that are the completion's (a recompute going on)
-    logprobs: int | None = None  # each token's logprob and this many likeliest tokens' go with it
-    suspect: bool = False
-
-    @property
-    def origin(self) -> list[int]:
-        """The request's prompt proper: what precedes the completion."""
-        return self.prompt[: len(self.prompt) - self.generated]
-
-    @property
-    def earlier(self) -> list[int]:
-        """The completion's tokens before this stream's first."""
-        return self.prompt[len(self.prompt) - self.generated:]
 
 
 class DecodeRole:
@@ -117,23 +92,19 @@ class DecodeRole:
 
     def _allocate_reserved(self, rid: str, prompt: list[int], max_new: int) -> int:
         s = self._s
-        assert s.pool is not None
         need = tokens_needed(len(prompt), max_new)
         if need > s.config.model.max_positions:
             raise Refused(f"prompt plus completion is {need} tokens, over max_positions "
                              f"{s.config.model.max_positions}")
-        # Share cached full blocks of the prompt except its last token: at least one row
-        # always moves, so every request has a transfer whose outcome says it is complete.
-        ids = prompt[:-1] if s.config.prefix_cache else None
-        return s.pool.allocate(rid, need, token_ids=ids)
+        return s.serving.reserve(rid, prompt, max_new)
 
     def _lend_reserved(self, rid: str, n: int, publisher: Peer) -> tuple[bytes, Lease, View, int]:
         s = self._s
-        lender, backend = s.lender, s.backend
-        assert lender is not None and backend is not None
+        backend = s.backend
+        assert backend is not None
         lease = None
         try:
-            lease = lender.lend_write(rid, (0, n))
+            lease = s.serving.lend_write(rid, n)
             view = lease.view()
             if view is None:
                 raise Refused("no staging slots free for this reservation now; retry later")
@@ -188,13 +159,14 @@ class DecodeRole:
         s = self._s
         s.need("decode")
         rid, policy, rows_safe = call.request, call.on_failure, call.rows_safe
+        s.serving.check(call.sampling, call.logprobs)  # what this engine cannot serve, before anything starts
         timeout = call.timeout_s if call.timeout_s is not None else s.config.transfer_timeout_s
         reserved = self.reserved.get(rid)
         if reserved is not None:
             if reserved.busy:
                 raise Refused(f"request {rid!r} is already generating")
             reserved.busy = True  # only once the call is known to be well formed
-            stream = _Stream(rid, reserved.prompt, reserved.max_new, name=rid, owned=True, sampling=call.sampling,
+            stream = Stream(rid, reserved.prompt, reserved.max_new, name=rid, owned=True, sampling=call.sampling,
                              logprobs=call.logprobs)
             return self._decode_events(stream, reserved, call.prefill_hint, call.first_token, policy, timeout,
                                        rows_safe)
@@ -208,18 +180,17 @@ class DecodeRole:
         if need > s.config.model.max_positions:
             raise Refused(f"prompt plus completion is {need} tokens, over max_positions "
                           f"{s.config.model.max_positions}")
-        assert s.pool is not None
-        if rid in s.calls.starting or s.pool.has(rid):
+        if rid in s.calls.starting or s.serving.has(rid):
             raise Refused(f"request {rid!r} is already in use here")
-        stream = _Stream(rid, prompt, max_new, name=rid, owned=False, sampling=call.sampling,
+        stream = Stream(rid, prompt, max_new, name=rid, owned=False, sampling=call.sampling,
                          generated=call.generated, logprobs=call.logprobs)
         return self._decode_events(stream, None, None, None, policy, timeout, True)
 
-    async def _decode_events(self, stream: _Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
+    async def _decode_events(self, stream: Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
                              policy: str, timeout: float, rows_safe: bool) -> AsyncGenerator[dict[str, Any], None]:
         s = self._s
         s.calls.streams += 1
-        rid, prompt, max_new = stream.rid, stream.prompt, stream.max_new
+        rid, prompt = stream.rid, stream.prompt
         n = len(prompt)
         own = reserved  # the reservation this stream took over; others under this id are not ours
         if reserved is None:
@@ -245,18 +216,16 @@ class DecodeRole:
                     return
                 first = local.token
                 yield {"event": "token", "index": 0, **pick_json(local)}
-            token = first
-            origin, generated = stream.origin, [*stream.earlier, first]
-            for index in range(1, max_new):
-                start = time.perf_counter()
-                pick = await s.engine.run(s.model.next_pick, s.pool, stream.name, [token], n + index - 1,
-                                          stream.sampling, origin, generated, stream.logprobs)
-                token = pick.token
-                generated.append(token)
-                s.meters.step.observe(time.perf_counter() - start)
-                s.meters.tokens.inc()
-                yield {"event": "token", "index": index, **pick_json(pick)}
-            yield {"event": "done", "final": True, "tokens": max_new}
+            index, start = 0, time.perf_counter()
+            async with contextlib.aclosing(s.serving.tokens(stream, first)) as picks:
+                async for pick in picks:
+                    index += 1
+                    s.meters.step.observe(time.perf_counter() - start)
+                    s.meters.tokens.inc()
+                    yield {"event": "token", "index": index, **pick_json(pick)}
+                    start = time.perf_counter()
+            # Fewer than max_new where the engine ends a request at its end-of-sequence token.
+            yield {"event": "done", "final": True, "tokens": index + 1}
         finally:
             try:
                 if own is None:
@@ -268,7 +237,7 @@ class DecodeRole:
             finally:
                 s.calls.streams -= 1  # last: "no active stream" means its clean-up is done
 
-    async def _take_rows(self, stream: _Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
+    async def _take_rows(self, stream: Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
                          policy: str, timeout: float, rows_safe: bool) -> tuple[dict[str, Any] | None, int | None]:
         """Make the stream's pool request hold the prompt's rows: fetched into its reservation,
         or, without a usable one, fresh blocks under ``rid#local`` to recompute into. Returns
@@ -302,12 +271,11 @@ class DecodeRole:
             stream.owned = True
         return transfer, first
 
-    async def _recompute(self, stream: _Stream, position: int) -> Pick:
+    async def _recompute(self, stream: Stream, position: int) -> Pick:
         """Run the prompt from ``position`` on: the first token, as this worker computes it."""
         s = self._s
         start = time.perf_counter()
-        local = await s.engine.run(s.model.next_pick, s.pool, stream.name, stream.prompt[position:], position,
-                                   stream.sampling, stream.origin, stream.earlier, stream.logprobs)
+        local = await s.serving.first(stream, position)
         s.meters.prefill.observe(time.perf_counter() - start)
         s.meters.recomputed.inc(len(stream.prompt) - position)
         s.meters.tokens.inc()
@@ -357,24 +325,10 @@ class DecodeRole:
         reserved.lease.release()
 
     def _allocate_local(self, name: str, prompt: list[int], max_new: int) -> None:
-        s = self._s
-        assert s.pool is not None
-        s.pool.allocate(name, tokens_needed(len(prompt), max_new),
-                        token_ids=prompt[:-1] if s.config.prefix_cache else None)
+        self._s.serving.allocate_local(name, prompt, max_new)
 
     def _usable(self, name: str, n: int) -> int:
-        lender = self._s.lender
-        assert lender is not None
-        bounds = lender.readiness(name)
-        return min(bounds.usable_until, n) if bounds is not None else 0
+        return self._s.serving.usable(name, n)
 
     def _finish(self, name: str, prompt: list[int], shareable: bool = True) -> None:
-        """Free the request; with the prefix cache on and ``shareable``, its full prompt
-        blocks stay named for later requests with that prefix."""
-        s = self._s
-        assert s.pool is not None
-        if not s.pool.has(name):
-            return
-        if shareable and s.config.prefix_cache and self._usable(name, len(prompt)) >= len(prompt):
-            s.pool.commit(name, len(prompt), token_ids=prompt)  # full prompt blocks become shareable
-        s.pool.free(name)
+        self._s.serving.finish(name, prompt, shareable)

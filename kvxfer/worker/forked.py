@@ -32,11 +32,19 @@ from typing import IO, Any
 # What a served process imports on its way to ready: loaded once in the fork server.
 PRELOAD = ("torch", "aiohttp", "kvxfer.cli", "kvxfer.worker.serve", "kvxfer.worker.app", "kvxfer.router.serve",
            "kvxfer.router", "kvxfer.bench", "kvxfer.engine")
+_extra: list[str] = []
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` in the fork server too (before its first child; later calls change
+    nothing): ``kvxfer pair --engine transformers`` adds the transformers engine, whose import
+    is several CPU seconds that each worker would spend again."""
+    _extra.extend(m for m in modules if m not in _extra)
 
 
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: at the first child
+    ctx.set_forkserver_preload([*PRELOAD, *_extra])  # read when the server starts: at the first child
     return ctx
 
 

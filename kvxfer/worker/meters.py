@@ -28,6 +28,8 @@ def reason_label(outcome: Outcome | None, reason: str = "") -> str:
 
 
 def outcome_bytes(view: View, outcome: Outcome) -> int:
+    if view.geometry is not None:  # an engine's own KV: a row is a block of every layer's K and V (its heads)
+        return int(outcome.masks[0].sum()) * view.geometry.block_bytes
     return sum(int(m.sum()) * g.region.slot_bytes for g, m in zip(view.groups, outcome.masks))
 
 

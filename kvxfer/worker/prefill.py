@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.contract import Attempt, InvalidSubmission, SubmissionRejected, View
-from kvxfer.engine.sampling import Pick, SamplingParams
 from kvxfer.lender import Lease
 from kvxfer.worker.calls import PrefillCall, PublishCall, pick_json
 from kvxfer.worker.errors import Aborted, Refused
@@ -48,7 +47,7 @@ class PrefillRole:
         start = time.perf_counter()
         s.calls.starting[rid] = "prefill"
         try:
-            first = await s.engine.run(self._prefill_sync, rid, prompt, call.sampling, call.logprobs)
+            first = await s.serving.prefill(rid, prompt, call.sampling, call.logprobs)
         finally:
             aborted = s.calls.end_start(rid)
         if aborted:
@@ -68,16 +67,6 @@ class PrefillRole:
         self.held[rid] = Held(prompt, first.token, time.monotonic())
         return {"request": rid, **pick_json(first), "compute_s": seconds, "prompt_tokens": len(prompt),
                 "publisher": s.publisher()}
-
-    def _prefill_sync(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick:
-        pool = self._s.pool
-        assert pool is not None
-        pool.allocate(rid, len(prompt))
-        try:
-            return self._s.model.next_pick(pool, rid, prompt, 0, sampling, prompt, (), logprobs)
-        except BaseException:
-            pool.free(rid)
-            raise
 
     async def publish(self, call: PublishCall) -> AsyncGenerator[dict[str, Any], None]:
         s = self._s
@@ -100,9 +89,9 @@ class PrefillRole:
 
     def _publish_sync(self, rid: str, n: int, decode_hint: Any, wake: Callable[[], None]
                       ) -> tuple[Lease, View, bytes, Attempt, float]:
-        lender, backend, mover = self._s.lender, self._s.backend, self._s.mover
-        assert lender is not None and backend is not None
-        lease = lender.lend_read(rid, (0, n))
+        backend, mover = self._s.backend, self._s.mover
+        assert backend is not None
+        lease = self._s.serving.lend_read(rid, n)
         try:
             view = lease.view()
             if view is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -24,10 +25,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvxfer.adapters.errors import AdapterError
 from kvxfer.backends.blob import ShmDriver, StoreError
 from kvxfer.contract import TransferMode, one_line
 from kvxfer.engine import MODELS, TOY, CheckpointError, ModelConfig, model_shape
 from kvxfer.etcd import EtcdUnavailable
+from kvxfer.modelfiles import model_path
 from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.command import CommandParser
@@ -47,7 +50,7 @@ from kvxfer.serving.keys import add_key_args, keys_from_args, open_door_warning
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 from kvxfer.ucx_env import net_devices_problem
 from kvxfer.worker.backends import BACKENDS
-from kvxfer.worker.config import WorkerConfig
+from kvxfer.worker.config import ENGINES, WorkerConfig
 from kvxfer.worker.procs import port_open
 
 if TYPE_CHECKING:
@@ -206,13 +209,13 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     from kvxfer.worker.app import make_handler
     from kvxfer.worker.core import Worker
 
-    model = model_from_args(args)
-    config = WorkerConfig(role=args.role, model=model.config, num_blocks=args.blocks, backend=args.backend,
+    model, model_config, device = _engine_model(args)
+    config = WorkerConfig(role=args.role, model=model_config, num_blocks=args.blocks, backend=args.backend,
                           mode=TransferMode(args.mode), lender=args.lender, **timing_fields(args),
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None,
                           chunk_pause_s=args.nixl_chunk_pause,
-                          device=str(model.device), busy_poll=args.busy_poll,
+                          device=device, busy_poll=args.busy_poll, engine=args.engine,
                           arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20,
                           **engine_kv_fields(args), **store_fields(args), **etcd_fields(args))
     worker = Worker(config, model=model)
@@ -265,6 +268,25 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     return 0
 
 
+def _engine_model(args: argparse.Namespace) -> tuple[Any, ModelConfig, str]:
+    """The model the worker's engine runs, its shape (what /health and the bodies' checks
+    say: vocabulary, positions) and where it lives. ``--engine transformers``: the GGUF loaded
+    by transformers itself (kvxfer.worker.hf_engine), on the cpu."""
+    if args.engine != "transformers":
+        model = model_from_args(args)
+        return model, model.config, str(model.device)
+    shape = model_shape(args.model, dtype=args.dtype, block_tokens=args.block_tokens)
+    path = model_path(args.model)
+    assert shape is not None and path is not None  # check_engine_args refused the toy model
+    try:
+        from kvxfer.worker.hf_engine import load_model  # noqa: PLC0415 - imports transformers
+
+        return load_model(path), shape, "cpu"
+    except AdapterError as exc:  # another transformers than the adapter's pinned one, a cache it cannot lend
+        print(f"{getattr(args, 'model_prog', 'kvxfer')}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def worker_record(worker: Worker, url: str) -> WorkerRecord:
     """What etcd lists of this worker (kvxfer.serving.discovery)."""
     c = worker.config
@@ -308,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="kvxfer serve", description="Run a prefill or decode worker.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--engine", default="reference", choices=list(ENGINES),
+                   help="what computes and holds KV: reference (kvxfer's own engine and pool) or transformers "
+                        "(Hugging Face transformers' continuous batching, its cache lent in place; needs pip install "
+                        "'kvxfer[transformers]', a GGUF --model such as smollm2, the cpu, greedy requests). Both "
+                        "ends of a pair must run the same engine: a router refuses a mixed pair by name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = ephemeral (announced on stdout)")
     p.add_argument("--port-file", default="", help="also write the ready line here (atomically)")
@@ -390,6 +417,28 @@ def check_engine_kv(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                      **engine_kv_fields(args), **store_fields(args))
     except ValueError as exc:
         parser.error(str(exc))
+    check_engine_args(parser, args)
+
+
+def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--engine transformers``: what it cannot serve, named before anything loads."""
+    if args.engine != "transformers":
+        return
+    if args.model == TOY or args.checkpoint:
+        parser.error("--engine transformers loads a GGUF with transformers itself: give --model smollm2 or a .gguf "
+                     "path (not the toy model or --checkpoint)")
+    if getattr(args, "engine_kv", False) or getattr(args, "tp", 1) != 1 or getattr(args, "kv_block_tokens", 0) \
+            or getattr(args, "kv_layout", "block_major") != "block_major":
+        parser.error("--engine transformers lends transformers' own cache in place: no --engine-kv, --tp, "
+                     "--kv-block-tokens or --kv-layout")
+    if args.store:
+        parser.error("--engine transformers does not use a KV store (--store)")
+    if args.lender != "inplace":
+        parser.error("--engine transformers lends its cache in place: --lender staging moves pool rows only")
+    if args.device not in ("auto", "cpu"):
+        parser.error(f"--engine transformers runs on the cpu for now, not --device {args.device}")
+    if importlib.util.find_spec("transformers") is None:
+        parser.error("--engine transformers needs transformers (pip install 'kvxfer[transformers]')")
 
 
 def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from kvxfer.lender import Lease, Lender
 from kvxfer.pool import PagedKVPool
 from kvxfer.worker.config import WorkerConfig
 from kvxfer.worker.engine_thread import EngineThread
+from kvxfer.worker.engines import ReferenceEngine, ServingEngine
 from kvxfer.worker.errors import Refused
 from kvxfer.worker.inflight import InFlight
 from kvxfer.worker.meters import Meters
@@ -20,10 +21,10 @@ from kvxfer.worker.store import StoreSide
 
 
 class WorkerState:
-    def __init__(self, config: WorkerConfig, model: LlamaModel, name: str, engine: EngineThread) -> None:
+    def __init__(self, config: WorkerConfig, model: LlamaModel | None, name: str, engine: EngineThread) -> None:
         self.config = config
         self.role = config.role
-        self.model = model
+        self.model = model  # the reference engine's (None where another engine serves)
         self.name = name
         self.engine = engine
         self.meters = Meters(config.model_name)
@@ -36,6 +37,9 @@ class WorkerState:
         self.backend: Backend | None = None
         self.mover: Mover = PoolMover()
         self.store: StoreSide | None = None  # --store: prefill puts, decode looks up (kvxfer.worker.store)
+        # What computes and holds KV (kvxfer.worker.engines): the reference engine over the
+        # pool, or one the worker puts here (kvxfer serve --engine transformers).
+        self.serving: ServingEngine = ReferenceEngine(self)
         self.closed = False
 
     def need(self, role: str) -> None:
@@ -56,9 +60,7 @@ class WorkerState:
 
     # --- engine thread -------------------------------------------------------------------------
     def free(self, rid: str) -> None:
-        assert self.pool is not None
-        if self.pool.has(rid):
-            self.pool.free(rid)
+        self.serving.free(rid)
 
     def release_and_free(self, lease: Lease, rid: str) -> None:
         lease.release()  # memory stays pinned until the tracked attempt is quiesced

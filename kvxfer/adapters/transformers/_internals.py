@@ -80,20 +80,26 @@ from transformers.generation.continuous_batching.requests import RequestState, R
 def _gguf_parsed_once() -> Iterator[None]:
     """transformers 5.24 parses a GGUF three times (config, weights, tokenizer) and rebuilds gguf's
     tensor-name map for each tensor; both are pure functions of their arguments, so memoizing them
-    while one load runs gives the same objects in a third of the time."""
+    while one load runs gives the same objects in a third of the time. Its conversion's progress
+    bar is off meanwhile."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.tqdm
     gguf.GGUFReader = functools.lru_cache(maxsize=None)(gguf.GGUFReader)  # type: ignore[misc, assignment]
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)  # type: ignore[assignment]
+    gguf_utils.tqdm = lambda items, **_: items  # its progress bar (tqdm.auto) would fill a worker's log
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = saved  # type: ignore[misc]
+        gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.tqdm = saved  # type: ignore[misc]
 
 
 def load_gguf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
     """A causal LM loaded by transformers itself from a GGUF file (``gguf_file=``), eval mode."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights": a worker's log is for what goes wrong
     with _gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval()
@@ -305,6 +311,11 @@ class Batch:
         if state is not None:
             state.status = RequestStatus.FINISHED
         self.scheduler.finish_request(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """End a request queued or running in the batch, without a result: the next step takes
+        it out and its blocks go back (transformers' own cancellation)."""
+        self.scheduler.set_request_cancellation(request_id)
 
     def reserve(self, request_id: str, prompt: Sequence[int]) -> tuple[list[int], int] | None:
         """Blocks for ``prompt`` outside the scheduler: (block table, tokens of the prompt already

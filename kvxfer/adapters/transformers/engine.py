@@ -149,7 +149,9 @@ class TransformersEngine:
     # --- colocated -------------------------------------------------------------------------------
     def generate(self, request: str, prompt: Sequence[int], max_new_tokens: int) -> None:
         """A whole request in this batch (prefill and decode), as transformers serves it."""
+        self._check_new(request)
         self.batch.submit(request, [int(t) for t in prompt], max_new_tokens, self.eos)
+        self._adopted.add(request)  # running in the batch until results() gives it
 
     # --- prefill ---------------------------------------------------------------------------------
     def prefill(self, request: str, prompt: Sequence[int]) -> None:
@@ -218,7 +220,7 @@ class TransformersEngine:
             raise AdapterError(f"request {request!r}: an attempt on its blocks has not quiesced; adopt it once it has")
         position = len(reservation.prompt) if lease is None else lease.usable_until
         del self._reserved[request]
-        if first == self.eos or max_new_tokens <= 1:
+        if position == len(reservation.prompt) and (first == self.eos or max_new_tokens <= 1):
             self.batch.end(request, [int(first)])
             return position
         self.batch.adopt(request, reservation.prompt, int(first), max_new_tokens, self.eos, position)
@@ -234,10 +236,38 @@ class TransformersEngine:
         self._dropped[request] = reservation.blocks
         self._give_back()
 
+    # --- what the engine holds --------------------------------------------------------------------
+    def known(self, request: str) -> bool:
+        """Whether ``request`` holds anything here: queued, prefilling, prefilled, reserved,
+        adopted, or blocks waiting to go back."""
+        return (request in self._prefilling or request in self.prefilled or request in self._reserved
+                or request in self._adopted or request in self._unpin or request in self._dropped)
+
+    def prefilling(self, request: str) -> bool:
+        return request in self._prefilling
+
+    def running(self, request: str) -> bool:
+        """Adopted or colocated, and not ended yet (``results()`` has not given it)."""
+        return request in self._adopted
+
+    def reservation(self, request: str) -> Reservation | None:
+        return self._reserved.get(request)
+
+    def cancel(self, request: str) -> None:
+        """End an adopted or colocated request before its end (its client left): transformers
+        takes it out at the next step and frees its blocks (no attempt touches them: adoption
+        waited for quiescence)."""
+        self._adopted.discard(request)
+        self.batch.cancel(request)
+
+    def reclaim(self) -> None:
+        """Give back to transformers the blocks of finished prefills and dropped reservations
+        that no lease or attempt may touch any more (``step`` does it too)."""
+        self._give_back()
+
     # --- internals -------------------------------------------------------------------------------
     def _check_new(self, request: str) -> None:
-        if (request in self._prefilling or request in self.prefilled or request in self._reserved
-                or request in self._adopted or request in self._unpin or request in self._dropped):
+        if self.known(request):
             raise AdapterError(f"request {request!r} is already known to this engine")
 
     def _give_back(self) -> None:

@@ -1,0 +1,118 @@
+"""What ``kvxfer pair`` checks its completions against, per engine (``--engine``).
+
+- reference: kvxfer's ``LlamaModel`` in this process, colocated generation (one pool), sampled
+  as each request is;
+- transformers: transformers' own colocated continuous batching (``generate_batch``) on the
+  same weights (the GGUF loaded by transformers itself), greedy, every prompt in one batch.
+  Its prompts are the text prompts joined one to four at a time: mixed lengths that cross
+  block boundaries (16 tokens a block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+from kvxfer.engine import TEXT_PROMPTS, ModelConfig, SamplingParams, model_shape
+from kvxfer.modelfiles import load_tokenizer, model_path
+from kvxfer.pair_layouts import engine_kv_wanted
+from kvxfer.progress import Count, Line
+
+ENGINES = ("reference", "transformers")
+
+
+def add_engine_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="reference", choices=list(ENGINES),
+                   help="what the workers run: reference (kvxfer's own engine; the oracle is colocated generation "
+                        "here) or transformers (Hugging Face transformers' continuous batching, its cache lent in "
+                        "place; a GGUF --model such as smollm2, the cpu, greedy, nixl; the oracle is transformers' "
+                        "own generate_batch on the same weights)")
+
+
+def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--engine transformers``: what it cannot run yet, named before anything starts."""
+    if args.engine != "transformers":
+        return
+    if args.model == "toy" or args.checkpoint:
+        parser.error("--engine transformers loads a GGUF with transformers itself: give --model smollm2 or a .gguf "
+                     "path (not the toy model or --checkpoint)")
+    if engine_kv_wanted(args) or args.store or args.lender != "inplace":
+        parser.error("--engine transformers lends transformers' own cache in place: no engine-KV flags, --store or "
+                     "--lender staging")
+    if args.device not in ("auto", "cpu"):
+        parser.error(f"--engine transformers runs on the cpu for now, not --device {args.device}")
+    if importlib.util.find_spec("transformers") is None:
+        parser.error("--engine transformers needs transformers (pip install 'kvxfer[transformers]')")
+    if not args.sampling.plain:
+        parser.error("--engine transformers serves greedy requests only for now: drop the sampling flags")
+    if args.backend != "nixl":
+        parser.error(f"--engine transformers moves KV over nixl for now, not --backend {args.backend}")
+    if args.prefill_device or args.decode_device:
+        parser.error("--engine transformers runs on the cpu: no --prefill-device or --decode-device")
+
+
+class ReferenceOracle:
+    """kvxfer's own model, colocated."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.shape: ModelConfig = model.config
+        self.device = str(model.device)
+        self.tokenizer = model.tokenizer
+
+    def prompts(self, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+        from kvxfer.engine import workload_prompts
+
+        return workload_prompts(self.model, count, min_len, max_len, seed)
+
+    def expected(self, prompts: list[list[int]], max_new: int, line: Line, workers: int,
+                 sampling: Sequence[SamplingParams]) -> list[list[int]]:
+        """Colocated generation of every prompt (sampled as its request is): what each
+        completion must equal, token for token."""
+        from kvxfer.engine import colocated_generate
+
+        count = Count(line, "computing reference outputs", len(prompts),
+                      detail=f"colocated generation, while {workers} workers start")
+        expected = []
+        for prompt, params in zip(prompts, sampling):
+            expected.append(colocated_generate(self.model, prompt, max_new, sampling=params))
+            count.advance()
+        return expected
+
+
+class TransformersOracle:
+    """transformers' own colocated continuous batching on the GGUF ``--model`` names."""
+
+    def __init__(self, args: argparse.Namespace, blocks: int) -> None:
+        path = model_path(args.model)
+        shape = model_shape(args.model, dtype=args.dtype, block_tokens=args.block_tokens)
+        assert path is not None and shape is not None  # the workers' checks refused the toy model
+        self.path = path  # loaded in ``expected``, while the workers start
+        self.shape = shape
+        self.device = "cpu"
+        self.tokenizer = load_tokenizer(args.model)
+        self.blocks = blocks
+
+    def prompts(self, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+        """``count`` text prompts of mixed lengths: one to four of TEXT_PROMPTS joined."""
+        assert self.tokenizer is not None
+        texts = list(TEXT_PROMPTS)
+        out = []
+        for i in range(count):
+            parts = 1 + (i * 3) % 4
+            out.append(list(self.tokenizer.encode(" ".join(texts[(i + j) % len(texts)] for j in range(parts)))))
+        return out
+
+    def expected(self, prompts: list[list[int]], max_new: int, line: Line, workers: int,
+                 sampling: Sequence[SamplingParams]) -> list[list[int]]:
+        """``generate_batch`` greedy over every prompt at once: it ends a completion at the
+        model's end-of-sequence token, as the workers' batches do."""
+        from kvxfer.adapters.transformers import _internals as hf
+        from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE, load_model
+
+        line.say(f"computing reference outputs: transformers' generate_batch over {len(prompts)} prompts, while "
+                 f"{workers} workers start")
+        model = load_model(self.path)
+        return hf.colocated(model, prompts, max_new, hf.batching_config(PAGE_SIZE, self.blocks, MAX_BATCH_TOKENS))

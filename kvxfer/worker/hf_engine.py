@@ -1,0 +1,299 @@
+"""``kvxfer serve --engine transformers``: Hugging Face transformers' continuous batching as a
+worker's ``ServingEngine`` (``kvxfer.worker.engines``), its cache lent in place.
+
+Imported only when that engine is asked for (it imports transformers, through the adapter
+``kvxfer.adapters.transformers``). A driver task steps the batch on the worker's engine
+thread while it has work, one step per job, so that the transport's jobs (lend, describe,
+publish, fetch) run between two steps; after each step it hands out what the step made:
+prefills' first tokens, and each decoding request's new tokens. Concurrent requests share
+every step, as transformers batches them.
+
+Greedy only for now: sampling parameters and logprobs are refused by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvxfer.adapters.transformers import TransformersEngine, checkpoint_scope
+from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.engine.sampling import Pick, SamplingParams
+from kvxfer.modelfiles import model_path
+from kvxfer.pool import PoolExhausted
+from kvxfer.worker.engine_thread import EngineThread
+from kvxfer.worker.engines import Stream, greedy_only
+from kvxfer.worker.errors import Refused
+
+log = logging.getLogger(__name__)
+PAGE_SIZE = 16
+MAX_BATCH_TOKENS = 256
+
+
+def load_model(path: Path) -> Any:
+    """The model transformers loads from the GGUF at ``path`` (float32, eval mode)."""
+    return hf.load_gguf_model(path)
+
+
+@dataclass(eq=False)
+class _Watch:
+    """A request decoding in the batch: its tokens as steps make them."""
+
+    queue: asyncio.Queue[list[int] | None | BaseException] = field(default_factory=asyncio.Queue)
+    seen: int = 0      # tokens the driver handed out so far (engine side)
+    ended: bool = False
+    pending: list[int] = field(default_factory=list)  # handed out, not taken yet (stream side)
+
+
+class TransformersServing:
+    """The transformers engine behind the worker's seam. ``thread``: the worker's engine thread."""
+
+    def __init__(self, model: Any, thread: EngineThread, *, num_blocks: int, model_name: str, name: str) -> None:
+        """``model_name``: what ``--model`` named; a GGUF's digest scopes the KV (a peer with
+        other weights is refused by the transport)."""
+        self.name = hf.ENGINE
+        self._model = model
+        self._thread = thread
+        self._num_blocks = num_blocks
+        gguf = model_path(model_name)
+        self._scope = checkpoint_scope(gguf) if gguf is not None else model_name.encode()
+        self._kv_name = name
+        self.engine: TransformersEngine | None = None
+        self._prefills: dict[str, asyncio.Future[int]] = {}
+        self._doomed: set[str] = set()            # prefilled while nobody waits any more: freed at once
+        self._announced: set[str] = set()         # prefilled, first token handed out (engine thread)
+        self._watch: dict[str, _Watch] = {}
+        self._local: set[str] = set()              # allocate_local names not submitted yet
+        self._work = asyncio.Event()
+        self._driver: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    # --- lifecycle (the worker's) ------------------------------------------------------------
+    def build(self) -> TransformersEngine:
+        """On the engine thread: the batch and its cache (lent in place, no pool)."""
+        self.engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
+                                         max_batch_tokens=MAX_BATCH_TOKENS, scope=self._scope, name=self._kv_name)
+        return self.engine
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._driver = asyncio.create_task(self._drive())
+
+    async def stop(self) -> None:
+        self._closed = True
+        self._work.set()
+        if self._driver is not None:
+            self._driver.cancel()
+            await asyncio.gather(self._driver, return_exceptions=True)
+        for fut in self._prefills.values():
+            if not fut.done():
+                fut.set_exception(Refused("worker is shutting down"))
+        for watch in self._watch.values():
+            watch.queue.put_nowait(Refused("worker is shutting down"))
+
+    def shutdown(self) -> None:
+        """On the engine thread, after the lender's forced shutdown: the model's attention back."""
+        if self.engine is not None:
+            self.engine.batch.close()
+
+    # --- the driver ------------------------------------------------------------------------------
+    async def _drive(self) -> None:
+        while not self._closed:
+            await self._work.wait()
+            self._work.clear()
+            while not self._closed:
+                try:
+                    ran, idle, firsts, tokens = await self._thread.run(self._step)
+                except Exception as exc:  # a step failed: every waiter hears it, the worker serves on
+                    log.exception("transformers step failed")
+                    self._fail_all(exc)
+                    break
+                self._deliver(firsts, tokens)
+                if idle:
+                    break
+                if not ran:  # work the batch cannot schedule yet (no room): not a busy loop
+                    await asyncio.sleep(0.01)
+
+    def _step(self) -> tuple[bool, bool, dict[str, int], dict[str, tuple[list[int], bool]]]:
+        """Engine thread: one step; the first tokens of prefills that came, and each watched
+        request's tokens so far (True: it ended)."""
+        engine = self.engine
+        assert engine is not None
+        ran = engine.step()
+        firsts = {}
+        for rid in list(engine.prefilled):
+            if rid in self._doomed:
+                self._doomed.discard(rid)
+                engine.finish_prefill(rid)
+            elif rid not in self._announced:
+                self._announced.add(rid)
+                firsts[rid] = engine.prefilled[rid].first
+        ended = engine.results()
+        tokens = {}
+        for name in list(self._watch):  # a snapshot: the asyncio side adds and removes watches
+            tokens[name] = (ended[name], True) if name in ended else (engine.batch.generated(name), False)
+        return ran, engine.idle(), firsts, tokens
+
+    def _deliver(self, firsts: dict[str, int], tokens: dict[str, tuple[list[int], bool]]) -> None:
+        for rid, first in firsts.items():
+            fut = self._prefills.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(first)
+        for name, (got, ended) in tokens.items():
+            watch = self._watch.get(name)
+            if watch is None or watch.ended:
+                continue
+            if len(got) > watch.seen:
+                watch.queue.put_nowait(got[watch.seen:])
+                watch.seen = len(got)
+            if ended:
+                watch.ended = True
+                watch.queue.put_nowait(None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for fut in self._prefills.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._prefills.clear()
+        for watch in self._watch.values():
+            if not watch.ended:
+                watch.ended = True
+                watch.queue.put_nowait(exc)
+
+    def _kick(self) -> None:
+        self._work.set()
+
+    def _kick_from_engine_thread(self) -> None:
+        """A step must run (a cancellation takes effect at the next one) though nothing is queued."""
+        if self._loop is not None and not self._closed:
+            try:
+                self._loop.call_soon_threadsafe(self._work.set)
+            except RuntimeError:  # the loop closed: the worker is gone
+                pass
+
+    # --- the seam: prefill end --------------------------------------------------------------------
+    def check(self, sampling: SamplingParams, logprobs: int | None) -> None:
+        greedy_only(self.name, sampling, logprobs)
+
+    async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick:
+        self.check(sampling, logprobs)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._prefills[rid] = fut
+        try:
+            await self._thread.run(self._engine().prefill, rid, prompt)
+            self._kick()
+            return Pick(await fut)
+        except BaseException:
+            # Cancelled (its caller left) or failed: nobody will publish it, its blocks go back.
+            if self._prefills.pop(rid, None) is not None:
+                await self._thread.cleanup(self.free, rid)
+            raise
+
+    def lend_read(self, rid: str, n: int) -> Any:
+        return self._engine().lend_prefill(rid)
+
+    def free(self, rid: str) -> None:
+        """Whatever ``rid`` holds goes back once nothing may touch it: a prefill's pinned
+        blocks, a reservation, a request decoding in the batch (ended there)."""
+        engine = self._engine()
+        self._announced.discard(rid)
+        if rid in engine.prefilled:
+            engine.finish_prefill(rid)
+        elif engine.prefilling(rid):
+            self._doomed.add(rid)
+        elif engine.reservation(rid) is not None:
+            engine.drop(rid)
+        elif engine.running(rid):
+            engine.cancel(rid)
+            self._kick_from_engine_thread()
+        self._local.discard(rid)
+
+    def has(self, rid: str) -> bool:
+        return self._engine().known(rid) or rid in self._local
+
+    # --- the seam: decode end -------------------------------------------------------------------
+    def reserve(self, rid: str, prompt: list[int], max_new: int) -> int:
+        reservation = self._engine().reserve(rid, prompt)
+        if reservation is None:
+            raise PoolExhausted(f"the transformers cache has no room for request {rid!r} ({len(prompt)} prompt tokens) "
+                                "now")
+        if reservation.lease is None:  # transformers shares whole blocks before the last token: never
+            self._engine().drop(rid)
+            raise Refused(f"request {rid!r}: the whole prompt is held here; nothing to fetch")
+        return reservation.held
+
+    def lend_write(self, rid: str, n: int) -> Any:
+        reservation = self._engine().reservation(rid)
+        if reservation is None or reservation.lease is None:
+            raise Refused(f"request {rid!r} has no reservation here")
+        return reservation.lease
+
+    def usable(self, name: str, n: int) -> int:
+        reservation = self._engine().reservation(name)
+        if reservation is None:
+            return 0
+        return n if reservation.lease is None else min(reservation.lease.usable_until, n)
+
+    def allocate_local(self, name: str, prompt: list[int], max_new: int) -> None:
+        self._local.add(name)
+
+    async def first(self, stream: Stream, position: int) -> Pick:
+        """The first token computed here: the reservation adopted at ``position`` (the rest of
+        the prompt prefilled again), or the whole request run here."""
+        self.check(stream.sampling, stream.logprobs)
+        watch = self._watch[stream.name] = _Watch()
+        if stream.name in self._local:
+            self._local.discard(stream.name)
+            await self._thread.run(self._engine().generate, stream.name, stream.prompt, stream.max_new)
+        else:
+            await self._thread.run(self._engine().adopt, stream.name, 0, stream.max_new)
+        self._kick()
+        token = await self._take(watch)
+        if token is None:
+            raise Refused(f"request {stream.name!r} ended without a token")
+        return Pick(token)
+
+    async def tokens(self, stream: Stream, first: int) -> AsyncGenerator[Pick, None]:
+        """The completion after ``first``: the request adopted with it as its next input
+        (unless ``first`` ran it here), then its tokens as the batch's steps make them; fewer
+        than asked when the model's end-of-sequence token ends it."""
+        watch = self._watch.get(stream.name)
+        if watch is None:
+            self.check(stream.sampling, stream.logprobs)
+            watch = self._watch[stream.name] = _Watch(seen=1)  # the batch's first token is ``first``
+            await self._thread.run(self._engine().adopt, stream.name, first, stream.max_new)
+            self._kick()
+        while (token := await self._take(watch)) is not None:
+            yield Pick(token)
+
+    async def _take(self, watch: _Watch) -> int | None:
+        """The request's next token, None once it ended."""
+        while not watch.pending:
+            item = await watch.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return None
+            watch.pending.extend(item)
+        return watch.pending.pop(0)
+
+    def finish(self, name: str, prompt: list[int], shareable: bool = True) -> None:
+        """The stream ended: a request still in the batch (the client left) ends there; a
+        reservation never adopted is dropped once quiet."""
+        self._watch.pop(name, None)
+        self.free(name)
+
+    def reclaim(self) -> None:
+        """Blocks whose attempts quiesced go back to transformers (between steps too)."""
+        if self.engine is not None:
+            self.engine.reclaim()
+
+    def _engine(self) -> TransformersEngine:
+        if self.engine is None:
+            raise Refused("the transformers engine is not built yet")
+        return self.engine

@@ -1,0 +1,62 @@
+"""`kvxfer pair --engine transformers --model smollm2` end to end: two `kvxfer serve --engine
+transformers` workers (SmolLM2 loaded by transformers itself from the GGUF), the router, NIXL:
+every completion token-identical to transformers' own colocated `generate_batch`, every
+process gone after; and `kvxfer serve` without the flag never imports transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvxfer import pair
+from kvxfer.testing.processes import assert_nothing_left
+from kvxfer.worker import serve
+
+
+def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers", "--model", "smollm2",
+         "--requests", "4", "--concurrency", "4", "--max-new-tokens", "4", "--warmup", "0", "--blocks", "64",
+         "--json", str(report_path), "--log-dir", str(tmp_path / "logs"), "--quiet"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert report["config"]["engine"] == "transformers"
+    assert report["requests"] == report["matched"] == 4 and report["failed"] == 0
+    results = report["results"]
+    assert len({r["prompt_tokens"] for r in results}) > 1  # mixed lengths
+    assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
+    assert_nothing_left(report["config"]["processes"])
+
+
+def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
+    code = ("import sys, kvxfer.worker.serve, kvxfer.worker.core, kvxfer.worker.app, kvxfer.pair, kvxfer.router.serve; "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_what_the_transformers_engine_cannot_run_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, words in ((["--engine", "transformers"], "give --model smollm2 or a .gguf path"),
+                        (["--engine", "transformers", "--model", "smollm2", "--temperature", "0.7"],
+                         "greedy requests only"),
+                        (["--engine", "transformers", "--model", "smollm2", "--backend", "ucx"],
+                         "over nixl for now, not --backend ucx"),
+                        (["--engine", "transformers", "--model", "smollm2", "--lender", "staging"],
+                         "no engine-KV flags, --store or --lender staging")):
+        with pytest.raises(SystemExit) as exc:
+            pair.main(argv)  # refused before any process starts
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err and "Traceback" not in err, err
+    for argv, words in ((["--role", "prefill", "--engine", "transformers"], "give --model smollm2 or a .gguf path"),
+                        (["--role", "decode", "--engine", "transformers", "--model", "smollm2", "--store", "memory"],
+                         "does not use a KV store")):
+        with pytest.raises(SystemExit) as exc:
+            serve.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err, err

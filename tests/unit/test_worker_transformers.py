@@ -1,0 +1,183 @@
+"""Workers serving with transformers' continuous batching (``WorkerConfig(engine="transformers")``,
+``kvxfer serve --engine transformers``) behind the router: concurrent requests of mixed lengths
+are token-identical to transformers' own colocated ``generate_batch``, each prompt's KV moved
+out of one transformers cache into the other (nothing recomputed); a pair of a transformers
+worker and a reference worker is refused by name, as are sampling parameters this engine does
+not serve. Real Worker objects behind real HTTP servers in this process, a tiny random Llama
+(no GGUF, so it is fast), the loopback backend."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvxfer.adapters.transformers import ENGINE
+from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.backends.loopback import LoopbackFabric
+from kvxfer.engine import LlamaModel, ModelConfig, SamplingParams
+from kvxfer.router import Router
+from kvxfer.router.inputs import MixedEngines
+from kvxfer.serving.http import HttpServer
+from kvxfer.worker.app import make_handler
+from kvxfer.worker.core import Worker, WorkerConfig
+from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE
+
+torch.set_num_threads(1)
+SHAPE = ModelConfig(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                    max_positions=256)
+BLOCKS = 64
+NEW = 6
+# Mixed lengths: under one block, across one, several blocks; two share a 16-token prefix.
+PROMPTS = [[5, 9, 17, 3, 8, 44, 21, 7, 60, 2, 13], [7, 7, 1], list(range(20, 58)),
+           [*range(20, 36), 90, 91, 92], [100, 101, 102, 103, 104], list(range(60, 77)), [3] * 33, [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    import transformers  # the test's own model; the adapter's reach is in _internals
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=128, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@contextlib.asynccontextmanager
+async def served(engines: dict[str, tuple[str, Any]]) -> AsyncIterator[tuple[dict[str, str], dict[str, Worker]]]:
+    """A worker per role ({role: (engine, model)}) behind an HTTP server; their URLs and the workers."""
+    fabric = LoopbackFabric()
+    servers: list[HttpServer] = []
+    workers: dict[str, Worker] = {}
+    urls = {}
+    try:
+        for role, (engine, model) in engines.items():
+            config = WorkerConfig(role=role, model=SHAPE if engine == "transformers" else model.config,
+                                  num_blocks=BLOCKS, backend="loopback", name=role, transfer_timeout_s=10.0,
+                                  engine=engine)
+            worker = Worker(config, model=model, fabric=fabric)
+            workers[role] = worker
+            await worker.start()
+            server = HttpServer(make_handler(worker))
+            servers.append(server)
+            urls[role] = f"http://127.0.0.1:{await server.start()}"
+        yield urls, workers
+    finally:
+        for server in servers:
+            await server.close()
+        for worker in workers.values():
+            report = await worker.close()
+            assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
+
+
+def test_concurrent_requests_are_token_identical_to_generate_batch(model: Any) -> None:
+    expected = hf.colocated(model, PROMPTS, NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
+
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, _):
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                done = await asyncio.gather(*(router.generate(p, NEW) for p in PROMPTS))
+        for completion, want in zip(done, expected):
+            assert completion.ok, completion.error
+            assert list(completion.tokens) == want
+            assert completion.path == "disaggregated" and completion.recomputed_tokens == 0
+            assert completion.transfer is not None and completion.transfer.status == "delivered"
+
+    asyncio.run(main())
+
+
+def test_a_mixed_pair_is_refused_naming_both_engines(model: Any) -> None:
+    reference = LlamaModel(SHAPE)
+
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("reference", reference)}) as (urls, _):
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                with pytest.raises(MixedEngines) as exc:
+                    await router.generate(PROMPTS[0], NEW)
+        text = str(exc.value)
+        assert f"prefill worker {urls['prefill']} runs {ENGINE!r}" in text
+        assert f"decode worker {urls['decode']} runs 'kvxfer reference'" in text
+
+    asyncio.run(main())
+
+
+def test_sampling_is_refused_by_name(model: Any) -> None:
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, _):
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                done = await router.generate(PROMPTS[0], NEW, sampling=SamplingParams(temperature=0.8, seed=3))
+                assert not done.ok and done.error is not None
+                assert f"the {ENGINE} engine serves greedy requests only" in done.error, done.error
+                again = await router.generate(PROMPTS[1], NEW)  # the workers serve on
+                assert again.ok, again.error
+
+    asyncio.run(main())
+
+
+def test_a_decode_worker_alone_serves_whole_requests(model: Any) -> None:
+    """No prefill worker, policy recompute: the decode worker runs each request in its batch."""
+    expected = hf.colocated(model, PROMPTS[:3], NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
+
+    async def main() -> None:
+        async with served({"decode": ("transformers", model)}) as (urls, _):
+            async with Router([], [urls["decode"]], on_failure="recompute") as router:
+                done = await asyncio.gather(*(router.generate(p, NEW) for p in PROMPTS[:3]))
+        for completion, want in zip(done, expected):
+            assert completion.ok and completion.path == "local", completion
+            assert list(completion.tokens) == want
+
+    asyncio.run(main())
+
+
+def test_a_client_that_stops_early_ends_its_request_in_the_batch(model: Any) -> None:
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, workers):
+            engine = workers["decode"]._state.serving.engine  # type: ignore[attr-defined]
+            ended: list[int] = []  # the lengths of the completions the batch ended itself
+            results = engine.results
+
+            def watched() -> dict[str, list[int]]:
+                out: dict[str, list[int]] = results()
+                ended.extend(len(t) for t in out.values())
+                return out
+            engine.results = watched
+            async with Router([urls["prefill"]], [urls["decode"]]) as router:
+                done = await router.generate(PROMPTS[2], 200, until=lambda t: t.index >= 1)
+                assert done.ok and done.finish_reason == "stop" and len(done.tokens) == 2, done
+                deadline = asyncio.get_running_loop().time() + 10
+                while engine.batch.scheduler.active_requests or not engine.batch.idle():
+                    assert asyncio.get_running_loop().time() < deadline, "the stopped request still runs"
+                    await asyncio.sleep(0.01)
+                again = await router.generate(PROMPTS[0], NEW)
+                assert again.ok, again.error
+            assert ended == [NEW], ended  # the stopped request was cancelled, never run to its 200 tokens
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_partial_transfer_resumes_from_the_first_gap_or_fails_by_name(model: Any, policy: str) -> None:
+    """One of the 38-token prompt's three blocks arrives: under recompute the decode worker adopts
+    the request at token 16, prefills the rest again in its batch (its first token checked
+    against the prefill worker's) and decodes as generate_batch does; under fail it says so."""
+    prompt = PROMPTS[2]
+    expected = hf.colocated(model, [prompt], NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))[0]
+
+    async def main() -> None:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, workers):
+            workers["prefill"].backend.fail_after_rows = 1  # type: ignore[union-attr]  # push: the publisher writes
+            async with Router([urls["prefill"]], [urls["decode"]], on_failure=policy) as router:
+                done = await router.generate(prompt, NEW)
+        assert done.transfer is not None and done.transfer.status == "failed"
+        if policy == "fail":
+            assert not done.ok and done.error is not None and "1 of 3 rows arrived" in done.error, done.error
+            return
+        assert done.ok, done.error
+        assert done.path == "resumed" and done.recomputed_tokens == len(prompt) - PAGE_SIZE, done
+        assert list(done.tokens) == expected
+
+    asyncio.run(main())
