@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         preload("kvxfer.worker.hf_engine")  # transformers, imported once for every worker
     oracle: Oracle = TransformersOracle(args, args.blocks) if args.engine == "transformers" \
         else ReferenceOracle(model_from_args(args))
+    if isinstance(oracle, TransformersOracle):
+        oracle.convert_once(args.quiet)
     longest, capped = prompt_range(parser, args, oracle.shape.max_positions)
     if capped:
         print(f"kvxfer pair: {capped}", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +95,22 @@ class TransformersOracle:
         self.device = "cpu"
         self.tokenizer = load_tokenizer(args.model)
         self.blocks = blocks
+        self._model: Any = None
+
+    def convert_once(self, quiet: bool) -> None:
+        """Convert the GGUF here, before the workers start, when no conversion is kept yet
+        (``adapters.transformers.converted``): else the oracle and both workers convert it at
+        once, 10-17 CPU-s each on the 2-core machine, and the workers then read what was kept."""
+        import torch
+
+        from kvxfer.adapters.transformers.converted import cache_root, converted_dir
+        from kvxfer.worker.hf_engine import load_model
+
+        if not (converted_dir(self.path, torch.float32) / "model.safetensors").is_file():
+            if not quiet:
+                print(f"kvxfer pair: converting {self.path.name} with transformers once (kept in {cache_root()} "
+                      "for the workers and later runs)", file=sys.stderr, flush=True)
+            self._model = load_model(self.path)
 
     def prompts(self, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
         """``count`` text prompts of mixed lengths: one to four of TEXT_PROMPTS joined."""
@@ -114,5 +131,5 @@ class TransformersOracle:
 
         line.say(f"computing reference outputs: transformers' generate_batch over {len(prompts)} prompts, while "
                  f"{workers} workers start")
-        model = load_model(self.path)
+        model = self._model if self._model is not None else load_model(self.path)
         return hf.colocated(model, prompts, max_new, hf.batching_config(PAGE_SIZE, self.blocks, MAX_BATCH_TOKENS))

@@ -38,6 +38,7 @@ import torch
 
 from kvxfer.adapters.transformers import TransformersEngine, check_peer_engine, checkpoint_scope
 from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.adapters.transformers.converted import load_converted
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import Attempt, Delivered, KvxferError, Peer, TransferMode
 from kvxfer.engine import TEXT_PROMPTS
@@ -48,9 +49,10 @@ START_TIMEOUT = 180.0  # the child loads SmolLM2 through transformers: 13-30 s o
 
 
 def load_smollm2() -> Any:
-    """SmolLM2-135M-Instruct loaded by transformers itself from the packaged GGUF."""
+    """SmolLM2-135M-Instruct loaded by transformers itself from the packaged GGUF (converted
+    once, then from kvxfer's cache)."""
     torch.set_num_threads(1)
-    return hf.load_gguf_model(smollm2_path())
+    return load_converted(smollm2_path())
 
 
 def mixed_prompts(count: int) -> list[list[int]]:

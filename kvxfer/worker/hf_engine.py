@@ -22,6 +22,7 @@ from typing import Any
 
 from kvxfer.adapters.transformers import TransformersEngine, checkpoint_scope
 from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.adapters.transformers.converted import load_converted
 from kvxfer.engine.sampling import Pick, SamplingParams
 from kvxfer.modelfiles import model_path
 from kvxfer.pool import PoolExhausted
@@ -35,8 +36,9 @@ MAX_BATCH_TOKENS = 256
 
 
 def load_model(path: Path) -> Any:
-    """The model transformers loads from the GGUF at ``path`` (float32, eval mode)."""
-    return hf.load_gguf_model(path)
+    """The model transformers loads from the GGUF at ``path`` (float32, eval mode), converted
+    once and then read from kvxfer's cache (``adapters.transformers.converted``)."""
+    return load_converted(path)
 
 
 @dataclass(eq=False)

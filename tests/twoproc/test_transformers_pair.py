@@ -15,15 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.adapters.transformers.converted import converted_dir, load_converted
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import TransferMode
+from kvxfer.modelfiles import smollm2_path
 from kvxfer.testing.transformers_pair import (
     DecodePeer,
     disaggregate,
     engine_for,
-    load_smollm2,
     mixed_prompts,
     transfer_p50_ms,
 )
@@ -34,12 +36,21 @@ NEW = 8
 
 
 @pytest.mark.slow  # 21-54 s: transformers loads the GGUF once (10-17 s), its generate_batch is the oracle
-def test_disaggregated_over_nixl_is_token_identical_to_generate_batch(tmp_path: Path) -> None:
+def test_disaggregated_over_nixl_is_token_identical_to_generate_batch(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: the GGUF transformers converted is kept (``converted``), the child loads what was
+    kept, and a second load in this process reads it back, the same weights, converting nothing."""
     t0 = time.perf_counter()
-    model = load_smollm2()
-    hf.save_model(model, tmp_path / "smollm2")
+    torch.set_num_threads(1)
+    model = load_converted(smollm2_path(), root=tmp_path / "cache")
+    kept = converted_dir(smollm2_path(), torch.float32, tmp_path / "cache")
     loaded = time.perf_counter() - t0
-    peer = DecodePeer({**OPTIONS, "weights": str(tmp_path / "smollm2")})  # loads while the oracle runs
+    peer = DecodePeer({**OPTIONS, "weights": str(kept)})  # loads while the oracle runs
+    with monkeypatch.context() as patch:
+        patch.setattr(hf, "load_gguf_model", lambda *_, **__: pytest.fail("the kept conversion was not read"))
+        again = load_converted(smollm2_path(), root=tmp_path / "cache").state_dict()
+    assert again.keys() == model.state_dict().keys()
+    assert all(torch.equal(tensor, again[name]) for name, tensor in model.state_dict().items())
     backend = None
     try:
         prompts = mixed_prompts(REQUESTS)
