@@ -15,6 +15,7 @@ process it started and exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import sys
@@ -25,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from kvxfer.engine import TOY
 from kvxfer.serving.command import CommandParser
 from kvxfer.serving.startup import check_serving
+from kvxfer.worker.forked import preload
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
     add_model_args,
@@ -63,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the router's port (0: any free one, announced)")
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
+    p.add_argument("--engine", default="reference", choices=["reference", "transformers"],
+                   help="what the workers run: kvxfer's reference engine, or Hugging Face transformers' continuous "
+                        "batching (a GGUF --model such as smollm2, the cpu, greedy, nixl)")
     p.add_argument("--backend", default="nixl", choices=["nixl", "ipc", "ucx"])
     p.add_argument("--mode", default="push", choices=["push", "pull"])
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks per worker")
@@ -90,6 +96,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--startup-timeout must be positive, got {args.startup_timeout}")
     check_serving(parser, args.host, args.port)
     check_model_args(parser, args)
+    if args.engine == "transformers":
+        _check_transformers(parser, args)
     try:
         check_visible(parse_device(args.device))
     except ValueError as exc:
@@ -97,9 +105,39 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     check_backend(parser, args.backend)
 
 
+def _check_transformers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--engine transformers``: what it cannot run yet, named before anything starts."""
+    if args.model == TOY or args.checkpoint:
+        parser.error("--engine transformers loads a GGUF with transformers itself: give --model smollm2 or a .gguf "
+                     "path (not the toy model or --checkpoint)")
+    if args.device not in ("auto", "cpu"):
+        parser.error(f"--engine transformers runs on the cpu for now, not --device {args.device}")
+    if args.backend != "nixl":
+        parser.error(f"--engine transformers moves KV over nixl for now, not --backend {args.backend}")
+    if importlib.util.find_spec("transformers") is None:
+        parser.error("--engine transformers needs transformers (pip install 'kvxfer[transformers]')")
+
+
+def _prepare_transformers(args: argparse.Namespace) -> None:
+    """Import the transformers engine once for every worker (the fork server), and convert the
+    GGUF here when no conversion is kept yet, rather than in each worker at once."""
+    import torch
+
+    from kvxfer.adapters.transformers.converted import cache_root, converted_dir, load_converted
+    from kvxfer.modelfiles import model_path
+
+    preload("kvxfer.worker.hf_engine")
+    path = model_path(args.model)
+    assert path is not None  # _check_transformers refused the toy model
+    if not (converted_dir(path, torch.float32) / "model.safetensors").is_file():
+        print(f"kvxfer up: converting {path.name} with transformers once (kept in {cache_root()})", file=sys.stderr,
+              flush=True)
+        load_converted(path)
+
+
 def _workers(group: ProcessGroup, args: argparse.Namespace) -> list[_Supervised]:
     common = ["--port", "0", "--backend", args.backend, "--mode", args.mode, "--blocks", str(args.blocks),
-              "--etcd", "", *model_args_list(args)]
+              "--etcd", "", "--engine", args.engine, *model_args_list(args)]
     out = []
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
@@ -165,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvxfer-up-"))
+    if args.engine == "transformers":
+        _prepare_transformers(args)
     try:
         with ProcessGroup(log_dir) as group:
             try:

@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 BODY = {"model": "toy", "prompt": [1, 2, 3], "max_tokens": 5}
 
 
@@ -81,3 +83,15 @@ def test_bad_flags_are_one_line_before_anything_starts() -> None:
                           text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "kvxfer up: error: --decode must be at least 1, got 0 (kvxfer up --help lists the flags)\n"
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--engine", "transformers"], "--engine transformers loads a GGUF with transformers itself"),
+    (["--engine", "transformers", "--model", "smollm2", "--backend", "ucx"],
+     "--engine transformers moves KV over nixl for now, not --backend ucx"),
+])
+def test_what_the_transformers_engine_cannot_run_is_named_before_anything_starts(flags: list[str], says: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "up", *flags], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"kvxfer up: error: {says}") and proc.stderr.count("\n") == 1, proc.stderr
