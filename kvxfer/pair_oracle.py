@@ -14,12 +14,15 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvxfer.engine import TEXT_PROMPTS, ModelConfig, SamplingParams, model_shape
+from kvxfer.engine import model_shape
 from kvxfer.modelfiles import load_tokenizer, model_path
 from kvxfer.pair_layouts import engine_kv_wanted
 from kvxfer.progress import Count, Line
+
+if TYPE_CHECKING:
+    from kvxfer.engine import ModelConfig, SamplingParams
 
 ENGINES = ("reference", "transformers")
 
@@ -115,6 +118,8 @@ class TransformersOracle:
     def prompts(self, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
         """``count`` text prompts of mixed lengths: one to four of TEXT_PROMPTS joined."""
         assert self.tokenizer is not None
+        from kvxfer.engine import TEXT_PROMPTS  # imports torch: once every flag is checked
+
         texts = list(TEXT_PROMPTS)
         out = []
         for i in range(count):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,13 @@ def test_failures_group_by_cause_not_by_worker_or_request() -> None:
         "reserve on <worker> failed: <worker>/reserve: HTTP 500: boom (policy fail)": 1,
         "decode <worker>: HTTP 500: request '<request>' is not reserved here": 2,
     }, failures
+
+
+def test_a_refused_flag_is_refused_before_torch_is_imported() -> None:
+    """The refusal comes within about a second: nothing the checks need imports torch (an
+    oracle module that did made it 4.5 s)."""
+    probe = ("import sys\nfrom kvxfer import pair\ntry:\n    pair.main(['--requests', '0'])\nexcept SystemExit as e:\n"
+             "    print(e.code, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    assert done.stderr == "kvxfer pair: error: --requests must be at least 1, got 0 (kvxfer pair --help lists the flags)\n"
