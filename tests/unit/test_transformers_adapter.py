@@ -32,13 +32,8 @@ PROMPTS = [[5, 9, 17, 3, 8, 44, 21, 7, 60, 2, 13], [7, 7, 1], [90, 3, 55, 12, 8,
 
 
 @pytest.fixture(scope="module")
-def model() -> Any:
-    import transformers  # the test's own model; the adapter's reach is in _internals
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=128, vocab_size=128, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(config).eval()
+def model(tiny_hf_llama: Any) -> Any:
+    return tiny_hf_llama
 
 
 @pytest.fixture(scope="module")
