@@ -62,14 +62,14 @@ def main() -> None:
     got = [run.completions[f"req-{i}"] for i in range(n)]
     block = engine.kv.geometry.block_bytes
     moved = sum(-(-len(p) // 16) for p in prompts) * block
-    colo_ttft = [t for _, t in colo]
+    colo_ttft = [t for _, t, _ in colo]
     disagg_ttft = list(run.first_token_s.values())
     transfer = list(run.transfer_s.values())
     report = {
         "machine": os.uname().nodename, "cpus": os.cpu_count(), "load_average": os.getloadavg(),
         "requests": n, "max_new_tokens": new, "prompt_tokens": [len(p) for p in prompts],
-        "identical": sum(g == c for g, (c, _) in zip(got, colo)),
-        "colocated": {"wall_s": colo_wall, "tokens_per_s": sum(len(c) for c, _ in colo) / colo_wall,
+        "identical": sum(g == c for g, (c, _, _) in zip(got, colo)),
+        "colocated": {"wall_s": colo_wall, "tokens_per_s": sum(len(c) for c, _, _ in colo) / colo_wall,
                       "ttft_p50_ms": pct(colo_ttft, 50) * 1e3, "ttft_p99_ms": pct(colo_ttft, 99) * 1e3},
         "disaggregated": {"wall_s": run.wall_s, "tokens_per_s": sum(len(g) for g in got) / run.wall_s,
                           "ttft_p50_ms": pct(disagg_ttft, 50) * 1e3, "ttft_p99_ms": pct(disagg_ttft, 99) * 1e3,

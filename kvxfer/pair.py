@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.engine == "transformers":
         preload("kvxfer.worker.hf_engine")  # transformers, imported once for every worker
-    oracle: Oracle = TransformersOracle(args, args.blocks) if args.engine == "transformers" \
+    oracle: Oracle = TransformersOracle(args, args.blocks, prefill_device) if args.engine == "transformers" \
         else ReferenceOracle(model_from_args(args))
     if isinstance(oracle, TransformersOracle):
         oracle.convert_once(args.quiet)
@@ -458,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvxfer pair: {exc}", file=sys.stderr)
         return 2
     report = summarize(results, wall, config)
+    if args.colocated_baseline and isinstance(oracle, TransformersOracle):
+        report["colocated"] = oracle.baseline(prompts, args.max_new_tokens, args.concurrency)
     if rounds:
         report["store_rounds"] = rounds
     if oracle.tokenizer is not None:

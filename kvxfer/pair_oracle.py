@@ -33,28 +33,35 @@ def add_engine_arg(p: argparse.ArgumentParser) -> None:
                         "here) or transformers (Hugging Face transformers' continuous batching, its cache lent in "
                         "place; a GGUF --model such as smollm2, the cpu, greedy, nixl; the oracle is transformers' "
                         "own generate_batch on the same weights)")
+    p.add_argument("--colocated-baseline", action="store_true",
+                   help="--engine transformers: after the workers stop, time transformers' colocated generate_batch "
+                        "on the same prompts in waves of --concurrency, on the oracle's device, and report its TTFT, "
+                        "latency and tokens/s beside the pair's")
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--engine transformers``: what it cannot run yet, named before anything starts."""
     if args.engine != "transformers":
+        if args.colocated_baseline:
+            parser.error("--colocated-baseline times transformers' generate_batch: it needs --engine transformers")
         return
-    if args.model == "toy" or args.checkpoint:
-        parser.error("--engine transformers loads a GGUF with transformers itself: give --model smollm2 or a .gguf "
-                     "path (not the toy model or --checkpoint)")
+    if args.checkpoint:
+        parser.error("--engine transformers loads a GGUF with transformers itself (--model smollm2 or a .gguf "
+                     "path) or seeds the toy model's shape: no --checkpoint")
     if engine_kv_wanted(args) or args.store or args.lender != "inplace":
         parser.error("--engine transformers lends transformers' own cache in place: no engine-KV flags, --store or "
                      "--lender staging")
-    if args.device not in ("auto", "cpu"):
-        parser.error(f"--engine transformers runs on the cpu for now, not --device {args.device}")
+    if args.model != "toy" and args.device not in ("auto", "cpu"):
+        parser.error(f"--engine transformers runs a GGUF on the cpu for now, not --device {args.device} (the toy "
+                     "model's seeded shape runs on cuda)")
     if importlib.util.find_spec("transformers") is None:
         parser.error("--engine transformers needs transformers (pip install 'kvxfer[transformers]')")
     if not args.sampling.plain:
         parser.error("--engine transformers serves greedy requests only for now: drop the sampling flags")
-    if args.backend != "nixl":
-        parser.error(f"--engine transformers moves KV over nixl for now, not --backend {args.backend}")
+    if args.backend not in ("nixl", "ipc"):
+        parser.error(f"--engine transformers moves KV over nixl or ipc for now, not --backend {args.backend}")
     if args.prefill_device or args.decode_device:
-        parser.error("--engine transformers runs on the cpu: no --prefill-device or --decode-device")
+        parser.error("--engine transformers runs both workers on --device: no --prefill-device or --decode-device")
 
 
 class ReferenceOracle:
@@ -87,16 +94,20 @@ class ReferenceOracle:
 
 
 class TransformersOracle:
-    """transformers' own colocated continuous batching on the GGUF ``--model`` names."""
+    """transformers' own colocated continuous batching on the weights ``--model`` names: a
+    GGUF (on the cpu), or the toy model's shape with seeded weights (on ``device``)."""
 
-    def __init__(self, args: argparse.Namespace, blocks: int) -> None:
+    def __init__(self, args: argparse.Namespace, blocks: int, device: str) -> None:
+        from kvxfer.worker.serve import flags_config
+
         path = model_path(args.model)
-        shape = model_shape(args.model, dtype=args.dtype, block_tokens=args.block_tokens)
-        assert path is not None and shape is not None  # the workers' checks refused the toy model
+        shape = model_shape(args.model, dtype=args.dtype, block_tokens=args.block_tokens) if path is not None \
+            else flags_config(args)
+        assert shape is not None
         self.path = path  # loaded in ``expected``, while the workers start
         self.shape = shape
-        self.device = "cpu"
-        self.tokenizer = load_tokenizer(args.model)
+        self.device = "cpu" if path is not None else device
+        self.tokenizer = load_tokenizer(args.model) if path is not None else None
         self.blocks = blocks
         self._model: Any = None
 
@@ -104,6 +115,8 @@ class TransformersOracle:
         """Convert the GGUF here, before the workers start, when no conversion is kept yet
         (``adapters.transformers.converted``): else the oracle and both workers convert it at
         once, 10-17 CPU-s each on the 2-core machine, and the workers then read what was kept."""
+        if self.path is None:  # seeded weights: nothing to convert
+            return
         import torch
 
         from kvxfer.adapters.transformers.converted import cache_root, converted_dir
@@ -116,10 +129,12 @@ class TransformersOracle:
             self._model = load_model(self.path)
 
     def prompts(self, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
-        """``count`` text prompts of mixed lengths: one to four of TEXT_PROMPTS joined."""
-        assert self.tokenizer is not None
-        from kvxfer.engine import TEXT_PROMPTS  # imports torch: once every flag is checked
+        """``count`` prompts of mixed lengths: with a tokenizer, one to four of TEXT_PROMPTS
+        joined; else random token ids of ``min_len``..``max_len`` tokens from ``seed``."""
+        from kvxfer.engine import TEXT_PROMPTS, synthetic_prompts  # imports torch: once every flag is checked
 
+        if self.tokenizer is None:
+            return synthetic_prompts(count, min_len, max_len, self.shape.vocab_size, seed)
         texts = list(TEXT_PROMPTS)
         out = []
         for i in range(count):
@@ -132,9 +147,39 @@ class TransformersOracle:
         """``generate_batch`` greedy over every prompt at once: it ends a completion at the
         model's end-of-sequence token, as the workers' batches do."""
         from kvxfer.adapters.transformers import _internals as hf
-        from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE, load_model
+        from kvxfer.worker.hf_engine import PAGE_SIZE, load_on, max_batch_tokens
 
         line.say(f"computing reference outputs: transformers' generate_batch over {len(prompts)} prompts, while "
                  f"{workers} workers start")
-        model = self._model if self._model is not None else load_model(self.path)
-        return hf.colocated(model, prompts, max_new, hf.batching_config(PAGE_SIZE, self.blocks, MAX_BATCH_TOKENS))
+        model = self._model if self._model is not None else load_on(self.path, self.shape, self.device)
+        config = hf.batching_config(PAGE_SIZE, self.blocks, max_batch_tokens(self.device))
+        return hf.colocated(model, prompts, max_new, config)
+
+    def baseline(self, prompts: list[list[int]], max_new: int, concurrency: int) -> dict[str, Any]:
+        """transformers' colocated ``generate_batch`` over ``prompts`` in waves of
+        ``concurrency``, timed (the workers have stopped: nothing else runs on the device):
+        TTFT and latency from each request's creation in the batch, and tokens/s over the
+        waves' busy time (each wave's creation to its last token). What a disaggregated run at that concurrency compares with."""
+        import time
+
+        from kvxfer.adapters.transformers import _internals as hf
+        from kvxfer.pair_report import percentile
+        from kvxfer.worker.hf_engine import PAGE_SIZE, load_on, max_batch_tokens
+
+        model = self._model if self._model is not None else load_on(self.path, self.shape, self.device)
+        self._model = model
+        config = hf.batching_config(PAGE_SIZE, self.blocks, max_batch_tokens(self.device))
+        hf.colocated(model, prompts[:1], 2, config)  # warm-up, as the pair's warm-up request
+        runs: list[tuple[list[int], float, float]] = []
+        busy = 0.0  # each wave from its requests' creation to its last token: not generate_batch's set-up
+        start = time.perf_counter()
+        for i in range(0, len(prompts), concurrency):
+            wave = hf.colocated_timed(model, prompts[i:i + concurrency], max_new, config)
+            busy += max(t for _, _, t in wave)
+            runs += wave
+        wall = time.perf_counter() - start
+        ttft, total = [t for _, t, _ in runs], [t for _, _, t in runs]
+        return {"what": f"transformers generate_batch, colocated, waves of {concurrency}", "wall_s": wall,
+                "busy_s": busy, "tokens_per_s": sum(len(t) for t, _, _ in runs) / busy if busy > 0 else None,
+                "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+                "latency_s": {"p50": percentile(total, 50), "p99": percentile(total, 99)}}

@@ -59,6 +59,7 @@ def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> d
         **outcomes(results),
         "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
         "ttft_s": _quantiles([r.ttft_s for r in results if r.ttft_s is not None]),
+        "latency_s": _quantiles([r.total_s for r in results if r.error is None]),
         **_transfer_summary([r.transfer for r in results if r.transfer]),
         "paths": _tally(r.path for r in results),
         "failures": _tally(_failure(r) for r in results if not r.matched),
@@ -120,6 +121,14 @@ def _kv_line(kv: dict[str, Any] | None) -> list[str]:
     return [f"  KV           {' -> '.join(ends)} (engine geometries, one transfer per rank pair)"]
 
 
+def _colocated_line(colocated: dict[str, Any] | None) -> list[str]:
+    if colocated is None:
+        return []
+    return [f"  colocated    TTFT p50 {_ms(colocated['ttft_s']['p50'])}   p99 {_ms(colocated['ttft_s']['p99'])}   "
+            f"latency p50 {_ms(colocated['latency_s']['p50'])}   p99 {_ms(colocated['latency_s']['p99'])}   "
+            f"{colocated['tokens_per_s'] or 0:.0f} tokens/s ({colocated['what']})"]
+
+
 def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     c = report["config"]
     gbps = report["transfer_gb_per_s"]
@@ -139,7 +148,9 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
         f"{report['failed']} failed",
         f"  tokens       {report['tokens']} in {report['wall_s']:.2f} s ({report['tokens_per_s'] or 0:.0f} tokens/s, "
         f"concurrency {c['concurrency']})",
-        f"  TTFT         p50 {_ms(report['ttft_s']['p50'])}   p99 {_ms(report['ttft_s']['p99'])}",
+        f"  TTFT         p50 {_ms(report['ttft_s']['p50'])}   p99 {_ms(report['ttft_s']['p99'])}   "
+        f"latency p50 {_ms(report['latency_s']['p50'])}   p99 {_ms(report['latency_s']['p99'])}",
+        *_colocated_line(report.get("colocated")),
         f"  transfer     p50 {_ms(report['transfer_s']['p50'])}   p99 {_ms(report['transfer_s']['p99'])}   "
         f"{report['transfers']} transfers, {report['transfer_bytes'] / 1e6:.2f} MB, "
         f"{'-' if gbps is None else f'{gbps:.3f}'} GB/s (bytes / summed transfer time)",

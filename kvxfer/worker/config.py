@@ -108,8 +108,6 @@ class WorkerConfig:
         if self.engine_kv or self.store or self.lender != "inplace":
             raise ValueError("--engine transformers lends transformers' own cache in place: it takes no --engine-kv, "
                              "--tp, --kv-block-tokens, --kv-layout, --store or --lender staging")
-        if self.device != "cpu":
-            raise ValueError(f"--engine transformers runs on the cpu for now, not {self.device}")
 
     def _check_store(self) -> None:
         if self.store not in ("memory", "mooncake"):

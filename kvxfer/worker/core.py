@@ -77,7 +77,8 @@ class Worker:
             from kvxfer.worker.hf_engine import TransformersServing  # noqa: PLC0415 - imports transformers
 
             self._state.serving = self._hf = TransformersServing(hf_model, self._engine, num_blocks=config.num_blocks,
-                                                                 model_name=config.model_name, name=f"{self.name}-kv")
+                                                                 model_name=config.model_name, name=f"{self.name}-kv",
+                                                                 shape=config.model, device=self.device)
         self._prefill = PrefillRole(self._state)
         self._decode = DecodeRole(self._state)
         self._sweeper: asyncio.Task[None] | None = None

@@ -23,6 +23,7 @@ from typing import Any
 from kvxfer.adapters.transformers import TransformersEngine, checkpoint_scope
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.adapters.transformers.converted import load_converted
+from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.sampling import Pick, SamplingParams
 from kvxfer.modelfiles import model_path
 from kvxfer.pool import PoolExhausted
@@ -33,12 +34,37 @@ from kvxfer.worker.errors import Refused
 log = logging.getLogger(__name__)
 PAGE_SIZE = 16
 MAX_BATCH_TOKENS = 256
+GPU_MAX_BATCH_TOKENS = 4096
 
 
 def load_model(path: Path) -> Any:
     """The model transformers loads from the GGUF at ``path`` (float32, eval mode), converted
     once and then read from kvxfer's cache (``adapters.transformers.converted``)."""
     return load_converted(path)
+
+
+def seeded_model(shape: ModelConfig, device: str) -> Any:
+    """A Llama-style model of ``shape`` with transformers' random initialization seeded by
+    ``shape.seed``, in ``shape.dtype`` on ``device``: the toy model's flags (``--layers``,
+    ``--hidden``, ... ``--seed``) give the same weights at both ends and in the oracle."""
+    import torch
+
+    return hf.random_model(vocab_size=shape.vocab_size, hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
+                           kv_heads=shape.kv_heads, head_dim=shape.head_dim, intermediate=shape.intermediate,
+                           rope_theta=shape.rope_theta, rms_eps=shape.rms_eps, max_positions=shape.max_positions,
+                           seed=shape.seed, dtype=shape.torch_dtype, device=torch.device(device))
+
+
+def load_on(path: Path | None, shape: ModelConfig, device: str) -> Any:
+    """The transformers model a worker or the oracle runs: the GGUF at ``path`` (on the cpu),
+    or, for the toy model (``path`` None), seeded weights of ``shape`` on ``device``."""
+    return load_model(path) if path is not None else seeded_model(shape, device)
+
+
+def max_batch_tokens(device: str) -> int:
+    """Tokens one step of the batch takes: a 2k-token prompt in one step on a GPU; on the cpu,
+    chunks small enough that decoding requests are not starved by a long prefill."""
+    return MAX_BATCH_TOKENS if device == "cpu" else GPU_MAX_BATCH_TOKENS
 
 
 @dataclass(eq=False)
@@ -54,15 +80,18 @@ class _Watch:
 class TransformersServing:
     """The transformers engine behind the worker's seam. ``thread``: the worker's engine thread."""
 
-    def __init__(self, model: Any, thread: EngineThread, *, num_blocks: int, model_name: str, name: str) -> None:
+    def __init__(self, model: Any, thread: EngineThread, *, num_blocks: int, model_name: str, name: str,
+                 shape: ModelConfig | None = None, device: str = "cpu") -> None:
         """``model_name``: what ``--model`` named; a GGUF's digest scopes the KV (a peer with
-        other weights is refused by the transport)."""
+        other weights is refused by the transport), or for seeded weights ``shape``'s scope."""
         self.name = hf.ENGINE
         self._model = model
         self._thread = thread
         self._num_blocks = num_blocks
         gguf = model_path(model_name)
-        self._scope = checkpoint_scope(gguf) if gguf is not None else model_name.encode()
+        self._scope = checkpoint_scope(gguf) if gguf is not None else \
+            shape.scope() if shape is not None else model_name.encode()
+        self._max_batch_tokens = max_batch_tokens(device)
         self._kv_name = name
         self.engine: TransformersEngine | None = None
         self._prefills: dict[str, asyncio.Future[int]] = {}
@@ -79,7 +108,7 @@ class TransformersServing:
     def build(self) -> TransformersEngine:
         """On the engine thread: the batch and its cache (lent in place, no pool)."""
         self.engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
-                                         max_batch_tokens=MAX_BATCH_TOKENS, scope=self._scope, name=self._kv_name)
+                                         max_batch_tokens=self._max_batch_tokens, scope=self._scope, name=self._kv_name)
         return self.engine
 
     def start(self) -> None:

@@ -146,6 +146,11 @@ def _model_fields(args: argparse.Namespace) -> dict[str, object]:
     return {k: fields[k] for k in ("block_tokens", "dtype")} if from_file else fields
 
 
+def flags_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig the toy model's shape flags make (checked by ``check_model_args``)."""
+    return ModelConfig(**_model_fields(args))  # type: ignore[arg-type]
+
+
 def _model_error(prog: str, exc: CheckpointError) -> SystemExit:
     """A model that cannot load: one line on stderr and exit status 2, as a usage error, no traceback."""
     print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
@@ -191,7 +196,7 @@ def model_from_args(args: argparse.Namespace) -> LlamaModel:
             return LlamaModel(config, weights, device=device)
     except CheckpointError as exc:
         raise _model_error(getattr(args, "model_prog", "kvxfer"), exc) from None
-    return LlamaModel(ModelConfig(**_model_fields(args)), device=device)  # type: ignore[arg-type]
+    return LlamaModel(flags_config(args), device=device)
 
 
 def model_args_list(args: argparse.Namespace, device: str = "") -> list[str]:
@@ -271,17 +276,20 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
 def _engine_model(args: argparse.Namespace) -> tuple[Any, ModelConfig, str]:
     """The model the worker's engine runs, its shape (what /health and the bodies' checks
     say: vocabulary, positions) and where it lives. ``--engine transformers``: the GGUF loaded
-    by transformers itself (kvxfer.worker.hf_engine), on the cpu."""
+    by transformers itself on the cpu, or the toy model's shape with seeded weights on
+    ``--device`` (kvxfer.worker.hf_engine)."""
     if args.engine != "transformers":
         model = model_from_args(args)
         return model, model.config, str(model.device)
-    shape = model_shape(args.model, dtype=args.dtype, block_tokens=args.block_tokens)
     path = model_path(args.model)
-    assert shape is not None and path is not None  # check_engine_args refused the toy model
+    shape = model_shape(args.model, dtype=args.dtype, block_tokens=args.block_tokens) if path is not None \
+        else flags_config(args)
+    assert shape is not None
+    device = "cpu" if path is not None else resolve_device(args.device)
     try:
-        from kvxfer.worker.hf_engine import load_model  # noqa: PLC0415 - imports transformers
+        from kvxfer.worker.hf_engine import load_on  # noqa: PLC0415 - imports transformers
 
-        return load_model(path), shape, "cpu"
+        return load_on(path, shape, device), shape, device
     except AdapterError as exc:  # another transformers than the adapter's pinned one, a cache it cannot lend
         print(f"{getattr(args, 'model_prog', 'kvxfer')}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -424,9 +432,9 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """``--engine transformers``: what it cannot serve, named before anything loads."""
     if args.engine != "transformers":
         return
-    if args.model == TOY or args.checkpoint:
-        parser.error("--engine transformers loads a GGUF with transformers itself: give --model smollm2 or a .gguf "
-                     "path (not the toy model or --checkpoint)")
+    if args.checkpoint:
+        parser.error("--engine transformers loads a GGUF with transformers itself (--model smollm2 or a .gguf "
+                     "path) or seeds the toy model's shape: no --checkpoint")
     if getattr(args, "engine_kv", False) or getattr(args, "tp", 1) != 1 or getattr(args, "kv_block_tokens", 0) \
             or getattr(args, "kv_layout", "block_major") != "block_major":
         parser.error("--engine transformers lends transformers' own cache in place: no --engine-kv, --tp, "
@@ -435,8 +443,9 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--engine transformers does not use a KV store (--store)")
     if args.lender != "inplace":
         parser.error("--engine transformers lends its cache in place: --lender staging moves pool rows only")
-    if args.device not in ("auto", "cpu"):
-        parser.error(f"--engine transformers runs on the cpu for now, not --device {args.device}")
+    if args.model != TOY and args.device not in ("auto", "cpu"):
+        parser.error(f"--engine transformers runs a GGUF on the cpu for now, not --device {args.device} (the toy "
+                     "model's seeded shape runs on cuda)")
     if importlib.util.find_spec("transformers") is None:
         parser.error("--engine transformers needs transformers (pip install 'kvxfer[transformers]')")
 

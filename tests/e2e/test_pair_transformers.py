@@ -22,7 +22,7 @@ def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) 
     proc = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers", "--model", "smollm2",
          "--requests", "4", "--concurrency", "4", "--max-new-tokens", "4", "--warmup", "0", "--blocks", "64",
-         "--json", str(report_path), "--log-dir", str(tmp_path / "logs"), "--quiet"],
+         "--colocated-baseline", "--json", str(report_path), "--log-dir", str(tmp_path / "logs"), "--quiet"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
@@ -32,6 +32,9 @@ def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) 
     assert len({r["prompt_tokens"] for r in results}) > 1  # mixed lengths
     assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
     assert_nothing_left(report["config"]["processes"])
+    colocated = report["colocated"]  # --colocated-baseline: generate_batch timed in waves of --concurrency
+    assert colocated["ttft_s"]["p50"] > 0 and colocated["latency_s"]["p50"] >= colocated["ttft_s"]["p50"]
+    assert colocated["tokens_per_s"] > 0 and "colocated" in proc.stdout
 
 
 def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
@@ -42,18 +45,21 @@ def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
 
 
 def test_what_the_transformers_engine_cannot_run_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, words in ((["--engine", "transformers"], "give --model smollm2 or a .gguf path"),
+    for argv, words in ((["--engine", "transformers", "--checkpoint", "w.safetensors"], "no --checkpoint"),
+                        (["--engine", "transformers", "--model", "smollm2", "--device", "cuda"],
+                         "runs a GGUF on the cpu for now, not --device cuda"),
+                        (["--colocated-baseline"], "it needs --engine transformers"),
                         (["--engine", "transformers", "--model", "smollm2", "--temperature", "0.7"],
                          "greedy requests only"),
                         (["--engine", "transformers", "--model", "smollm2", "--backend", "ucx"],
-                         "over nixl for now, not --backend ucx"),
+                         "over nixl or ipc for now, not --backend ucx"),
                         (["--engine", "transformers", "--model", "smollm2", "--lender", "staging"],
                          "no engine-KV flags, --store or --lender staging")):
         with pytest.raises(SystemExit) as exc:
             pair.main(argv)  # refused before any process starts
         err = capsys.readouterr().err
         assert exc.value.code == 2 and words in err and "Traceback" not in err, err
-    for argv, words in ((["--role", "prefill", "--engine", "transformers"], "give --model smollm2 or a .gguf path"),
+    for argv, words in ((["--role", "prefill", "--engine", "transformers", "--checkpoint", "w"], "no --checkpoint"),
                         (["--role", "decode", "--engine", "transformers", "--model", "smollm2", "--store", "memory"],
                          "does not use a KV store")):
         with pytest.raises(SystemExit) as exc:

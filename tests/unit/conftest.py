@@ -6,15 +6,17 @@ from typing import Any
 
 import pytest
 
+from kvxfer.engine import ModelConfig
+
+TINY_HF_SHAPE = ModelConfig(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                            max_positions=256)
+
 
 @pytest.fixture(scope="module")
 def tiny_hf_llama() -> Any:
-    """A seeded random 3-layer Llama of transformers' own (the transformers adapter's tests
+    """A 3-layer Llama of transformers' own with seeded random weights, as ``kvxfer serve
+    --engine transformers`` builds the toy model's shape (the transformers adapter's tests
     drive it; the adapter's reach into transformers stays in its _internals)."""
-    import torch
-    import transformers
+    from kvxfer.worker.hf_engine import seeded_model
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=128, vocab_size=128, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(config).eval()
+    return seeded_model(TINY_HF_SHAPE, "cpu")

@@ -176,3 +176,18 @@ def test_a_partial_transfer_resumes_from_the_first_gap_or_fails_by_name(model: A
         assert list(done.tokens) == expected
 
     asyncio.run(main())
+
+
+def test_the_toy_models_seeded_weights_are_the_same_in_every_process_that_builds_them(model: Any) -> None:
+    """``kvxfer serve --engine transformers`` without a GGUF seeds the toy model's shape: both
+    workers and the oracle must build the same weights, and another seed other ones (and
+    another KV scope, so that such peers refuse each other)."""
+    import dataclasses
+
+    from kvxfer.worker.hf_engine import seeded_model
+
+    again = seeded_model(SHAPE, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
+    other = seeded_model(dataclasses.replace(SHAPE, seed=1), "cpu")
+    assert not torch.equal(model.model.embed_tokens.weight, other.model.embed_tokens.weight)
+    assert SHAPE.scope() != dataclasses.replace(SHAPE, seed=1).scope()

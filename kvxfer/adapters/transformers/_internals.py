@@ -126,6 +126,25 @@ def load_saved_model(directory: Path, dtype: torch.dtype = torch.float32) -> Any
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).eval()
 
 
+def random_model(*, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, rope_theta: float, rms_eps: float, max_positions: int, seed: int,
+                 dtype: torch.dtype, device: torch.device) -> Any:
+    """A Llama-style model with transformers' own random initialization, seeded: the same
+    weights in every process that builds it with these arguments on the same kind of device.
+    Built on ``device`` itself (a 1B model initializes in seconds on a GPU, minutes on a CPU)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, rope_theta=rope_theta, rms_norm_eps=rms_eps,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
 def model_eos(model: Any) -> int | None:
     eos = model.generation_config.eos_token_id
     if eos is None:
@@ -149,27 +168,30 @@ def batching_config(page_size: int, num_blocks: int, max_batch_tokens: int,
 
 
 def greedy_config(model: Any, max_new_tokens: int) -> Any:
-    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=model_eos(model),
+    eos = model_eos(model)  # none (seeded weights): -1, what continuous batching sets itself, with a warning
+    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=-1 if eos is None else eos,
                             pad_token_id=model.generation_config.pad_token_id)
 
 
 def colocated(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, config: Any) -> list[list[int]]:
     """transformers' own colocated continuous batching (``generate_batch``), greedy: the
     generated tokens of each prompt, in order."""
-    return [tokens for tokens, _ in colocated_timed(model, prompts, max_new_tokens, config)]
+    return [tokens for tokens, _, _ in colocated_timed(model, prompts, max_new_tokens, config)]
 
 
 def colocated_timed(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    config: Any) -> list[tuple[list[int], float]]:
-    """``colocated``, with each request's time to its first token (from its creation, s)."""
+                    config: Any) -> list[tuple[list[int], float, float]]:
+    """``colocated``, with each request's time to its first token and to its last (from its
+    creation in the batch, s)."""
     out = model.generate_batch([list(p) for p in prompts], generation_config=greedy_config(model, max_new_tokens),
                                continuous_batching_config=config, warmup=False, record_timestamps=True)
     results = list(out.values())
     if len(results) != len(prompts) or any(r.error for r in results):
         raise RuntimeError(f"generate_batch returned {len(results)} of {len(prompts)} results "
                            f"({[r.error for r in results if r.error]})")
-    return [(list(r.generated_tokens), r.timestamps[0] - r.created_time if r.timestamps else float("nan"))
-            for r in results]
+    nan = float("nan")
+    return [(list(r.generated_tokens), r.timestamps[0] - r.created_time if r.timestamps else nan,
+             r.timestamps[-1] - r.created_time if r.timestamps else nan) for r in results]
 
 
 # --- the batch, stepped by its owner ----------------------------------------------------------
