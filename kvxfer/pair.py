@@ -35,9 +35,9 @@ from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_req
 from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_rows
 from kvxfer.progress import Count, Line, wait_announced
 from kvxfer.progress import RequestProgress as Progress
-from kvxfer.router.app import KEEPALIVE_S
+from kvxfer.router.constants import KEEPALIVE_S
 from kvxfer.serving.command import CommandParser
-from kvxfer.serving.http import HttpError, request_text, stream_json
+from kvxfer.serving.exchange import HttpError
 from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
 from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.startup import check_serving
@@ -71,6 +71,8 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
                        sampling: Sequence[SamplingParams] = ()) -> list[Result]:
     """Send every prompt through the router whose ``--timeout`` is ``timeout`` (with its API
     key, when it wants one), prompt i sampled as ``sampling[i]`` says (none: greedy)."""
+    from kvxfer.serving.http import stream_json  # aiohttp: once the flags are checked
+
     sem = asyncio.Semaphore(concurrency)
     # The router may wait on its workers for minutes between two tokens (a stalled transfer,
     # then a recompute elsewhere) and ends such a wait itself; meanwhile it sends a "waiting"
@@ -353,6 +355,8 @@ def _warm_up(url: str, prompts: list[list[int]], expected: list[list[int]], args
 
 def _save_metrics(group: ProcessGroup, log_dir: Path) -> None:
     """Keep each process's metrics beside its log (the e2e test reads them)."""
+    from kvxfer.serving.http import request_text
+
     for child in group.children:
         try:
             text = asyncio.run(request_text(child.url, "/metrics", 10.0))

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvxfer.pair_sampling import sampling_line
 from kvxfer.pair_store import store_lines
-from kvxfer.router.router import KEY_PATTERN
+from kvxfer.router.constants import KEY_PATTERN
 
 
 @dataclass

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import requests
-
 from kvxfer.etcd.client import EtcdClient, EtcdUnavailable, b64, prefix_end
 
 log = logging.getLogger(__name__)
@@ -92,6 +90,8 @@ class PrefixWatch:
         return revision
 
     def _run(self) -> None:
+        import requests  # noqa: PLC0415 - 0.15 s: not for a command that only checks its flags
+
         revision: int | None = None
         while not self._stop.is_set():
             try:
@@ -120,6 +120,8 @@ class PrefixWatch:
     def _follow(self, revision: int) -> int:
         """Read the watch stream from ``revision + 1`` until it goes quiet for ``quiet_s`` (then
         check etcd answers, and return the revision reached) or breaks (raise)."""
+        import requests  # noqa: PLC0415
+
         raw = self.client.raw()
         request = {"create_request": {"key": b64(self.prefix.encode()), "range_end": b64(prefix_end(self.prefix)),
                                       "start_revision": revision + 1}}

@@ -53,6 +53,7 @@ from urllib.parse import unquote
 from kvxfer import __version__
 from kvxfer.engine.sampling import FIELDS as SAMPLING_FIELDS
 from kvxfer.engine.sampling import InvalidSampling, SamplingParams
+from kvxfer.router.constants import KEEPALIVE_S
 from kvxfer.router.frontend import OpenAIFrontend
 from kvxfer.router.inputs import InvalidRequest, check_logprobs
 from kvxfer.router.openai_api import OpenAIError, parse
@@ -62,12 +63,6 @@ from kvxfer.router.tokenizing import parse_detokenize, parse_tokenize
 from kvxfer.serving.http import BadRequest, Request, Response
 from kvxfer.serving.keys import API_KEY, BearerKey, refusal
 from kvxfer.serving.metrics import CONTENT_TYPE
-
-KEEPALIVE_S = 5.0
-"""The longest a stream stays silent: the router may wait on its workers for minutes
-between two tokens (a stalled transfer, then a recompute elsewhere), and its own timers end
-that wait with the failure or the recompute. The "waiting" events (NDJSON) and comments
-(SSE) let a client tell such a wait from a router that hung, with a short silence limit of its own."""
 
 GENERATE_FIELDS = frozenset({"prompt", "max_new_tokens", "request", "stop_ids", "logprobs", *SAMPLING_FIELDS})
 _WAITING = object()

@@ -53,6 +53,7 @@ from typing import Any
 
 from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams
 from kvxfer.router.cleanup import Cleanup
+from kvxfer.router.constants import POLICIES
 from kvxfer.router.inputs import InvalidRequest, MixedEngines, check_limits, check_logprobs, check_shape
 from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
@@ -65,14 +66,10 @@ from kvxfer.serving.metrics import Registry
 
 log = logging.getLogger("kvxfer.router")
 
-POLICIES = ("fail", "recompute")
 WORKER_SETTLE_S = 15.0
 """A decode worker's waits after a fetch's deadline: cancel grace (5 s) plus quiescence (10 s)."""
 
 
-KEY_PATTERN = r"r[0-9a-f]{12}-\d+"
-"""The shape of the ids the router gives the workers (``Router._key``), for tools that read
-them out of reasons and logs."""
 
 
 class Router:

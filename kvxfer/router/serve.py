@@ -26,22 +26,27 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.modelfiles import CheckpointError, load_tokenizer
-from kvxfer.router.app import make_handler
-from kvxfer.router.frontend import OpenAIFrontend
-from kvxfer.router.router import POLICIES, Router
-from kvxfer.router.workers import SELECTIONS
+from kvxfer.router.constants import POLICIES, SELECTIONS
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.command import CommandParser
 from kvxfer.serving.discovery import Membership, add_etcd_args, check_etcd, in_thread, with_health
-from kvxfer.serving.http import HttpServer, check_url
 from kvxfer.serving.keys import add_key_args, keys_from_args, open_door_warning
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
+from kvxfer.serving.urls import check_url
+
+if TYPE_CHECKING:
+    from kvxfer.router.router import Router
 
 
 async def serve_router(args: argparse.Namespace, ready_fd: int) -> int:
+    from kvxfer.router.app import make_handler
+    from kvxfer.router.frontend import OpenAIFrontend
+    from kvxfer.router.router import Router
+    from kvxfer.serving.http import HttpServer
+
     router = Router(args.prefill, args.decode, selection=args.selection, on_failure=args.on_failure,
                     timeout_s=args.timeout, cluster_key=args.cluster_key)
     frontend = OpenAIFrontend(router, model=args.model or None, tokenizer=args.tokenizer)

@@ -13,10 +13,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.serving.http import check_url
+from kvxfer.router.constants import SELECTIONS
+from kvxfer.serving.urls import check_url
 
 ROLES = ("prefill", "decode")
-SELECTIONS = ("round_robin", "least_outstanding")
 
 
 @dataclass(eq=False)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import urllib.parse
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
@@ -26,25 +25,12 @@ from typing import Any
 import aiohttp
 
 from kvxfer.serving.exchange import MAX_BODY, READ_TIMEOUT_S, HttpError, decode, error_message
+from kvxfer.serving.urls import check_url  # noqa: F401 - the client's name for it too
 
 KEEPALIVE_S = READ_TIMEOUT_S / 2
 """How long an idle connection stays in the pool: below the servers' idle limit
 (READ_TIMEOUT_S), so that the client, not the server, ends it, and a request never goes out
 on a connection the server is closing."""
-
-
-def check_url(url: str) -> str:
-    """``url`` without its trailing slash, when it names a server as ``http://host:port``;
-    ValueError otherwise (one without a port would be taken as port 80 and fail every call)."""
-    problem = ValueError(f"{url!r} is not a server's URL: give http://HOST:PORT")
-    try:
-        parts = urllib.parse.urlsplit(url.rstrip("/"))
-        port = parts.port
-    except ValueError:
-        raise problem from None
-    if parts.scheme != "http" or not parts.hostname or port is None or parts.path or parts.query:
-        raise problem
-    return url.rstrip("/")
 
 
 class HttpClient:

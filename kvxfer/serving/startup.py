@@ -15,9 +15,12 @@ import errno
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
-from kvxfer.serving.http import HttpServer
 from kvxfer.wire import WireError, hint_key_from_env
+
+if TYPE_CHECKING:
+    from kvxfer.serving.http import HttpServer
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -26,12 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.adapters.errors import AdapterError
-from kvxfer.backends.blob import ShmDriver, StoreError
 from kvxfer.contract import TransferMode, one_line
 from kvxfer.engine import MODELS, TOY, CheckpointError, ModelConfig, model_shape
-from kvxfer.etcd import EtcdUnavailable
 from kvxfer.modelfiles import model_path
-from kvxfer.native import info as native_info
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.command import CommandParser
 from kvxfer.serving.discovery import (
@@ -45,7 +42,6 @@ from kvxfer.serving.discovery import (
     in_thread,
     with_health,
 )
-from kvxfer.serving.http import HttpServer
 from kvxfer.serving.keys import add_key_args, keys_from_args, open_door_warning
 from kvxfer.serving.startup import LOG_LEVELS, check_serving, ignore_late_stops, listen, log_level, stop_on_signals
 from kvxfer.ucx_env import net_devices_problem
@@ -211,6 +207,8 @@ def model_args_list(args: argparse.Namespace, device: str = "") -> list[str]:
 
 
 async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
+    from kvxfer.etcd import EtcdUnavailable
+    from kvxfer.serving.http import HttpServer
     from kvxfer.worker.app import make_handler
     from kvxfer.worker.core import Worker
 
@@ -310,6 +308,8 @@ def worker_record(worker: Worker, url: str) -> WorkerRecord:
 async def _register(registration: Registration, record: WorkerRecord) -> bool:
     """Put this worker in etcd; False, after one line on stderr naming the endpoint, when etcd
     does not answer (the worker then exits 2 without announcing itself ready)."""
+    from kvxfer.etcd import EtcdUnavailable
+
     try:
         await asyncio.to_thread(registration.start, record)
     except EtcdUnavailable as exc:
@@ -469,6 +469,8 @@ def check_store(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """A store this worker could not open, named before anything is built: a directory it
     cannot write, a Mooncake master that does not answer."""
     if args.store == "memory":
+        from kvxfer.backends.blob import ShmDriver, StoreError
+
         try:
             ShmDriver(args.store_path).close()
         except StoreError as exc:
@@ -495,6 +497,8 @@ def check_backend(parser: argparse.ArgumentParser, backend: str) -> None:
     UCX_NET_DEVICES naming a device this host lacks)."""
     check_net_devices(parser, backend)
     if backend == "ipc":
+        from kvxfer.native import info as native_info
+
         info = native_info()
         if not info.cuda_usable:
             parser.error(f"--backend ipc needs a visible CUDA GPU and kvxfer._native built with CUDA: {info.reason}")
