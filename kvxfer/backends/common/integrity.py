@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backends.common.matching import GroupMatch
-from kvxfer.contract import BoolArray, CompletionRecord, Hint, IndexArray, SlotRegion, View
+from kvxfer.contract import BoolArray, CompletionRecord, Hint, IndexArray, MemoryKind, SlotRegion, View
 
 U64 = npt.NDArray[np.uint64]
 DIGEST_K = 0x3C6EF372FE94F82A  # 2 * 0x9E3779B97F4A7C15 mod 2**64: even, so every weight is odd
@@ -199,8 +199,10 @@ class RowCheck:
         self.rows_failed = 0
 
     def applies(self, view: View) -> bool:
-        """Pool rows only: an engine geometry's destination rows are not the source's bytes."""
-        return self.enabled and view.geometry is None
+        """Pool rows in host memory: an engine geometry's destination rows are not the source's
+        bytes, and device rows wait for the IPC kernel's fused digest."""
+        return self.enabled and view.geometry is None and all(
+            g.region.memory_kind is MemoryKind.HOST for g in view.groups)
 
     def check(self, view: View, masks: list[BoolArray], digests: Sequence[U64] | None) -> str | None:
         before = sum(int(m.sum()) for m in masks)
