@@ -5,6 +5,11 @@ so it is the oracle the other backends are compared with. Push and pull work as 
 peer backends do: the active end copies and then sends a completion record; the
 passive end concludes from that record. Faults can be injected after k rows, and each
 submission can be delayed, so that tests can exercise partial delivery and cancellation.
+
+Integrity (``integrity=True``, the default; ``kvxfer.backends.common.integrity``): the end
+that reads the source rows digests them (a push publisher as it copies, a pull publisher in
+describe()) and the fetcher checks its rows where they landed; ``corrupt_landed`` is the
+fetcher's test hook that changes landed bytes before that check.
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ import numpy as np
 
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclude_from_record, stop_reason
+from kvxfer.backends.common.integrity import (
+    DIGEST_EXTRA,
+    CorruptFn,
+    RowCheck,
+    expected_from_hint,
+    group_digests,
+    pack_digests,
+    peer_masks_from_local,
+    sent_digests,
+)
 from kvxfer.backends.common.matching import GroupMatch, coalesce, match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.backends.common.transform import Oriented, copy_runs, plan_between
@@ -128,8 +143,11 @@ class LoopbackBackend(BackendEngine):
         delay_s: float = 0.0,
         deadline_s: float = 30.0,
         hint_ttl_s: float = DEFAULT_HINT_TTL_S,
+        integrity: bool = True,
+        corrupt_landed: CorruptFn | None = None,
     ) -> None:
         self._start_engine(name, mode, frozenset({MemoryKind.HOST}), hint_ttl_s)
+        self.integrity = RowCheck(integrity, corrupt_landed)
         self.fail_after_rows = fail_after_rows
         self.delay_s = delay_s
         self.deadline_s = deadline_s
@@ -151,7 +169,12 @@ class LoopbackBackend(BackendEngine):
         return skipped
 
     def describe(self, view: View, audience: Peer | None = None) -> Hint:
-        return self._hint(view, self._describe_checked(view), audience)
+        transfer_id = self._describe_checked(view)
+        extras: tuple[tuple[str, bytes], ...] = ()
+        if self.mode is TransferMode.PULL and self.integrity.applies(view):
+            # The fetcher reads these rows itself: they are committed and pinned now.
+            extras = ((DIGEST_EXTRA, pack_digests(group_digests(view))),)
+        return self._hint(view, transfer_id, audience, extras=extras)
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
         active: list[_Active] = []
@@ -257,7 +280,9 @@ class LoopbackBackend(BackendEngine):
         if record.sender != wait.hint.agent or record.request != wait.view.request:
             return  # not from the peer this transfer was described to: ignore it
         # Concluded already: we gave up earlier, and the peer now confirms it stopped.
-        conclude_from_record(wait.attempt, wait.view, record)
+        fetching = self.mode is TransferMode.PUSH  # a passive wait fetches in push mode
+        conclude_from_record(wait.attempt, wait.view, record,
+                             self.integrity.record_check(wait.view) if fetching else None)
         self._end_passive(wait)
 
     def _end_passive(self, wait: _Passive) -> None:
@@ -306,6 +331,7 @@ class LoopbackBackend(BackendEngine):
         budget = total if self.fail_after_rows is None else min(total, self.fail_after_rows)
         if budget < total:
             failure = f"injected fault after {budget} rows"
+        moved = [0] * len(job.matches)
         for gi, match in enumerate(job.matches):
             if budget <= 0 or job.attempt.cancel_requested or match.peer is None:
                 continue
@@ -321,9 +347,19 @@ class LoopbackBackend(BackendEngine):
             else:
                 done = self._copy_runs(job, match.peer.address, match.local.region.address,
                                        match.local.region.slot_bytes, peer, local)
+            moved[gi] = done
             local_masks[gi][match.local_rows[:done]] = True
             peer_masks[peer_index[match.peer.layer_group]][match.peer_rows[:done]] = True
-        self._finish(job, failure, local_masks, peer_masks)
+        digests = None
+        if self.integrity.applies(job.view):
+            if job.writes_peer:
+                digests = sent_digests(job.matches, job.hint, moved)
+            else:  # pull: our rows are the destination, the publisher's hint has the digests
+                bad = self.integrity.check(job.view, local_masks, expected_from_hint(job.matches, job.hint))
+                if bad is not None:
+                    peer_masks_from_local(job.matches, job.hint, local_masks, peer_masks)
+                    failure = bad if failure is None else f"{failure}; {bad}"
+        self._finish(job, failure, local_masks, peer_masks, digests)
 
     def _run_transform(self, job: _Active, transform: Oriented) -> None:
         """Copy the plan's runs a block-sized batch at a time (a cancel stops between
@@ -343,7 +379,8 @@ class LoopbackBackend(BackendEngine):
         local_masks, peer_masks = transform.masks(done)
         self._finish(job, failure, local_masks, peer_masks)
 
-    def _finish(self, job: _Active, failure: str | None, local_masks: list, peer_masks: list) -> None:
+    def _finish(self, job: _Active, failure: str | None, local_masks: list, peer_masks: list,
+                digests: list | None = None) -> None:
         outcome: Failed | Cancelled | Delivered
         if failure is not None:
             status, outcome = RecordStatus.FAILED, Failed(failure, local_masks)
@@ -353,7 +390,7 @@ class LoopbackBackend(BackendEngine):
             status, outcome = RecordStatus.DELIVERED, Delivered(tuple(local_masks))
         # The passive end learns what is in place on its side; then ours concludes.
         record = CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
-                                  peer_masks, failure or "")
+                                  peer_masks, failure or "", digests or ())
         self._fabric.deliver(job.hint.agent, record)
         job.attempt.conclude(outcome)
         job.attempt.mark_quiesced()

@@ -52,17 +52,17 @@ class Kind:
     stamps_outcome: bool = False  # its child reports when its outcome became visible (latency)
 
 
-def _nixl_kind(packed: str) -> Kind:
+def _nixl_kind(packed: str, integrity: bool = True) -> Kind:
     """NixlBackend here and in a SubprocessPeer child, over host or device rows."""
 
     def local(mode: TransferMode, device: int) -> Backend:
         from kvxfer.backends.nixl import NixlBackend
 
-        return NixlBackend(mode=mode, packed=packed)  # type: ignore[arg-type]
+        return NixlBackend(mode=mode, packed=packed, integrity=integrity)  # type: ignore[arg-type]
 
     def args(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> dict[str, Any]:
         return {"mode": mode.value, "buffers": [list(g) for g in geometry], "memory_kind": memory,
-                "touch": True, "packed": packed, "device": device}
+                "touch": True, "packed": packed, "device": device, "integrity": integrity}
 
     def peer(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> Any:
         from kvxfer.testing.subprocess_peer import SubprocessPeer
@@ -79,7 +79,8 @@ def _nixl_kind(packed: str) -> Kind:
     from kvxfer.backends.nixl.plan import ChunkBytes
 
     return Kind(("host", "device"), local, peer, args, rows,  # both ends use the backend's defaults here
-                {"processes": 2, "transport": "NIXL over UCX", "packed": packed, **nixl_facts(ChunkBytes())})
+                {"processes": 2, "transport": "NIXL over UCX", "packed": packed, "integrity": integrity,
+                 **nixl_facts(ChunkBytes())})
 
 
 def ucx_child_backend(mode: str, buffers: list[list[Any]], memory_kind: str = "host", touch: bool = False,
@@ -382,6 +383,10 @@ SPECS = [
     CaseSpec("nixl_2p", "kvxfer NIXL backend (packed=auto), peer in a second process", Role.BACKEND,
              frozenset({Requirement.NIXL, Requirement.KVXFER_NIXL, Requirement.SUBPROCESS_PEER}), _ALL,
              frozenset({"throughput"}), lambda config: TwoProcessCase(config, _nixl_kind("auto"))),
+    CaseSpec("nixl_2p_no_integrity", "kvxfer NIXL backend (packed=auto), integrity=False on both ends (no row "
+             "digests: nixl_2p's reference for their cost), peer in a second process", Role.BACKEND,
+             frozenset({Requirement.NIXL, Requirement.KVXFER_NIXL, Requirement.SUBPROCESS_PEER}), _ALL,
+             frozenset({"throughput"}), lambda config: TwoProcessCase(config, _nixl_kind("auto", integrity=False))),
     CaseSpec("nixl_2p_packed", "kvxfer NIXL backend, packed rows (bounce arena), peer in a second process",
              Role.BACKEND, frozenset({Requirement.NIXL, Requirement.KVXFER_PACKED, Requirement.SUBPROCESS_PEER}),
              _ALL, frozenset({"throughput"}), lambda config: TwoProcessCase(config, _nixl_kind("always"))),

@@ -23,14 +23,16 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
                  fabric: LoopbackFabric | None = None, device: int = 0, chunk_bytes: int | None = None,
                  chunk_pause_s: float = 0.0, busy_poll: bool = False, arena_bytes: int | None = None,
                  hint_ttl_s: float = DEFAULT_HINT_TTL_S, etcd_endpoints: str = "", etcd_namespace: str = "",
-                 etcd_ttl_s: int = 10) -> Backend:
+                 etcd_ttl_s: int = 10, integrity: bool = True) -> Backend:
     """``chunk_bytes``/``chunk_pause_s`` tune NIXL's submission chunks (a chunk is the unit
     that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way.
     ``arena_bytes`` (nixl only): the packed path's bounce arena (None: the backend's default,
     0: none). ``hint_ttl_s``: how long the hints it describes may be used. ``etcd_*`` (nixl
     only): keep the agent's metadata in etcd there ("" endpoints: as NIXL_ETCD_ENDPOINTS says).
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
-    doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency."""
+    doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency.
+    ``integrity`` (nixl, loopback): row digests sent and checked (docs/reliability.md); ipc and
+    ucx do not digest rows yet."""
     if busy_poll and kind != "ipc":
         raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
     if arena_bytes is not None and kind != "nixl":
@@ -41,7 +43,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
         etcd = EtcdSettings(etcd_endpoints or None, etcd_namespace or None, etcd_ttl_s)
         return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s,
                            chunk_bytes=chunk_bytes or None, arena_bytes=arena_bytes, hint_ttl_s=hint_ttl_s,
-                           etcd=etcd)
+                           etcd=etcd, integrity=integrity)
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 
@@ -54,5 +56,5 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
         if fabric is None:
             raise ValueError("the loopback backend connects backends of one process only: pass a LoopbackFabric "
                              "shared by in-process workers, or use --backend nixl between processes")
-        return LoopbackBackend(fabric, name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s)
+        return LoopbackBackend(fabric, name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s, integrity=integrity)
     raise ValueError(f"unknown backend {kind!r}: choose one of {', '.join(BACKENDS)}")

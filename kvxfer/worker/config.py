@@ -47,6 +47,7 @@ class WorkerConfig:
     device: str = "cpu"             # where the pool lives (the model must be on the same device)
     busy_poll: bool = False         # ipc: spin while transfers wait, and offer a doorbell (make_backend)
     arena_bytes: int | None = None  # nixl: the packed path's bounce arena (None: the backend's default, 0: none)
+    integrity: bool = True          # row digests sent and checked (nixl, loopback, the store); --integrity off
     # An engine's own KV (kvxfer.worker.ranks): a TP group sharded by KV heads, in a block
     # size and order of its own, moved as engine geometries. ``peer_tp``: the TP of the
     # prefill workers a decode worker takes KV from.

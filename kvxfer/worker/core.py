@@ -158,7 +158,7 @@ class Worker:
                                  busy_poll=cfg.busy_poll, device=device,
                                  arena_bytes=cfg.arena_bytes, hint_ttl_s=min(cfg.hold_s, MAX_HINT_TTL_S),
                                  etcd_endpoints=cfg.etcd_endpoints, etcd_namespace=cfg.etcd_namespace,
-                                 etcd_ttl_s=cfg.etcd_ttl_s)
+                                 etcd_ttl_s=cfg.etcd_ttl_s, integrity=cfg.integrity)
         skipped = s.backend.register(s.lender.regions)
         if skipped:
             raise RuntimeError(f"backend {cfg.backend!r} cannot reach the pool's "

@@ -217,7 +217,7 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
                           mode=TransferMode(args.mode), lender=args.lender, **timing_fields(args),
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None,
-                          chunk_pause_s=args.nixl_chunk_pause,
+                          chunk_pause_s=args.nixl_chunk_pause, integrity=args.integrity == "on",
                           device=device, busy_poll=args.busy_poll, engine=args.engine,
                           arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20,
                           **engine_kv_fields(args), **store_fields(args), **etcd_fields(args))
@@ -362,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nixl-chunk-pause", type=float, default=0.0,
                    help="nixl: seconds between chunk posts (fault-injection tests kill a peer mid-transfer)")
     p.add_argument("--nixl-arena-mib", type=arena_mib, default=None, metavar="MIB", help=ARENA_HELP)
+    p.add_argument("--integrity", choices=("on", "off"), default="on",
+                   help="nixl, loopback: send a digest of each row and check it where the row landed; a row that "
+                        "fails is not delivered (default on; off only to measure the transport alone)")
     p.add_argument("--busy-poll", action="store_true",
                    help="ipc: a core spins while transfers wait, and a waiting end offers a doorbell word that the "
                         "copy kernel sets (lowest small-transfer latency, one busy core)")

@@ -82,7 +82,7 @@ def test_rows_put_by_one_end_come_back_byte_for_byte_at_another() -> None:
     outcome = _done(decode.fetch(view, decode.describe(view)))
     assert isinstance(outcome, Delivered) and outcome.all_delivered
     assert dm.read("decode0", view.groups[0].slots) == data
-    assert store.used == 10 * ROW and prefill.bytes_moved == decode.bytes_moved == 10 * ROW
+    assert store.used == 10 * (ROW + 8) and prefill.bytes_moved == decode.bytes_moved == 10 * ROW  # each row and its digest
 
 
 def test_a_missing_or_lost_key_is_false_and_the_fetch_fails_naming_it() -> None:
@@ -99,7 +99,7 @@ def test_a_missing_or_lost_key_is_false_and_the_fetch_fails_naming_it() -> None:
 
 
 def test_a_full_store_refuses_what_does_not_fit_and_a_dead_one_fails_every_row() -> None:
-    store = MemoryStore(capacity_bytes=5 * ROW)
+    store = MemoryStore(capacity_bytes=5 * ROW + 8 * 8)  # five rows, and the batch's 8 digests (put first)
     prefill, pm = _end(store, "prefill")
     outcome = _publish(prefill, pm, _view(pm, "r1", list(range(8))), _payload(8))
     assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [True] * 5 + [False] * 3
@@ -132,7 +132,7 @@ def test_deadline_and_cancel_end_between_batches_with_exact_masks() -> None:
     assert isinstance(outcome, Failed) and "deadline of 0.5s passed" in outcome.reason
     delivered = outcome.masks[0]
     assert 0 < delivered.sum() < 8 and delivered.tolist() == sorted(delivered.tolist(), reverse=True)
-    assert store.used == int(delivered.sum()) * ROW  # what the mask says is stored, is
+    assert store.used == int(delivered.sum()) * (ROW + 8)  # what the mask says is stored (and its digest), is
     store.delay_s = 0.05
     slow, sm = _end(store, "slow", batch_rows=2)
     view = _view(sm, "r2", list(range(8)))
@@ -153,7 +153,7 @@ def test_the_queue_is_bounded_and_a_refused_submission_touches_nothing() -> None
     with pytest.raises(SubmissionRejected, match="4 rows are queued; 4 more would pass max_queued_rows=6"):
         prefill.publish(second, prefill.describe(second))
     _done(attempt)
-    assert store.puts == 4  # nothing of r2
+    assert store.puts == 8  # 4 rows of r1 and their digests; nothing of r2
     assert isinstance(_done(prefill.publish(second, prefill.describe(second))), Delivered)  # room again
 
 

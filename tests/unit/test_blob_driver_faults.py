@@ -198,7 +198,7 @@ def test_a_base_exception_ends_every_attempt_failed_and_later_submissions_are_re
         _put(prefill, pm, "r3", [4], seed=7)
     MADE.remove((prefill, pd))
     assert prefill.shutdown() == frozenset()
-    assert pd.closes == 1 and len(pd.unregistered) == 1  # closed by shutdown: the thread had ended
+    assert pd.closes == 1 and len(pd.unregistered) == 2  # the region and the digest scratch; closed by shutdown: the thread had ended
 
 
 def test_shutdown_returns_the_attempt_whose_get_is_blocked_in_the_driver_and_closes_it_after() -> None:
@@ -221,7 +221,7 @@ def test_shutdown_returns_the_attempt_whose_get_is_blocked_in_the_driver_and_clo
     dd.release()
     assert isinstance(_done(blocked), Cancelled)
     assert settle(lambda: dd.closes == 1)  # by the thread, once its get returned
-    assert len(dd.unregistered) == 1 and not dd.closed_during_call
+    assert len(dd.unregistered) == 2 and not dd.closed_during_call  # the region and the digest scratch
     assert decode.shutdown() == frozenset() and dd.closes == 1  # idempotent: closed once
     with pytest.raises(SubmissionRejected, match="shut down"):
         _get(decode, dm, "r1", [10, 11])
@@ -233,4 +233,4 @@ def test_shutdown_with_nothing_in_the_driver_closes_it_once_however_often_it_is_
     MADE.remove((backend, driver))
     for _ in range(3):
         assert backend.shutdown() == frozenset()
-    assert driver.closes == 1 and len(driver.unregistered) == 1
+    assert driver.closes == 1 and len(driver.unregistered) == 2  # the region and the digest scratch

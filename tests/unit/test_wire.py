@@ -493,8 +493,8 @@ def test_nested_arrays_are_refused_before_they_cost_memory() -> None:
     body = b"\x81" + msgpack.packb("extras") + bomb
     # With the audience pair, and room for a geometry of Limits.groups regions (4 + 256 more).
     assert refused(raw_message(body), "more than 584 arrays and maps")
-    record = b"\x81" + msgpack.packb("masks") + bomb
-    assert refused(raw_message(record, "completion"), "more than 258 arrays and maps", decode=decode_completion)
+    record = b"\x81" + msgpack.packb("masks") + bomb  # the body, the masks, one map per mask, the digests
+    assert refused(raw_message(record, "completion"), "more than 259 arrays and maps", decode=decode_completion)
     # A real hint at the limits still decodes: 64 extras and 256 groups.
     full = make_hint(extras=tuple((f"x{i}", b"v") for i in range(64)),
                      groups=tuple(make_group(f"g{i}") for i in range(256)))

@@ -23,6 +23,11 @@ whose batch is in the driver included, and closes the driver once no call of it 
 putting them), checking with ``exists``; 0 (the default) takes what is there now, for a
 lookup before asking a prefill worker. Submissions are refused (SubmissionRejected) while
 ``max_queued_rows`` rows wait: back-pressure instead of unbounded memory.
+
+Integrity (``integrity=True``, the default): a put stores each row's digest under a second key
+before the row, a get checks every landed row against it (``digests.py``); a row whose digest
+differs or is missing is False and the fetch Failed, its reason starting "digest mismatch".
+``corrupt_landed``: the test hook that changes landed rows before that check.
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxfer.backends.blob import guard
+from kvxfer.backends.blob.digests import StoreDigests, batch_digests, corrupt_batch
 from kvxfer.backends.blob.driver import BlobDriver, KeyStatus, Span
 from kvxfer.backends.blob.names import Namer, hint_names, names_extras, request_names
 from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.integrity import MISMATCH, CorruptFn, RowCheck
 from kvxfer.backends.common.matching import check_submission, match_rows
 from kvxfer.backends.common.regions import RegionTable
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, OwnTransfers, hint_groups
@@ -75,17 +82,22 @@ class _Job:
 
     put: bool
     attempt: TrackedAttempt
+    view: View
+    checked: bool  # digests stored (put) or checked (get)
     keys: list[bytes]
     addresses: np.ndarray
     sizes: np.ndarray
     group: np.ndarray
     row: np.ndarray
+    slots: np.ndarray
     masks: list[BoolArray]
     deadline: float
     wait_until: float
     done: int = 0
     statuses: Counter[KeyStatus] = field(default_factory=Counter)
     first_bad: str = ""
+    mismatched: int = 0  # rows that failed their digest check, or had none
+    first_mismatch: str = ""
 
     @property
     def left(self) -> int:
@@ -98,7 +110,8 @@ class BlobBackend(Backend):
     def __init__(self, driver: BlobDriver, *, name: str = "blob", mode: TransferMode = TransferMode.PUSH,
                  namer: Namer = request_names, batch_rows: int = 256, max_queued_rows: int = 1 << 16,
                  timeout_s: float = 30.0, fetch_wait_s: float = 0.0, hint_ttl_s: float = DEFAULT_HINT_TTL_S,
-                 memory_kinds: frozenset[MemoryKind] = frozenset({MemoryKind.HOST})) -> None:
+                 memory_kinds: frozenset[MemoryKind] = frozenset({MemoryKind.HOST}), integrity: bool = True,
+                 corrupt_landed: CorruptFn | None = None) -> None:
         if batch_rows < 1 or max_queued_rows < 1:
             raise ValueError(f"batch_rows and max_queued_rows must be >= 1, got {batch_rows}, {max_queued_rows}")
         if not 0 < timeout_s < float("inf") or not 0 <= fetch_wait_s < timeout_s:
@@ -127,6 +140,9 @@ class BlobBackend(Backend):
         self._close_pending = False
         self._driver_closed = False
         self.bytes_moved = 0  # by this backend's finished batches (put and get), for the bench
+        self.integrity = RowCheck(integrity, corrupt_landed)
+        self._scratch_registered = False
+        self._digests = StoreDigests(batch_rows) if integrity else None
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-blob-{name}", daemon=True)
         self._thread.start()
 
@@ -146,6 +162,9 @@ class BlobBackend(Backend):
         added = self._regions.add(taken)
         done: list[SlotRegion] = []
         try:
+            if self._digests is not None and added and not self._scratch_registered:
+                self.driver.register(self._digests.span)
+                self._scratch_registered = True
             for region in added:
                 self.driver.register(_span(region))
                 done.append(region)
@@ -204,8 +223,12 @@ class BlobBackend(Backend):
             left = frozenset(job.attempt for job in (*queued, running, self._running)
                              if job is not None and not job.attempt.quiesced())
         if close:
-            guard.release(self.driver, [_span(r) for r in self._regions], self.name)
+            guard.release(self.driver, self._spans(), self.name)
         return left
+
+    def _spans(self) -> list[Span]:
+        extra = [self._digests.span] if self._digests is not None and self._scratch_registered else []
+        return [_span(r) for r in self._regions] + extra
 
     # --- submission --------------------------------------------------------------------------
     def _refuse_if_closed(self) -> None:
@@ -245,7 +268,7 @@ class BlobBackend(Backend):
         """The rows with a counterpart in the hint, under the hint's names (InvalidSubmission
         if it names none); rows without one stay False."""
         keys: list[bytes] = []
-        addresses, sizes, groups, rows = [], [], [], []
+        addresses, sizes, groups, rows, slots = [], [], [], [], []
         for i, match in enumerate(match_rows(view, hint)):
             if match.peer is None or match.local_rows.size == 0:
                 continue
@@ -256,9 +279,11 @@ class BlobBackend(Backend):
             sizes.append(np.full(match.local_rows.size, region.slot_bytes, dtype=np.int64))
             groups.append(np.full(match.local_rows.size, i, dtype=np.int64))
             rows.append(match.local_rows)
+            slots.append(match.local_slots)
         now = time.monotonic()
         wait = 0.0 if put else self.fetch_wait_s
-        return _Job(put, attempt, keys, _cat(addresses), _cat(sizes), _cat(groups), _cat(rows), view.row_masks(False),
+        return _Job(put, attempt, view, self._digests is not None and self.integrity.applies(view), keys,
+                    _cat(addresses), _cat(sizes), _cat(groups), _cat(rows), _cat(slots), view.row_masks(False),
                     now + self.timeout_s, now + wait)
 
     # --- the backend's thread ----------------------------------------------------------------
@@ -274,7 +299,7 @@ class BlobBackend(Backend):
                 close = self._close_pending and not self._driver_closed
                 self._driver_closed |= close
             if close:  # shutdown() found this thread in a driver call that has returned since
-                guard.release(self.driver, [_span(r) for r in self._regions], self.name)
+                guard.release(self.driver, self._spans(), self.name)
 
     def _serve(self) -> None:
         while True:
@@ -333,21 +358,59 @@ class BlobBackend(Backend):
     def _batch(self, job: _Job) -> None:
         end = min(job.done + self.batch_rows, len(job.keys))
         keys, addresses, sizes = job.keys[job.done:end], job.addresses[job.done:end], job.sizes[job.done:end]
+        digest_ok = None
+        if job.checked and job.put:  # read for sending: digests first, so a row found has its digest
+            digest_ok, failure = self._put_digests(job, end, keys)
+            job.first_bad = job.first_bad or failure
         statuses, failure = guard.move(self.driver, job.put, keys, addresses, sizes)
         job.first_bad = job.first_bad or failure
-        ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=np.bool_, count=len(keys))
+        said_ok = np.fromiter((s is KeyStatus.OK for s in statuses), dtype=np.bool_, count=len(keys))
+        ok = said_ok.copy()
+        if job.checked and not job.put:
+            digest_ok = self._check_digests(job, end, keys, ok)
+        if digest_ok is not None:
+            failed = ok & ~digest_ok
+            if failed.any():
+                ok &= digest_ok
+                job.mismatched += int(failed.sum())
+                job.first_mismatch = job.first_mismatch or (
+                    f"row {int(job.row[job.done + int(np.flatnonzero(failed)[0])])}")
         for g in np.unique(job.group[job.done:end]).tolist():
             sel = job.group[job.done:end] == g
             job.masks[g][job.row[job.done:end][sel]] = ok[sel]
         job.statuses.update(statuses)
-        if not job.first_bad and not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
+        if not job.first_bad and not said_ok.all():
+            i = int(np.flatnonzero(~said_ok)[0])
             job.first_bad = f"key {keys[i].hex()} of row {int(job.row[job.done + i])} is {statuses[i].value}"
         self.bytes_moved += int(sizes[ok].sum())
         job.done = end
 
+    def _put_digests(self, job: _Job, end: int, keys: list[bytes]) -> tuple[np.ndarray, str]:
+        assert self._digests is not None
+        digests = batch_digests(job.view, job.group[job.done:end], job.slots[job.done:end])
+        return self._digests.put(self.driver, keys, digests)
+
+    def _check_digests(self, job: _Job, end: int, keys: list[bytes], landed: np.ndarray) -> np.ndarray:
+        """Which rows of the batch carry the bytes that were put: landed, with a stored digest
+        that their bytes match."""
+        assert self._digests is not None
+        if not landed.any():
+            return landed
+        stored, expected, _failure = self._digests.get(self.driver, keys)
+        group, slots = job.group[job.done:end][landed], job.slots[job.done:end][landed]
+        if self.integrity.corrupt is not None:
+            corrupt_batch(self.integrity.corrupt, job.view, group, slots)
+        good = np.zeros(len(keys), dtype=np.bool_)
+        good[landed] = stored[landed] & (batch_digests(job.view, group, slots) == expected[landed])
+        self.integrity.rows_failed += int((landed & ~good).sum())
+        return good
+
     def _verdict(self, job: _Job) -> Delivered | Failed:
         bad = {s: n for s, n in job.statuses.items() if s is not KeyStatus.OK}
+        if job.mismatched:
+            what = "stored with their digest" if job.put else "landed with the bytes that were put"
+            return Failed(f"{MISMATCH}: {job.mismatched} of {len(job.keys)} rows not {what} in store "
+                          f"{self.driver.name!r} (first: {job.first_mismatch})", job.masks)
         if not bad:
             return Delivered(tuple(job.masks))
         counts = ", ".join(f"{n} {s.value}" for s, n in sorted(bad.items(), key=lambda kv: kv[0].value))

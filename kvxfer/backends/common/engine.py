@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from kvxfer.backends.common.attempt import TrackedAttempt, cancel_and_wait_quiet
 from kvxfer.backends.common.matching import check_submission
 from kvxfer.backends.common.regions import RegionTable
@@ -197,23 +199,33 @@ class BackendEngine(Backend):
         return first
 
 
-def conclude_from_record(attempt: TrackedAttempt, view: View, record: CompletionRecord) -> None:
+def conclude_from_record(attempt: TrackedAttempt, view: View, record: CompletionRecord,
+                         check: Callable[[list, CompletionRecord], str | None] | None = None) -> None:
     """A passive wait's outcome from the active end's record (no-op once concluded). The
     record's masks say which of our rows are in place; a record of the wrong shape proves
-    nothing."""
+    nothing. ``check`` (a fetcher with integrity on): given writable copies of the masks and
+    the record, drops the rows whose bytes fail their digest and says why (None: all good);
+    such an outcome is never Delivered."""
     if attempt.poll() is not None:
         return
     masks = record.masks
     if record.status is RecordStatus.CANCELLED and not masks:
         attempt.conclude(Cancelled(True, view.row_masks()))
-    elif len(masks) != len(view.groups) or any(m.shape != (len(g),) for m, g in zip(masks, view.groups)):
+        return
+    if len(masks) != len(view.groups) or any(m.shape != (len(g),) for m, g in zip(masks, view.groups)):
         attempt.conclude(Failed("peer sent a completion record of the wrong shape", view.row_masks()))
-    elif record.status is RecordStatus.DELIVERED:
-        attempt.conclude(Delivered(masks))
+        return
+    bad = None
+    if check is not None:
+        checked = [np.array(m, dtype=np.bool_) for m in masks]
+        bad = check(checked, record)
+        masks = tuple(checked)
+    if record.status is RecordStatus.DELIVERED:
+        attempt.conclude(Delivered(masks) if bad is None else Failed(bad, masks))
     elif record.status is RecordStatus.CANCELLED:
         attempt.conclude(Cancelled(True, masks))
     else:
-        attempt.conclude(Failed(f"peer failed: {record.reason}", masks))
+        attempt.conclude(Failed(f"peer failed: {record.reason}" + (f"; {bad}" if bad else ""), masks))
 
 
 def stop_reason(attempt: TrackedAttempt, masks: Callable[[], list], now: float, deadline: float,

@@ -77,10 +77,12 @@ from typing import Any
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.devices import cuda_device_count, cuda_present, unique_agent_name
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclude_from_record
+from kvxfer.backends.common.integrity import CorruptFn, RowCheck
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
 from kvxfer.backends.common.transform import plan_between
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown
+from kvxfer.backends.nixl.checks import check_read, describe_extras, record_digests
 from kvxfer.backends.nixl.etcd_metadata import EtcdSettings
 from kvxfer.backends.nixl.geometry_packed import landing_slots_ahead
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion
@@ -177,6 +179,8 @@ class NixlBackend(BackendEngine):
         packed_chunk_bytes: int | None = None,
         poll_s: float = 0.0001,
         post_inline: bool | None = None,
+        integrity: bool = True,
+        corrupt_landed: CorruptFn | None = None,
     ) -> None:
         # None: ChunkBytes' defaults (16 MiB, or 256 MiB between device memory on both ends);
         # an int: that size for every memory.
@@ -209,6 +213,7 @@ class NixlBackend(BackendEngine):
         if MemoryKind.DEVICE in kinds and not cuda_present():
             kinds = kinds - {MemoryKind.DEVICE}
         self._start_engine(name, mode, frozenset(kinds), hint_ttl_s)
+        self.integrity = RowCheck(integrity, corrupt_landed)  # checks.py
         self._agent_closed = False  # shutdown() dropped peers and registrations
         self._active: list[ActiveJob] = []
         self._passive: dict[str, PassiveWait] = {}       # by this end's transfer id
@@ -218,7 +223,7 @@ class NixlBackend(BackendEngine):
         self._arena: Arena | None = None
         self._early_credits: OrderedDict[tuple[str, str], list[int]] = OrderedDict()  # granted before publish()
         self._tally = Tally()
-        self._receiver = PackedReceiver(self.name, self._jobs_lock, ReceiverHooks(
+        self._receiver = PackedReceiver(self.name, self._jobs_lock, self.integrity, ReceiverHooks(
             wait_for=self._wait_for, is_retired=self._own.is_retired, notify=self._notify, knows=self._agent.knows,
             count=self._tally.count, set_path=self._tally.set_path, end_passive=self._end_passive))
         self._liveness = Liveness(self.name, self._agent, self._jobs_lock, self._active, self._passive, LivenessHooks(
@@ -256,8 +261,9 @@ class NixlBackend(BackendEngine):
 
     def describe(self, view: View, audience: Peer | None = None) -> Hint:
         transfer_id = self._describe_checked(view)
+        arena = ((ARENA_EXTRA, self._arena.info.pack()),) if self._arena is not None else ()
         return self._hint(view, transfer_id, audience, endpoint=self._agent.metadata,
-                          extras=((ARENA_EXTRA, self._arena.info.pack()),) if self._arena is not None else ())
+                          extras=arena + describe_extras(self.integrity, self.mode, view))
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
         """Stop taking work, cancel what runs, and return the attempts not proven quiesced.
@@ -469,10 +475,11 @@ class NixlBackend(BackendEngine):
             return  # not from the peer this transfer was described to: ignore it
         packed = wait.inbound is not None and wait.inbound.requested  # else the rows came unpacked
         self._tally.set_path(wait.attempt, "packed" if packed else "unpacked", first=True)
+        check = self.integrity.record_check(wait.view) if self.mode is TransferMode.PUSH else None  # we fetch
         if packed:
-            conclude_packed(wait, record)
+            conclude_packed(wait, record, check)
         else:
-            conclude_from_record(wait.attempt, wait.view, record)
+            conclude_from_record(wait.attempt, wait.view, record, check)
         self._end_passive(wait)  # the active end sends its record only once its requests are done
 
     def _on_cancel_request(self, record: CompletionRecord) -> None:
@@ -547,12 +554,13 @@ class NixlBackend(BackendEngine):
             # credits or acknowledgements polls fast: they come in a fraction of a millisecond.
             return isinstance(job, PackedJob) and job.requested
         local_masks, peer_masks = job.masks()
-        status, outcome, reason = conclusion(job, local_masks)
+        bad = check_read(self.integrity, job, local_masks, peer_masks) if job.attempt.poll() is None else None
+        status, outcome, reason = conclusion(job, local_masks, bad)
         # NIXL flushes the endpoint before a request is DONE, so the rows this record
         # marks are visible at the peer before the record can arrive.
         if job.hint.agent not in self._liveness.dead:
-            self._send(job.hint.agent, CompletionRecord(
-                job.hint.transfer_id, self.name, job.view.request, status, peer_masks, reason))
+            self._send(job.hint.agent, CompletionRecord(job.hint.transfer_id, self.name, job.view.request, status,
+                                                        peer_masks, reason, record_digests(self.integrity, job) or ()))
         with self._jobs_lock:
             if job in self._active:
                 self._active.remove(job)
@@ -561,14 +569,17 @@ class NixlBackend(BackendEngine):
         return False
 
 
-def conclude_packed(wait: PassiveWait, record: CompletionRecord) -> None:
+def conclude_packed(wait: PassiveWait, record: CompletionRecord, check: Any = None) -> None:
     """A packed wait's outcome: the rows in place are those this end scattered, whatever the
-    record says."""
+    record says, less those that fail ``check`` (see conclude_from_record)."""
     if wait.attempt.poll() is not None:
         return
     scattered = wait.masks()
+    bad = check(scattered, record) if check is not None else None
     if record.status is RecordStatus.DELIVERED:
-        if wait.inbound is not None and wait.inbound.landed_all:
+        if bad is not None:
+            wait.attempt.conclude(Failed(bad, scattered))
+        elif wait.inbound is not None and wait.inbound.landed_all:
             wait.attempt.conclude(Delivered(tuple(scattered)))
         else:
             wait.attempt.conclude(Failed("peer reported delivery but packed chunks are missing", scattered))

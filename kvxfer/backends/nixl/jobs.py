@@ -215,9 +215,10 @@ def _post_next_chunk(job: ActiveJob, agent: NixlAgent) -> bool:
     return False
 
 
-def conclusion(job: ActiveJob, local: list[BoolArray] | None = None) -> tuple[RecordStatus, Outcome, str]:
+def conclusion(job: ActiveJob, local: list[BoolArray] | None = None,
+               bad: str | None = None) -> tuple[RecordStatus, Outcome, str]:
     """The record status, local outcome and reason of a finished job (``local``: its local
-    masks, when the caller has them already)."""
+    masks, when the caller has them already; ``bad``: why rows failed their integrity check)."""
     if local is None:
         local, _ = job.masks()
     complete = len(job.done) == len(job.chunks)
@@ -227,4 +228,6 @@ def conclusion(job: ActiveJob, local: list[BoolArray] | None = None) -> tuple[Re
         return RecordStatus.FAILED, Failed(job.injected, local), job.injected
     if job.attempt.cancel_requested and not complete:
         return RecordStatus.CANCELLED, Cancelled(job.cancelled_by_peer, local), "cancelled"
+    if bad is not None:
+        return RecordStatus.FAILED, Failed(bad, local), bad
     return RecordStatus.DELIVERED, Delivered(tuple(local)), ""

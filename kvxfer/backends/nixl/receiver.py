@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.integrity import RowCheck
 from kvxfer.backends.common.transfers import put_bounded
 from kvxfer.backends.nixl.geometry_packed import landing_segments, packed_bytes, request_limit, scatter_calls, shaped
 from kvxfer.backends.nixl.jobs import PassiveWait
@@ -43,8 +44,9 @@ class ReceiverHooks:
 
 
 class PackedReceiver:
-    def __init__(self, name: str, lock: threading.Lock, hooks: ReceiverHooks) -> None:
+    def __init__(self, name: str, lock: threading.Lock, integrity: RowCheck, hooks: ReceiverHooks) -> None:
         self.name = name
+        self._integrity = integrity  # when it applies, a wait concludes from the record, which has the digests
         self.arena: Arena | None = None  # the backend's, once its first register() made it
         self._lock = lock  # the backend's jobs lock: guards ``inbound`` and ``early_requests``
         self._hooks = hooks
@@ -178,6 +180,8 @@ class PackedReceiver:
             return
         if self._hooks.notify(inbound.sender, inbound.note(wait.own_id)):
             inbound.sent()
+        if self._integrity.applies(wait.view):
+            return  # the publisher's record carries the digests: conclude_packed checks them
         wait.attempt.conclude(Delivered(tuple(wait.masks())))
         self._hooks.end_passive(wait)
 

@@ -1,0 +1,218 @@
+"""End-to-end row integrity: a digest of each row's bytes, taken where they were read for
+sending and checked where they landed.
+
+The digest of a row of ``n`` bytes: pad the bytes with zeros to a whole number ``m`` of
+8-byte words, read them as little-endian uint64 ``x_0 .. x_{m-1}``, and take, modulo 2**64,
+
+    D = sum_i (1 + K * (m - i)) * x_i  =  A + K * B,   A = sum_i x_i,  B = sum_i (m - i) * x_i
+
+with ``K = DIGEST_K`` (an even constant). Every weight ``1 + K * (m - i)`` is odd, so a change
+confined to one word (any single bit flip among them) always changes D; words moved to other
+places within the row (a reversed row, pages swapped) change it unless the weights happen to
+cancel. ``B`` is Fletcher's running sum of running sums (``a += x; b += a``), so a copy loop or
+a GPU kernel can compute D with additions as it reads, and a reduction over words in any order
+gives the same value: that is what lets the IPC kernel compute it later, fused in its copy.
+Here numpy computes it (``rows @ weights``, no Python per row), once at the reading end and
+once over the destination rows where they landed.
+
+A digest is an integrity check, not an authenticity check: anyone who can write the rows can
+write a matching digest. The completion record's HMAC (``KVXFER_HINT_KEY``) is what says who
+sent the digests.
+
+Where digests travel: in the completion record (``CompletionRecord.digests``, one uint64
+array per mask) from the end that read the source rows; in pull mode, where the fetcher reads
+them itself, in the publisher's hint (``Hint.extras`` under ``DIGEST_EXTRA``, digested at
+describe(), when its rows are committed and pinned); in a store, under a second key per row
+(the blob backend).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.backends.common.matching import GroupMatch
+from kvxfer.contract import BoolArray, CompletionRecord, Hint, IndexArray, MemoryKind, SlotRegion, View
+
+U64 = npt.NDArray[np.uint64]
+DIGEST_K = 0x3C6EF372FE94F82A  # 2 * 0x9E3779B97F4A7C15 mod 2**64: even, so every weight is odd
+DIGEST_EXTRA = "kvxfer.digests"  # Hint.extras key: a pull publisher's row digests
+MISMATCH = "digest mismatch"  # how a failed outcome's reason starts when rows failed their check
+_GATHER_BYTES = 8 << 20  # rows gathered per numpy call when they are scattered
+
+CorruptFn = Callable[[SlotRegion, IndexArray], None]
+"""Test hook (fault injection): called with a region and the slots of rows that just landed
+in it, after the copy and before the check; it may change their bytes."""
+
+
+@functools.lru_cache(maxsize=16)
+def _weights(words: int) -> U64:
+    w = np.uint64(1) + np.uint64(DIGEST_K) * np.arange(words, 0, -1, dtype=np.uint64)
+    w.flags.writeable = False
+    return w
+
+
+def row_digests(address: int, row_bytes: int, slots: IndexArray) -> U64:
+    """The digest of each row ``address + slots[i] * row_bytes`` (host memory), as uint64."""
+    slots = np.asarray(slots, dtype=np.int64)
+    out = np.zeros(slots.size, dtype=np.uint64)
+    if slots.size == 0:
+        return out
+    span = (int(slots.max()) + 1) * row_bytes
+    if row_bytes % 8 or address % 8:
+        return _digests_unaligned(address, row_bytes, slots, span)
+    words = row_bytes // 8
+    rows = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint64)), shape=(span // 8,))
+    rows = rows.reshape(-1, words)
+    weights = _weights(words)
+    starts = np.flatnonzero(np.diff(slots, prepend=slots[0] - 2) != 1)
+    if starts.size * 16 <= slots.size:  # mostly runs: numpy reads them in place, a call per run
+        ends = np.append(starts[1:], slots.size)
+        for b, e in zip(starts.tolist(), ends.tolist()):
+            s = int(slots[b])
+            np.matmul(rows[s:s + e - b], weights, out=out[b:e])
+        return out
+    step = max(1, _GATHER_BYTES // row_bytes)
+    for b in range(0, slots.size, step):
+        np.matmul(rows[slots[b:b + step]], weights, out=out[b:b + step])
+    return out
+
+
+def _digests_unaligned(address: int, row_bytes: int, slots: IndexArray, span: int) -> U64:
+    raw = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), shape=(span,))
+    words = (row_bytes + 7) // 8
+    padded = np.zeros((slots.size, words * 8), dtype=np.uint8)
+    padded[:, :row_bytes] = raw.reshape(-1, row_bytes)[slots]
+    return padded.view("<u8").astype(np.uint64, copy=False) @ _weights(words)
+
+
+def group_digests(view: View) -> list[U64]:
+    """The digest of every row of ``view``, one array per group (host memory)."""
+    return [row_digests(g.region.address, g.region.slot_bytes, g.slots) for g in view.groups]
+
+
+def pack_digests(digests: Sequence[U64]) -> bytes:
+    return b"".join(np.ascontiguousarray(d, dtype="<u8").tobytes() for d in digests)
+
+
+def unpack_digests(data: bytes | None, lengths: Sequence[int]) -> list[U64] | None:
+    """The per-group digests ``pack_digests`` made, or None when ``data`` is absent or does not
+    fit ``lengths`` (then no row can be checked)."""
+    if data is None or len(data) != 8 * sum(lengths):
+        return None
+    flat = np.frombuffer(data, dtype="<u8").astype(np.uint64)
+    cuts = np.cumsum(lengths)[:-1] if lengths else []
+    return list(np.split(flat, cuts))
+
+
+def check_landed(view: View, masks: list[BoolArray], digests: Sequence[U64] | None,
+                 corrupt: CorruptFn | None = None) -> str | None:
+    """Check the rows ``masks`` marks as landed in ``view`` against ``digests`` (aligned with
+    the view's groups; None: the sender sent none). A row that fails, or has no digest to
+    check, becomes False in ``masks`` (changed in place). Returns the reason to fail the
+    outcome with (starting with ``MISMATCH`` or naming the missing digests), or None when
+    every landed row checked out."""
+    if corrupt is not None:
+        for g, mask in zip(view.groups, masks):
+            if mask.any():
+                corrupt(g.region, g.slots[mask])
+    landed = sum(int(m.sum()) for m in masks)
+    if landed == 0:
+        return None
+    if digests is None or len(digests) != len(masks):
+        for m in masks:
+            m[:] = False
+        return (f"{MISMATCH}: {landed} rows came without a digest to check them against "
+                "(is integrity off at the end that read them?)")
+    bad: list[str] = []
+    total = 0
+    for g, mask, expected in zip(view.groups, masks, digests):
+        rows = np.flatnonzero(mask)
+        if rows.size == 0:
+            continue
+        got = row_digests(g.region.address, g.region.slot_bytes, g.slots[rows])
+        wrong = rows[got != np.asarray(expected)[rows]]
+        if wrong.size:
+            mask[wrong] = False
+            total += int(wrong.size)
+            shown = ", ".join(str(r) for r in wrong[:8].tolist()) + (", ..." if wrong.size > 8 else "")
+            bad.append(f"group {g.layer_group!r} rows [{shown}]")
+    if not bad:
+        return None
+    return f"{MISMATCH}: {total} of {landed} rows landed with other bytes than were sent ({'; '.join(bad)})"
+
+
+def sent_digests(matches: Sequence[GroupMatch], hint: Hint, moved: Sequence[int]) -> list[U64]:
+    """The record's digests from the reading end: the digest of each local row it sent
+    (``moved[i]`` rows of ``matches[i]``, in order), placed at its row of the peer's hint."""
+    out = [np.zeros(len(g), dtype=np.uint64) for g in hint.groups]
+    index = {g.layer_group: i for i, g in enumerate(hint.groups)}
+    for match, n in zip(matches, moved):
+        if match.peer is None or n <= 0:
+            continue
+        region = match.local.region
+        out[index[match.peer.layer_group]][match.peer_rows[:n]] = row_digests(
+            region.address, region.slot_bytes, match.local_slots[:n])
+    return out
+
+
+def expected_from_hint(matches: Sequence[GroupMatch], hint: Hint) -> list[U64] | None:
+    """A pull fetcher's expected digests per local row, from the publisher's hint (None when
+    the hint carries none)."""
+    published = unpack_digests(hint.extra(DIGEST_EXTRA), [len(g) for g in hint.groups])
+    if published is None:
+        return None
+    index = {g.layer_group: i for i, g in enumerate(hint.groups)}
+    out = []
+    for match in matches:
+        mine = np.zeros(len(match.local), dtype=np.uint64)
+        if match.peer is not None:
+            mine[match.local_rows] = published[index[match.peer.layer_group]][match.peer_rows]
+        out.append(mine)
+    return out
+
+
+def peer_masks_from_local(matches: Sequence[GroupMatch], hint: Hint, local: Sequence[BoolArray],
+                          peer: list[BoolArray]) -> None:
+    """Make the peer-aligned masks agree with the local ones after a check dropped rows."""
+    index = {g.layer_group: i for i, g in enumerate(hint.groups)}
+    for gi, match in enumerate(matches):
+        if match.peer is not None:
+            peer[index[match.peer.layer_group]][match.peer_rows] &= local[gi][match.local_rows]
+
+
+class RowCheck:
+    """One backend's integrity setting, its fault hook, and the rows it refused.
+
+    ``enabled``: the reading end sends digests and the fetching end checks them (on by
+    default; off for those who measure the transport alone). ``rows_failed``: rows this
+    backend marked False because their bytes failed the check or came with no digest; only
+    its progress thread adds to it."""
+
+    def __init__(self, enabled: bool = True, corrupt: CorruptFn | None = None) -> None:
+        self.enabled = bool(enabled)
+        self.corrupt = corrupt
+        self.rows_failed = 0
+
+    def applies(self, view: View) -> bool:
+        """Pool rows in host memory: an engine geometry's destination rows are not the source's
+        bytes, and device rows wait for the IPC kernel's fused digest."""
+        return self.enabled and view.geometry is None and all(
+            g.region.memory_kind is MemoryKind.HOST for g in view.groups)
+
+    def check(self, view: View, masks: list[BoolArray], digests: Sequence[U64] | None) -> str | None:
+        before = sum(int(m.sum()) for m in masks)
+        reason = check_landed(view, masks, digests, self.corrupt)
+        if reason is not None:
+            self.rows_failed += before - sum(int(m.sum()) for m in masks)
+        return reason
+
+    def record_check(self, view: View) -> Callable[[list[BoolArray], CompletionRecord], str | None] | None:
+        """What ``conclude_from_record`` takes for a passive fetch of ``view``."""
+        if not self.applies(view):
+            return None
+        return lambda masks, record: self.check(view, masks, record.digests or None)
