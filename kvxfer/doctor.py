@@ -43,9 +43,9 @@ from typing import Any
 from kvxfer import doctor_peer, doctor_ucx
 from kvxfer.backends.common.devices import cuda_device_count, cuda_present
 from kvxfer.doctor_probe import ROW
-from kvxfer.serving.urls import check_url
 from kvxfer.serving.command import CommandParser
 from kvxfer.serving.keys import BearerKey, add_key_args, keys_from_args
+from kvxfer.serving.urls import check_url
 from kvxfer.ucx_env import net_devices_problem
 from kvxfer.worker.probe import MAX_BYTES as PEER_BYTES
 from kvxfer.worker.probe import nixl_versions
