@@ -15,7 +15,9 @@
 An engine's own tensors instead of a pool: ``EngineKV`` (their geometry) and ``ExternalLender``
 (leases over the engine's block table, with the engine's frees going through ``free``); see
 ``examples/engine_kv_tour.py``. One lender per pool or engine memory: a second is refused
-until the first shuts down or is collected.
+until the first shuts down or is collected. An engine whose layer groups share one memory
+with geometries of their own (full and sliding-window attention) lends each group with its
+own lender under one joint claim (``ExternalLender.for_groups``).
 
 Errors: LeaseError (misuse), LendingDisabled (reuse scope reset or shut down), LenderBusy
 (shutdown with open leases, unless forced), AlreadyLent (a second lender over the same

@@ -13,6 +13,15 @@
     reusable = lender.free(blocks, defer=True)                   # the engine frees blocks: those it may reuse now
     reusable = lender.reclaim()                                  # later: the deferred blocks now safe
 
+    lenders = ExternalLender.for_groups({"full": kv_full, "sliding": kv_sliding})  # a hybrid cache
+
+An engine whose cache holds layer groups of different geometries over one memory (full and
+sliding-window attention, each with its own block size and its own block ids) lends each
+group with a lender of its own, from ``for_groups``: the lenders hold one claim on the memory
+together (no other lender can lend it), each keeps its own group's blocks (a block id means
+a block of that group only), and its views name their rows by the group. A request then
+moves as one lease, one view and one transfer per group.
+
 The engine owns its blocks and keeps the lender's rules through two calls. Its block free
 goes through ``free(blocks)``: a block that a lease, or an attempt of a released lease that
 has not quiesced, may still touch is refused (``BlocksBusy``, naming the blocks), or with
@@ -32,7 +41,7 @@ retained.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +56,7 @@ from kvxfer.contract import (
     View,
 )
 from kvxfer.lender.base import ShutdownReport
-from kvxfer.lender.claims import claim
+from kvxfer.lender.claims import Claim, claim
 from kvxfer.lender.engine_kv import EngineKV
 from kvxfer.lender.errors import BlocksBusy, LeaseError, LenderBusy, LendingDisabled
 from kvxfer.lender.marks import arrival_masks, check_markable
@@ -127,13 +136,14 @@ class ExternalLease:
 class ExternalLender:
     """Lends blocks of an engine's KV (an ``EngineKV``) under leases; one per memory."""
 
-    def __init__(self, kv: EngineKV) -> None:
+    def __init__(self, kv: EngineKV, *, group: str = GROUP, _joint: _Joint | None = None) -> None:
         if not isinstance(kv, EngineKV):
             raise TypeError(f"ExternalLender takes an EngineKV, got {type(kv).__name__}")
-        names = [r.name for r in kv.regions]
-        self.what = f"engine KV {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+        self.what = _what(kv.regions)
+        self.group = group  # the name of its views' rows
         # A peer's EngineKV (no tensors here) is another process's memory: a space of its own.
-        self._claim = claim(self, kv.regions, self.what, local=bool(kv.tensors))
+        self._claim: Claim | _Share = (claim(self, kv.regions, self.what, local=bool(kv.tensors)) if _joint is None
+                                       else _Share(_joint))
         self.kv = kv
         self._leases: dict[int, ExternalLease] = {}
         self._releasing: dict[int, ExternalLease] = {}
@@ -142,12 +152,36 @@ class ExternalLender:
         self._disabled: str | None = None
         self._closed = False
 
+    @staticmethod
+    def for_groups(kvs: Mapping[str, EngineKV]) -> dict[str, ExternalLender]:
+        """One lender per layer group of an engine whose groups lie in the same memory, each
+        with its own geometry (group name -> EngineKV): one claim on the union of their
+        regions for all of them (AlreadyLent if another lender holds any byte of it), ended
+        when the last of them shuts down or all are collected. Each lends, frees and reports
+        its own group's blocks; its views name their rows ``group``."""
+        groups = dict(kvs)
+        if not groups:
+            raise LeaseError("for_groups: no layer group given")
+        for name, kv in groups.items():
+            if not isinstance(name, str) or not name:
+                raise LeaseError(f"for_groups: a group name must be a non-empty str, got {name!r}")
+            if not isinstance(kv, EngineKV):
+                raise TypeError(f"for_groups: group {name!r} is a {type(kv).__name__}, not an EngineKV")
+        kinds = {bool(kv.tensors) for kv in groups.values()}
+        if len(kinds) != 1:
+            raise LeaseError("for_groups: the groups mix this process's memory and a peer's")
+        regions = tuple(dict.fromkeys(r for kv in groups.values() for r in kv.regions))
+        joint = _Joint(len(groups), _what(regions), sorted(groups))
+        joint.claim = claim(joint, regions, joint.what, local=kinds.pop())
+        return {name: ExternalLender(kv, group=name, _joint=joint) for name, kv in groups.items()}
+
     @property
     def regions(self) -> tuple[SlotRegion, ...]:
         return self.kv.regions
 
     def __repr__(self) -> str:
-        return f"<ExternalLender of {self.what}>"
+        group = "" if self.group == GROUP else f" (group {self.group!r})"
+        return f"<ExternalLender of {self.what}{group}>"
 
     # --- lending -------------------------------------------------------------------------------
     def lend_read(self, request: str, block_table: Any, tokens: TokenRange | tuple[int, int],
@@ -242,8 +276,9 @@ class ExternalLender:
     def shutdown(self, force: bool = False) -> ShutdownReport:
         """Stop lending. Refuses (LenderBusy) while leases are open or released leases wait
         for attempts, unless ``force``: then their blocks are retained for good and reported
-        (``retained_blocks[GROUP]``), with the deferred frees still busy. Every other block
-        the engine freed here may be reused. The memory may get a lender again."""
+        (``retained_blocks[group]``), with the deferred frees still busy. Every other block
+        the engine freed here may be reused. The memory may get a lender again (once every
+        lender of its ``for_groups`` shut down too)."""
         self._progress()
         open_leases, waiting = list(self._leases.values()), list(self._releasing.values())
         attempts = sum(lease.unquiesced() for lease in open_leases + waiting)
@@ -258,7 +293,7 @@ class ExternalLender:
         self._closed = True
         self._disabled = f"lender of {self.what} is shut down"
         self._claim.release()
-        return ShutdownReport(len(open_leases), attempts, {GROUP: held} if held.size else {})
+        return ShutdownReport(len(open_leases), attempts, {self.group: held} if held.size else {})
 
     # --- internals -------------------------------------------------------------------------
     def _progress(self) -> None:
@@ -345,11 +380,45 @@ class ExternalLender:
                              f"{'(any lease blocks a write)' if write else 'for writing'}")
         view_geometry = geometry if heads is None else geometry.narrowed(*heads)
         region = geometry.regions[0]
-        rows = LayerGroupRows(GROUP, CacheKind.PAGED, region, blocks, ordinals)
+        rows = LayerGroupRows(self.group, CacheKind.PAGED, region, blocks, ordinals)
         view = View(request, span, (rows,), layout=self.kv.layout, geometry=view_geometry)
         lease = ExternalLease(self, request, span, write, blocks, view)
         self._leases[lease.id] = lease
         return lease
+
+
+class _Joint:
+    """The claim the lenders of one engine's layer groups hold together (``for_groups``)."""
+
+    def __init__(self, count: int, what: str, groups: list[str]) -> None:
+        self.left = count
+        self.what = what
+        self.groups = groups
+        self.claim: Claim | None = None
+
+    def __repr__(self) -> str:
+        return f"<ExternalLenders of {self.what} (groups {', '.join(self.groups)})>"
+
+
+class _Share:
+    """One lender's part of a joint claim: the claim ends when every part is released (or
+    every lender collected: each holds the joint, the claim's owner)."""
+
+    def __init__(self, joint: _Joint) -> None:
+        self._joint: _Joint | None = joint
+
+    def release(self) -> None:
+        joint, self._joint = self._joint, None
+        if joint is None:
+            return
+        joint.left -= 1
+        if joint.left == 0 and joint.claim is not None:
+            joint.claim.release()
+
+
+def _what(regions: tuple[SlotRegion, ...]) -> str:
+    names = [r.name for r in regions]
+    return f"engine KV {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
 
 
 def _listed(blocks: np.ndarray, most: int = 16) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvxfer.backends.common.attempt import TrackedAttempt
-from kvxfer.contract import Delivered, InvalidSubmission
+from kvxfer.contract import BlockOrder, Delivered, HeadOrder, InvalidSubmission
 from kvxfer.lender import (
     AlreadyLent,
     BlocksBusy,
@@ -168,6 +168,40 @@ def test_one_lender_per_memory_whatever_lends_it() -> None:
         InPlaceLender(pool)
     pooled.shutdown()
     ExternalLender(EngineKV.from_pool(pool)).shutdown()
+
+
+def test_layer_groups_over_one_memory_lend_their_own_blocks_under_one_claim() -> None:
+    """A hybrid cache: two groups of one tensor, each with its own block size and block ids."""
+    memory = torch.zeros(BLOCKS * 2 * 2 * BT * 2 * 8)
+    rows = memory.view(-1, 2, 8)
+    full = [rows.as_strided((BLOCKS, BT, 2, 8), (2 * 2 * BT * 16, 16, 8, 1), (2 * i + v) * BT * 16)
+            for i in range(2) for v in range(2)]  # 2 layers: blocks of 2 * 2 * BT rows
+    ring = [rows.as_strided((2 * BLOCKS, BT, 2, 8), (2 * BT * 16, 16, 8, 1), v * BT * 16)
+            for v in range(2)]  # 1 layer: blocks half the size, twice as many
+    kvs = {"full": EngineKV.from_planes(full[0::2], full[1::2], tensors=(memory,), kv_heads=2, heads=None,
+                                        head_order=HeadOrder.NHD, order=BlockOrder.BLOCK_MAJOR, name="hybrid"),
+           "ring": EngineKV.from_planes(ring[:1], ring[1:], tensors=(memory,), kv_heads=2, heads=None,
+                                        head_order=HeadOrder.NHD, order=BlockOrder.BLOCK_MAJOR, name="hybrid")}
+    lenders = ExternalLender.for_groups(kvs)
+    assert lenders["full"].regions == lenders["ring"].regions  # one memory, registered once
+    with pytest.raises(AlreadyLent, match=r"lent already by <ExternalLenders of engine KV hybrid/0 \(groups full, "
+                                          r"ring\)>"):
+        ExternalLender(kvs["ring"])
+    full_lease = lenders["full"].lend_write("r/full", [3, 5], (0, 2 * BT))
+    ring_lease = lenders["ring"].lend_write("r/ring", [3], (0, BT))  # block 3 of the ring: other bytes
+    assert full_lease.view().groups[0].layer_group == "full" and ring_lease.view().groups[0].layer_group == "ring"
+    assert ring_lease.view().geometry.block_bytes == full_lease.view().geometry.block_bytes // 2
+    assert lenders["full"].busy([3, 4, 5]).tolist() == [True, False, True]
+    assert lenders["ring"].busy([3, 4, 5]).tolist() == [True, False, False]  # each group's own block ids
+    full_lease.release()
+    report = lenders["ring"].shutdown(force=True)
+    assert report.retained_blocks["ring"].tolist() == [3]
+    with pytest.raises(AlreadyLent):  # the full group's lender still holds the memory
+        ExternalLender(kvs["full"])
+    lenders["full"].shutdown()
+    ExternalLender(kvs["full"]).shutdown()  # the last one shut down: the claim ended
+    with pytest.raises(LeaseError, match="no layer group"):
+        ExternalLender.for_groups({})
 
 
 def test_a_lender_let_go_gives_its_memory_back_and_the_registry_keeps_nothing_alive() -> None:
