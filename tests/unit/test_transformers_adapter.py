@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.adapters.errors import AdapterError, EngineMismatch, EngineVersionError, UnsupportedCache
+from kvxfer.adapters.errors import AdapterError, EngineMismatch, EngineVersionError
 from kvxfer.adapters.transformers import ENGINE, TransformersEngine, check_peer_engine
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
@@ -303,13 +303,3 @@ def test_mixed_engines_are_refused_by_name(engines: Any, wire: Any) -> None:
         wire[1].fetch(reservation.lease.view(), wire[0].describe(read.view(), wire[1].peer))
     read.release()
     reservation.lease.release()
-
-
-def test_sliding_window_layers_are_refused_by_name() -> None:
-    import transformers
-
-    config = transformers.MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=128, vocab_size=128, sliding_window=8)
-    model = transformers.MistralForCausalLM(config).eval()
-    with pytest.raises(UnsupportedCache, match="'sliding_attention'.*'full_attention' layers only"):
-        TransformersEngine(model, page_size=PAGE, num_blocks=16, max_batch_tokens=32)

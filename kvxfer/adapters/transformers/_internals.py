@@ -8,11 +8,15 @@ reaches, and why:
 - the step loop: ``ContinuousBatchingManager._create_batch_processor`` and
   ``_generation_loop_body``, run by the adapter's owner thread instead of the manager's own
   background thread, so that between two steps nothing else touches the scheduler or the cache;
-- the cache: ``PagedAttentionCache.cache_tensor`` (one flat uint8 tensor) and the full-attention
-  allocator's layout (``FullAttentionCacheAllocator``: a block is ``2 * page_size * layers`` rows
-  of ``[kv_heads, head_dim]``, layer ``i``'s K at row ``2 i page_size`` of the block and its V at
-  ``(2 i + 1) page_size``; block ids count from the tensor's start, trash sectors included);
-- block ownership: the allocator's ``block_table`` (a request's block ids), its ``BlockLedger``
+- the cache: ``PagedAttentionCache.cache_tensor`` (one flat uint8 tensor) and each allocator's
+  layout (``FullAttentionCacheAllocator`` and its subclass ``SlidingAttentionCacheAllocator``:
+  a block is ``2 * page_size * layers`` rows of ``[kv_heads, head_dim]``, the group's ``i``-th
+  layer's K at row ``2 i page_size`` of the block and its V at ``(2 i + 1) page_size``; block
+  ids count from the tensor's start, trash sectors included, in the group's own block size);
+- sliding-window layers: the sliding allocator's ring (the token at position ``p`` in slot
+  ``p % sliding_window``, ``ceil(min(tokens, window) / page_size)`` blocks per request, no block
+  sharing, and no prefix sharing for the whole cache while it exists: ``use_prefix_sharing``);
+- block ownership: each allocator's ``block_table`` (a request's block ids), its ``BlockLedger``
   (reference counts: a pin is one more reference, so the pool cannot hand the block out again
   until the pin goes), ``CachePool.free_blocks``;
 - requests: ``RequestState`` built at a position (``position_offset``, ``generated_tokens``,
@@ -69,7 +73,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
     FULL_ATTENTION,
+    SLIDING_ATTENTION,
     FullAttentionCacheAllocator,
+    SlidingAttentionCacheAllocator,
 )
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager  # noqa: E402
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus  # noqa: E402
@@ -145,6 +151,27 @@ def random_model(*, vocab_size: int, hidden: int, layers: int, heads: int, kv_he
     return model.eval()
 
 
+def random_hybrid_model(*, vocab_size: int, hidden: int, layer_types: Sequence[str], window: int, heads: int,
+                        kv_heads: int, intermediate: int, rope_theta: float, rms_eps: float,
+                        max_positions: int, seed: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """A Qwen2-style model (head_dim ``hidden // heads``) whose layers are ``layer_types``
+    (``FULL`` or ``SLIDING``, sliding layers attending to the last ``window`` tokens):
+    transformers' continuous batching keeps each kind in an allocator of its own. Seeded random
+    weights, as ``random_model``."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=len(layer_types), num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         rope_theta=rope_theta, rms_norm_eps=rms_eps,
+                         max_position_embeddings=max_positions, use_sliding_window=True, sliding_window=window,
+                         layer_types=list(layer_types), tie_word_embeddings=False, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
 def model_eos(model: Any) -> int | None:
     eos = model.generation_config.eos_token_id
     if eos is None:
@@ -195,18 +222,25 @@ def colocated_timed(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
 
 
 # --- the batch, stepped by its owner ----------------------------------------------------------
+FULL = FULL_ATTENTION        # the layer groups (allocators) the adapter lends, by transformers' names
+SLIDING = SLIDING_ATTENTION
+
+
 @dataclass(frozen=True)
 class CacheLayout:
-    """What the adapter needs of the full-attention cache: the tensor that owns the memory and
-    where each layer's K and V pages lie in a block."""
+    """What the adapter needs of one allocator's layer group: the tensor that owns the memory
+    (all groups share it) and where each of the group's layers has its K and V pages in a block."""
 
+    group: str                 # FULL or SLIDING
     tensor: torch.Tensor       # the flat uint8 cache tensor (contiguous, trash sectors first)
     typed: torch.Tensor        # the same memory as rows of [kv_heads, head_dim] in the cache dtype
     page_size: int
     layers: int
     kv_heads: int
     head_dim: int
-    blocks: int                # block ids lie in [0, blocks): the tensor's whole blocks
+    blocks: int                # block ids lie in [0, blocks): the tensor's whole blocks of this group
+    layer_indices: tuple[int, ...]  # the model's layers the group holds, in page order
+    window: int | None         # SLIDING: the ring's size in tokens (slot = position % window)
 
     def plane(self, layer: int, value: bool) -> torch.Tensor:
         """Layer ``layer``'s K (or V) as ``[blocks, page_size, kv_heads, head_dim]``, a view."""
@@ -228,14 +262,20 @@ class Batch:
         self.cache = self.processor.cache
         self.scheduler = self.processor.scheduler
         kinds = sorted(self.cache.cache_allocators)
-        if kinds != [FULL_ATTENTION]:
+        if not kinds or set(kinds) - {FULL, SLIDING}:
             raise UnsupportedCache(f"the model's cache has {kinds} layers; the transformers adapter lends "
-                                   f"{FULL_ATTENTION!r} layers only (sliding-window groups have their own block size "
-                                   "and allocator, not described yet)")
-        allocator = self.cache.cache_allocators[FULL_ATTENTION]
-        if not isinstance(allocator, FullAttentionCacheAllocator):  # pragma: no cover - the pinned version
-            raise UnsupportedCache(f"unexpected allocator {type(allocator).__name__}")
-        self.allocator: FullAttentionCacheAllocator = allocator
+                                   f"{FULL!r} and {SLIDING!r} layers only")
+        self.allocators: dict[str, FullAttentionCacheAllocator] = {}
+        for kind in (FULL, SLIDING):
+            allocator = self.cache.cache_allocators.get(kind)
+            if allocator is None:
+                continue
+            expected = FullAttentionCacheAllocator if kind == FULL else SlidingAttentionCacheAllocator
+            if type(allocator) is not expected:  # pragma: no cover - the pinned version
+                raise UnsupportedCache(f"unexpected allocator {type(allocator).__name__} for {kind!r} layers")
+            self.allocators[kind] = allocator
+        # The group whose tokens are positions, when there is one: the full-attention layers.
+        self.allocator: FullAttentionCacheAllocator = next(iter(self.allocators.values()))
         self._ended: list[tuple[str, list[int], str | None]] = []
 
     def close(self) -> None:
@@ -245,15 +285,27 @@ class Batch:
             self.model.set_attn_implementation(self.manager._original_attn_impl)
             self.manager._original_attn_impl = None
 
-    def layout(self) -> CacheLayout:
-        a = self.allocator
-        if a.layer_indices != list(range(len(a.layer_indices))):
-            raise UnsupportedCache(f"full-attention layers {a.layer_indices} are not the model's layers in order")
+    def layouts(self) -> dict[str, CacheLayout]:
+        """Each layer group's layout, full attention first."""
+        out = {}
         tensor = self.cache.cache_tensor
-        pages = tensor.numel() // a.bytes_per_page
-        return CacheLayout(tensor=tensor, typed=a.cache_tensor.view(-1, a.num_key_value_heads, a.head_dim),
-                           page_size=a.tokens_per_page, layers=a.pages_per_block, kv_heads=a.num_key_value_heads,
-                           head_dim=a.head_dim, blocks=pages // a.pages_per_block)
+        for group, a in self.allocators.items():
+            if a.layer_indices != sorted(a.layer_indices):
+                raise UnsupportedCache(f"{group} layers {a.layer_indices} are not in the model's order")
+            pages = tensor.numel() // a.bytes_per_page
+            window = a.sliding_window if isinstance(a, SlidingAttentionCacheAllocator) else None
+            out[group] = CacheLayout(group=group, tensor=tensor,
+                                     typed=a.cache_tensor.view(-1, a.num_key_value_heads, a.head_dim),
+                                     page_size=a.tokens_per_page, layers=a.pages_per_block,
+                                     kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+                                     blocks=pages // a.pages_per_block, layer_indices=tuple(a.layer_indices),
+                                     window=window)
+        return out
+
+    @property
+    def prefix_sharing(self) -> bool:
+        """Whether the cache shares prompt prefixes (off while any group cannot: a sliding ring)."""
+        return bool(self.cache.use_prefix_sharing)
 
     # --- the step loop -------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, eos: int | None) -> None:
@@ -287,45 +339,61 @@ class Batch:
         state = self.active(request_id)
         return [] if state is None else list(state.generated_tokens)
 
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self.allocator.block_table.get(request_id, ()))
+    def block_table(self, request_id: str, group: str | None = None) -> list[int]:
+        return list(self._group(group).block_table.get(request_id, ()))
 
-    def reusable_block_count(self) -> int:
-        """Blocks transformers may hand out now: free ones, free sectors' and those its prefix
-        cache keeps with no reference (evicted under pressure)."""
-        pool, a = self.cache.pool, self.allocator
+    def reusable_block_count(self, group: str | None = None) -> int:
+        """Blocks of ``group`` transformers may hand out now: free ones, free sectors' and those
+        its prefix cache keeps with no reference (evicted under pressure)."""
+        pool, a = self.cache.pool, self._group(group)
         free = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
         return free + len(a.ledger.cached_blocks)
 
-    def read_rows(self, blocks: Sequence[int], tokens: int) -> list[int]:
+    def read_rows(self, blocks: Sequence[int], tokens: int, group: str | None = None) -> list[int]:
         """The cache rows transformers' attention reads for tokens [0, tokens) held in ``blocks``
-        (its own ``get_read_indices``), for checking a geometry against the engine."""
+        (for a sliding group, ring slots [0, tokens): the positions before the ring wraps), for
+        checking a geometry against the engine."""
         probe = "kvxfer-probe"
-        self.allocator.block_table[probe] = [int(b) for b in blocks]
+        a = self._group(group)
+        a.block_table[probe] = [int(b) for b in blocks]
         try:
-            return list(self.allocator.get_read_indices(probe, 0, tokens))
+            if isinstance(a, SlidingAttentionCacheAllocator):
+                return list(a._token_indices_to_physical_indices(probe, 0, tokens))
+            return list(a.get_read_indices(probe, 0, tokens))
         finally:
-            del self.allocator.block_table[probe]
+            del a.block_table[probe]
 
     def token_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V rows as transformers indexes them when it reads the cache."""
-        k, v = self.allocator._kv_token_views[layer]
+        allocator: FullAttentionCacheAllocator = self.cache.layer_to_allocator[layer]  # type: ignore[assignment]
+        k, v = allocator._kv_token_views[layer]
         return k, v
+
+    def _group(self, group: str | None) -> FullAttentionCacheAllocator:
+        if group is None:
+            return self.allocator
+        found = self.allocators.get(group)
+        if found is None:
+            raise UnsupportedCache(f"the model's cache has no {group!r} layers (it has {sorted(self.allocators)})")
+        return found
 
     def idle(self) -> bool:
         queued = self.processor.input_queue
         return not self.scheduler.has_pending_requests() and (queued is None or queued.empty())
 
     # --- block ownership -------------------------------------------------------------------------
-    def pin(self, blocks: Sequence[int]) -> None:
-        """One more reference to each block: the pool cannot hand it out until ``unpin``."""
+    def pin(self, blocks: Sequence[int], group: str | None = None) -> None:
+        """One more reference to each block of ``group``: the pool cannot hand it out (nor its
+        sector to another group) until ``unpin``."""
+        a = self._group(group)
         for b in blocks:
-            self.allocator.ledger.acquire(int(b))
+            a.ledger.acquire(int(b))
 
-    def unpin(self, blocks: Sequence[int]) -> None:
+    def unpin(self, blocks: Sequence[int], group: str | None = None) -> None:
         """Drop a pin; a block nobody references goes back to transformers' pool (or its prefix cache)."""
-        freed = [int(b) for b in blocks if self.allocator.ledger.release(int(b))]
-        self.cache.pool.free_blocks(self.allocator.index, freed)
+        a = self._group(group)
+        freed = [int(b) for b in blocks if a.ledger.release(int(b))]
+        self.cache.pool.free_blocks(a.index, freed)
 
     def detach(self, request_id: str) -> None:
         """End a request in the scheduler without a result (its blocks lose the request's reference)."""
@@ -339,10 +407,11 @@ class Batch:
         it out and its blocks go back (transformers' own cancellation)."""
         self.scheduler.set_request_cancellation(request_id)
 
-    def reserve(self, request_id: str, prompt: Sequence[int]) -> tuple[list[int], int] | None:
-        """Blocks for ``prompt`` outside the scheduler: (block table, tokens of the prompt already
-        held by prefix sharing), or None when the cache has no room. The blocks are the request's
-        until ``release`` or ``adopt``."""
+    def reserve(self, request_id: str, prompt: Sequence[int]) -> tuple[dict[str, list[int]], int] | None:
+        """Blocks for ``prompt`` outside the scheduler: (each group's block table, tokens of the
+        prompt already held by prefix sharing), or None when the cache has no room. A sliding
+        group gets its whole ring (the last ``window`` tokens' blocks), whatever is held. The
+        blocks are the request's until ``release`` or ``adopt``."""
         state = RequestState(request_id=request_id, initial_tokens=list(prompt))
         held = self.cache.search_prefix_match(request_id, list(prompt))
         state.position_offset = held
@@ -350,7 +419,7 @@ class Batch:
         if not self.cache.can_store_request_tokens(state, len(prompt) - held):
             self.cache.free_blocks(request_id)
             return None
-        return self.block_table(request_id), held
+        return {group: self.block_table(request_id, group) for group in self.allocators}, held
 
     def end(self, request_id: str, tokens: list[int]) -> None:
         """End a reserved request without running it (its first token ended it)."""
@@ -376,10 +445,12 @@ class Batch:
             state.generated_tokens = [int(first)]
             state.tokens_to_process = [int(first)]
             state.status = RequestStatus.DECODING
-            complete = n // self.allocator.tokens_per_page - len(self.allocator.ledger.block_to_hash.keys()
-                                                                  & set(self.block_table(request_id)))
-            if complete > 0:  # the prompt's whole blocks become a prefix other requests may share
-                self.cache.mark_complete_blocks(state, {FULL_ATTENTION: complete})
+            full = self.allocators.get(FULL)
+            if full is not None and self.prefix_sharing:  # as the scheduler: no hashes while prefixes aren't shared
+                complete = n // full.tokens_per_page - len(full.ledger.block_to_hash.keys()
+                                                           & set(self.block_table(request_id, FULL)))
+                if complete > 0:  # the prompt's whole blocks become a prefix other requests may share
+                    self.cache.mark_complete_blocks(state, {FULL: complete})
         else:
             state.remaining_prefill_tokens = list(prompt[position:])
             state.status = RequestStatus.PREFILLING

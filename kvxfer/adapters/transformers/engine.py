@@ -25,6 +25,15 @@ reuse while a lease or an unquiesced attempt may touch it: prefill's blocks hold
 more reference in transformers' own block ledger) until ``finish_prefill`` and quiescence;
 decode's reserved blocks belong to a request the scheduler does not see until ``adopt``, which
 refuses while they are busy. The lease, not the allocator, decides when a block goes back.
+
+A model with sliding-window layers (Gemma-2/3-, Mistral-, Qwen2-style ``layer_types``) has a
+hybrid cache: transformers keeps full-attention and sliding-window layers in two allocators
+over the one cache tensor, each with its own block size and block ids. Each group is then
+described by its own ``EngineKV`` and lent by its own lender (``ExternalLender.for_groups``),
+and a request moves as one lease per group, named ``{request}/{group}``
+(``lend_prefill_groups``, ``Reservation.leases``): the full-attention group its tokens, the
+sliding group only its ring, the blocks that hold the last ``window`` tokens (ring slot
+``position % window``, the same slots at both ends).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.adapters.errors import AdapterError, EngineMismatch
+from kvxfer.adapters.errors import AdapterError, EngineMismatch, UnsupportedCache
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.contract import BlockOrder, HeadOrder
 from kvxfer.lender.engine_kv import EngineKV
@@ -54,26 +63,71 @@ def check_peer_engine(local: str, peer: str) -> None:
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """One of the cache's layer groups (one transformers allocator) as kvxfer lends it: its
+    geometry over the shared cache tensor and its own lender."""
+
+    name: str                 # transformers' layer type: "full_attention" or "sliding_attention"
+    kv: EngineKV
+    lender: ExternalLender
+    window: int | None        # sliding: the ring's size in tokens; None for full attention
+
+    def span(self, prompt: int, held: int) -> tuple[int, int]:
+        """What this group moves of a ``prompt``-token prompt whose first ``held`` tokens are in
+        place: full attention the tokens [held, prompt); a sliding group all its ring's slots
+        [0, min(prompt, window)), the last ``window`` tokens (a ring is never shared)."""
+        return (held, prompt) if self.window is None else (0, min(prompt, self.window))
+
+    def usable(self, lease: ExternalLease | None, prompt: int) -> int:
+        """The position up to which this group's KV of the prompt is in place once ``lease``
+        (None: nothing fetched, all held) arrived. A ring that has not wrapped holds position
+        p at slot p: as full attention. A wrapped one is of use whole or not at all."""
+        if lease is None:
+            return prompt
+        if self.window is None or prompt <= self.window:
+            return lease.usable_until
+        return prompt if lease.usable_until == lease.tokens.end else 0
+
+
+@dataclass(frozen=True)
 class Prefilled:
-    """A prompt prefill ran: its greedy first token and the blocks (held) that hold its KV."""
+    """A prompt prefill ran: its greedy first token and the blocks (held) that hold its KV:
+    ``tables``, per layer group (full attention first); ``blocks``, the first group's."""
 
     request: str
     prompt: tuple[int, ...]
     first: int
-    blocks: np.ndarray
+    tables: dict[str, np.ndarray]
+
+    @property
+    def blocks(self) -> np.ndarray:
+        return next(iter(self.tables.values()))
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Blocks reserved in the decode engine's cache for a prompt. ``held`` tokens from the
-    start are already in place (prefix sharing) and are not fetched; ``lease`` writes the rest
-    (None when nothing is left to fetch)."""
+    """Blocks reserved in the decode engine's cache for a prompt, per layer group (full
+    attention first). ``held`` tokens from the start are already in place (prefix sharing) and
+    are not fetched; ``leases`` write the rest, one per group with anything to fetch."""
 
     request: str
     prompt: tuple[int, ...]
-    blocks: np.ndarray
+    tables: dict[str, np.ndarray]
     held: int
-    lease: ExternalLease | None
+    leases: dict[str, ExternalLease]
+
+    @property
+    def blocks(self) -> np.ndarray:
+        return next(iter(self.tables.values()))
+
+    @property
+    def lease(self) -> ExternalLease | None:
+        """The write lease of a cache with one layer group (None when nothing is left to fetch);
+        refused for a hybrid cache, whose groups move by a lease each (``leases``)."""
+        if len(self.tables) != 1:
+            raise UnsupportedCache(f"request {self.request!r}: the cache has layer groups {sorted(self.tables)}; "
+                                   "each moves by its own lease (Reservation.leases)")
+        return next(iter(self.leases.values()), None)
 
 
 def checkpoint_scope(path: Any) -> bytes:
@@ -95,25 +149,42 @@ class TransformersEngine:
         self.eos = hf.model_eos(model)
         self.config = hf.batching_config(page_size, num_blocks, max_batch_tokens, max_requests_per_batch)
         self.batch = hf.Batch(model, self.config, max_new_tokens=1)
-        layout = self.batch.layout()
-        k = [layout.plane(i, value=False) for i in range(layout.layers)]
-        v = [layout.plane(i, value=True) for i in range(layout.layers)]
-        self.kv = EngineKV.from_planes(k, v, tensors=(layout.tensor,), kv_heads=layout.kv_heads, heads=None,
-                                       head_order=HeadOrder.NHD, order=BlockOrder.BLOCK_MAJOR,
-                                       scope=ENGINE.encode() + b"|" + scope, name=name)
-        self.lender = ExternalLender(self.kv)
-        self.page_size = layout.page_size
+        layouts = self.batch.layouts()
+        kvs, windows = {}, {}
+        for group, layout in layouts.items():
+            k = [layout.plane(i, value=False) for i in range(layout.layers)]
+            v = [layout.plane(i, value=True) for i in range(layout.layers)]
+            kvs[group] = EngineKV.from_planes(k, v, tensors=(layout.tensor,), kv_heads=layout.kv_heads, heads=None,
+                                              head_order=HeadOrder.NHD, order=BlockOrder.BLOCK_MAJOR,
+                                              scope=_group_scope(scope, layout, hybrid=list(layouts) != [hf.FULL]),
+                                              name=name)
+            windows[group] = layout.window
+        lenders = {hf.FULL: ExternalLender(kvs[hf.FULL])} if list(kvs) == [hf.FULL] else ExternalLender.for_groups(kvs)
+        self.groups = {g: LayerGroup(g, kvs[g], lenders[g], windows[g]) for g in kvs}
+        first = next(iter(self.groups.values()))
+        self.kv, self.lender = first.kv, first.lender  # the full-attention group's (or the only group's)
+        self.page_size = next(iter(layouts.values())).page_size
         self.prefilled: dict[str, Prefilled] = {}
         self._prefilling: dict[str, tuple[int, ...]] = {}
-        self._lent: dict[str, Prefilled] = {}
-        self._unpin: dict[str, np.ndarray] = {}      # finished prefills: unpinned once quiesced
+        self._unpin: dict[str, dict[str, np.ndarray]] = {}    # finished prefills: unpinned once quiesced
         self._reserved: dict[str, Reservation] = {}
-        self._dropped: dict[str, np.ndarray] = {}    # abandoned reservations: released once quiesced
+        self._dropped: dict[str, dict[str, np.ndarray]] = {}  # abandoned reservations: released once quiesced
         self._adopted: set[str] = set()
 
     @property
     def regions(self) -> tuple[Any, ...]:
-        return self.kv.regions
+        """The memory to register: the cache tensor, once (every group lies in it)."""
+        return tuple(dict.fromkeys(r for group in self.groups.values() for r in group.kv.regions))
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the cache has several layer groups (each moves by a lease of its own)."""
+        return len(self.groups) > 1
+
+    def lease_name(self, request: str, group: str) -> str:
+        """The request name of ``group``'s lease (and view): the request's own with one group,
+        ``{request}/{group}`` in a hybrid cache, so that each group's transfer is its own."""
+        return f"{request}/{group}" if self.hybrid else request
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -124,11 +195,12 @@ class TransformersEngine:
         for request, prompt in list(self._prefilling.items()):
             tokens = self.batch.generated(request)
             if tokens:
-                blocks = np.asarray(self.batch.block_table(request), dtype=np.int64)
-                self.batch.pin(blocks.tolist())
+                tables = {g: np.asarray(self.batch.block_table(request, g), dtype=np.int64) for g in self.groups}
+                for group, blocks in tables.items():
+                    self.batch.pin(blocks.tolist(), group)
                 self.batch.detach(request)
                 del self._prefilling[request]
-                self.prefilled[request] = Prefilled(request, prompt, int(tokens[0]), blocks)
+                self.prefilled[request] = Prefilled(request, prompt, int(tokens[0]), tables)
         self._give_back()
         return ran
 
@@ -166,11 +238,29 @@ class TransformersEngine:
         self.batch.submit(request, prompt, 2, None)
 
     def lend_prefill(self, request: str) -> ExternalLease:
-        """The prompt's blocks lent for reading (tokens [0, len(prompt)))."""
+        """The prompt's blocks lent for reading (tokens [0, len(prompt))), in a cache with one
+        layer group; a hybrid cache lends a lease per group (``lend_prefill_groups``)."""
+        if self.hybrid:
+            raise UnsupportedCache(f"request {request!r}: the cache has layer groups {sorted(self.groups)}; each "
+                                   "moves by its own lease (lend_prefill_groups)")
+        return self.lend_prefill_groups(request)[next(iter(self.groups))]
+
+    def lend_prefill_groups(self, request: str) -> dict[str, ExternalLease]:
+        """Each layer group's blocks of the prompt lent for reading (``LayerGroup.span``: the
+        full-attention tokens, a sliding group's ring), named ``lease_name(request, group)``."""
         done = self.prefilled.get(request)
         if done is None:
             raise AdapterError(f"request {request!r} has not been prefilled here")
-        return self.lender.lend_read(request, done.blocks, (0, len(done.prompt)))
+        leases: dict[str, ExternalLease] = {}
+        try:
+            for name, group in self.groups.items():
+                leases[name] = group.lender.lend_read(self.lease_name(request, name), done.tables[name],
+                                                      group.span(len(done.prompt), 0))
+        except BaseException:
+            for lease in leases.values():
+                lease.release()  # nothing was described yet: nothing can touch them
+            raise
+        return leases
 
     def finish_prefill(self, request: str) -> None:
         """The prefill end is done with ``request``: its blocks go back to transformers once no
@@ -178,29 +268,36 @@ class TransformersEngine:
         done = self.prefilled.pop(request, None)
         if done is None:
             raise AdapterError(f"request {request!r} has not been prefilled here")
-        self._unpin[request] = done.blocks
+        self._unpin[request] = done.tables
         self._give_back()
 
     # --- decode ----------------------------------------------------------------------------------
     def reserve(self, request: str, prompt: Sequence[int]) -> Reservation | None:
         """Blocks for ``prompt`` in this cache, the tokens it already holds by prefix sharing, and
-        a write lease over the rest; None when the cache has no room now."""
+        write leases over the rest (a sliding group's whole ring: prefix sharing never covers
+        it); None when the cache has no room now."""
         self._check_new(request)
         prompt = tuple(int(t) for t in prompt)
         got = self.batch.reserve(request, prompt)
         if got is None:
             return None
-        table, held = got
-        blocks = np.asarray(table, dtype=np.int64)
-        shared = blocks[: held // self.page_size]
-        lease = None
-        if held < len(prompt):
-            try:
-                lease = self.lender.lend_write(request, blocks, (held, len(prompt)), shared=shared)
-            except BaseException:
-                self.batch.release(request)
-                raise
-        reservation = Reservation(request, prompt, blocks, held, lease)
+        found, held = got
+        tables = {g: np.asarray(found[g], dtype=np.int64) for g in self.groups}
+        leases: dict[str, ExternalLease] = {}
+        try:
+            for name, group in self.groups.items():
+                start, end = group.span(len(prompt), held)
+                if start < end:
+                    table = tables[name]
+                    shared = table[: held // self.page_size] if group.window is None else None
+                    leases[name] = group.lender.lend_write(self.lease_name(request, name), table, (start, end),
+                                                           shared=shared)
+        except BaseException:
+            for lease in leases.values():
+                lease.release()
+            self.batch.release(request)
+            raise
+        reservation = Reservation(request, prompt, tables, held, leases)
         self._reserved[request] = reservation
         return reservation
 
@@ -213,12 +310,11 @@ class TransformersEngine:
         reservation = self._reserved.get(request)
         if reservation is None:
             raise AdapterError(f"request {request!r} has no reservation here")
-        lease = reservation.lease
-        if lease is not None and not lease.released:
+        if any(not lease.released for lease in reservation.leases.values()):
             raise AdapterError(f"request {request!r}: release its lease (after mark_arrived) before adopting it")
-        if self.lender.busy(reservation.blocks).any():
+        if self._busy(reservation.tables):
             raise AdapterError(f"request {request!r}: an attempt on its blocks has not quiesced; adopt it once it has")
-        position = len(reservation.prompt) if lease is None else lease.usable_until
+        position = self.usable(request)
         del self._reserved[request]
         if position == len(reservation.prompt) and (first == self.eos or max_new_tokens <= 1):
             self.batch.end(request, [int(first)])
@@ -227,13 +323,27 @@ class TransformersEngine:
         self._adopted.add(request)
         return position
 
+    def usable(self, request: str) -> int:
+        """The position a reservation resumes at from what arrived (0 before anything did): the
+        prompt's length when every group's KV is in place; below, the first gap of any group,
+        or 0 where a sliding ring has wrapped (it holds later positions than the gap, so the
+        prompt is recomputed from its start)."""
+        reservation = self._reserved.get(request)
+        if reservation is None:
+            raise AdapterError(f"request {request!r} has no reservation here")
+        n = len(reservation.prompt)
+        position = min(group.usable(reservation.leases.get(name), n) for name, group in self.groups.items())
+        if position < n and any(g.window is not None and n > g.window for g in self.groups.values()):
+            return 0
+        return position
+
     def drop(self, request: str) -> None:
         """Give up a reservation (its transfer failed or was cancelled): its blocks go back once
         nothing may touch them."""
         reservation = self._reserved.pop(request, None)
         if reservation is None:
             raise AdapterError(f"request {request!r} has no reservation here")
-        self._dropped[request] = reservation.blocks
+        self._dropped[request] = reservation.tables
         self._give_back()
 
     # --- what the engine holds --------------------------------------------------------------------
@@ -270,18 +380,34 @@ class TransformersEngine:
         if self.known(request):
             raise AdapterError(f"request {request!r} is already known to this engine")
 
+    def _busy(self, tables: dict[str, np.ndarray]) -> bool:
+        """Whether a lease or an unquiesced attempt may touch any of these blocks (per group)."""
+        return any(self.groups[g].lender.busy(blocks).any() for g, blocks in tables.items())
+
     def _give_back(self) -> None:
-        for pending, give in ((self._unpin, self.batch.unpin), (self._dropped, None)):
-            for request, blocks in list(pending.items()):
-                if not self.lender.busy(blocks).any():
-                    del pending[request]
-                    if give is not None:
-                        give(blocks.tolist())
-                    else:
-                        self.batch.release(request)
+        for request, tables in list(self._unpin.items()):
+            if not self._busy(tables):
+                del self._unpin[request]
+                for group, blocks in tables.items():
+                    self.batch.unpin(blocks.tolist(), group)
+        for request, tables in list(self._dropped.items()):
+            if not self._busy(tables):
+                del self._dropped[request]
+                self.batch.release(request)
 
     def shutdown(self) -> None:
         """Stop lending (refused while leases hold blocks) and restore the model's attention."""
-        self.lender.shutdown()
+        for group in self.groups.values():
+            group.lender.shutdown()
         self.batch.close()
+
+
+def _group_scope(scope: bytes, layout: hf.CacheLayout, *, hybrid: bool) -> bytes:
+    """The KV scope of a layer group: the engine and the weights, and in a hybrid cache which of
+    the model's layers the group holds and its window, so that two ends whose groups differ
+    (another layer pattern or window) are refused as other KV."""
+    base = ENGINE.encode() + b"|" + scope
+    if not hybrid:
+        return base
+    return base + f"|{layout.group}|layers={list(layout.layer_indices)}|window={layout.window}".encode()
 
