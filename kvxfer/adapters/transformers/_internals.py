@@ -349,6 +349,11 @@ class Batch:
         free = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
         return free + len(a.ledger.cached_blocks)
 
+    def free_fraction(self) -> float:
+        """The share of the cache no request, pin or reservation holds (1.0: all of it); free
+        blocks of every group count, though a group's sector goes to another only once empty."""
+        return float(self.cache.compute_free_capacity())
+
     def read_rows(self, blocks: Sequence[int], tokens: int, group: str | None = None) -> list[int]:
         """The cache rows transformers' attention reads for tokens [0, tokens) held in ``blocks``
         (for a sliding group, ring slots [0, tokens): the positions before the ring wraps), for
