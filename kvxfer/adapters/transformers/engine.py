@@ -324,10 +324,10 @@ class TransformersEngine:
         return position
 
     def usable(self, request: str) -> int:
-        """The position a reservation resumes at from what arrived (0 before anything did): the
-        prompt's length when every group's KV is in place; below, the first gap of any group,
-        or 0 where a sliding ring has wrapped (it holds later positions than the gap, so the
-        prompt is recomputed from its start)."""
+        """The position a reservation resumes at from what arrived (before anything did, the
+        prefix it holds): the prompt's length when every group's KV is in place; below, the
+        first gap of any group, or 0 where a sliding ring has wrapped (it holds later positions
+        than the gap, so the prompt is recomputed from its start)."""
         reservation = self._reserved.get(request)
         if reservation is None:
             raise AdapterError(f"request {request!r} has no reservation here")
