@@ -2,10 +2,12 @@
 
 - reference: kvxfer's ``LlamaModel`` in this process, colocated generation (one pool), sampled
   as each request is;
-- transformers: transformers' own colocated continuous batching (``generate_batch``) on the
-  same weights (the GGUF loaded by transformers itself), greedy, every prompt in one batch.
-  Its prompts are the text prompts joined one to four at a time: mixed lengths that cross
-  block boundaries (16 tokens a block).
+- transformers: transformers' own colocated continuous batching on the same weights (the GGUF
+  loaded by transformers itself), every prompt in one batch: greedy, its ``generate_batch``;
+  sampled, the transformers engine's colocated batch with kvxfer's sampler (each request's
+  seed), since ``generate_batch`` samples with a sampler of its own. Its prompts are the text
+  prompts joined one to four at a time: mixed lengths that cross block boundaries (16 tokens
+  a block).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def add_engine_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="reference", choices=list(ENGINES),
                    help="what the workers run: reference (kvxfer's own engine; the oracle is colocated generation "
                         "here) or transformers (Hugging Face transformers' continuous batching, its cache lent in "
-                        "place; a GGUF --model such as smollm2, the cpu, greedy, nixl; the oracle is transformers' "
-                        "own generate_batch on the same weights)")
+                        "place; a GGUF --model such as smollm2, the cpu, nixl; the oracle is transformers' own "
+                        "generate_batch on the same weights, or, sampled, the engine's colocated batch with the same "
+                        "sampler)")
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -49,8 +52,6 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(f"--engine transformers runs on the cpu for now, not --device {args.device}")
     if importlib.util.find_spec("transformers") is None:
         parser.error("--engine transformers needs transformers (pip install 'kvxfer[transformers]')")
-    if not args.sampling.plain:
-        parser.error("--engine transformers serves greedy requests only for now: drop the sampling flags")
     if args.backend != "nixl":
         parser.error(f"--engine transformers moves KV over nixl for now, not --backend {args.backend}")
     if args.prefill_device or args.decode_device:
@@ -116,25 +117,38 @@ class TransformersOracle:
             self._model = load_model(self.path)
 
     def prompts(self, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
-        """``count`` text prompts of mixed lengths: one to four of TEXT_PROMPTS joined."""
         assert self.tokenizer is not None
-        from kvxfer.engine import TEXT_PROMPTS  # imports torch: once every flag is checked
-
-        texts = list(TEXT_PROMPTS)
-        out = []
-        for i in range(count):
-            parts = 1 + (i * 3) % 4
-            out.append(list(self.tokenizer.encode(" ".join(texts[(i + j) % len(texts)] for j in range(parts)))))
-        return out
+        return text_prompts(self.tokenizer, count)
 
     def expected(self, prompts: list[list[int]], max_new: int, line: Line, workers: int,
                  sampling: Sequence[SamplingParams]) -> list[list[int]]:
-        """``generate_batch`` greedy over every prompt at once: it ends a completion at the
-        model's end-of-sequence token, as the workers' batches do."""
+        """Every prompt at once, colocated: greedy, ``generate_batch``; sampled, the transformers
+        engine's batch picking each request's tokens with kvxfer's sampler and its parameters
+        (the workers' sampler, the same seeds). Either ends a completion at the model's
+        end-of-sequence token, as the workers' batches do."""
+        from kvxfer.adapters.transformers import RequestSampling, colocated_sampled
         from kvxfer.adapters.transformers import _internals as hf
         from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE, load_model
 
-        line.say(f"computing reference outputs: transformers' generate_batch over {len(prompts)} prompts, while "
-                 f"{workers} workers start")
         model = self._model if self._model is not None else load_model(self.path)
-        return hf.colocated(model, prompts, max_new, hf.batching_config(PAGE_SIZE, self.blocks, MAX_BATCH_TOKENS))
+        if all(s.plain for s in sampling):
+            line.say(f"computing reference outputs: transformers' generate_batch over {len(prompts)} prompts, while "
+                     f"{workers} workers start")
+            return hf.colocated(model, prompts, max_new, hf.batching_config(PAGE_SIZE, self.blocks, MAX_BATCH_TOKENS))
+        line.say(f"computing reference outputs: the transformers engine's colocated batch over {len(prompts)} sampled "
+                 f"prompts, while {workers} workers start")
+        return colocated_sampled(model, prompts, max_new, [RequestSampling(s) for s in sampling], page_size=PAGE_SIZE,
+                                 num_blocks=self.blocks, max_batch_tokens=MAX_BATCH_TOKENS)
+
+
+def text_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """``--engine transformers``'s ``count`` prompts, of mixed lengths: one to four of
+    TEXT_PROMPTS joined, request i's the same in every run."""
+    from kvxfer.engine import TEXT_PROMPTS  # imports torch: once every flag is checked
+
+    texts = list(TEXT_PROMPTS)
+    out = []
+    for i in range(count):
+        parts = 1 + (i * 3) % 4
+        out.append(list(tokenizer.encode(" ".join(texts[(i + j) % len(texts)] for j in range(parts)))))
+    return out

@@ -1,6 +1,7 @@
 """`kvxfer pair --engine transformers --model smollm2` end to end: two `kvxfer serve --engine
 transformers` workers (SmolLM2 loaded by transformers itself from the GGUF), the router, NIXL:
-every completion token-identical to transformers' own colocated `generate_batch`, every
+every completion token-identical to transformers' own colocated `generate_batch` (greedy) or,
+sampled with seeds, to the transformers engine's colocated batch with kvxfer's sampler, every
 process gone after; and `kvxfer serve` without the flag never imports transformers."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvxfer import pair
+from kvxfer.modelfiles import load_tokenizer, smollm2_path
+from kvxfer.pair_oracle import text_prompts
 from kvxfer.testing.processes import assert_nothing_left
 from kvxfer.worker import serve
 
@@ -34,6 +37,33 @@ def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) 
     assert_nothing_left(report["config"]["processes"])
 
 
+def test_pair_transformers_sampled_is_token_identical_to_its_colocated_batch(tmp_path: Path) -> None:
+    """Seeded sampling: each completion (its first token from the prefill worker, the others
+    from the decode worker) equals the transformers engine's colocated batch with kvxfer's
+    sampler and the same seeds, and is not the greedy completion."""
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers", "--model", "smollm2",
+         "--temperature", "0.8", "--sampling-seed", "7", "--requests", "2", "--concurrency", "2",
+         "--max-new-tokens", "6", "--warmup", "0", "--blocks", "64", "--json", str(report_path),
+         "--log-dir", str(tmp_path / "logs"), "--quiet"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert report["config"]["sampling"] == {"greedy": False, "temperature": 0.8, "seed": 7}
+    assert report["requests"] == report["matched"] == 2 and report["failed"] == 0
+    results = report["results"]
+    assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
+    assert_nothing_left(report["config"]["processes"])
+    from kvxfer.adapters.transformers import _internals as hf
+    from kvxfer.adapters.transformers.converted import load_converted
+
+    prompts = text_prompts(load_tokenizer("smollm2"), 2)
+    assert [r["prompt_tokens"] for r in results] == [len(p) for p in prompts]
+    greedy = hf.colocated(load_converted(smollm2_path()), prompts, 6, hf.batching_config(16, 64, 256))
+    assert [r["tokens"] for r in results] != greedy  # it did sample
+
+
 def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
     code = ("import sys, kvxfer.worker.serve, kvxfer.worker.core, kvxfer.worker.app, kvxfer.pair, kvxfer.router.serve; "
             "print('transformers' in sys.modules)")
@@ -43,8 +73,6 @@ def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
 
 def test_what_the_transformers_engine_cannot_run_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, words in ((["--engine", "transformers"], "give --model smollm2 or a .gguf path"),
-                        (["--engine", "transformers", "--model", "smollm2", "--temperature", "0.7"],
-                         "greedy requests only"),
                         (["--engine", "transformers", "--model", "smollm2", "--backend", "ucx"],
                          "over nixl for now, not --backend ucx"),
                         (["--engine", "transformers", "--model", "smollm2", "--lender", "staging"],

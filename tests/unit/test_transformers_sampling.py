@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvxfer.adapters.transformers import RequestSampling, TransformersEngine
+from kvxfer.adapters.transformers import RequestSampling, TransformersEngine, colocated_sampled
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import TransferMode
@@ -109,12 +109,15 @@ def tokens(picks: list[Pick]) -> list[int]:
     return [p.token for p in picks]
 
 
-def test_a_seeded_request_makes_the_same_tokens_colocated_and_disaggregated(engines: Any,
+def test_a_seeded_request_makes_the_same_tokens_colocated_and_disaggregated(engines: Any, model: Any,
                                                                              greedy: list[list[int]]) -> None:
     requests = {f"r{i}": (p, RequestSampling(s)) for i, (p, s) in enumerate(zip(PROMPTS, SAMPLED))}
     here = colocated(engines(), requests)
     apart = disaggregated(engines(), engines(), requests)
     assert {r: tokens(p) for r, p in apart.items()} == {r: tokens(p) for r, p in here.items()}
+    oracle = colocated_sampled(model, PROMPTS, NEW, [s for _, s in requests.values()], page_size=PAGE, num_blocks=64,
+                               max_batch_tokens=64)  # kvxfer pair's oracle for sampled requests
+    assert oracle == [tokens(here[r]) for r in requests]
     assert all(tokens(here[f"r{i}"]) != greedy[i] for i in range(3))  # it did sample
     assert all(len(here[r]) == NEW for r in requests)  # the random model never says end-of-sequence here
     assert all(12 not in tokens(here[r]) for r in requests if r == "r2")  # its bias bans 12

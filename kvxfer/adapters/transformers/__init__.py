@@ -16,8 +16,9 @@ from kvxfer.adapters.transformers.engine import (
     TransformersEngine,
     check_peer_engine,
     checkpoint_scope,
+    colocated_sampled,
 )
 from kvxfer.adapters.transformers.sampler import PLAIN, RequestSampling
 
 __all__ = ["ENGINE", "PLAIN", "Prefilled", "RequestSampling", "Reservation", "TransformersEngine", "check_peer_engine",
-           "checkpoint_scope"]
+           "checkpoint_scope", "colocated_sampled"]

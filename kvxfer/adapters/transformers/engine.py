@@ -33,7 +33,7 @@ refuses while they are busy. The lease, not the allocator, decides when a block 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -315,3 +315,24 @@ class TransformersEngine:
         self.lender.shutdown()
         self.batch.close()
 
+
+
+def colocated_sampled(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      sampling: Iterable[RequestSampling], **options: Any) -> list[list[int]]:
+    """Every prompt generated colocated in one ``TransformersEngine`` batch (``options``: its
+    constructor's), each request's tokens picked by kvxfer's sampler as its ``sampling`` says:
+    what a sampled request must make disaggregated (transformers' ``generate_batch`` samples
+    with a sampler of its own). Greedy requests make ``generate_batch``'s tokens."""
+    engine = TransformersEngine(model, **options)
+    try:
+        names = [f"colocated-{i}" for i in range(len(prompts))]
+        for name, prompt, picking in zip(names, prompts, sampling, strict=True):
+            engine.generate(name, prompt, max_new_tokens, picking)
+        done: dict[str, list[int]] = {}
+        while len(done) < len(names):
+            if not engine.step() and engine.idle():
+                raise AdapterError(f"the batch went idle with {len(names) - len(done)} requests unfinished")
+            done.update(engine.results())
+        return [done[name] for name in names]
+    finally:
+        engine.shutdown()
