@@ -140,6 +140,43 @@ def test_sampled_requests_make_the_same_tokens_disaggregated_and_on_a_decode_wor
     asyncio.run(main())
 
 
+def test_a_sampled_request_cut_mid_stream_makes_the_same_tokens_recomputed_on_another_decode_worker(
+        model: Any) -> None:
+    """The first decode worker's stream is cut after token 1: the router sends the prompt and
+    those two tokens to the second, which picks token 2 on as the index in the completion says
+    (its recompute's ``earlier`` tokens): the tokens and logprobs of an uncut run."""
+    from test_router import _cutting  # pytest puts tests/unit on sys.path
+
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=11, frequency_penalty=0.5, repetition_penalty=1.2)
+
+    async def run(router: Router) -> list[Token]:
+        tokens: list[Token] = []
+        async for item in router.stream(PROMPTS[0], NEW, sampling=params, logprobs=1):
+            if isinstance(item, Completion):
+                assert item.ok and item.path == "local", item
+                return tokens
+            tokens.append(item)
+        raise AssertionError("no completion")
+
+    async def main() -> None:
+        async with served({"decode": ("transformers", model)}) as (first, workers), \
+                served({"decode": ("transformers", model)}) as (second, _):
+            cut = HttpServer(_cutting(make_handler(workers["decode"]), lambda chunk: b'"index": 1' in chunk, True))
+            port = await cut.start()
+            try:
+                async with Router([], [f"http://127.0.0.1:{port}", second["decode"]], on_failure="recompute") as router:
+                    resumed = await run(router)
+            finally:
+                await cut.close()
+            async with Router([], [second["decode"]], on_failure="recompute") as router:
+                whole = await run(router)
+        assert [t.token for t in resumed] == [t.token for t in whole] and len(whole) == NEW
+        assert all(a.logprob is not None and b.logprob is not None and abs(a.logprob - b.logprob) < 1e-5
+                   for a, b in zip(resumed, whole))
+
+    asyncio.run(main())
+
+
 def test_a_decode_worker_alone_serves_whole_requests(model: Any) -> None:
     """No prefill worker, policy recompute: the decode worker runs each request in its batch."""
     expected = hf.colocated(model, PROMPTS[:3], NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
