@@ -3,8 +3,9 @@
 are token-identical to transformers' own colocated ``generate_batch``, each prompt's KV moved
 out of one transformers cache into the other (nothing recomputed); a pair of a transformers
 worker and a reference worker is refused by name; seeded sampling with logprobs makes the same
-tokens disaggregated and on a decode worker alone. Real Worker objects behind real HTTP servers in this process, a tiny random Llama
-(no GGUF, so it is fast), the loopback backend."""
+tokens disaggregated, on a decode worker alone, and recomputed on another after a cut. Real
+Worker objects behind real HTTP servers in this process, a tiny random Llama (no GGUF, so it
+is fast), the loopback backend."""
 
 from __future__ import annotations
 
