@@ -117,8 +117,16 @@ class TransformersOracle:
             self._model = load_model(self.path)
 
     def prompts(self, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+        """``count`` text prompts of mixed lengths: one to four of TEXT_PROMPTS joined."""
         assert self.tokenizer is not None
-        return text_prompts(self.tokenizer, count)
+        from kvxfer.engine import TEXT_PROMPTS  # imports torch: once every flag is checked
+
+        texts = list(TEXT_PROMPTS)
+        out = []
+        for i in range(count):
+            parts = 1 + (i * 3) % 4
+            out.append(list(self.tokenizer.encode(" ".join(texts[(i + j) % len(texts)] for j in range(parts)))))
+        return out
 
     def expected(self, prompts: list[list[int]], max_new: int, line: Line, workers: int,
                  sampling: Sequence[SamplingParams]) -> list[list[int]]:
@@ -130,25 +138,11 @@ class TransformersOracle:
         from kvxfer.adapters.transformers import _internals as hf
         from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE, load_model
 
+        greedy = all(s.plain for s in sampling)
+        oracle = "transformers' generate_batch" if greedy else "the transformers engine's colocated batch (sampled)"
+        line.say(f"computing reference outputs: {oracle} over {len(prompts)} prompts, while {workers} workers start")
         model = self._model if self._model is not None else load_model(self.path)
-        if all(s.plain for s in sampling):
-            line.say(f"computing reference outputs: transformers' generate_batch over {len(prompts)} prompts, while "
-                     f"{workers} workers start")
+        if greedy:
             return hf.colocated(model, prompts, max_new, hf.batching_config(PAGE_SIZE, self.blocks, MAX_BATCH_TOKENS))
-        line.say(f"computing reference outputs: the transformers engine's colocated batch over {len(prompts)} sampled "
-                 f"prompts, while {workers} workers start")
         return colocated_sampled(model, prompts, max_new, [RequestSampling(s) for s in sampling], page_size=PAGE_SIZE,
                                  num_blocks=self.blocks, max_batch_tokens=MAX_BATCH_TOKENS)
-
-
-def text_prompts(tokenizer: Any, count: int) -> list[list[int]]:
-    """``--engine transformers``'s ``count`` prompts, of mixed lengths: one to four of
-    TEXT_PROMPTS joined, request i's the same in every run."""
-    from kvxfer.engine import TEXT_PROMPTS  # imports torch: once every flag is checked
-
-    texts = list(TEXT_PROMPTS)
-    out = []
-    for i in range(count):
-        parts = 1 + (i * 3) % 4
-        out.append(list(tokenizer.encode(" ".join(texts[(i + j) % len(texts)] for j in range(parts)))))
-    return out

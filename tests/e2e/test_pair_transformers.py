@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 
 from kvxfer import pair
-from kvxfer.modelfiles import load_tokenizer, smollm2_path
-from kvxfer.pair_oracle import text_prompts
 from kvxfer.testing.processes import assert_nothing_left
 from kvxfer.worker import serve
 
@@ -40,7 +38,7 @@ def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) 
 def test_pair_transformers_sampled_is_token_identical_to_its_colocated_batch(tmp_path: Path) -> None:
     """Seeded sampling: each completion (its first token from the prefill worker, the others
     from the decode worker) equals the transformers engine's colocated batch with kvxfer's
-    sampler and the same seeds, and is not the greedy completion."""
+    sampler and the same seeds."""
     report_path = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers", "--model", "smollm2",
@@ -55,13 +53,8 @@ def test_pair_transformers_sampled_is_token_identical_to_its_colocated_batch(tmp
     results = report["results"]
     assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
     assert_nothing_left(report["config"]["processes"])
-    from kvxfer.adapters.transformers import _internals as hf
-    from kvxfer.adapters.transformers.converted import load_converted
-
-    prompts = text_prompts(load_tokenizer("smollm2"), 2)
-    assert [r["prompt_tokens"] for r in results] == [len(p) for p in prompts]
-    greedy = hf.colocated(load_converted(smollm2_path()), prompts, 6, hf.batching_config(16, 64, 256))
-    assert [r["tokens"] for r in results] != greedy  # it did sample
+    # That the oracle samples (is not greedy) is tests/unit/test_transformers_sampling.py's: running
+    # SmolLM2's greedy completions here as well cost 20-30 s on the 2-core machine.
 
 
 def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
