@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="reference", choices=list(ENGINES),
                    help="what computes and holds KV: reference (kvxfer's own engine and pool) or transformers "
                         "(Hugging Face transformers' continuous batching, its cache lent in place; needs pip install "
-                        "'kvxfer[transformers]', a GGUF --model such as smollm2, the cpu, greedy requests). Both "
+                        "'kvxfer[transformers]', a GGUF --model such as smollm2, the cpu; requests sample with kvxfer's sampler). Both "
                         "ends of a pair must run the same engine: a router refuses a mixed pair by name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = ephemeral (announced on stdout)")

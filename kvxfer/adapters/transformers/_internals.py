@@ -19,7 +19,12 @@ reaches, and why:
   ``tokens_to_process``, status ``DECODING``) and put into ``Scheduler.active_requests``; the
   same fields the scheduler sets after a prompt's last chunk, and what ``OffloadingManager``
   restores "with exact request state";
-- results: ``OutputRouter.output_queue`` (``get_result`` wants the manager's own thread).
+- results: ``OutputRouter.output_queue`` (``get_result`` wants the manager's own thread);
+- picking: ``ModelRunner._sample`` (where a step's logits, one row per request with a new token,
+  in the order of ``ContinuousBatchingIOs.requests_in_batch``, become tokens) is wrapped so that
+  kvxfer's sampler picks the rows of requests that sample or want logprobs; a batch where none
+  does keeps transformers' own argmax. A request's completion so far is its ``generated_tokens``
+  (after a soft reset, also ``initial_tokens`` past ``_true_initial_tokens``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,6 +161,11 @@ def model_eos(model: Any) -> int | None:
     return None if eos is None else int(eos)
 
 
+def vocab_size(model: Any) -> int:
+    """The length of a row of the model's logits (its output embedding's rows)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
 def batching_config(page_size: int, num_blocks: int, max_batch_tokens: int,
                     max_requests_per_batch: int | None = None) -> Any:
     """A continuous-batching config the adapter can step by hand: no async double buffering, no
@@ -195,6 +205,11 @@ def colocated_timed(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
 
 
 # --- the batch, stepped by its owner ----------------------------------------------------------
+Picker = Callable[[list[str], torch.Tensor], torch.Tensor | None]
+"""Picks a step's tokens: given the requests with a new token and their float32 logits (one row
+each, in that order), the tokens (an int64 tensor, one per row), or None for transformers' own."""
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """What the adapter needs of the full-attention cache: the tensor that owns the memory and
@@ -237,6 +252,37 @@ class Batch:
             raise UnsupportedCache(f"unexpected allocator {type(allocator).__name__}")
         self.allocator: FullAttentionCacheAllocator = allocator
         self._ended: list[tuple[str, list[int], str | None]] = []
+        self.picker: Picker | None = None
+        self._hook_sampling()
+
+    def _hook_sampling(self) -> None:
+        """Route the step's logits through ``self.picker`` (when set) instead of transformers'
+        sampling; the config asks for neither sampling nor logprobs, so its own step is the argmax."""
+        runner = self.processor.model_runner
+        io: Any = self.processor.inputs_and_outputs  # the synchronous ContinuousBatchingIOs (batching_config)
+        if runner.do_sample or runner.return_logprobs or self.manager.logit_processor.do_processing:
+            raise UnsupportedCache("transformers' continuous batching would sample or process the logits itself; the "
+                                   "adapter's batch must leave picking to kvxfer's sampler")
+        own = runner._sample
+
+        def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+            picked = None
+            if self.picker is not None:
+                requests = [f.state.request_id for f in io.requests_in_batch if f.has_new_token]
+                picked = self.picker(requests, scores[0, : len(requests)])
+            if picked is None:
+                own(scores, output_ids)
+            else:
+                output_ids[0, : picked.numel()].copy_(picked)
+
+        runner._sample = sample  # type: ignore[method-assign]
+
+    def completion(self, request_id: str) -> tuple[list[int], list[int]]:
+        """(the tokens before its completion, the completion so far) of a request in the batch,
+        as its state holds them (a soft reset moves generated tokens into its prompt)."""
+        state = self.scheduler.active_requests[request_id]
+        cut = state._true_initial_tokens or len(state.initial_tokens)
+        return state.initial_tokens[:cut], state.initial_tokens[cut:] + state.generated_tokens
 
     def close(self) -> None:
         """Restore the model's attention implementation (the manager switched it)."""
