@@ -295,6 +295,10 @@ class TransformersServing:
         if self.engine is not None:
             self.engine.reclaim()
 
+    def block_stats(self) -> dict[str, dict[str, int]]:
+        """transformers' cache, as the worker's ``kvxfer_pool_blocks`` counts a pool."""
+        return {} if self.engine is None else {"kv": self.engine.block_counts()}
+
     def _engine(self) -> TransformersEngine:
         if self.engine is None:
             raise Refused("the transformers engine is not built yet")
