@@ -191,9 +191,10 @@ class TransformersServing:
             self._kick()
             return Pick(await fut)
         except BaseException:
-            # Cancelled (its caller left) or failed: nobody will publish it, its blocks go back.
-            if self._prefills.pop(rid, None) is not None:
-                await self._thread.cleanup(self.free, rid)
+            # Cancelled (its caller left, even as its first token came: the driver has handed
+            # it out already) or failed: nobody will publish it, its blocks go back.
+            self._prefills.pop(rid, None)
+            await self._thread.cleanup(self.free, rid)
             raise
 
     def lend_read(self, rid: str, n: int) -> Any:
