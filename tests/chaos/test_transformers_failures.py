@@ -126,14 +126,14 @@ async def consistent(url: str) -> dict[str, float]:
     return g
 
 
-async def in_flight(tasks: list[asyncio.Task[Completion]], *workers: Child) -> None:
+async def in_flight(tasks: list[asyncio.Task[Completion]], *urls: str) -> None:
     """Both ends run each request's stream: its publish is posted (its first block went) and
     the decode worker waits on, or is about to post, its fetch."""
     async def streaming() -> bool:
         for task in tasks:
             assert not task.done(), task.result()
-        counts = [(await gauges(w.url))["kvxfer_worker_active_streams"] for w in workers]
-        return counts == [len(tasks)] * len(workers)
+        counts = [(await gauges(url))["kvxfer_worker_active_streams"] for url in urls]
+        return counts == [len(tasks)] * len(urls)
     await until("the requests' transfers in flight", streaming, 60)
 
 
@@ -173,7 +173,7 @@ def test_prefill_worker_killed_mid_transfer(tmp_path: Path, oracle: Oracle) -> N
                         Router([p.url], [d.url], on_failure="fail", timeout_s=30) as fail):
                 tasks = [asyncio.create_task(recompute.generate(PROMPTS["killed"], NEW)),
                          asyncio.create_task(fail.generate(PROMPTS["failed"], NEW))]
-                await in_flight(tasks, p, d)
+                await in_flight(tasks, p.url, d.url)
                 assert (await gauges(d.url))["blocks_in_use"] == 6  # the reservations p writes into
                 p.kill()
                 recomputed, failed = [await t for t in tasks]
@@ -216,7 +216,7 @@ def test_decode_worker_killed_mid_transfer(tmp_path: Path, oracle: Oracle) -> No
             await consistent(p.url)
             async with Router([p.url], [d0.url, d1.url], on_failure="recompute", timeout_s=30) as router:
                 task = asyncio.create_task(router.generate(PROMPTS["moved"], NEW))
-                await in_flight([task], p, d0)
+                await in_flight([task], p.url, d0.url)
                 # Pinned for the read: neither free nor cached while d0 may read them.
                 assert (await gauges(p.url))["blocks_in_use"] == 3
                 d0.kill()
@@ -269,21 +269,20 @@ async def in_process(model: Any) -> AsyncIterator[tuple[dict[str, str], dict[str
 
 
 def test_a_client_that_leaves_mid_transfer_leaves_both_caches_consistent(oracle: Oracle) -> None:
-    """The prefill worker's backend is held once the publish is posted; the client leaves; the
-    transfer goes on. The decode worker drops the reservation once the fetch quiesced (the
-    request is never adopted), the prefill worker unpins its blocks once the publish did."""
+    """The prefill worker's backend is held (its progress thread posts nothing), so the publish
+    waits once posted; the client leaves; then the transfer goes on. The decode worker drops the
+    reservation once the fetch quiesced (the request is never adopted), the prefill worker
+    unpins its blocks once the publish did."""
     async def main() -> None:
         expected = oracle.tokens()
         async with in_process(oracle.model) as (urls, workers):
             backend: Any = workers["prefill"].backend
-            held, gate = hold_progress(backend, ready=lambda: bool(backend._active))  # a publish is posted
+            held, gate = hold_progress(backend)
             try:
+                assert held.wait(10)
                 async with Router([urls["prefill"]], [urls["decode"]], timeout_s=30) as router:
                     task = asyncio.create_task(router.generate(PROMPTS["left"], NEW))
-                    async def holding() -> bool:
-                        assert not task.done(), task.result()
-                        return held.is_set()
-                    await until("the publish posted and held", holding, 60)
+                    await in_flight([task], urls["prefill"], urls["decode"])
                     assert (await gauges(urls["prefill"]))["blocks_in_use"] == 3  # pinned for the publish
                     assert (await gauges(urls["decode"]))["blocks_in_use"] == 3   # reserved for it
                     task.cancel()
