@@ -271,9 +271,8 @@ class Batch:
     def reusable_block_count(self) -> int:
         """Blocks transformers may hand out now: free ones, free sectors' and those its prefix
         cache keeps with no reference (evicted under pressure)."""
-        pool, a = self.cache.pool, self.allocator
-        free = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
-        return free + len(a.ledger.cached_blocks)
+        counts = self.block_counts()
+        return counts["free"] + counts["cached"]
 
     def block_counts(self) -> dict[str, int]:
         """The full-attention blocks as kvxfer counts a pool's: ``blocks`` (all transformers may
