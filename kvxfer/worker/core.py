@@ -306,13 +306,13 @@ class Worker:
         out[(m.open_leases, ())] = float(lender.open_leases if lender is not None else 0)
         s.reclaim()
         out[(m.quarantined_now, ())] = float(s.quarantine.rows(lender))
-        if s.pool is not None:
-            for group, stats in s.pool.stats().items():
-                for state, value in stats.items():
-                    out[(m.blocks, (("group", group), ("state", state)))] = float(value)
-                # Held by a request (or retained for a peer): neither free nor cached for reuse.
-                in_use = stats["blocks"] - stats["free"] - stats["cached"]
-                out[(m.blocks, (("group", group), ("state", "in_use")))] = float(in_use)
+        s.serving.reclaim()  # blocks whose attempts quiesced since the last pass are not in use
+        for group, stats in s.serving.block_stats().items():  # the pool, or transformers' cache
+            for state, value in stats.items():
+                out[(m.blocks, (("group", group), ("state", state)))] = float(value)
+            # Held by a request (or retained for a peer): neither free nor cached for reuse.
+            in_use = stats["blocks"] - stats["free"] - stats["cached"]
+            out[(m.blocks, (("group", group), ("state", "in_use")))] = float(in_use)
         return out
 
     # --- the tables the tests and health read (each has one owner) --------------------------

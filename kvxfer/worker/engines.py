@@ -91,6 +91,8 @@ class ServingEngine(Protocol):
 
     def reclaim(self) -> None: ...
 
+    def block_stats(self) -> dict[str, dict[str, int]]: ...
+
 
 class ReferenceEngine:
     """kvxfer's own engine: ``LlamaModel`` over the worker's pool (or TP group), its lender
@@ -190,4 +192,8 @@ class ReferenceEngine:
 
     def reclaim(self) -> None:
         """Nothing of its own: the pool's lender gives rows back (the quarantine's reclaim)."""
+
+    def block_stats(self) -> dict[str, dict[str, int]]:
+        """The pool's counts per group (``PagedKVPool.stats``)."""
+        return self._s.pool.stats() if self._s.pool is not None else {}
 

@@ -233,9 +233,10 @@ class TransformersServing:
             self._kick()
             return await fut
         except BaseException:
-            # Cancelled (its caller left) or failed: nobody will publish it, its blocks go back.
-            if self._prefills.pop(rid, None) is not None:
-                await self._thread.cleanup(self.free, rid)
+            # Cancelled (its caller left, even as its first token came: the driver has handed
+            # it out already) or failed: nobody will publish it, its blocks go back.
+            self._prefills.pop(rid, None)
+            await self._thread.cleanup(self.free, rid)
             raise
 
     def lend_read(self, rid: str, n: int) -> Any:
@@ -336,6 +337,10 @@ class TransformersServing:
         """Blocks whose attempts quiesced go back to transformers (between steps too)."""
         if self.engine is not None:
             self.engine.reclaim()
+
+    def block_stats(self) -> dict[str, dict[str, int]]:
+        """transformers' cache, as the worker's ``kvxfer_pool_blocks`` counts a pool."""
+        return {} if self.engine is None else {"kv": self.engine.block_counts()}
 
     def _engine(self) -> TransformersEngine:
         if self.engine is None:

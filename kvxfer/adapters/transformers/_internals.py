@@ -339,9 +339,17 @@ class Batch:
     def reusable_block_count(self) -> int:
         """Blocks transformers may hand out now: free ones, free sectors' and those its prefix
         cache keeps with no reference (evicted under pressure)."""
+        counts = self.block_counts()
+        return counts["free"] + counts["cached"]
+
+    def block_counts(self) -> dict[str, int]:
+        """The full-attention blocks as kvxfer counts a pool's: ``blocks`` (all transformers may
+        hand out, trash sectors left out), ``free`` (free ones and free sectors'), ``cached``
+        (its prefix cache's, no reference: reusable). The rest are in use: by a request, a
+        prefill's pin, or a reservation."""
         pool, a = self.cache.pool, self.allocator
         free = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
-        return free + len(a.ledger.cached_blocks)
+        return {"blocks": pool.num_sectors * a.blocks_per_sector, "free": free, "cached": len(a.ledger.cached_blocks)}
 
     def read_rows(self, blocks: Sequence[int], tokens: int) -> list[int]:
         """The cache rows transformers' attention reads for tokens [0, tokens) held in ``blocks``

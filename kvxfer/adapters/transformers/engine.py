@@ -290,6 +290,10 @@ class TransformersEngine:
         self.sampler.forget(request)
         self.batch.cancel(request)
 
+    def block_counts(self) -> dict[str, int]:
+        """transformers' blocks: ``blocks``, ``free``, ``cached`` (reusable), the rest in use."""
+        return self.batch.block_counts()
+
     def reclaim(self) -> None:
         """Give back to transformers the blocks of finished prefills and dropped reservations
         that no lease or attempt may touch any more (``step`` does it too)."""
