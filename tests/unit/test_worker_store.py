@@ -312,6 +312,7 @@ def test_rows_that_fail_their_integrity_check_are_counted_by_source() -> None:
         async with stack(store, decode_store=False) as (router, _):
             _same(await router.generate(prompt, 4), prompt, 4)  # the store now holds the 9 blocks
         async with stack(store, prefill_store=False) as (router, workers):
+            assert workers["decode"].health()["integrity"] == "on"  # what kvxfer doctor --peer shows
             decode = workers["decode"]._state
             damage = Corruptor(seed=4, p_bit=1.0)  # one bit of every landed row
             assert decode.backend is not None and decode.store is not None
