@@ -363,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nixl: seconds between chunk posts (fault-injection tests kill a peer mid-transfer)")
     p.add_argument("--nixl-arena-mib", type=arena_mib, default=None, metavar="MIB", help=ARENA_HELP)
     p.add_argument("--integrity", choices=("on", "off"), default="on",
-                   help="nixl, loopback: send a digest of each row and check it where the row landed; a row that "
-                        "fails is not delivered (default on; off only to measure the transport alone)")
+                   help="nixl, loopback and the store: send a digest of each row and check it where the row landed; "
+                        "a row that fails is not delivered (default on; off only to measure the transport alone; "
+                        "both ends need the same setting)")
     p.add_argument("--busy-poll", action="store_true",
                    help="ipc: a core spins while transfers wait, and a waiting end offers a doorbell word that the "
                         "copy kernel sets (lowest small-transfer latency, one busy core)")
