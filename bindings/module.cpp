@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "digest.h"
 #include "fill_helpers.h"
 #include "rowcopy.h"
 #include "spin_poll.h"
@@ -85,6 +86,18 @@ void host_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::option
     if (err.empty()) err = kvxfer::host_copy_rows(p, threads);
   }
   check(err);
+}
+
+nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>> host_row_digests(std::uint64_t base, std::int64_t stride,
+                                                                    std::optional<Index> slots, std::int64_t n_rows,
+                                                                    std::int64_t row_bytes, std::uint64_t k,
+                                                                    int threads) {
+  const std::int64_t* at = index_of(slots, n_rows, "slot");
+  if (n_rows < 0) throw CopyError("n_rows is negative");
+  auto* out = new std::uint64_t[static_cast<std::size_t>(n_rows > 0 ? n_rows : 1)]();
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  check_unlocked([&] { return kvxfer::host_row_digests(base, stride, at, n_rows, row_bytes, k, out, threads); });
+  return nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>(out, {static_cast<std::size_t>(n_rows)}, owner);
 }
 
 // The segment arrays of a layout transform, checked for equal lengths (the native checks
@@ -205,6 +218,7 @@ NB_MODULE(_native, m) {
 #endif
   m.attr("ABI_VERSION") = 1;
   m.attr("HAS_TRANSFORM") = true;  // host_transform_copy, and cuda_transform_copy(_then) with CUDA
+  m.attr("HAS_DIGEST") = true;     // host_row_digests
 
   m.def("fill_helper_threads", [] { return kvxfer::FillHelpers::instance().threads(); },
         "How many persistent index-fill helper threads are running (started by large CUDA copies).");
@@ -238,6 +252,12 @@ NB_MODULE(_native, m) {
         "dst_limit"_a = -1,
         "Copy n_rows rows of row_bytes from base+index[i]*stride (index None: i) on one end to the other, in host "
         "memory. Indices outside [0, limit) are refused when a limit is given.");
+
+  m.def("host_row_digests", &host_row_digests, "base"_a, "stride"_a, "slots"_a.noconvert().none(), "n_rows"_a,
+        "row_bytes"_a, "k"_a, "threads"_a = 0,
+        "The row digest (kvxfer.backends.common.integrity) of the row_bytes bytes at base + slots[i] * stride "
+        "(slots None: i) for each i < n_rows, read in place with the GIL released, as a new uint64 array. A negative "
+        "slot is refused; nothing checks an upper bound (the caller's rows must be mapped).");
 
   m.def("host_transform_copy", &host_transform_copy, "src_addr"_a.noconvert(), "dst_addr"_a.noconvert(),
         "tokens"_a.noconvert(), "heads"_a, "unit_bytes"_a, "src_token_stride"_a, "src_head_stride"_a,

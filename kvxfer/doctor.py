@@ -9,6 +9,10 @@ memory type; the doctor reads the transports from those tables (``cma``, ``tcp``
 ``cuda_ipc``, ``rc_mlx5``...). A lane that falls back to TCP gets a loud warning with the
 remedy: run that pair in push mode, or use the same-node ``ipc`` backend.
 
+It also says who computes row digests on this host (``kvxfer serve --integrity``, on by
+default): the compiled core, or numpy where ``kvxfer._native`` lacks it (several times slower);
+with ``--peer``, whether that worker checks them (its ``/health``).
+
 ``--devices I,T`` puts the device-memory initiator on CUDA device I and the target on T: UCX
 picks lanes by placement (between the two H200s of one host READ went over cuda_ipc at 382
 GB/s; on a one-H200 machine, both ends on its GPU, it fell back to TCP at 0.5 GB/s), so ask
@@ -295,14 +299,28 @@ def _warnings(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def integrity_report() -> dict[str, Any]:
+    """Who computes the row digests here (``kvxfer serve --integrity``, on by default)."""
+    from kvxfer import native  # noqa: PLC0415 - the compiled module loads only for a run
+
+    state = native.info()
+    if state.digest:
+        return {"digests": "native", "detail": "the compiled core (kvxfer._native), rows read in place"}
+    return {"digests": "numpy", "detail": f"numpy, several times slower: {state.reason or 'kvxfer._native lacks it'}"}
+
+
 def _print(report: dict[str, Any]) -> None:
     v = report["versions"]
     print(f"NIXL {v.get('nixl', '?')} ({v.get('nixl_module', '?')}), UCX {v.get('ucx', '?')}")
+    integrity = report.get("integrity")
+    if integrity:
+        print(f"row integrity (kvxfer serve --integrity, on by default): digests by {integrity['detail']}")
     peer = report.get("peer")
     if peer:
         pv = peer.get("versions") or {}
         print(f"peer: {peer.get('role')} worker {peer.get('name')!r} at {peer['url']} on host {peer.get('host')}, "
-              f"pool on {peer.get('device')}: NIXL {pv.get('nixl', '?')}, UCX {pv.get('ucx', '?')}")
+              f"pool on {peer.get('device')}, integrity {peer.get('integrity') or 'unknown (an older worker)'}: "
+              f"NIXL {pv.get('nixl', '?')}, UCX {pv.get('ucx', '?')}")
         if (pv.get("nixl"), pv.get("ucx")) != (v.get("nixl"), v.get("ucx")):
             print("  (its NIXL or UCX differs from this host's: UCX picks lanes from what both ends offer)")
     for memory, result in report["memory"].items():
@@ -458,9 +476,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.peer:
             worker = doctor_peer.connect(args.peer, min(args.timeout, 30.0), args.cluster_key)
             report["peer"] = {"url": args.peer, "name": worker.get("name"), "role": worker.get("role"),
-                              "device": worker.get("probe", {}).get("device")}
+                              "device": worker.get("probe", {}).get("device"), "integrity": worker.get("integrity")}
         _say("reading versions")
         report["versions"] = versions()
+        report["integrity"] = integrity_report()
         if args.peer:
             _remote(args, worker, report)
         else:

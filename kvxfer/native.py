@@ -15,6 +15,9 @@ sizes): segments of tokens, each (token, head) unit copied from ``src + t * toke
 h * head_stride`` to the same expression on the destination end; natively by memcpy runs or
 one CUDA kernel, else numpy / torch indexing with identical bytes.
 
+``row_digests`` reads host rows where they lie (no gather) and returns each one's integrity
+digest (``kvxfer.backends.common.integrity`` defines it and keeps the numpy fallback).
+
 ``info()`` says what is available and why not. Failures raise :class:`RowCopyError`.
 """
 
@@ -63,6 +66,7 @@ class NativeInfo:
     module_path: str
     reason: str
     transform: bool = False  # the compiled module has the layout transform (host, and CUDA where built)
+    digest: bool = False  # the compiled module has the host row digest (row_digests)
 
     @property
     def host(self) -> bool:
@@ -127,16 +131,18 @@ def info() -> NativeInfo:
         return NativeInfo(False, False, False, 0, 0, 0, "", _LOAD_REASON)
     path = str(getattr(mod, "__file__", ""))
     transform = bool(getattr(mod, "HAS_TRANSFORM", False))
+    digest = bool(getattr(mod, "HAS_DIGEST", False))
     if not mod.HAS_CUDA:
         return NativeInfo(True, False, False, 0, 0, 0, path,
-                          "kvxfer._native was built without CUDA (no nvcc found, or KVXFER_CUDA=OFF)", transform)
+                          "kvxfer._native was built without CUDA (no nvcc found, or KVXFER_CUDA=OFF)", transform,
+                          digest)
     try:
         runtime, driver = mod.versions()
         count = mod.device_count()
     except mod.CopyError as exc:
-        return NativeInfo(True, True, False, 0, 0, 0, path, f"CUDA is not usable here: {exc}", transform)
+        return NativeInfo(True, True, False, 0, 0, 0, path, f"CUDA is not usable here: {exc}", transform, digest)
     reason = "" if count > 0 else "no CUDA device is visible"
-    return NativeInfo(True, True, count > 0, count, runtime, driver, path, reason, transform)
+    return NativeInfo(True, True, count > 0, count, runtime, driver, path, reason, transform, digest)
 
 
 def cuda_module() -> ModuleType:
@@ -348,6 +354,25 @@ def _torch_copy(src_base: int, src_stride: int, src: Any, dst_base: int, dst_str
         src_rows, dst_rows = rows(src_base, src_stride, src), rows(dst_base, dst_stride, dst)
         picked = src_rows.index_select(0, index(src))
         dst_rows.index_copy_(0, index(dst), picked)
+
+
+# --- row digest -------------------------------------------------------------------------
+def row_digests(*, base: int, stride: int, slots: npt.NDArray[np.int64], row_bytes: int, k: int,
+                threads: int = 0) -> npt.NDArray[np.uint64]:
+    """The integrity digest with constant ``k`` of the ``row_bytes`` bytes at ``base + slots[i] *
+    stride`` (host memory), one uint64 per slot, read in place by the compiled module with the
+    GIL released (``threads`` as in ``copy_rows``). RowCopyError where the module lacks it
+    (``info().digest``: the caller then uses its numpy definition) or a slot is negative. No
+    upper bound is checked: the caller's rows must be mapped."""
+    if not info().digest or _NATIVE is None:
+        raise RowCopyError(_LOAD_REASON or "kvxfer._native was built without the row digest")
+    index, n = _host_slots(slots, None, "digest")
+    assert isinstance(index, np.ndarray) and n is not None
+    try:
+        out: npt.NDArray[np.uint64] = _NATIVE.host_row_digests(base, stride, index, n, row_bytes, k, threads)
+    except _NATIVE.CopyError as exc:
+        raise RowCopyError(str(exc)) from exc
+    return out
 
 
 # --- layout transform ---------------------------------------------------------------

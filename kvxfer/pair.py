@@ -41,6 +41,7 @@ from kvxfer.serving.exchange import HttpError
 from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
 from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.startup import check_serving
+from kvxfer.worker.config import integrity_state
 from kvxfer.worker.forked import preload
 from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-poll", action="store_true",
                    help="ipc: both workers spin while transfers wait; the decode worker offers a doorbell word "
                         "that the copy kernel sets (one busy core each)")
+    p.add_argument("--integrity", choices=("on", "off"), default="on",
+                   help="every worker's row digests (kvxfer serve --integrity): nixl and the store send and check "
+                        "them; off only to measure the transport alone")
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -236,7 +240,7 @@ def role_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> t
 def worker_args(args: argparse.Namespace) -> list[str]:
     """The ``kvxfer serve`` flags every worker of the pair gets (the model's come apart)."""
     out = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
-           str(args.blocks), "--transfer-timeout", str(args.timeout)]
+           str(args.blocks), "--transfer-timeout", str(args.timeout), "--integrity", args.integrity]
     if args.busy_poll:
         out.append("--busy-poll")
     if args.nixl_arena_mib is not None:
@@ -297,7 +301,8 @@ def _run_config(args: argparse.Namespace, oracle: Oracle, placed: _Placement, lo
             "mode": args.mode, "mode_requested": placed.requested_mode,
             "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                  "pull": list(lanes.pull)},
-            "lender": args.lender, "requests": args.requests,
+            "lender": args.lender, "integrity": integrity_state(args.backend, args.integrity == "on"),
+            "requests": args.requests,
             "prompt_lengths": [args.min_len, longest], "max_len_requested": args.max_len,
             "max_new_tokens": args.max_new_tokens,
             "concurrency": args.concurrency, "warmup": args.warmup, "prefill_workers": args.prefill_workers,

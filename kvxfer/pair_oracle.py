@@ -2,10 +2,12 @@
 
 - reference: kvxfer's ``LlamaModel`` in this process, colocated generation (one pool), sampled
   as each request is;
-- transformers: transformers' own colocated continuous batching (``generate_batch``) on the
-  same weights (the GGUF loaded by transformers itself), greedy, every prompt in one batch.
-  Its prompts are the text prompts joined one to four at a time: mixed lengths that cross
-  block boundaries (16 tokens a block).
+- transformers: transformers' own colocated continuous batching on the same weights (the GGUF
+  loaded by transformers itself), every prompt in one batch: greedy, its ``generate_batch``;
+  sampled, the transformers engine's colocated batch with kvxfer's sampler (each request's
+  seed), since ``generate_batch`` samples with a sampler of its own. Its prompts are the text
+  prompts joined one to four at a time: mixed lengths that cross block boundaries (16 tokens
+  a block).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def add_engine_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="reference", choices=list(ENGINES),
                    help="what the workers run: reference (kvxfer's own engine; the oracle is colocated generation "
                         "here) or transformers (Hugging Face transformers' continuous batching, its cache lent in "
-                        "place; a GGUF --model such as smollm2, the cpu, greedy, nixl; the oracle is transformers' "
-                        "own generate_batch on the same weights)")
+                        "place; a GGUF --model such as smollm2 on the cpu, or the toy model's shape with seeded "
+                        "weights on --device; nixl or ipc; the oracle is transformers' own generate_batch on the same "
+                        "weights, or, sampled, the engine's colocated batch with the same sampler)")
     p.add_argument("--colocated-baseline", action="store_true",
                    help="--engine transformers: after the workers stop, time transformers' colocated generate_batch "
                         "on the same prompts in waves of --concurrency, on the oracle's device, and report its TTFT, "
@@ -56,8 +59,6 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
                      "model's seeded shape runs on cuda)")
     if importlib.util.find_spec("transformers") is None:
         parser.error("--engine transformers needs transformers (pip install 'kvxfer[transformers]')")
-    if not args.sampling.plain:
-        parser.error("--engine transformers serves greedy requests only for now: drop the sampling flags")
     if args.backend not in ("nixl", "ipc"):
         parser.error(f"--engine transformers moves KV over nixl or ipc for now, not --backend {args.backend}")
     if args.prefill_device or args.decode_device:
@@ -144,16 +145,24 @@ class TransformersOracle:
 
     def expected(self, prompts: list[list[int]], max_new: int, line: Line, workers: int,
                  sampling: Sequence[SamplingParams]) -> list[list[int]]:
-        """``generate_batch`` greedy over every prompt at once: it ends a completion at the
-        model's end-of-sequence token, as the workers' batches do."""
+        """Every prompt at once, colocated: greedy, ``generate_batch``; sampled, the transformers
+        engine's batch picking each request's tokens with kvxfer's sampler and its parameters
+        (the workers' sampler, the same seeds). Either ends a completion at the model's
+        end-of-sequence token, as the workers' batches do."""
+        from kvxfer.adapters.transformers import RequestSampling, colocated_sampled
         from kvxfer.adapters.transformers import _internals as hf
         from kvxfer.worker.hf_engine import PAGE_SIZE, load_on, max_batch_tokens
 
-        line.say(f"computing reference outputs: transformers' generate_batch over {len(prompts)} prompts, while "
-                 f"{workers} workers start")
+        greedy = all(s.plain for s in sampling)
+        oracle = "transformers' generate_batch" if greedy else "the transformers engine's colocated batch (sampled)"
+        line.say(f"computing reference outputs: {oracle} over {len(prompts)} prompts, while {workers} workers start")
         model = self._model if self._model is not None else load_on(self.path, self.shape, self.device)
-        config = hf.batching_config(PAGE_SIZE, self.blocks, max_batch_tokens(self.device))
-        return hf.colocated(model, prompts, max_new, config)
+        self._model = model
+        tokens = max_batch_tokens(self.device)
+        if greedy:
+            return hf.colocated(model, prompts, max_new, hf.batching_config(PAGE_SIZE, self.blocks, tokens))
+        return colocated_sampled(model, prompts, max_new, [RequestSampling(s) for s in sampling], page_size=PAGE_SIZE,
+                                 num_blocks=self.blocks, max_batch_tokens=tokens)
 
     def baseline(self, prompts: list[list[int]], max_new: int, concurrency: int) -> dict[str, Any]:
         """transformers' colocated ``generate_batch`` over ``prompts`` in waves of

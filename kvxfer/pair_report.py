@@ -129,7 +129,12 @@ def _colocated_line(colocated: dict[str, Any] | None) -> list[str]:
             f"{colocated['tokens_per_s'] or 0:.0f} tokens/s ({colocated['what']})"]
 
 
-def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
+def _integrity(config: dict[str, Any]) -> str:
+    state = config.get("integrity")  # absent from reports written before it was
+    return "" if state is None else f", integrity {state}"
+
+
+def print_report(report: dict[str, Any], out: Any = None) -> None:
     c = report["config"]
     gbps = report["transfer_gb_per_s"]
     mode = c["mode"]
@@ -139,7 +144,7 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
     placed = "" if c["prefill_device"] == c["decode_device"] == c["device"] else \
         f" (oracle), prefill on {c['prefill_device']}, decode on {c['decode_device']}"
     lines = [
-        f"kvxfer pair: {c['backend']} ({mode}, {c['lender']} lender), {c['prefill_workers']} prefill + "
+        f"kvxfer pair: {c['backend']} ({mode}, {c['lender']} lender{_integrity(c)}), {c['prefill_workers']} prefill + "
         f"{c['decode_workers']} decode workers, model {c['model']}{placed}",
         *_kv_line(c.get("engine_kv")),
         *sampling_line(c.get("sampling")),
@@ -166,4 +171,4 @@ def print_report(report: dict[str, Any], out: Any = sys.stdout) -> None:
             lines.append(f"    {r['request']}: {r['error'] or 'tokens differ'}")
     # A model with a tokenizer: what it said, as the router delivered it (repr keeps newlines on one line).
     lines += [f"  text         {s['prompt']!r} -> {s['completion']!r}" for s in report.get("samples", [])]
-    print("\n".join(lines), file=out, flush=True)
+    print("\n".join(lines), file=out or sys.stdout, flush=True)  # sys.stdout as it is now (a test's capture)

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
     p.add_argument("--engine", default="reference", choices=["reference", "transformers"],
                    help="what the workers run: kvxfer's reference engine, or Hugging Face transformers' continuous "
-                        "batching (a GGUF --model such as smollm2, the cpu, greedy, nixl)")
+                        "batching (a GGUF --model such as smollm2, the cpu, nixl)")
     p.add_argument("--backend", default="nixl", choices=["nixl", "ipc", "ucx"])
     p.add_argument("--mode", default="push", choices=["push", "pull"])
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks per worker")

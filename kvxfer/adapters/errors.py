@@ -20,5 +20,6 @@ class EngineMismatch(AdapterError):
 
 
 class UnsupportedCache(AdapterError):
-    """The engine's cache has a shape the adapter does not lend (for example sliding-window
-    layers in transformers' continuous batching)."""
+    """The engine's cache has a shape the adapter does not lend (for example a layer type other
+    than full or sliding-window attention in transformers' continuous batching), or the call
+    asks for it in a way its shape does not allow (one lease of a hybrid cache)."""

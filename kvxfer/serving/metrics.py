@@ -11,7 +11,8 @@ counts apart). An embedder merges it into their own registry, or serves it as it
 Counters and histograms are prometheus_client's, behind a thin adapter that takes the label
 values as keywords (``requests.inc(path="local", result="ok")``). Gauges are read when
 scraped: from a function (``read``), or from the last values ``set`` (a worker sets its
-gauges from the engine thread before it renders: ``Worker.refresh_metrics``).
+gauges from the engine thread before it renders: ``Worker.refresh_metrics``). A counter kept
+elsewhere (by a backend's thread) is read when scraped too (``read_counter``).
 
 The names and labels are the API (README, dashboards, tests). Counters render with their
 ``_total`` name, a ``_created`` series beside them (prometheus_client's), and values as
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import prometheus_client
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -77,6 +78,22 @@ class Gauge:
         yield family
 
 
+class ReadCounter:
+    """A counter read when scraped (a prometheus_client custom collector): ``read()``'s running
+    totals ({label values in ``labels`` order: value}), kept and only ever raised elsewhere.
+    Rendered as ``<name>_total``."""
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str],
+                 read: Callable[[], dict[LabelValues, float]]) -> None:
+        self.name, self.help, self.labels, self.read = name, help_text, tuple(labels), read
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.help, labels=self.labels)
+        for key, value in sorted(self.read().items()):
+            family.add_metric(list(key), value)
+        yield family
+
+
 class Registry(prometheus_client.CollectorRegistry):
     """One router's or worker's metrics; ``render()`` and ``snapshot()`` for its own use."""
 
@@ -95,6 +112,13 @@ class Registry(prometheus_client.CollectorRegistry):
         gauge = Gauge(name, help_text, sorted(labels), read)
         self.register(gauge)  # type: ignore[arg-type]
         return gauge
+
+    def read_counter(self, name: str, help_text: str, labels: Iterable[str],
+                     read: Callable[[], dict[LabelValues, float]]) -> ReadCounter:
+        """``name`` without ``_total`` (the rendered name adds it)."""
+        counter = ReadCounter(name, help_text, sorted(labels), read)
+        self.register(counter)  # type: ignore[arg-type]
+        return counter
 
     def render(self) -> str:
         """The Prometheus text format (``CONTENT_TYPE``)."""

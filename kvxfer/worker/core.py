@@ -28,7 +28,7 @@ from kvxfer.pool import PagedKVPool
 from kvxfer.pool.spec import Layout
 from kvxfer.worker.backends import make_backend
 from kvxfer.worker.calls import AbortCall, GenerateCall, PrefillCall, PublishCall, ReserveCall, WithdrawCall
-from kvxfer.worker.config import ROLES, WorkerConfig
+from kvxfer.worker.config import ROLES, WorkerConfig, integrity_state
 from kvxfer.worker.decode import DecodeRole, Reserved
 from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.errors import Aborted, Refused
@@ -135,7 +135,7 @@ class Worker:
             driver = make_store_driver(cfg.store, path=cfg.store_path, master=cfg.store_master,
                                        segment_bytes=cfg.store_segment_mib << 20, shared=self._shared_store)
             s.store = StoreSide(driver, pool, s.lender, self._engine, s.meters, s.quarantine,
-                                cfg.transfer_timeout_s, f"{self.name}-store")
+                                cfg.transfer_timeout_s, f"{self.name}-store", cfg.integrity)
 
     def _build_group(self) -> None:
         """A TP group of pools, one per rank, lent in place and moved as engine geometries."""
@@ -267,6 +267,7 @@ class Worker:
         return {"status": "ok" if not self._state.closed else "closing", "role": self.role, "name": self.name,
                 "engine": self._state.serving.name,
                 "backend": self.config.backend, "mode": self.config.mode.value,
+                "integrity": integrity_state(self.config.backend, self.config.integrity),
                 "scope": self.config.model.scope().hex()[:24], "active": self._active,
                 "held": len(self._held), "reserved": len(self._reserved), "publisher": self.publisher(),
                 "model": self.config.model_name, "limits": {"vocab_size": self.config.model.vocab_size,
@@ -306,13 +307,13 @@ class Worker:
         out[(m.open_leases, ())] = float(lender.open_leases if lender is not None else 0)
         s.reclaim()
         out[(m.quarantined_now, ())] = float(s.quarantine.rows(lender))
-        if s.pool is not None:
-            for group, stats in s.pool.stats().items():
-                for state, value in stats.items():
-                    out[(m.blocks, (("group", group), ("state", state)))] = float(value)
-                # Held by a request (or retained for a peer): neither free nor cached for reuse.
-                in_use = stats["blocks"] - stats["free"] - stats["cached"]
-                out[(m.blocks, (("group", group), ("state", "in_use")))] = float(in_use)
+        s.serving.reclaim()  # blocks whose attempts quiesced since the last pass are not in use
+        for group, stats in s.serving.block_stats().items():  # the pool, or transformers' cache
+            for state, value in stats.items():
+                out[(m.blocks, (("group", group), ("state", state)))] = float(value)
+            # Held by a request (or retained for a peer): neither free nor cached for reuse.
+            in_use = stats["blocks"] - stats["free"] - stats["cached"]
+            out[(m.blocks, (("group", group), ("state", "in_use")))] = float(in_use)
         return out
 
     # --- the tables the tests and health read (each has one owner) --------------------------

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvxfer.engine import tokens_needed
 from kvxfer.engine.sampling import Pick, SamplingParams
-from kvxfer.worker.errors import Refused
 
 if TYPE_CHECKING:
     from kvxfer.engine import LlamaModel
@@ -91,6 +90,8 @@ class ServingEngine(Protocol):
     def finish(self, name: str, prompt: list[int], shareable: bool = True) -> None: ...
 
     def reclaim(self) -> None: ...
+
+    def block_stats(self) -> dict[str, dict[str, int]]: ...
 
 
 class ReferenceEngine:
@@ -192,11 +193,7 @@ class ReferenceEngine:
     def reclaim(self) -> None:
         """Nothing of its own: the pool's lender gives rows back (the quarantine's reclaim)."""
 
+    def block_stats(self) -> dict[str, dict[str, int]]:
+        """The pool's counts per group (``PagedKVPool.stats``)."""
+        return self._s.pool.stats() if self._s.pool is not None else {}
 
-def greedy_only(engine: str, sampling: SamplingParams, logprobs: int | None) -> None:
-    """Refused, naming the engine and what it does not serve: sampling, logprobs."""
-    if not sampling.plain:
-        raise Refused(f"the {engine} engine serves greedy requests only for now: sampling parameters "
-                      f"({', '.join(sorted(sampling.to_json()))}) are refused; send none")
-    if logprobs is not None:
-        raise Refused(f"the {engine} engine does not answer logprobs yet; send none")

@@ -8,7 +8,10 @@ publish, fetch) run between two steps; after each step it hands out what the ste
 prefills' first tokens, and each decoding request's new tokens. Concurrent requests share
 every step, as transformers batches them.
 
-Greedy only for now: sampling parameters and logprobs are refused by name.
+Each request picks its tokens with kvxfer's sampler and its own parameters and logprobs
+(``kvxfer.adapters.transformers.sampler``, over ``kvxfer.engine.sampling``), as the reference
+engine does: a seeded request makes the same tokens colocated and disaggregated; greedy is
+transformers' own argmax, token for token ``generate_batch``'s.
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvxfer.adapters.transformers import TransformersEngine, checkpoint_scope
+from kvxfer.adapters.errors import UnsupportedCache
+from kvxfer.adapters.transformers import RequestSampling, TransformersEngine, checkpoint_scope
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.adapters.transformers.converted import load_converted
 from kvxfer.engine.config import ModelConfig
-from kvxfer.engine.sampling import Pick, SamplingParams
+from kvxfer.engine.sampling import InvalidSampling, Pick, SamplingParams
 from kvxfer.modelfiles import model_path
 from kvxfer.pool import PoolExhausted
 from kvxfer.worker.engine_thread import EngineThread
-from kvxfer.worker.engines import Stream, greedy_only
+from kvxfer.worker.engines import Stream
 from kvxfer.worker.errors import Refused
 
 log = logging.getLogger(__name__)
@@ -71,10 +75,10 @@ def max_batch_tokens(device: str) -> int:
 class _Watch:
     """A request decoding in the batch: its tokens as steps make them."""
 
-    queue: asyncio.Queue[list[int] | None | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[list[Pick] | None | BaseException] = field(default_factory=asyncio.Queue)
     seen: int = 0      # tokens the driver handed out so far (engine side)
     ended: bool = False
-    pending: list[int] = field(default_factory=list)  # handed out, not taken yet (stream side)
+    pending: list[Pick] = field(default_factory=list)  # handed out, not taken yet (stream side)
 
 
 class TransformersServing:
@@ -94,7 +98,7 @@ class TransformersServing:
         self._max_batch_tokens = max_batch_tokens(device)
         self._kv_name = name
         self.engine: TransformersEngine | None = None
-        self._prefills: dict[str, asyncio.Future[int]] = {}
+        self._prefills: dict[str, asyncio.Future[Pick]] = {}
         self._doomed: set[str] = set()            # prefilled while nobody waits any more: freed at once
         self._announced: set[str] = set()         # prefilled, first token handed out (engine thread)
         self._watch: dict[str, _Watch] = {}
@@ -107,9 +111,19 @@ class TransformersServing:
     # --- lifecycle (the worker's) ------------------------------------------------------------
     def build(self) -> TransformersEngine:
         """On the engine thread: the batch and its cache (lent in place, no pool)."""
-        self.engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
-                                         max_batch_tokens=self._max_batch_tokens, scope=self._scope, name=self._kv_name)
-        return self.engine
+        engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
+                                    max_batch_tokens=self._max_batch_tokens, scope=self._scope, name=self._kv_name)
+        if engine.hybrid:
+            # The seam moves one lease per request, and /metrics counts one pool: refused
+            # before any request rather than at its first lend.
+            groups = sorted(engine.groups)
+            engine.shutdown()
+            raise UnsupportedCache(f"the model's cache has layer groups {groups} (sliding-window layers beside full "
+                                   "attention); kvxfer serve --engine transformers serves models with one layer group "
+                                   "(the adapter moves a hybrid cache by a lease per group, the worker by one lease "
+                                   "per request)")
+        self.engine = engine
+        return engine
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -150,9 +164,9 @@ class TransformersServing:
                 if not ran:  # work the batch cannot schedule yet (no room): not a busy loop
                     await asyncio.sleep(0.01)
 
-    def _step(self) -> tuple[bool, bool, dict[str, int], dict[str, tuple[list[int], bool]]]:
+    def _step(self) -> tuple[bool, bool, dict[str, Pick], dict[str, tuple[list[Pick], bool]]]:
         """Engine thread: one step; the first tokens of prefills that came, and each watched
-        request's tokens so far (True: it ended)."""
+        request's tokens since those handed out (True: it ended)."""
         engine = self.engine
         assert engine is not None
         ran = engine.step()
@@ -163,14 +177,15 @@ class TransformersServing:
                 engine.finish_prefill(rid)
             elif rid not in self._announced:
                 self._announced.add(rid)
-                firsts[rid] = engine.prefilled[rid].first
-        ended = engine.results()
+                firsts[rid] = engine.prefilled[rid].pick
+        ended = engine.finished()
         tokens = {}
-        for name in list(self._watch):  # a snapshot: the asyncio side adds and removes watches
-            tokens[name] = (ended[name], True) if name in ended else (engine.batch.generated(name), False)
+        # A snapshot: the asyncio side adds and removes watches, and moves ``seen`` only between steps.
+        for name, watch in list(self._watch.items()):
+            tokens[name] = (ended[name][watch.seen:], True) if name in ended else (engine.picks(name, watch.seen), False)
         return ran, engine.idle(), firsts, tokens
 
-    def _deliver(self, firsts: dict[str, int], tokens: dict[str, tuple[list[int], bool]]) -> None:
+    def _deliver(self, firsts: dict[str, Pick], tokens: dict[str, tuple[list[Pick], bool]]) -> None:
         for rid, first in firsts.items():
             fut = self._prefills.pop(rid, None)
             if fut is not None and not fut.done():
@@ -179,9 +194,9 @@ class TransformersServing:
             watch = self._watch.get(name)
             if watch is None or watch.ended:
                 continue
-            if len(got) > watch.seen:
-                watch.queue.put_nowait(got[watch.seen:])
-                watch.seen = len(got)
+            if got:
+                watch.queue.put_nowait(got)
+                watch.seen += len(got)
             if ended:
                 watch.ended = True
                 watch.queue.put_nowait(None)
@@ -209,20 +224,30 @@ class TransformersServing:
 
     # --- the seam: prefill end --------------------------------------------------------------------
     def check(self, sampling: SamplingParams, logprobs: int | None) -> None:
-        greedy_only(self.name, sampling, logprobs)
+        """Every sampling parameter and logprobs are served; what kvxfer's sampler would refuse
+        (sampling without a seed, a bad logprobs count) is refused here, by name."""
+        self._sampling(sampling, logprobs)
+
+    @staticmethod
+    def _sampling(sampling: SamplingParams, logprobs: int | None, earlier: int = 0) -> RequestSampling:
+        try:
+            return RequestSampling(sampling, logprobs, earlier)
+        except InvalidSampling as exc:
+            raise Refused(f"the {hf.ENGINE} engine cannot serve this request: {exc}") from None
 
     async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick:
-        self.check(sampling, logprobs)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        picking = self._sampling(sampling, logprobs)
+        fut: asyncio.Future[Pick] = asyncio.get_running_loop().create_future()
         self._prefills[rid] = fut
         try:
-            await self._thread.run(self._engine().prefill, rid, prompt)
+            await self._thread.run(self._engine().prefill, rid, prompt, picking)
             self._kick()
-            return Pick(await fut)
+            return await fut
         except BaseException:
-            # Cancelled (its caller left) or failed: nobody will publish it, its blocks go back.
-            if self._prefills.pop(rid, None) is not None:
-                await self._thread.cleanup(self.free, rid)
+            # Cancelled (its caller left, even as its first token came: the driver has handed
+            # it out already) or failed: nobody will publish it, its blocks go back.
+            self._prefills.pop(rid, None)
+            await self._thread.cleanup(self.free, rid)
             raise
 
     def lend_read(self, rid: str, n: int) -> Any:
@@ -276,18 +301,18 @@ class TransformersServing:
     async def first(self, stream: Stream, position: int) -> Pick:
         """The first token computed here: the reservation adopted at ``position`` (the rest of
         the prompt prefilled again), or the whole request run here."""
-        self.check(stream.sampling, stream.logprobs)
+        picking = self._sampling(stream.sampling, stream.logprobs, stream.generated)
         watch = self._watch[stream.name] = _Watch()
         if stream.name in self._local:
             self._local.discard(stream.name)
-            await self._thread.run(self._engine().generate, stream.name, stream.prompt, stream.max_new)
+            await self._thread.run(self._engine().generate, stream.name, stream.prompt, stream.max_new, picking)
         else:
-            await self._thread.run(self._engine().adopt, stream.name, 0, stream.max_new)
+            await self._thread.run(self._engine().adopt, stream.name, 0, stream.max_new, picking)
         self._kick()
-        token = await self._take(watch)
-        if token is None:
+        pick = await self._take(watch)
+        if pick is None:
             raise Refused(f"request {stream.name!r} ended without a token")
-        return Pick(token)
+        return pick
 
     async def tokens(self, stream: Stream, first: int) -> AsyncGenerator[Pick, None]:
         """The completion after ``first``: the request adopted with it as its next input
@@ -295,14 +320,14 @@ class TransformersServing:
         than asked when the model's end-of-sequence token ends it."""
         watch = self._watch.get(stream.name)
         if watch is None:
-            self.check(stream.sampling, stream.logprobs)
+            picking = self._sampling(stream.sampling, stream.logprobs, stream.generated)
             watch = self._watch[stream.name] = _Watch(seen=1)  # the batch's first token is ``first``
-            await self._thread.run(self._engine().adopt, stream.name, first, stream.max_new)
+            await self._thread.run(self._engine().adopt, stream.name, first, stream.max_new, picking)
             self._kick()
-        while (token := await self._take(watch)) is not None:
-            yield Pick(token)
+        while (pick := await self._take(watch)) is not None:
+            yield pick
 
-    async def _take(self, watch: _Watch) -> int | None:
+    async def _take(self, watch: _Watch) -> Pick | None:
         """The request's next token, None once it ended."""
         while not watch.pending:
             item = await watch.queue.get()
@@ -323,6 +348,10 @@ class TransformersServing:
         """Blocks whose attempts quiesced go back to transformers (between steps too)."""
         if self.engine is not None:
             self.engine.reclaim()
+
+    def block_stats(self) -> dict[str, dict[str, int]]:
+        """transformers' cache, as the worker's ``kvxfer_pool_blocks`` counts a pool."""
+        return {} if self.engine is None else {"kv": self.engine.block_counts()}
 
     def _engine(self) -> TransformersEngine:
         if self.engine is None:

@@ -9,10 +9,11 @@ observation per delivered transfer: submission to outcome, and its bytes) and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvxfer.contract import Cancelled, Delivered, Failed, Outcome, View
-from kvxfer.serving.metrics import Registry
+from kvxfer.serving.metrics import LabelValues, Registry
 
 
 def reason_label(outcome: Outcome | None, reason: str = "") -> str:
@@ -45,9 +46,11 @@ NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))  # 2 K
 class Meters:
     """The counters, histograms and gauges of one worker, in one registry of its own (a
     prometheus_client CollectorRegistry: ``Worker.metrics``). ``model_name``: the vllm:
-    series' label (the worker's ``--model``)."""
+    series' label (the worker's ``--model``). ``integrity_rows``: the rows its backends' integrity
+    checks refused so far, by source (read when scraped)."""
 
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "",
+                 integrity_rows: Callable[[], dict[LabelValues, float]] = dict) -> None:
         r = self.registry = Registry()
         self.model_name = model_name
         self.requests = r.counter("kvxfer_worker_requests_total", "Control API calls, by endpoint and result.",
@@ -76,6 +79,10 @@ class Meters:
         self.store_rows = r.counter("kvxfer_store_rows_total", "Rows put into or read from the KV store, by "
                                     "operation and whether the store took or held them.", ("op", "result"))
         self.store_errors = r.counter("kvxfer_store_errors_total", "Store calls that failed as a whole.", ("op",))
+        self.integrity_failed = r.read_counter(
+            "kvxfer_integrity_rows_failed", "Rows that landed here and failed their integrity check (their bytes "
+            "differ from the sender's digest, or came with none), by source: transfer or store.", ("source",),
+            integrity_rows)
         model = ("model_name",)
         self.nixl_time = r.histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for KV Cache "
                                      "transfers (kvxfer's, by vLLM's NIXL name).", model, NIXL_XFER_TIME_BUCKETS)

@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="reference", choices=list(ENGINES),
                    help="what computes and holds KV: reference (kvxfer's own engine and pool) or transformers "
                         "(Hugging Face transformers' continuous batching, its cache lent in place; needs pip install "
-                        "'kvxfer[transformers]', a GGUF --model such as smollm2, the cpu, greedy requests). Both "
+                        "'kvxfer[transformers]', a GGUF --model such as smollm2, the cpu; requests sample with kvxfer's sampler). Both "
                         "ends of a pair must run the same engine: a router refuses a mixed pair by name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = ephemeral (announced on stdout)")
@@ -363,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nixl: seconds between chunk posts (fault-injection tests kill a peer mid-transfer)")
     p.add_argument("--nixl-arena-mib", type=arena_mib, default=None, metavar="MIB", help=ARENA_HELP)
     p.add_argument("--integrity", choices=("on", "off"), default="on",
-                   help="nixl, loopback: send a digest of each row and check it where the row landed; a row that "
-                        "fails is not delivered (default on; off only to measure the transport alone)")
+                   help="nixl, loopback and the store: send a digest of each row and check it where the row landed; "
+                        "a row that fails is not delivered (default on; off only to measure the transport alone; "
+                        "both ends need the same setting)")
     p.add_argument("--busy-poll", action="store_true",
                    help="ipc: a core spins while transfers wait, and a waiting end offers a doorbell word that the "
                         "copy kernel sets (lowest small-transfer latency, one busy core)")

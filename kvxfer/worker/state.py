@@ -4,6 +4,7 @@ starts), the calls in progress, the set-aside rows and the meters."""
 
 from __future__ import annotations
 
+from kvxfer.backends.common.integrity import RowCheck
 from kvxfer.contract import Backend
 from kvxfer.engine import LlamaModel, ShardedKVCache
 from kvxfer.lender import Lease, Lender
@@ -27,7 +28,7 @@ class WorkerState:
         self.model = model  # the reference engine's (None where another engine serves)
         self.name = name
         self.engine = engine
-        self.meters = Meters(config.model_name)
+        self.meters = Meters(config.model_name, self.integrity_rows_failed)
         self.calls = InFlight(config.hold_s)
         self.quarantine = Quarantine(self.meters, config.reclaim_grace_s)
         # One pool and its lender; or, for a TP group (``config.engine_kv``), the group's
@@ -57,6 +58,18 @@ class WorkerState:
             return None
         peer = self.backend.peer
         return {"agent": peer.agent, "run": peer.run}
+
+    def integrity_rows_failed(self) -> dict[tuple[str, ...], float]:
+        """Rows the integrity checks refused so far, by source (the transfer backend, the store's),
+        for those whose backend checks rows. Read from any thread: each is an int that only its
+        backend's thread raises."""
+        out: dict[tuple[str, ...], float] = {}
+        store = self.store.backend if self.store is not None else None
+        for source, backend in (("transfer", self.backend), ("store", store)):
+            check = getattr(backend, "integrity", None)
+            if isinstance(check, RowCheck):
+                out[(source,)] = float(check.rows_failed)
+        return out
 
     # --- engine thread -------------------------------------------------------------------------
     def free(self, rid: str) -> None:

@@ -75,8 +75,8 @@ class StoreSide:
     """Puts (prefill) and fetches (decode) through a BlobBackend, named by the prompt's tokens."""
 
     def __init__(self, driver: BlobDriver, pool: PagedKVPool, lender: Lender, engine: EngineThread,
-                 meters: Meters, quarantine: Quarantine, timeout_s: float, name: str) -> None:
-        self.backend = BlobBackend(driver, name=name, namer=self.names, timeout_s=timeout_s)
+                 meters: Meters, quarantine: Quarantine, timeout_s: float, name: str, integrity: bool = True) -> None:
+        self.backend = BlobBackend(driver, name=name, namer=self.names, timeout_s=timeout_s, integrity=integrity)
         try:
             skipped = self.backend.register(lender.regions)
         except BaseException:

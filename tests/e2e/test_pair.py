@@ -42,6 +42,8 @@ def test_pair_twenty_mixed_prompts_token_identical(tmp_path: Path) -> None:
     decode = (logs / "decode0.metrics").read_text()
     assert 'kvxfer_transfers_total{status="delivered"} 21.0\n' in decode
     assert "kvxfer_open_leases 0.0\n" in decode and "kvxfer_quarantined_slots 0.0\n" in decode
+    assert report["config"]["integrity"] == "on"  # the default: every row checked, none refused
+    assert 'kvxfer_integrity_rows_failed_total{source="transfer"} 0.0\n' in decode
     assert 'kvxfer_generated_tokens_total 315.0\n' in decode  # 21 requests x 15 tokens after the first
     assert_nothing_left(report["config"]["processes"])
 

@@ -1,6 +1,7 @@
 """`kvxfer pair --engine transformers --model smollm2` end to end: two `kvxfer serve --engine
 transformers` workers (SmolLM2 loaded by transformers itself from the GGUF), the router, NIXL:
-every completion token-identical to transformers' own colocated `generate_batch`, every
+every completion token-identical to transformers' own colocated `generate_batch` (greedy) or,
+sampled with seeds, to the transformers engine's colocated batch with kvxfer's sampler, every
 process gone after; and `kvxfer serve` without the flag never imports transformers."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) 
     proc = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers", "--model", "smollm2",
          "--requests", "4", "--concurrency", "4", "--max-new-tokens", "4", "--warmup", "0", "--blocks", "64",
-         "--colocated-baseline", "--json", str(report_path), "--log-dir", str(tmp_path / "logs"), "--quiet"],
+         "--json", str(report_path), "--log-dir", str(tmp_path / "logs"), "--quiet"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
@@ -32,9 +33,32 @@ def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) 
     assert len({r["prompt_tokens"] for r in results}) > 1  # mixed lengths
     assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
     assert_nothing_left(report["config"]["processes"])
+
+
+def test_pair_transformers_sampled_is_token_identical_to_its_colocated_batch(tmp_path: Path) -> None:
+    """Seeded sampling: each completion (its first token from the prefill worker, the others
+    from the decode worker) equals the transformers engine's colocated batch with kvxfer's
+    sampler and the same seeds. On the toy model's shape with seeded weights (transformers'
+    own Llama, no GGUF): what ``--engine transformers`` runs on a GPU, at a tenth of SmolLM2's cost."""
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers",
+         "--temperature", "0.8", "--sampling-seed", "7", "--requests", "4", "--concurrency", "2",
+         "--max-new-tokens", "6", "--warmup", "0", "--blocks", "64", "--colocated-baseline", "--json", str(report_path),
+         "--log-dir", str(tmp_path / "logs"), "--quiet"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert report["config"]["sampling"] == {"greedy": False, "temperature": 0.8, "seed": 7}
+    assert report["requests"] == report["matched"] == 4 and report["failed"] == 0
+    assert report["config"]["model_config"]["layers"] == 4  # the toy model's shape
     colocated = report["colocated"]  # --colocated-baseline: generate_batch timed in waves of --concurrency
     assert colocated["ttft_s"]["p50"] > 0 and colocated["latency_s"]["p50"] >= colocated["ttft_s"]["p50"]
-    assert colocated["tokens_per_s"] > 0 and "colocated" in proc.stdout
+    assert colocated["tokens_per_s"] > 0 and "  colocated    TTFT" in proc.stdout
+    results = report["results"]
+    assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
+    assert_nothing_left(report["config"]["processes"])
+    # That the oracle samples (is not greedy) is tests/unit/test_transformers_sampling.py's.
 
 
 def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
@@ -49,8 +73,6 @@ def test_what_the_transformers_engine_cannot_run_is_refused_by_name(capsys: pyte
                         (["--engine", "transformers", "--model", "smollm2", "--device", "cuda"],
                          "runs a GGUF on the cpu for now, not --device cuda"),
                         (["--colocated-baseline"], "it needs --engine transformers"),
-                        (["--engine", "transformers", "--model", "smollm2", "--temperature", "0.7"],
-                         "greedy requests only"),
                         (["--engine", "transformers", "--model", "smollm2", "--backend", "ucx"],
                          "over nixl or ipc for now, not --backend ucx"),
                         (["--engine", "transformers", "--model", "smollm2", "--lender", "staging"],

@@ -34,9 +34,27 @@ def pairs() -> Iterator[ChildPairs]:
 @pytest.mark.parametrize("mode", list(TransferMode))
 def test_rows_corrupted_after_a_nixl_transfer_are_false_and_clean_ones_exact(pairs: ChildPairs,
                                                                            mode: TransferMode) -> None:
+    _check_transfers(pairs, mode, 3)
+
+
+@pytest.mark.parametrize("options", [
+    {"chunk_bytes": 1024, "packed": "never", "window": 2},
+    {"packed": "always", "packed_chunk_bytes": 1024, "arena_bytes": 4096},
+], ids=["unpacked", "packed"])
+def test_a_push_in_many_chunks_sends_the_digest_of_every_chunks_rows(options: dict[str, object]) -> None:
+    """The publisher digests each chunk's rows as it posts it (those posted inline at
+    submission too): with chunks of 4 rows or fewer, every clean row still checks out."""
+    pairs = _CorruptedPairs(deadline_s=10.0, **options)
+    try:
+        _check_transfers(pairs, TransferMode.PUSH, 2)
+    finally:
+        pairs.close()
+
+
+def _check_transfers(pairs: ChildPairs, mode: TransferMode, count: int) -> None:
     pair = pairs(mode)
     try:
-        for i in range(3):
+        for i in range(count):
             plan = _plan(pair, f"corrupt-{mode.value}-{i}", rows=24, seed=30 + i)
             _fill(pair, plan, local_is_source=False)
             outcome, _ = _finish(pair, _start(pair, plan, "fetch"))

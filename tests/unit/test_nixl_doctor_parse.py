@@ -1,8 +1,12 @@
-"""kvxfer doctor reads UCX's protocol tables: transports per lane, and a loud TCP warning."""
+"""kvxfer doctor reads UCX's protocol tables: transports per lane, and a loud TCP warning; it
+says who computes row digests here and whether a --peer worker checks them."""
 
 from __future__ import annotations
 
-from kvxfer.doctor import _warnings, lanes_from_tables, parse_proto_info
+import pytest
+
+from kvxfer import native
+from kvxfer.doctor import _print, _warnings, integrity_report, lanes_from_tables, parse_proto_info
 
 # Abridged from UCX_PROTO_INFO=y output of a GPU node where the read lane fell back to TCP.
 SAMPLE = """\
@@ -144,3 +148,15 @@ def test_a_tcp_pull_on_one_gpu_is_still_routed_to_push() -> None:
     assert lanes == {"push": ["cuda_ipc/cuda"], "pull": ["tcp/lo"]}
     mode, warning = choose_mode("pull", Lanes("device", tuple(lanes["push"]), tuple(lanes["pull"])), PullOnTcp.PUSH)
     assert mode == "push" and warning is not None and "routed this pair to push" in warning
+
+
+def test_the_report_says_who_digests_rows_here_and_whether_the_peer_checks_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    integrity = integrity_report()
+    assert integrity["digests"] == ("native" if native.info().digest else "numpy")
+    peer = {"url": "http://w:1", "name": "p0", "role": "prefill", "host": "w", "device": "cpu", "integrity": "off"}
+    _print({"versions": {"nixl": "1", "ucx": "1"}, "integrity": integrity, "peer": peer, "memory": {},
+            "warnings": [], "host": "h"})
+    out = capsys.readouterr().out
+    assert f"row integrity (kvxfer serve --integrity, on by default): digests by {integrity['detail']}" in out
+    assert "pool on cpu, integrity off:" in out

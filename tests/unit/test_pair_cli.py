@@ -20,14 +20,16 @@ SMALL = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "
 
 
 class _Child:
-    def __init__(self, name: str) -> None:
-        self.name, self.pid, self.port = name, 0, 9
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name, self.pid, self.port, self.argv = name, 0, 9, argv
         self.url = "http://127.0.0.1:9"  # nothing listens: the metrics fetch fails, as the pair allows
         self.info = {"role": name.rstrip("0123456789")}
 
 
 class _Group:
     """ProcessGroup's surface, starting nothing."""
+
+    started: list[_Child] = []  # every child of every group (the test that reads it clears it)
 
     def __init__(self, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)  # as ProcessGroup does: the pair writes there
@@ -40,7 +42,8 @@ class _Group:
         return None
 
     def start(self, name: str, argv: list[str]) -> _Child:
-        self.children.append(_Child(name))
+        self.children.append(_Child(name, argv))
+        _Group.started.append(self.children[-1])
         return self.children[-1]
 
     def wait_ready(self, children: list[_Child], timeout: float) -> None:
@@ -126,6 +129,25 @@ def test_a_capped_max_len_is_reported_as_used(tmp_path: Path, capsys: pytest.Cap
     assert "--max-len 5000 capped to 4092: the model holds 4096 positions" in capsys.readouterr().err
     config = json.loads(report.read_text())["config"]
     assert config["prompt_lengths"] == [4080, 4092] and config["max_len_requested"] == 5000
+
+
+@pytest.mark.usefixtures("no_processes")
+@pytest.mark.parametrize("flags", [[], ["--integrity", "off"]], ids=["default", "off"])
+def test_integrity_goes_to_every_worker_and_into_the_report(flags: list[str], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    state = "off" if flags else "on"
+    report = tmp_path / "report.json"
+    _Group.started.clear()
+    argv = [*SMALL, *flags, "--requests", "1", "--warmup", "0", "--max-len", "16", "--max-new-tokens", "2",
+            "--json", str(report), "--log-dir", str(tmp_path / "logs")]
+    assert pair.main(argv) == 0
+    workers = [c for c in _Group.started if c.argv[0] == "serve"]
+    assert len(workers) == 2
+    for child in workers:
+        at = child.argv.index("--integrity")
+        assert child.argv[at + 1] == state, child.argv
+    assert json.loads(report.read_text())["config"]["integrity"] == state
+    assert f"inplace lender, integrity {state})" in capsys.readouterr().out
 
 
 def test_failures_group_by_cause_not_by_worker_or_request() -> None:

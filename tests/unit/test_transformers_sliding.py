@@ -310,3 +310,21 @@ def test_single_lease_calls_and_other_windows_are_refused_by_name(engines: Any, 
         dst.fetch(write.view(), src.describe(reads[SLIDING].view(), dst.peer))
     for lease in (*reads.values(), *reservation.leases.values()):
         lease.release()
+
+
+def test_block_counts_and_the_worker_refuse_a_hybrid_cache_by_name(engines: Any, model: Any,
+                                                                   sliding_only: Any) -> None:
+    """Its groups share the cache's sectors and transformers records no sector's owner: no
+    group has a block total for /metrics, and the worker's seam moves one lease per request."""
+    from kvxfer.modelfiles import TOY
+    from kvxfer.worker.hf_engine import TransformersServing
+
+    with pytest.raises(UnsupportedCache, match=r"layer groups \['full_attention', 'sliding_attention'\] share"):
+        engines(model).block_counts()
+    counts = engines(sliding_only).block_counts()  # one group: every sector is its own
+    assert counts["blocks"] > 0 and counts["free"] == counts["blocks"] and counts["cached"] == 0
+    serving = TransformersServing(model, None, num_blocks=64, model_name=TOY, name="refused")  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedCache, match=r"layer groups \['full_attention', 'sliding_attention'\].*"
+                                               r"serves models with one layer group"):
+        serving.build()
+    assert serving.engine is None

@@ -17,11 +17,14 @@ import torch
 from test_router import CFG, MODEL, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
 from kvxfer.backends.blob import MemoryDriver, MemoryStore, Span, StoreError
+from kvxfer.backends.blob.digests import DIGEST_SUFFIX
+from kvxfer.backends.common.integrity import MISMATCH
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import InvalidSubmission, Peer
 from kvxfer.engine import synthetic_prompts
 from kvxfer.router import Completion, Router
 from kvxfer.serving.http import HttpServer, request_text
+from kvxfer.testing.corruption import Corruptor
 from kvxfer.testing.faulty_driver import FaultyDriver
 from kvxfer.worker import core
 from kvxfer.worker.app import make_handler
@@ -107,7 +110,7 @@ def test_a_lost_block_is_a_miss_and_the_prefill_worker_sends_the_rest() -> None:
     async def main() -> None:
         async with stack(store) as (router, _):
             _same(await router.generate(prompt, 5), prompt, 5)
-        keys = sorted(store.blobs)  # the names are opaque: lose any three of the ten
+        keys = sorted(k for k in store.blobs if not k.endswith(DIGEST_SUFFIX))  # opaque names: lose any 3 of 10
         store.lose(keys[:3])
         async with stack(store, prefill_store=False) as (router, _):  # its put would bring them back
             done = await router.generate(prompt, 5)
@@ -291,3 +294,36 @@ def test_a_cancelled_prefill_stays_cancelled_when_its_clean_up_fails(
     failures = [r.getMessage() for r in caplog.records if "clean-up" in r.getMessage()]
     assert any("_finish failed" in m and "is shut down" in m for m in failures), failures
     assert any("free failed" in m for m in failures), failures
+
+
+def test_rows_that_fail_their_integrity_check_are_counted_by_source() -> None:
+    """kvxfer_integrity_rows_failed_total{source}: every row damaged where it landed at the
+    decode worker (taken from the store, then sent by the prefill worker) is refused and
+    counted there, and the request fails naming the mismatch (the router's policy: fail)."""
+    prompt = synthetic_prompts(1, 37, 37, CFG.vocab_size, seed=8)[0]  # 9 named blocks
+    store = MemoryStore()
+
+    async def failed(url: str, source: str) -> float:
+        text = await request_text(url, "/metrics")
+        assert f'kvxfer_integrity_rows_failed_total{{source="{source}"}}' in text  # at 0 from the start
+        return _metric(text, f'kvxfer_integrity_rows_failed_total{{source="{source}"}}')
+
+    async def main() -> None:
+        async with stack(store, decode_store=False) as (router, _):
+            _same(await router.generate(prompt, 4), prompt, 4)  # the store now holds the 9 blocks
+        async with stack(store, prefill_store=False) as (router, workers):
+            assert workers["decode"].health()["integrity"] == "on"  # what kvxfer doctor --peer shows
+            decode = workers["decode"]._state
+            damage = Corruptor(seed=4, p_bit=1.0)  # one bit of every landed row
+            assert decode.backend is not None and decode.store is not None
+            decode.backend.integrity.corrupt = damage  # type: ignore[attr-defined]
+            decode.store.backend.integrity.corrupt = damage
+            done = await router.generate(prompt, 4)
+            assert not done.ok and MISMATCH in done.error
+            decode_url, prefill_url = router.decode[0].url, router.prefill[0].url
+            from_store, from_transfer = await failed(decode_url, "store"), await failed(decode_url, "transfer")
+            assert from_store == 9 and from_transfer > 0
+            assert from_store + from_transfer == damage.rows_seen
+            assert await failed(prefill_url, "transfer") == 0
+
+    asyncio.run(main())

@@ -2,9 +2,10 @@
 ``kvxfer serve --engine transformers``) behind the router: concurrent requests of mixed lengths
 are token-identical to transformers' own colocated ``generate_batch``, each prompt's KV moved
 out of one transformers cache into the other (nothing recomputed); a pair of a transformers
-worker and a reference worker is refused by name, as are sampling parameters this engine does
-not serve. Real Worker objects behind real HTTP servers in this process, a tiny random Llama
-(no GGUF, so it is fast), the loopback backend."""
+worker and a reference worker is refused by name; seeded sampling with logprobs makes the same
+tokens disaggregated, on a decode worker alone, and recomputed on another after a cut. Real
+Worker objects behind real HTTP servers in this process, a tiny random Llama (no GGUF, so it
+is fast), the loopback backend."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from kvxfer.adapters.transformers import ENGINE
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig, SamplingParams
-from kvxfer.router import Router
+from kvxfer.router import Completion, Router, Token
 from kvxfer.router.inputs import MixedEngines
-from kvxfer.serving.http import HttpServer
+from kvxfer.serving.http import HttpError, HttpServer, request_json
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.core import Worker, WorkerConfig
 from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE
@@ -100,15 +101,79 @@ def test_a_mixed_pair_is_refused_naming_both_engines(model: Any) -> None:
     asyncio.run(main())
 
 
-def test_sampling_is_refused_by_name(model: Any) -> None:
+def test_sampled_requests_make_the_same_tokens_disaggregated_and_on_a_decode_worker_alone(model: Any) -> None:
+    """Seeded sampling with logprobs, concurrent requests with different parameters in one
+    batch: the tokens (the first from the prefill worker) and logprobs disaggregated are those
+    a decode worker alone makes; an unknown sampling parameter is refused by name."""
+    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_p=0.9, seed=8,
+                                                                      presence_penalty=0.5), SamplingParams()]
+
+    async def one(router: Router, prompt: list[int], sampling: SamplingParams) -> tuple[list[Token], Completion]:
+        tokens: list[Token] = []
+        async for item in router.stream(prompt, NEW, sampling=sampling, logprobs=2):
+            if isinstance(item, Completion):
+                assert item.ok, item.error
+                return tokens, item
+            tokens.append(item)
+        raise AssertionError("no completion")
+
+    async def generate(router: Router) -> list[tuple[list[Token], Completion]]:
+        return await asyncio.gather(*(one(router, p, s) for p, s in zip(PROMPTS[:3], params)))
+
     async def main() -> None:
         async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, _):
             async with Router([urls["prefill"]], [urls["decode"]]) as router:
-                done = await router.generate(PROMPTS[0], NEW, sampling=SamplingParams(temperature=0.8, seed=3))
-                assert not done.ok and done.error is not None
-                assert f"the {ENGINE} engine serves greedy requests only" in done.error, done.error
-                again = await router.generate(PROMPTS[1], NEW)  # the workers serve on
-                assert again.ok, again.error
+                apart = await generate(router)
+            async with Router([], [urls["decode"]], on_failure="recompute") as router:
+                alone = await generate(router)
+            with pytest.raises(HttpError) as info:
+                await request_json(urls["decode"], "POST", "/generate", {
+                    "request": "x", "prompt": PROMPTS[0], "max_new_tokens": 2, "sampling": {"typical_p": 0.5}})
+            assert info.value.status == 400 and "'typical_p' is not a sampling parameter" in str(info.value)
+        assert [c.path for _, c in apart] == ["disaggregated"] * 3 and [c.path for _, c in alone] == ["local"] * 3
+        for (a, _), (b, _) in zip(apart, alone):
+            assert [t.token for t in a] == [t.token for t in b]
+            for x, y in zip(a, b):  # the first from the prefill worker, the others from the decode worker
+                assert x.logprob is not None and y.logprob is not None and abs(x.logprob - y.logprob) < 1e-5
+                assert [i for i, _ in x.top_logprobs] == [i for i, _ in y.top_logprobs] and len(x.top_logprobs) == 2
+        assert [c.seed for _, c in apart] == [7, 8, None]  # sampled with the seeds asked for; the last greedy
+
+    asyncio.run(main())
+
+
+def test_a_sampled_request_cut_mid_stream_makes_the_same_tokens_recomputed_on_another_decode_worker(
+        model: Any) -> None:
+    """The first decode worker's stream is cut after token 1: the router sends the prompt and
+    those two tokens to the second, which picks token 2 on as the index in the completion says
+    (its recompute's ``earlier`` tokens): the tokens and logprobs of an uncut run."""
+    from test_router import _cutting  # pytest puts tests/unit on sys.path
+
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=11, frequency_penalty=0.5, repetition_penalty=1.2)
+
+    async def run(router: Router) -> list[Token]:
+        tokens: list[Token] = []
+        async for item in router.stream(PROMPTS[0], NEW, sampling=params, logprobs=1):
+            if isinstance(item, Completion):
+                assert item.ok and item.path == "local", item
+                return tokens
+            tokens.append(item)
+        raise AssertionError("no completion")
+
+    async def main() -> None:
+        async with served({"decode": ("transformers", model)}) as (first, workers), \
+                served({"decode": ("transformers", model)}) as (second, _):
+            cut = HttpServer(_cutting(make_handler(workers["decode"]), lambda chunk: b'"index": 1' in chunk, True))
+            port = await cut.start()
+            try:
+                async with Router([], [f"http://127.0.0.1:{port}", second["decode"]], on_failure="recompute") as router:
+                    resumed = await run(router)
+            finally:
+                await cut.close()
+            async with Router([], [second["decode"]], on_failure="recompute") as router:
+                whole = await run(router)
+        assert [t.token for t in resumed] == [t.token for t in whole] and len(whole) == NEW
+        assert all(a.logprob is not None and b.logprob is not None and abs(a.logprob - b.logprob) < 1e-5
+                   for a, b in zip(resumed, whole))
 
     asyncio.run(main())
 
@@ -133,13 +198,13 @@ def test_a_client_that_stops_early_ends_its_request_in_the_batch(model: Any) -> 
         async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, workers):
             engine = workers["decode"]._state.serving.engine  # type: ignore[attr-defined]
             ended: list[int] = []  # the lengths of the completions the batch ended itself
-            results = engine.results
+            finished = engine.finished
 
-            def watched() -> dict[str, list[int]]:
-                out: dict[str, list[int]] = results()
+            def watched() -> dict[str, list[Any]]:
+                out: dict[str, list[Any]] = finished()
                 ended.extend(len(t) for t in out.values())
                 return out
-            engine.results = watched
+            engine.finished = watched
             async with Router([urls["prefill"]], [urls["decode"]]) as router:
                 done = await router.generate(PROMPTS[2], 200, until=lambda t: t.index >= 1)
                 assert done.ok and done.finish_reason == "stop" and len(done.tokens) == 2, done

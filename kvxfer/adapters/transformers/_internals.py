@@ -23,7 +23,12 @@ reaches, and why:
   ``tokens_to_process``, status ``DECODING``) and put into ``Scheduler.active_requests``; the
   same fields the scheduler sets after a prompt's last chunk, and what ``OffloadingManager``
   restores "with exact request state";
-- results: ``OutputRouter.output_queue`` (``get_result`` wants the manager's own thread).
+- results: ``OutputRouter.output_queue`` (``get_result`` wants the manager's own thread);
+- picking: ``ModelRunner._sample`` (where a step's logits, one row per request with a new token,
+  in the order of ``ContinuousBatchingIOs.requests_in_batch``, become tokens) is wrapped so that
+  kvxfer's sampler picks the rows of requests that sample or want logprobs; a batch where none
+  does keeps transformers' own argmax. A request's completion so far is its ``generated_tokens``
+  (after a soft reset, also ``initial_tokens`` past ``_true_initial_tokens``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,6 +188,11 @@ def model_eos(model: Any) -> int | None:
     return None if eos is None else int(eos)
 
 
+def vocab_size(model: Any) -> int:
+    """The length of a row of the model's logits (its output embedding's rows)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
 def batching_config(page_size: int, num_blocks: int, max_batch_tokens: int,
                     max_requests_per_batch: int | None = None) -> Any:
     """A continuous-batching config the adapter can step by hand: no async double buffering, no
@@ -224,6 +234,10 @@ def colocated_timed(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
 # --- the batch, stepped by its owner ----------------------------------------------------------
 FULL = FULL_ATTENTION        # the layer groups (allocators) the adapter lends, by transformers' names
 SLIDING = SLIDING_ATTENTION
+
+Picker = Callable[[list[str], torch.Tensor], torch.Tensor | None]
+"""Picks a step's tokens: given the requests with a new token and their float32 logits (one row
+each, in that order), the tokens (an int64 tensor, one per row), or None for transformers' own."""
 
 
 @dataclass(frozen=True)
@@ -277,6 +291,37 @@ class Batch:
         # The group whose tokens are positions, when there is one: the full-attention layers.
         self.allocator: FullAttentionCacheAllocator = next(iter(self.allocators.values()))
         self._ended: list[tuple[str, list[int], str | None]] = []
+        self.picker: Picker | None = None
+        self._hook_sampling()
+
+    def _hook_sampling(self) -> None:
+        """Route the step's logits through ``self.picker`` (when set) instead of transformers'
+        sampling; the config asks for neither sampling nor logprobs, so its own step is the argmax."""
+        runner = self.processor.model_runner
+        io: Any = self.processor.inputs_and_outputs  # the synchronous ContinuousBatchingIOs (batching_config)
+        if runner.do_sample or runner.return_logprobs or self.manager.logit_processor.do_processing:
+            raise UnsupportedCache("transformers' continuous batching would sample or process the logits itself; the "
+                                   "adapter's batch must leave picking to kvxfer's sampler")
+        own = runner._sample
+
+        def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+            picked = None
+            if self.picker is not None:
+                requests = [f.state.request_id for f in io.requests_in_batch if f.has_new_token]
+                picked = self.picker(requests, scores[0, : len(requests)])
+            if picked is None:
+                own(scores, output_ids)
+            else:
+                output_ids[0, : picked.numel()].copy_(picked)
+
+        runner._sample = sample  # type: ignore[method-assign]
+
+    def completion(self, request_id: str) -> tuple[list[int], list[int]]:
+        """(the tokens before its completion, the completion so far) of a request in the batch,
+        as its state holds them (a soft reset moves generated tokens into its prompt)."""
+        state = self.scheduler.active_requests[request_id]
+        cut = state._true_initial_tokens or len(state.initial_tokens)
+        return state.initial_tokens[:cut], state.initial_tokens[cut:] + state.generated_tokens
 
     def close(self) -> None:
         """Restore the model's attention implementation (the manager switched it)."""
@@ -348,6 +393,21 @@ class Batch:
         pool, a = self.cache.pool, self._group(group)
         free = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
         return free + len(a.ledger.cached_blocks)
+
+    def block_counts(self) -> dict[str, int]:
+        """The blocks of a one-group cache as kvxfer counts a pool's: ``blocks`` (all transformers
+        may hand out, trash sectors left out), ``free`` (free ones and free sectors'), ``cached``
+        (its prefix cache's, no reference: reusable). The rest are in use: by a request, a
+        prefill's pin, or a reservation."""
+        if len(self.allocators) != 1:
+            # Sectors move between groups and transformers records no sector's owner: a group's
+            # total (hence its in-use count) is not defined; ``free_fraction`` is the cache's.
+            raise UnsupportedCache(f"block counts are per pool; this cache's layer groups {sorted(self.allocators)} "
+                                   "share its sectors, so no group has a block total of its own "
+                                   "(use free_fraction, or reusable_block_count per group)")
+        pool, a = self.cache.pool, self.allocator
+        free = pool.count_free_blocks(a.index) + pool.num_free_sectors * a.blocks_per_sector
+        return {"blocks": pool.num_sectors * a.blocks_per_sector, "free": free, "cached": len(a.ledger.cached_blocks)}
 
     def free_fraction(self) -> float:
         """The share of the cache no request, pin or reservation holds (1.0: all of it); free

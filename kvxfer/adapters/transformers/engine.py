@@ -6,9 +6,9 @@
     backend.register(engine.regions)                                   # the cache tensor, no pool
 
     # prefill end
-    engine.prefill("r1", prompt)
+    engine.prefill("r1", prompt, RequestSampling(SamplingParams(temperature=0.8, seed=7)))  # default greedy
     while "r1" not in engine.prefilled: engine.step()                 # the batch runs beside others
-    first = engine.prefilled["r1"].first                               # greedy first token
+    first = engine.prefilled["r1"].first                               # its first token (index 0)
     lease = engine.lend_prefill("r1")                                  # its blocks, for reading
     ... publish(lease.view(), hint); lease.track(attempt); lease.release()
     engine.finish_prefill("r1")                                        # blocks go back once quiesced
@@ -16,8 +16,11 @@
     # decode end
     reservation = engine.reserve("r1", prompt)                         # blocks in its own cache
     ... fetch(reservation.lease.view(), hint); mark_arrived; release
-    engine.adopt("r1", reservation, first, max_new_tokens)             # decodes in the batch
+    engine.adopt("r1", first, max_new_tokens, sampling)                # decodes in the batch
     while not done: engine.step(); done = engine.results()
+
+Each request picks its tokens with kvxfer's sampler and its own parameters (``.sampler``):
+a seeded request makes the same completion colocated (``generate``) and disaggregated.
 
 One owner thread calls every method: the engine steps transformers' batch itself, so nothing
 else touches its scheduler or cache between two steps. A block stays out of transformers'
@@ -39,7 +42,7 @@ sliding group only its ring, the blocks that hold the last ``window`` tokens (ri
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +50,9 @@ import numpy as np
 
 from kvxfer.adapters.errors import AdapterError, EngineMismatch, UnsupportedCache
 from kvxfer.adapters.transformers import _internals as hf
+from kvxfer.adapters.transformers.sampler import PLAIN, RequestSampling, Sampler
 from kvxfer.contract import BlockOrder, HeadOrder
+from kvxfer.engine.sampling import Pick
 from kvxfer.lender.engine_kv import EngineKV
 from kvxfer.lender.external import ExternalLease, ExternalLender
 
@@ -91,13 +96,15 @@ class LayerGroup:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """A prompt prefill ran: its greedy first token and the blocks (held) that hold its KV:
-    ``tables``, per layer group (full attention first); ``blocks``, the first group's."""
+    """A prompt prefill ran: its first token (``pick``: with its logprobs, when asked for) and
+    the blocks (held) that hold its KV: ``tables``, per layer group (full attention first);
+    ``blocks``, the first group's."""
 
     request: str
     prompt: tuple[int, ...]
     first: int
     tables: dict[str, np.ndarray]
+    pick: Pick
 
     @property
     def blocks(self) -> np.ndarray:
@@ -149,6 +156,8 @@ class TransformersEngine:
         self.eos = hf.model_eos(model)
         self.config = hf.batching_config(page_size, num_blocks, max_batch_tokens, max_requests_per_batch)
         self.batch = hf.Batch(model, self.config, max_new_tokens=1)
+        self.sampler = Sampler(self.batch.completion, hf.vocab_size(model))
+        self.batch.picker = self.sampler
         layouts = self.batch.layouts()
         kvs, windows = {}, {}
         for group, layout in layouts.items():
@@ -200,40 +209,57 @@ class TransformersEngine:
                     self.batch.pin(blocks.tolist(), group)
                 self.batch.detach(request)
                 del self._prefilling[request]
-                self.prefilled[request] = Prefilled(request, prompt, int(tokens[0]), tables)
+                pick = self.sampler.picks(request, tokens[:1])[0]
+                self.sampler.forget(request)
+                self.prefilled[request] = Prefilled(request, prompt, pick.token, tables, pick)
         self._give_back()
         return ran
 
     def results(self) -> dict[str, list[int]]:
         """Completions that ended since the last call (adopted or colocated requests): request id
         -> every generated token, the first included."""
+        return {request: [p.token for p in picks] for request, picks in self.finished().items()}
+
+    def finished(self) -> dict[str, list[Pick]]:
+        """``results``, each token with its logprobs where the request asked for them (an
+        adopted request's first token has none here: the prefill end picked it)."""
         out = {}
         for request, tokens, error in self.batch.results():
             if error is not None:
                 raise AdapterError(f"transformers failed request {request!r}: {error}")
             self._adopted.discard(request)
-            out[request] = tokens
+            out[request] = self.sampler.picks(request, tokens)
+            self.sampler.forget(request)
         return out
+
+    def picks(self, request: str, start: int = 0) -> list[Pick]:
+        """The tokens a running request made so far, from index ``start`` of its completion."""
+        return self.sampler.picks(request, self.batch.generated(request), start)
 
     def idle(self) -> bool:
         return self.batch.idle() and not self._prefilling
 
     # --- colocated -------------------------------------------------------------------------------
-    def generate(self, request: str, prompt: Sequence[int], max_new_tokens: int) -> None:
-        """A whole request in this batch (prefill and decode), as transformers serves it."""
+    def generate(self, request: str, prompt: Sequence[int], max_new_tokens: int,
+                 sampling: RequestSampling = PLAIN) -> None:
+        """A whole request in this batch (prefill and decode), as transformers serves it, its
+        tokens picked as ``sampling`` says."""
         self._check_new(request)
+        self.sampler.add(request, sampling)
         self.batch.submit(request, [int(t) for t in prompt], max_new_tokens, self.eos)
         self._adopted.add(request)  # running in the batch until results() gives it
 
     # --- prefill ---------------------------------------------------------------------------------
-    def prefill(self, request: str, prompt: Sequence[int]) -> None:
-        """Queue ``prompt``; once a step produced its first token it is in ``prefilled``. The
-        request runs without an end-of-sequence token and two new tokens at most, so that the
-        batch never ends it (and frees its blocks) before it is taken out."""
+    def prefill(self, request: str, prompt: Sequence[int], sampling: RequestSampling = PLAIN) -> None:
+        """Queue ``prompt``; once a step produced its first token (picked as ``sampling`` says)
+        it is in ``prefilled``. The request runs without an end-of-sequence token and two new
+        tokens at most, so that the batch never ends it (and frees its blocks) before it is
+        taken out."""
         self._check_new(request)
         prompt = tuple(int(t) for t in prompt)
         if not prompt:
             raise AdapterError(f"request {request!r}: an empty prompt has nothing to prefill")
+        self.sampler.add(request, sampling)
         self._prefilling[request] = prompt
         self.batch.submit(request, prompt, 2, None)
 
@@ -301,12 +327,13 @@ class TransformersEngine:
         self._reserved[request] = reservation
         return reservation
 
-    def adopt(self, request: str, first: int, max_new_tokens: int) -> int:
+    def adopt(self, request: str, first: int, max_new_tokens: int, sampling: RequestSampling = PLAIN) -> int:
         """Decode ``request`` in the batch from the KV that arrived, with ``first`` (prefill's
-        token) next. Its lease must be released and its attempts quiesced. Returns the position
-        it resumes at: the prompt's length, or less where KV is missing (the rest is prefilled
-        again here). A request whose first token ends it (end-of-sequence, or one new token)
-        ends at once: ``results()`` gives it."""
+        token, index 0 of the completion) next, its later tokens picked as ``sampling`` says.
+        Its lease must be released and its attempts quiesced. Returns the position it resumes
+        at: the prompt's length, or less where KV is missing (the rest is prefilled again here,
+        its first token picked again). A request whose first token ends it (end-of-sequence, or
+        one new token) ends at once: ``results()`` gives it."""
         reservation = self._reserved.get(request)
         if reservation is None:
             raise AdapterError(f"request {request!r} has no reservation here")
@@ -315,10 +342,12 @@ class TransformersEngine:
         if self._busy(reservation.tables):
             raise AdapterError(f"request {request!r}: an attempt on its blocks has not quiesced; adopt it once it has")
         position = self.usable(request)
-        del self._reserved[request]
         if position == len(reservation.prompt) and (first == self.eos or max_new_tokens <= 1):
+            del self._reserved[request]
             self.batch.end(request, [int(first)])
             return position
+        self.sampler.add(request, sampling)
+        del self._reserved[request]
         self.batch.adopt(request, reservation.prompt, int(first), max_new_tokens, self.eos, position)
         self._adopted.add(request)
         return position
@@ -368,7 +397,14 @@ class TransformersEngine:
         takes it out at the next step and frees its blocks (no attempt touches them: adoption
         waited for quiescence)."""
         self._adopted.discard(request)
+        self.sampler.forget(request)
         self.batch.cancel(request)
+
+    def block_counts(self) -> dict[str, int]:
+        """transformers' blocks: ``blocks``, ``free``, ``cached`` (reusable), the rest in use.
+        Refused (``UnsupportedCache``) for a hybrid cache: its groups share sectors, so none has
+        a total of its own (``batch.reusable_block_count(group)`` counts what each may take)."""
+        return self.batch.block_counts()
 
     def reclaim(self) -> None:
         """Give back to transformers the blocks of finished prefills and dropped reservations
@@ -411,3 +447,23 @@ def _group_scope(scope: bytes, layout: hf.CacheLayout, *, hybrid: bool) -> bytes
         return base
     return base + f"|{layout.group}|layers={list(layout.layer_indices)}|window={layout.window}".encode()
 
+
+def colocated_sampled(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      sampling: Iterable[RequestSampling], **options: Any) -> list[list[int]]:
+    """Every prompt generated colocated in one ``TransformersEngine`` batch (``options``: its
+    constructor's), each request's tokens picked by kvxfer's sampler as its ``sampling`` says:
+    what a sampled request must make disaggregated (transformers' ``generate_batch`` samples
+    with a sampler of its own). Greedy requests make ``generate_batch``'s tokens."""
+    engine = TransformersEngine(model, **options)
+    try:
+        names = [f"colocated-{i}" for i in range(len(prompts))]
+        for name, prompt, picking in zip(names, prompts, sampling, strict=True):
+            engine.generate(name, prompt, max_new_tokens, picking)
+        done: dict[str, list[int]] = {}
+        while len(done) < len(names):
+            if not engine.step() and engine.idle():
+                raise AdapterError(f"the batch went idle with {len(names) - len(done)} requests unfinished")
+            done.update(engine.results())
+        return [done[name] for name in names]
+    finally:
+        engine.shutdown()

@@ -12,8 +12,11 @@ places within the row (a reversed row, pages swapped) change it unless the weigh
 cancel. ``B`` is Fletcher's running sum of running sums (``a += x; b += a``), so a copy loop or
 a GPU kernel can compute D with additions as it reads, and a reduction over words in any order
 gives the same value: that is what lets the IPC kernel compute it later, fused in its copy.
-Here numpy computes it (``rows @ weights``, no Python per row), once at the reading end and
-once over the destination rows where they landed.
+Here the compiled host core computes it (``kvxfer.native.row_digests``: each row read where it
+lies, eight Fletcher chains in vector registers, the GIL released), once at the reading end
+and once over the destination rows where they landed; without the compiled module, numpy
+(``numpy_row_digests``: ``rows @ weights``, no Python per row), which stays the definition the
+tests check the native one against.
 
 A digest is an integrity check, not an authenticity check: anyone who can write the rows can
 write a matching digest. The completion record's HMAC (``KVXFER_HINT_KEY``) is what says who
@@ -35,6 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer import native
 from kvxfer.backends.common.matching import GroupMatch
 from kvxfer.contract import BoolArray, CompletionRecord, Hint, IndexArray, MemoryKind, SlotRegion, View
 
@@ -58,6 +62,14 @@ def _weights(words: int) -> U64:
 
 def row_digests(address: int, row_bytes: int, slots: IndexArray) -> U64:
     """The digest of each row ``address + slots[i] * row_bytes`` (host memory), as uint64."""
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    if native.info().digest:
+        return native.row_digests(base=address, stride=row_bytes, slots=slots, row_bytes=row_bytes, k=DIGEST_K)
+    return numpy_row_digests(address, row_bytes, slots)
+
+
+def numpy_row_digests(address: int, row_bytes: int, slots: IndexArray) -> U64:
+    """``row_digests`` in numpy: the fallback without the compiled module, and the reference."""
     slots = np.asarray(slots, dtype=np.int64)
     out = np.zeros(slots.size, dtype=np.uint64)
     if slots.size == 0:

@@ -82,7 +82,7 @@ from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
 from kvxfer.backends.common.transform import plan_between
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown
-from kvxfer.backends.nixl.checks import check_read, describe_extras, record_digests
+from kvxfer.backends.nixl.checks import check_read, describe_extras, digest_posted, record_digests
 from kvxfer.backends.nixl.etcd_metadata import EtcdSettings
 from kvxfer.backends.nixl.geometry_packed import landing_slots_ahead
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion
@@ -538,6 +538,7 @@ class NixlBackend(BackendEngine):
     def _advance(self, job: ActiveJob) -> bool:
         """Step one job's chunks; conclude it once nothing can touch memory. True while busy."""
         posted = step_job(self._policy(), job, self._agent, self._arena)
+        digest_posted(self.integrity, job)  # while the WRITEs just posted move
         if posted.chunks:
             self._tally.count(chunks_sent=posted.chunks, bytes_sent=posted.nbytes)
         lost = posted.lost

@@ -1,10 +1,11 @@
 """Row integrity on the NIXL backend (``kvxfer.backends.common.integrity``): which digests a
 finished job's record carries, and the pull fetcher's check of the rows it READ.
 
-Push: the publisher digests the rows it WROTE (host memory, pool rows) and sends them in its
-completion record; the fetcher checks its rows when the record comes (``conclude_from_record``
-and ``conclude_packed``), so a packed wait no longer concludes before the record when integrity
-is on. Pull: the publisher digested its rows in describe() (``Hint.extras``); the fetcher
+Push: the publisher digests the rows it WROTE (host memory, pool rows), each chunk's just after
+posting it, so the digest runs while the WRITE moves (the rows are pinned; both only read them),
+and sends them in its completion record; the fetcher checks its rows when the record comes
+(``conclude_from_record`` and ``conclude_packed``), so a packed wait no longer concludes before
+the record when integrity is on. Pull: the publisher digested its rows in describe() (``Hint.extras``); the fetcher
 checks what it READ before it concludes and tells the publisher, whose record then marks the
 failed rows False too.
 """
@@ -21,7 +22,7 @@ from kvxfer.backends.common.integrity import (
     group_digests,
     pack_digests,
     peer_masks_from_local,
-    sent_digests,
+    row_digests,
 )
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.nixl.jobs import ActiveJob
@@ -35,12 +36,26 @@ def describe_extras(check: RowCheck, mode: TransferMode, view: View) -> tuple[tu
     return ()
 
 
+def digest_posted(check: RowCheck, job: ActiveJob) -> None:
+    """A push publisher digests the rows of the chunks posted since it last did (those posted
+    inline at submission included), into ``job.digests`` at their rows of the peer's hint."""
+    first, job.digested = job.digested, job.next_chunk
+    if job.op != "WRITE" or job.next_chunk <= first or not check.applies(job.view):
+        return
+    if job.digests is None:
+        job.digests = [np.zeros(len(g), dtype=np.uint64) for g in job.hint.groups]
+    for chunk in job.chunks[first:job.next_chunk]:
+        group = job.view.groups[chunk.group]
+        job.digests[chunk.peer_group][chunk.peer_rows] = row_digests(
+            group.region.address, group.region.slot_bytes, group.slots[chunk.local_rows])
+
+
 def record_digests(check: RowCheck, job: ActiveJob) -> list[U64] | None:
-    """A push publisher's digests of the rows it wrote, aligned with the peer's hint."""
+    """A push publisher's digests of the rows it wrote, aligned with the peer's hint (zero
+    where no chunk went: those rows are False in the record)."""
     if job.op != "WRITE" or not check.applies(job.view):
         return None
-    matches = match_rows(job.view, job.hint)
-    return sent_digests(matches, job.hint, [int(m.local_rows.size) for m in matches])
+    return job.digests or [np.zeros(len(g), dtype=np.uint64) for g in job.hint.groups]
 
 
 def check_read(check: RowCheck, job: ActiveJob, local: list[BoolArray], peer: list[BoolArray]) -> str | None:

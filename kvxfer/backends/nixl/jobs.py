@@ -68,6 +68,10 @@ class ActiveJob:
     # (seen with UCX over TCP: released READs and WRITEs still land), so requests in progress
     # are waited for even after a failure; only a peer known to be gone ends them sooner.
     peer_gone: bool = False
+    # A push publisher's digests of the rows of the chunks it posted, aligned with the hint's
+    # groups (checks.py: taken as chunks go, while their WRITEs move); None until one went.
+    digests: list[Any] | None = None
+    digested: int = 0            # chunks before this one have their rows in ``digests``
 
     @property
     def touching(self) -> bool:
