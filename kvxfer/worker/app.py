@@ -170,7 +170,7 @@ async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
         return Response.ndjson(_guard(worker, await worker.publish(bodies.publish_call(body))))
     if endpoint == "generate":
         worker.need("decode")
-        return Response.ndjson(_guard(worker, await worker.generate(bodies.generate_call(body, model))))
+        return Response.ndjson(_guard(worker, await worker.generate(bodies.generate_call(body, model), request.gone)))
     return Response.json({"error": f"no POST /{endpoint}"}, 404)
 
 

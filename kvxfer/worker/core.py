@@ -225,8 +225,11 @@ class Worker:
     async def reserve(self, call: ReserveCall) -> dict[str, Any]:
         return await self._decode.reserve(call)
 
-    async def generate(self, call: GenerateCall) -> AsyncGenerator[dict[str, Any], None]:
-        return await self._decode.generate(call)
+    async def generate(self, call: GenerateCall, gone: Callable[[], bool] = lambda: False
+                       ) -> AsyncGenerator[dict[str, Any], None]:
+        """A decode call's event stream; ``gone``: whether its client has left (then a fetch
+        under way is cancelled and the stream ends without decoding)."""
+        return await self._decode.generate(call, gone)
 
     async def abort(self, call: AbortCall) -> dict[str, Any]:
         """Drop a held prefill or a decode reservation. ``rows_safe`` (decode): the prefill

@@ -155,7 +155,10 @@ class DecodeRole:
         self._s.quarantine.reservation(reserved.lease, reserved.view, attempt, rid, reserved.expires_ms)
 
     # --- generate ------------------------------------------------------------------------------
-    async def generate(self, call: GenerateCall) -> AsyncGenerator[dict[str, Any], None]:
+    async def generate(self, call: GenerateCall, gone: Callable[[], bool] = lambda: False
+                       ) -> AsyncGenerator[dict[str, Any], None]:
+        """The call's event stream. ``gone``: whether its client has left (the HTTP request's);
+        once it has, a fetch under way is cancelled and nothing is decoded for nobody."""
         s = self._s
         s.need("decode")
         rid, policy, rows_safe = call.request, call.on_failure, call.rows_safe
@@ -169,7 +172,7 @@ class DecodeRole:
             stream = Stream(rid, reserved.prompt, reserved.max_new, name=rid, owned=True, sampling=call.sampling,
                              logprobs=call.logprobs)
             return self._decode_events(stream, reserved, call.prefill_hint, call.first_token, policy, timeout,
-                                       rows_safe)
+                                       rows_safe, gone)
         if call.prefill_hint is not None:
             raise Refused(f"request {rid!r} has no reservation here: reserve before generating with a hint")
         if call.prompt is None or call.max_new_tokens is None:
@@ -184,10 +187,11 @@ class DecodeRole:
             raise Refused(f"request {rid!r} is already in use here")
         stream = Stream(rid, prompt, max_new, name=rid, owned=False, sampling=call.sampling,
                          generated=call.generated, logprobs=call.logprobs)
-        return self._decode_events(stream, None, None, None, policy, timeout, True)
+        return self._decode_events(stream, None, None, None, policy, timeout, True, gone)
 
     async def _decode_events(self, stream: Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
-                             policy: str, timeout: float, rows_safe: bool) -> AsyncGenerator[dict[str, Any], None]:
+                             policy: str, timeout: float, rows_safe: bool, gone: Callable[[], bool]
+                             ) -> AsyncGenerator[dict[str, Any], None]:
         s = self._s
         s.calls.streams += 1
         rid, prompt = stream.rid, stream.prompt
@@ -197,8 +201,10 @@ class DecodeRole:
             s.calls.starting[rid] = "generate"
         try:
             transfer, first = await self._take_rows(stream, reserved, prefill_hint, first, policy, timeout,
-                                                    rows_safe)
+                                                    rows_safe, gone)
             s.calls.starting.pop(rid, None)
+            if gone():
+                return  # the client left: no recompute, no token, for nobody (finally frees the rows)
             position = await s.engine.run(self._usable, stream.name, n)
             if position < n and transfer is not None and policy == "fail":
                 yield {"event": "error", "final": True, "transfer": transfer,
@@ -238,7 +244,8 @@ class DecodeRole:
                 s.calls.streams -= 1  # last: "no active stream" means its clean-up is done
 
     async def _take_rows(self, stream: Stream, reserved: Reserved | None, prefill_hint: Any, first: int | None,
-                         policy: str, timeout: float, rows_safe: bool) -> tuple[dict[str, Any] | None, int | None]:
+                         policy: str, timeout: float, rows_safe: bool, gone: Callable[[], bool]
+                         ) -> tuple[dict[str, Any] | None, int | None]:
         """Make the stream's pool request hold the prompt's rows: fetched into its reservation,
         or, without a usable one, fresh blocks under ``rid#local`` to recompute into. Returns
         the transfer's figures (None when none ran) and the first token still to be trusted."""
@@ -246,7 +253,7 @@ class DecodeRole:
         transfer: dict[str, Any] | None = None
         if reserved is not None and prefill_hint is not None:
             try:
-                transfer = await self._fetch(rid, reserved, prefill_hint, timeout)
+                transfer = await self._fetch(stream, reserved, prefill_hint, timeout, gone)
             except (KvxferError, RuntimeError) as exc:
                 # The fetch was refused or never settled; its rows stay out of use (see
                 # _fetch). Policy recompute: prefill the whole prompt in fresh blocks.
@@ -281,8 +288,9 @@ class DecodeRole:
         s.meters.tokens.inc()
         return local
 
-    async def _fetch(self, rid: str, reserved: Reserved, prefill_hint: Any, timeout: float) -> dict[str, Any]:
-        s = self._s
+    async def _fetch(self, stream: Stream, reserved: Reserved, prefill_hint: Any, timeout: float,
+                     gone: Callable[[], bool]) -> dict[str, Any]:
+        s, rid = self._s, stream.rid
         event, wake = s.engine.waker()
         submitted = time.perf_counter()
         try:
@@ -298,14 +306,21 @@ class DecodeRole:
             await s.engine.cleanup(self._quarantine, reserved, None, rid)
             raise
         try:
-            outcome = await s.engine.settle(attempt, event, timeout)
+            outcome = await s.engine.settle(attempt, event, timeout, gone)
         except RuntimeError:
             # Never concluded: its rows stay out of use until the attempt quiesces (a late
             # confirmation, the peer proven dead); recompute elsewhere in the pool.
             await s.engine.run(self._quarantine, reserved, attempt)
             raise
-        figures = s.meters.count_transfer(reserved.view, outcome, time.perf_counter() - submitted)
+        left = gone()
+        figures = s.meters.count_transfer(reserved.view, outcome, time.perf_counter() - submitted, unwanted=left)
         await s.engine.run(self._arrive, reserved, outcome)
+        if left:
+            # Nothing will be decoded into these rows, so the stream need not wait for the
+            # attempt to quiesce: until it does (a peer may still write), they are set aside,
+            # and never named for prefix reuse.
+            stream.suspect = await s.engine.run(self._set_aside_unless_quiet, reserved, attempt)
+            return figures
         # Decoding writes into the prompt's last block, which the lease pins until the
         # attempt is quiesced: wait for that (the backend wakes us) before going on.
         if not await s.engine.wait(attempt, event, 10.0, lambda a: a.quiesced()):
@@ -323,6 +338,14 @@ class DecodeRole:
     def _arrive(self, reserved: Reserved, outcome: Outcome) -> None:
         reserved.lease.mark_arrived(outcome.masks)
         reserved.lease.release()
+
+    def _set_aside_unless_quiet(self, reserved: Reserved, attempt: Attempt) -> bool:
+        """Quarantine the reservation's rows until ``attempt`` quiesces, unless it has: whether
+        they were set aside."""
+        if attempt.quiesced():
+            return False
+        self._quarantine(reserved, attempt)
+        return True
 
     def _allocate_local(self, name: str, prompt: list[int], max_new: int) -> None:
         self._s.serving.allocate_local(name, prompt, max_new)

@@ -22,6 +22,15 @@ from kvxfer.contract import Attempt, Outcome
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+GONE_POLL_S = 0.05
+"""How often ``settle`` asks whether the attempt's rows are still wanted: a client that left
+stops its transfer within this, not at its deadline."""
+CANCEL_GRACE_S = 5.0
+"""After a cancel: how long ``settle`` waits for the attempt's outcome."""
+
+
+def _concluded(attempt: Attempt) -> bool:
+    return attempt.poll() is not None
 
 
 class EngineThread:
@@ -91,11 +100,20 @@ class EngineThread:
                 pass
         return True
 
-    async def settle(self, attempt: Attempt, event: asyncio.Event, timeout: float) -> Outcome:
-        """The attempt's outcome; on timeout cancel it and wait a grace period for the end."""
-        if not await self.wait(attempt, event, timeout, lambda a: a.poll() is not None):
-            await self.run(attempt.cancel)
-            await self.wait(attempt, event, 5.0, lambda a: a.poll() is not None)
+    async def settle(self, attempt: Attempt, event: asyncio.Event, timeout: float,
+                     gone: Callable[[], bool] = lambda: False) -> Outcome:
+        """The attempt's outcome; on timeout, or once ``gone()`` (nobody wants its rows any
+        more: the client left), cancel it and wait a grace period for the end. ``gone`` is
+        asked every GONE_POLL_S while the attempt runs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if await self.wait(attempt, event, min(left, GONE_POLL_S), _concluded):
+                break
+            if left <= GONE_POLL_S or gone():
+                await self.run(attempt.cancel)
+                await self.wait(attempt, event, CANCEL_GRACE_S, _concluded)
+                break
         outcome = attempt.poll()
         if outcome is None:
             raise RuntimeError("attempt did not conclude within its deadline and the cancel grace period")

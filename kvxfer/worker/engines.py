@@ -39,7 +39,8 @@ a pair whose two ends name different engines."""
 class Stream:
     """One /generate stream's request in the engine: ``name`` is the request id, or
     ``rid#local`` once it recomputes in fresh blocks; ``owned``: it is ours to finish;
-    ``suspect``: the delivered rows proved wrong, so they are freed, not kept for prefix reuse."""
+    ``suspect``: the delivered rows proved wrong (or a peer may still write them: the client left
+    mid-transfer), so they are freed, not kept for prefix reuse."""
 
     rid: str
     prompt: list[int]

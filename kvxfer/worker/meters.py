@@ -5,7 +5,8 @@ names, types, bucket bounds and ``model_name`` label, from the same transfers (e
 counts those it took part in, publishing or fetching, whatever its backend):
 ``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred`` (histograms, one
 observation per delivered transfer: submission to outcome, and its bytes) and
-``vllm:nixl_num_failed_transfers_total`` (those that failed or were cancelled)."""
+``vllm:nixl_num_failed_transfers_total`` (those that failed or were cancelled, but for a fetch
+cancelled because its client left: that one is only ``kvxfer_transfers_total{status="cancelled"}``)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,11 @@ class Meters:
         for series in (self.nixl_time, self.nixl_bytes, self.nixl_failed):
             series.metric.labels(model_name=model_name)  # at 0 from the start, as vLLM's are
 
-    def count_transfer(self, view: View, outcome: Outcome, seconds: float) -> dict[str, Any]:
-        """Count a concluded transfer; its figures, as the /publish and /generate streams report them."""
+    def count_transfer(self, view: View, outcome: Outcome, seconds: float, *, unwanted: bool = False
+                       ) -> dict[str, Any]:
+        """Count a concluded transfer; its figures, as the /publish and /generate streams report them.
+        ``unwanted``: its rows were no longer wanted (the client left), so a Cancelled outcome is
+        counted as cancelled only, not as a failure."""
         status = _status(outcome)
         self.transfers.inc(status=status)
         nbytes = outcome_bytes(view, outcome)
@@ -102,11 +106,11 @@ class Meters:
         self.transfer_rows.inc(outcome.rows_delivered)
         self.latency.observe(seconds)
         reason = outcome.reason if isinstance(outcome, Failed) else ""
-        if not isinstance(outcome, Delivered):
-            self.failures.inc(reason=reason_label(outcome))
-            self.nixl_failed.inc(model_name=self.model_name)
-        else:
+        if isinstance(outcome, Delivered):
             self.nixl_time.observe(seconds, model_name=self.model_name)
             self.nixl_bytes.observe(nbytes, model_name=self.model_name)
+        elif not (unwanted and isinstance(outcome, Cancelled)):  # that one is a cancel, and nothing went wrong
+            self.failures.inc(reason=reason_label(outcome))
+            self.nixl_failed.inc(model_name=self.model_name)
         return {"status": status, "reason": reason, "rows": view.rows, "rows_delivered": outcome.rows_delivered,
                 "bytes": nbytes, "seconds": seconds}
