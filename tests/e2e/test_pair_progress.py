@@ -21,7 +21,7 @@ def _pair(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
                            "--log-dir", str(tmp_path / "logs"), *extra], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((tmp_path / "r.json").read_text())["matched"] == 2
-    assert done.stdout.startswith("kvxfer pair: nixl (push, inplace lender)")  # the report, as before
+    assert done.stdout.startswith("kvxfer pair: nixl (push, inplace lender, integrity on)")  # the report, as before
     return done
 
 
