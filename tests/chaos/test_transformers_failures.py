@@ -1,5 +1,5 @@
-"""The transformers engine (``kvxfer serve --engine transformers``, SmolLM2 loaded by
-transformers itself) when a transfer fails: a worker SIGKILLed while a request's KV is in
+"""The transformers engine (``kvxfer serve --engine transformers``, a small Llama of
+transformers' own with seeded weights: the toy model's shape) when a transfer fails: a worker SIGKILLed while a request's KV is in
 flight over NIXL, or a client that leaves mid-transfer. Whatever happens, both engines'
 caches end consistent, read from each worker's /metrics as an operator reads them: every one
 of transformers' blocks free or in its prefix cache again (``kvxfer_pool_blocks{state="in_use"}``
@@ -29,10 +29,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer.adapters.transformers import _internals as hf
-from kvxfer.adapters.transformers.converted import load_converted
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.engine import model_shape
-from kvxfer.modelfiles import smollm2_path
+from kvxfer.engine import ModelConfig
 from kvxfer.router import Completion, Router
 from kvxfer.serving.http import HttpServer, request_text
 from kvxfer.testing.holds import hold_progress
@@ -49,14 +47,18 @@ NEW = 4
 # block-long prefix (a prefix the decode engine holds is not fetched again).
 PROMPTS = {name: list(range(start, start + 40)) for name, start in
            (("killed", 1000), ("failed", 3000), ("after", 5000), ("moved", 7000), ("next", 9000), ("left", 11000))}
-FLAGS = ["--engine", "transformers", "--model", "smollm2", "--blocks", str(BLOCKS), "--port", "0",
+# The toy model's shape with a vocabulary the prompts fit in: transformers' Llama with seeded
+# weights, the same at both ends and in the oracle (with SmolLM2 the module took 44 CPU-s against
+# 35-37, its conversion kept; the e2e pair tests cover SmolLM2 itself).
+SHAPE = ModelConfig(vocab_size=12288)
+FLAGS = ["--engine", "transformers", "--vocab", str(SHAPE.vocab_size), "--blocks", str(BLOCKS), "--port", "0",
          "--transfer-timeout", "30"]
 PACED = ["--nixl-chunk-bytes", "1", "--nixl-chunk-pause", "3600"]  # one block per chunk, then an hour
 SETTLE_S = 15.0  # from a kill or a client leaving to a quiet worker, on a loaded 2-core machine
 
 
 class Oracle:
-    """SmolLM2 in this process, loaded when first asked for: a test starts its workers first, so
+    """The workers' model in this process, built when first asked for: a test starts its workers first, so
     that they and this load run at once. ``tokens``: transformers' own colocated continuous
     batching (``generate_batch``), greedy, on the workers' weights."""
 
@@ -67,8 +69,10 @@ class Oracle:
     @property
     def model(self) -> Any:
         if self._model is None:
+            from kvxfer.worker.hf_engine import seeded_model
+
             torch.set_num_threads(1)
-            self._model = load_converted(smollm2_path())
+            self._model = seeded_model(SHAPE, "cpu")
         return self._model
 
     def tokens(self) -> dict[str, list[int]]:
@@ -245,15 +249,14 @@ def test_decode_worker_killed_mid_transfer(tmp_path: Path, oracle: Oracle) -> No
 async def in_process(model: Any) -> AsyncIterator[tuple[dict[str, str], dict[str, Worker]]]:
     """A prefill and a decode worker of this process (transformers' engine, the loopback
     backend) behind HTTP servers: their URLs and the workers."""
-    fabric, shape = LoopbackFabric(), model_shape("smollm2")
-    assert shape is not None
+    fabric, shape = LoopbackFabric(), SHAPE
     servers: list[HttpServer] = []
     workers: dict[str, Worker] = {}
     urls = {}
     try:
         for role in ("prefill", "decode"):
             config = WorkerConfig(role=role, model=shape, num_blocks=BLOCKS, backend="loopback", name=role,
-                                  transfer_timeout_s=30.0, engine="transformers", model_name="smollm2")
+                                  transfer_timeout_s=30.0, engine="transformers", model_name="toy")
             workers[role] = worker = Worker(config, model=model, fabric=fabric)
             await worker.start()
             server = HttpServer(make_handler(worker))
