@@ -17,9 +17,8 @@ push publisher, and a killed decode worker a pull fetcher.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,14 +28,13 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer.adapters.transformers import _internals as hf
-from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.engine import ModelConfig
 from kvxfer.router import Completion, Router
-from kvxfer.serving.http import HttpServer, request_text
+from kvxfer.serving.http import request_text
 from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.processes import assert_nothing_left
-from kvxfer.worker.app import make_handler
-from kvxfer.worker.core import Worker, WorkerConfig
+from kvxfer.testing.served import served_workers
+from kvxfer.worker.core import WorkerConfig
 from kvxfer.worker.forked import preload
 from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE
 from kvxfer.worker.procs import Child, ProcessGroup
@@ -245,30 +243,12 @@ def test_decode_worker_killed_mid_transfer(tmp_path: Path, oracle: Oracle) -> No
     assert_nothing_left([{"pid": c.pid, "port": c.port} for c in (p, d0, d1)])
 
 
-@contextlib.asynccontextmanager
-async def in_process(model: Any) -> AsyncIterator[tuple[dict[str, str], dict[str, Worker]]]:
+def in_process(model: Any) -> Any:
     """A prefill and a decode worker of this process (transformers' engine, the loopback
     backend) behind HTTP servers: their URLs and the workers."""
-    fabric, shape = LoopbackFabric(), SHAPE
-    servers: list[HttpServer] = []
-    workers: dict[str, Worker] = {}
-    urls = {}
-    try:
-        for role in ("prefill", "decode"):
-            config = WorkerConfig(role=role, model=shape, num_blocks=BLOCKS, backend="loopback", name=role,
-                                  transfer_timeout_s=30.0, engine="transformers", model_name="toy")
-            workers[role] = worker = Worker(config, model=model, fabric=fabric)
-            await worker.start()
-            server = HttpServer(make_handler(worker))
-            servers.append(server)
-            urls[role] = f"http://127.0.0.1:{await server.start()}"
-        yield urls, workers
-    finally:
-        for server in servers:
-            await server.close()
-        for worker in workers.values():
-            report = await worker.close()
-            assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
+    return served_workers({role: (WorkerConfig(role=role, model=SHAPE, num_blocks=BLOCKS, backend="loopback",
+                                               name=role, transfer_timeout_s=30.0, engine="transformers",
+                                               model_name="toy"), model) for role in ("prefill", "decode")})
 
 
 def test_a_client_that_leaves_mid_transfer_leaves_both_caches_consistent(oracle: Oracle) -> None:

@@ -20,9 +20,10 @@ from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import Cancelled, Delivered, Failed, InvalidSubmission, TransferMode
 from kvxfer.lender.engine_kv import EngineKV
-from kvxfer.lender.external import ExternalLease, ExternalLender
+from kvxfer.lender.external import ExternalLender
 from kvxfer.pool import LayerGroupSpec, PagedKVPool
 from kvxfer.testing.nixl_geometry import kv_tokens, local_bytes
+from kvxfer.testing.transformers_moves import move, prefill_all
 
 torch.set_num_threads(1)
 PAGE = 4
@@ -70,30 +71,6 @@ def wire() -> Iterator[Any]:
 
     yield make
     assert not set().union(*(b.shutdown() for b in made))
-
-
-def prefill_all(engine: TransformersEngine, prompts: list[list[int]]) -> dict[str, int]:
-    for i, p in enumerate(prompts):
-        engine.prefill(f"r{i}", p)
-    while len(engine.prefilled) < len(prompts):
-        engine.step()
-    return {r: d.first for r, d in engine.prefilled.items()}
-
-
-def move(wire: tuple[LoopbackBackend, LoopbackBackend], read: ExternalLease, write: ExternalLease) -> Any:
-    """One push transfer, both leases tracked and released; the fetch's outcome."""
-    src, dst = wire
-    hint_d, hint_p = dst.describe(write.view(), src.peer), src.describe(read.view(), dst.peer)
-    fetch = dst.fetch(write.view(), hint_p)
-    publish = src.publish(read.view(), hint_d)
-    read.track(publish)
-    write.track(fetch)
-    assert fetch.wait(10) and publish.wait(10)
-    outcome = fetch.poll()
-    write.mark_arrived(outcome.masks)
-    read.release()
-    write.release()
-    return outcome
 
 
 def decode_all(engine: TransformersEngine, count: int) -> dict[str, list[int]]:

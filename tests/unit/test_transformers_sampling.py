@@ -19,6 +19,7 @@ from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import TransferMode
 from kvxfer.engine.sampling import InvalidSampling, Pick, SamplingParams, pick_token
+from kvxfer.testing.transformers_moves import move
 
 torch.set_num_threads(1)
 PAGE = 4
@@ -84,16 +85,7 @@ def disaggregated(prefill: TransformersEngine, decode: TransformersEngine,
         for name, (prompt, sampling) in requests.items():
             reservation = decode.reserve(name, prompt)
             assert reservation is not None and reservation.lease is not None and reservation.held == 0
-            read, write = prefill.lend_prefill(name), reservation.lease
-            hint_d, hint_p = dst.describe(write.view(), src.peer), src.describe(read.view(), dst.peer)
-            fetch = dst.fetch(write.view(), hint_p)
-            publish = src.publish(read.view(), hint_d)
-            read.track(publish)
-            write.track(fetch)
-            assert fetch.wait(10) and publish.wait(10)
-            write.mark_arrived(fetch.poll().masks)
-            read.release()
-            write.release()
+            move((src, dst), prefill.lend_prefill(name), reservation.lease)
             prefill.finish_prefill(name)
             assert decode.adopt(name, firsts[name].token, NEW, sampling) == len(prompt)  # nothing recomputed
     finally:

@@ -20,8 +20,8 @@ from kvxfer.adapters.transformers import TransformersEngine
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import Delivered, Failed, InvalidSubmission, TransferMode
-from kvxfer.lender.external import ExternalLease
 from kvxfer.testing.nixl_geometry import kv_tokens, local_bytes
+from kvxfer.testing.transformers_moves import move, prefill_all
 
 torch.set_num_threads(1)
 PAGE = 4
@@ -101,30 +101,6 @@ def connect(prefill: TransformersEngine, decode: TransformersEngine, make: Any,
     pair[0].register(prefill.regions)
     pair[1].register(decode.regions)
     return pair
-
-
-def prefill_all(engine: TransformersEngine, prompts: list[list[int]]) -> dict[str, int]:
-    for i, p in enumerate(prompts):
-        engine.prefill(f"r{i}", p)
-    while len(engine.prefilled) < len(prompts):
-        engine.step()
-    return {r: d.first for r, d in engine.prefilled.items()}
-
-
-def move(pair: tuple[LoopbackBackend, LoopbackBackend], read: ExternalLease, write: ExternalLease) -> Any:
-    """One transfer of one group, both leases tracked and released; the fetch's outcome."""
-    src, dst = pair
-    hint_d, hint_p = dst.describe(write.view(), src.peer), src.describe(read.view(), dst.peer)
-    fetch = dst.fetch(write.view(), hint_p)
-    publish = src.publish(read.view(), hint_d)
-    read.track(publish)
-    write.track(fetch)
-    assert fetch.wait(10) and publish.wait(10)
-    outcome = fetch.poll()
-    write.mark_arrived(outcome.masks)
-    read.release()
-    write.release()
-    return outcome
 
 
 def hand_over(prefill: TransformersEngine, decode: TransformersEngine, request: str, prompt: list[int],

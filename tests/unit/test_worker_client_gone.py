@@ -8,20 +8,19 @@ loopback backend), the prefill worker's progress thread held so that the transfe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate
 from kvxfer.router import Router
-from kvxfer.serving.http import HttpServer, request_text
+from kvxfer.serving.http import request_text
 from kvxfer.testing.holds import hold_progress
-from kvxfer.worker.app import make_handler
-from kvxfer.worker.core import Worker, WorkerConfig
+from kvxfer.testing.served import served_workers
+from kvxfer.worker.core import WorkerConfig
 
 torch.set_num_threads(1)
 CFG = ModelConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96,
@@ -31,30 +30,11 @@ PROMPT = list(range(3, 15))  # 12 tokens: three blocks
 NEW = 6
 
 
-@contextlib.asynccontextmanager
-async def pair() -> AsyncIterator[tuple[dict[str, str], dict[str, Worker]]]:
+def pair() -> Any:
     """A prefill and a decode worker behind HTTP servers; transfer deadlines far beyond the test,
     so that only the client's leaving can cancel the fetch."""
-    fabric = LoopbackFabric()
-    servers: list[HttpServer] = []
-    workers: dict[str, Worker] = {}
-    urls: dict[str, str] = {}
-    try:
-        for role in ("prefill", "decode"):
-            workers[role] = worker = Worker(WorkerConfig(role=role, model=CFG, num_blocks=64, backend="loopback",
-                                                         name=role, transfer_timeout_s=60.0),
-                                            model=MODEL, fabric=fabric)
-            await worker.start()
-            server = HttpServer(make_handler(worker))
-            servers.append(server)
-            urls[role] = f"http://127.0.0.1:{await server.start()}"
-        yield urls, workers
-    finally:
-        for server in servers:
-            await server.close()
-        for worker in workers.values():
-            report = await worker.close()
-            assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
+    return served_workers({role: (WorkerConfig(role=role, model=CFG, num_blocks=64, backend="loopback", name=role,
+                                               transfer_timeout_s=60.0), MODEL) for role in ("prefill", "decode")})
 
 
 async def figures(url: str) -> dict[str, float]:

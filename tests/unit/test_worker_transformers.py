@@ -10,8 +10,6 @@ is fast), the loopback backend."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,13 +17,13 @@ import torch
 
 from kvxfer.adapters.transformers import ENGINE
 from kvxfer.adapters.transformers import _internals as hf
-from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.engine import LlamaModel, ModelConfig, SamplingParams
 from kvxfer.router import Completion, Router, Token
 from kvxfer.router.inputs import MixedEngines
 from kvxfer.serving.http import HttpError, HttpServer, request_json
+from kvxfer.testing.served import served_workers
 from kvxfer.worker.app import make_handler
-from kvxfer.worker.core import Worker, WorkerConfig
+from kvxfer.worker.core import WorkerConfig
 from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE
 
 torch.set_num_threads(1)
@@ -43,31 +41,12 @@ def model(tiny_hf_llama: Any) -> Any:
     return tiny_hf_llama
 
 
-@contextlib.asynccontextmanager
-async def served(engines: dict[str, tuple[str, Any]]) -> AsyncIterator[tuple[dict[str, str], dict[str, Worker]]]:
+def served(engines: dict[str, tuple[str, Any]]) -> Any:
     """A worker per role ({role: (engine, model)}) behind an HTTP server; their URLs and the workers."""
-    fabric = LoopbackFabric()
-    servers: list[HttpServer] = []
-    workers: dict[str, Worker] = {}
-    urls = {}
-    try:
-        for role, (engine, model) in engines.items():
-            config = WorkerConfig(role=role, model=SHAPE if engine == "transformers" else model.config,
-                                  num_blocks=BLOCKS, backend="loopback", name=role, transfer_timeout_s=10.0,
-                                  engine=engine)
-            worker = Worker(config, model=model, fabric=fabric)
-            workers[role] = worker
-            await worker.start()
-            server = HttpServer(make_handler(worker))
-            servers.append(server)
-            urls[role] = f"http://127.0.0.1:{await server.start()}"
-        yield urls, workers
-    finally:
-        for server in servers:
-            await server.close()
-        for worker in workers.values():
-            report = await worker.close()
-            assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
+    return served_workers({role: (WorkerConfig(role=role, model=SHAPE if engine == "transformers" else model.config,
+                                               num_blocks=BLOCKS, backend="loopback", name=role,
+                                               transfer_timeout_s=10.0, engine=engine), model)
+                           for role, (engine, model) in engines.items()})
 
 
 def test_concurrent_requests_are_token_identical_to_generate_batch(model: Any) -> None:

@@ -1,0 +1,39 @@
+"""Workers of this process behind real HTTP servers, for tests that drive them as a router does."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from kvxfer.backends.loopback import LoopbackFabric
+from kvxfer.serving.http import HttpServer
+from kvxfer.worker.app import make_handler
+from kvxfer.worker.core import Worker, WorkerConfig
+
+
+@contextlib.asynccontextmanager
+async def served_workers(workers: Mapping[str, tuple[WorkerConfig, Any]]
+                         ) -> AsyncIterator[tuple[dict[str, str], dict[str, Worker]]]:
+    """One worker per name (its config and model: None lets a reference worker build its
+    own), all on one loopback fabric, each behind an HTTP server on 127.0.0.1: their URLs and
+    the workers, by name. On the way out the servers close, then the workers, and each must
+    report no unquiesced attempt and no retained block."""
+    fabric = LoopbackFabric()
+    servers: list[HttpServer] = []
+    started: dict[str, Worker] = {}
+    urls: dict[str, str] = {}
+    try:
+        for name, (config, model) in workers.items():
+            started[name] = worker = Worker(config, model=model, fabric=fabric)
+            await worker.start()
+            server = HttpServer(make_handler(worker))
+            servers.append(server)
+            urls[name] = f"http://127.0.0.1:{await server.start()}"
+        yield urls, started
+    finally:
+        for server in servers:
+            await server.close()
+        for worker in started.values():
+            report = await worker.close()
+            assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
