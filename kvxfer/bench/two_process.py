@@ -393,6 +393,10 @@ SPECS = [
     CaseSpec("ucx_2p", "kvxfer UCX backend (ucxx tag messages), peer in a second process", Role.BACKEND,
              frozenset({Requirement.UCXX, Requirement.SUBPROCESS_PEER}), _ALL,
              frozenset({"throughput"}), lambda config: TwoProcessCase(config, _ucx_kind())),
+    CaseSpec("ucx_2p_no_integrity", "kvxfer UCX backend, integrity=False on both ends (no row digests: ucx_2p's "
+             "reference for their cost), peer in a second process", Role.BACKEND,
+             frozenset({Requirement.UCXX, Requirement.SUBPROCESS_PEER}), _ALL,
+             frozenset({"throughput"}), lambda config: TwoProcessCase(config, _ucx_kind(integrity=False))),
     CaseSpec("ucx_2p_no_error_handling", "kvxfer UCX backend, error_handling=False on both ends (UCX may use shared "
              "memory; a dead peer is seen only at the deadline), peer in a second process", Role.BACKEND,
              frozenset({Requirement.UCXX, Requirement.SUBPROCESS_PEER}), _ALL,

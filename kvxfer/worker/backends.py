@@ -31,8 +31,8 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     only): keep the agent's metadata in etcd there ("" endpoints: as NIXL_ETCD_ENDPOINTS says).
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
     doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency.
-    ``integrity`` (nixl, loopback): row digests sent and checked (docs/reliability.md); ipc and
-    ucx do not digest rows yet."""
+    ``integrity`` (nixl, ucx, loopback): row digests sent and checked (docs/reliability.md);
+    ipc does not digest rows yet."""
     if busy_poll and kind != "ipc":
         raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
     if arena_bytes is not None and kind != "nixl":
@@ -51,7 +51,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     if kind == "ucx":
         from kvxfer.backends.ucx import UcxBackend  # noqa: PLC0415 - ucxx loads UCX: only when asked
 
-        return UcxBackend(name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s)
+        return UcxBackend(name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s, integrity=integrity)
     if kind == "loopback":
         if fabric is None:
             raise ValueError("the loopback backend connects backends of one process only: pass a LoopbackFabric "

@@ -23,7 +23,7 @@ def settle_bound(deadline_s: float) -> float:
 LAYOUTS = ("block_major", "layer_major")
 
 
-INTEGRITY_BACKENDS = ("nixl", "loopback")  # the transfer backends that send and check row digests
+INTEGRITY_BACKENDS = ("nixl", "ucx", "loopback")  # the transfer backends that send and check row digests
 
 
 def integrity_state(backend: str, enabled: bool) -> str:

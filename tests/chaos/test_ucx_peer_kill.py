@@ -1,6 +1,6 @@
 """SIGKILL of the ucx peer mid-transfer (UcxBackend, the peer a child process): this end's
 attempt fails within bounded time, quiesces, and its masks claim only rows that are in place
-byte for byte; shutdown() strands nothing and nothing is left running. Push and pull, this
+byte for byte (and, with integrity on, whose digests came before the peer died); shutdown() strands nothing and nothing is left running. Push and pull, this
 end publishing (its sends fail once the fetcher is gone) and fetching (its heartbeats and
 receives fail once the publisher is gone), as tests/chaos/test_nixl_peer_kill.py does for NIXL.
 
@@ -148,6 +148,12 @@ def _moved(local: UcxBackend) -> int:
                + sum(int(w.received.sum()) for w in list(local._receiving.values())))
 
 
+def _proven(local: UcxBackend) -> int:
+    """Rows received so far whose digests came too (integrity on: only those can be claimed)."""
+    return int(sum(int(w.received.sum()) if w.sums is None else int((w.received * w.sums.known).sum())
+                   for w in list(local._receiving.values())))
+
+
 def _finish(local: UcxBackend) -> None:
     _report("children", live=live_children())
     _report("shutdown", left=len(local.shutdown()))
@@ -167,13 +173,13 @@ def _scenario_kill(mode_value: str, local_op: str) -> None:
         if not held.wait(PROGRESS):
             _report("error", what=f"no row was sent or received within {PROGRESS:g}s")
             return  # the finally still ends the backend before its memory goes
-        moved = _moved(local)
+        moved, proven = _moved(local), _proven(local)
         peer.kill()
         killed = time.monotonic()
         gate.set()
         done = attempt.wait(BOUND)
         seconds = time.monotonic() - killed
-        _report("outcome", done=done, seconds=seconds, quiesced=attempt.quiesced(), moved=moved,
+        _report("outcome", done=done, seconds=seconds, quiesced=attempt.quiesced(), moved=moved, proven=proven,
                 rows=sum(len(g) for g in local_view.groups), agent=peer.agent, outcome=_packed(attempt.poll()),
                 landed=_landed(memory, local_view, payload) if local_op == "fetch" else None)
     finally:
@@ -366,9 +372,14 @@ def test_kill_peer_mid_transfer(mode: TransferMode, local_op: str) -> None:
     else:
         for mask, landed in zip(masks, step["landed"]):
             assert all(ok for marked, ok in zip(mask, landed) if marked), "a row marked delivered differs from its source"
+        # Rows are claimed as far as the publisher's digests reached us (integrity is on): every
+        # row received with its digest before the kill, and none received without one.
         claimed = sum(sum(m) for m in masks)
-        assert step["moved"] <= claimed < step["rows"], (
-            f"{claimed} rows claimed, {step['moved']} received before the kill, of {step['rows']}")
+        assert step["proven"] <= claimed < step["rows"], (
+            f"{claimed} rows claimed, {step['proven']} received with their digests before the kill "
+            f"({step['moved']} received), of {step['rows']}")
+        if claimed < sum(sum(rows) for rows in step["landed"]):
+            assert "digests never came" in outcome["reason"], outcome["reason"]
     assert run.step("children")["live"] == [], "the killed peer is still running"
 
 

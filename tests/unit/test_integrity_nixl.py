@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
-from kvxfer.backends.common.integrity import MISMATCH
-from kvxfer.contract import Backend, Delivered, Failed, TransferMode
-from kvxfer.testing.conformance.transfers import _fill, _finish, _groups, _plan, _start
-from kvxfer.testing.corruption import Corruptor
+from kvxfer.contract import Backend, TransferMode
+from kvxfer.testing.corruption import Corruptor, check_corrupted_fetches
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import ChildPairs, DeviceRows, make_backend
 
@@ -34,7 +31,7 @@ def pairs() -> Iterator[ChildPairs]:
 @pytest.mark.parametrize("mode", list(TransferMode))
 def test_rows_corrupted_after_a_nixl_transfer_are_false_and_clean_ones_exact(pairs: ChildPairs,
                                                                            mode: TransferMode) -> None:
-    _check_transfers(pairs, mode, 3)
+    check_corrupted_fetches(pairs, mode, 3, CORRUPT)
 
 
 @pytest.mark.parametrize("options", [
@@ -46,28 +43,6 @@ def test_a_push_in_many_chunks_sends_the_digest_of_every_chunks_rows(options: di
     submission too): with chunks of 4 rows or fewer, every clean row still checks out."""
     pairs = _CorruptedPairs(deadline_s=10.0, **options)
     try:
-        _check_transfers(pairs, TransferMode.PUSH, 2)
+        check_corrupted_fetches(pairs, TransferMode.PUSH, 2, CORRUPT)
     finally:
         pairs.close()
-
-
-def _check_transfers(pairs: ChildPairs, mode: TransferMode, count: int) -> None:
-    pair = pairs(mode)
-    try:
-        for i in range(count):
-            plan = _plan(pair, f"corrupt-{mode.value}-{i}", rows=24, seed=30 + i)
-            _fill(pair, plan, local_is_source=False)
-            outcome, _ = _finish(pair, _start(pair, plan, "fetch"))
-            changed = CORRUPT.take()
-            assert changed, "the seeded corruptor changed no row"
-            for mask, (name, region, _) in zip(outcome.masks, _groups(pair)):
-                slots = plan.local_slots[name]
-                expected = np.array([(region.name, int(s)) not in changed for s in slots.tolist()])
-                assert mask.tolist() == expected.tolist()
-                got = pair.local_memory.read(region.name, slots[expected])
-                rows = np.frombuffer(plan.payload[name], dtype=np.uint8).reshape(slots.size, -1)
-                assert got == rows[expected].tobytes()
-            assert isinstance(outcome, Failed) and outcome.reason.startswith(MISMATCH), outcome
-            assert not isinstance(outcome, Delivered)
-    finally:
-        pair.close()

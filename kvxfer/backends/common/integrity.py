@@ -40,7 +40,19 @@ import numpy.typing as npt
 
 from kvxfer import native
 from kvxfer.backends.common.matching import GroupMatch
-from kvxfer.contract import BoolArray, CompletionRecord, Hint, IndexArray, MemoryKind, SlotRegion, View
+from kvxfer.contract import (
+    BoolArray,
+    Cancelled,
+    CompletionRecord,
+    Delivered,
+    Failed,
+    Hint,
+    IndexArray,
+    MemoryKind,
+    Outcome,
+    SlotRegion,
+    View,
+)
 
 U64 = npt.NDArray[np.uint64]
 DIGEST_K = 0x3C6EF372FE94F82A  # 2 * 0x9E3779B97F4A7C15 mod 2**64: even, so every weight is odd
@@ -228,3 +240,21 @@ class RowCheck:
         if not self.applies(view):
             return None
         return lambda masks, record: self.check(view, masks, record.digests or None)
+
+
+def checked_outcome(check: RowCheck, view: View, outcome: Outcome, digests: Sequence[U64] | None) -> Outcome:
+    """``outcome`` with the rows it says landed checked against ``digests`` (aligned with
+    ``view``'s groups; None: none came): rows that fail are False, and an outcome with such
+    rows is never Delivered."""
+    masks = [np.array(m, dtype=np.bool_) for m in outcome.masks]
+    bad = check.check(view, masks, digests)
+    return outcome if bad is None else with_refused(outcome, masks, bad)
+
+
+def with_refused(outcome: Outcome, masks: Sequence[BoolArray], bad: str) -> Outcome:
+    """``outcome`` once a check refused rows (``masks``: what is left, ``bad``: why)."""
+    if isinstance(outcome, Delivered):
+        return Failed(bad, masks)
+    if isinstance(outcome, Cancelled):
+        return Cancelled(outcome.by_peer, masks)
+    return Failed(f"{outcome.reason}; {bad}", masks)

@@ -41,9 +41,10 @@ import numpy as np
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.devices import cuda_present, unique_agent_name
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread
+from kvxfer.backends.common.integrity import CorruptFn, RowCheck
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
-from kvxfer.backends.ucx.control import PullRequest, decode_pull, encode_pull
+from kvxfer.backends.ucx.control import PullRequest, RunSums, decode_pull, decode_sums, encode_pull, encode_sums
 from kvxfer.backends.ucx.early import EarlyMessages
 from kvxfer.backends.ucx.jobs import (
     Receiving,
@@ -58,6 +59,7 @@ from kvxfer.backends.ucx.jobs import (
 )
 from kvxfer.backends.ucx.packing import gather, run_memory, scatter, split
 from kvxfer.backends.ucx.runs import plan_runs
+from kvxfer.backends.ucx.sums import EXTRA_SUMS, LandedSums, run_digests
 from kvxfer.backends.ucx.transport import (
     CONTROL_TAG,
     DATA_MASK,
@@ -99,15 +101,19 @@ class UcxBackend(BackendEngine):
     def __init__(self, name: str | None = None, mode: TransferMode = TransferMode.PUSH, *, deadline_s: float = 30.0,
                  hint_ttl_s: float = DEFAULT_HINT_TTL_S, window: int = 64, heartbeat_s: float = 0.25,
                  fail_after_rows: int | None = None, poll_s: float = 0.0001, key: bytes | None = None,
-                 error_handling: bool = True, pack_bytes: int = 0) -> None:
+                 error_handling: bool = True, pack_bytes: int = 0, integrity: bool = True,
+                 corrupt_landed: CorruptFn | None = None) -> None:
         # ``error_handling``: see Transport; False trades dead-peer detection for shared memory.
         # ``pack_bytes``: small host runs this end fetches come packed in messages of about
         # this size (0, the default: a message per run); its hints say so to the publisher.
         # Off by default: on the CPU machine it did not pay (bench/results/2026-12-01-cpu-ucx,
         # run d), and it never applies to device memory.
+        # ``integrity``: rows fetched here are checked against the publisher's digests
+        # (``sums``); ``corrupt_landed`` is the integrity tests' fault hook.
         if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0 or poll_s < 0 or pack_bytes < 0:
             raise ValueError("window, deadline_s and heartbeat_s must be positive, poll_s and pack_bytes not negative")
         self.pack_bytes = pack_bytes
+        self.integrity = RowCheck(integrity, corrupt_landed)
         self._transport = Transport(error_handling)
         kinds = {MemoryKind.HOST} | ({MemoryKind.DEVICE} if self._transport.cuda and cuda_present() else set())
         self._start_engine(name or unique_agent_name("kvxfer-ucx"), mode,
@@ -119,6 +125,7 @@ class UcxBackend(BackendEngine):
         self._receiving: dict[int, Receiving] = {}    # by data tag
         self._early = EarlyMessages()  # data messages before their fetch()
         self._asked: OrderedDict[str, PullRequest] = OrderedDict()  # pull requests before their publish()
+        self._early_sums: OrderedDict[int, list[RunSums]] = OrderedDict()  # digests before their fetch(), by tag
         self._replay: list[CompletionRecord] = []  # stashed records of submissions made since
         self._next_sweep = 0.0
         self._drains: list[tuple[Any, np.ndarray]] = []  # receives into scratch, and their buffers
@@ -139,8 +146,10 @@ class UcxBackend(BackendEngine):
         transfer_id = self._describe_checked(view)
         with self._jobs_lock:
             self._early.described(transfer_tag(transfer_id), time.monotonic() + self._own.ttl_ms / 1000)
-        return self._hint(view, transfer_id, audience, endpoint=self._transport.address,
-                          extras=((EXTRA_PACK, struct.pack("<q", self.pack_bytes)),))
+        extras = ((EXTRA_PACK, struct.pack("<q", self.pack_bytes)),)
+        if self.integrity.applies(view):
+            extras += ((EXTRA_SUMS, b"\x01"),)
+        return self._hint(view, transfer_id, audience, endpoint=self._transport.address, extras=extras)
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
         """Stop taking work, cancel what runs, return the attempts not proven quiesced. Called
@@ -193,16 +202,19 @@ class UcxBackend(BackendEngine):
                 own_limit = limit if admitted.active and limit is not None and limit < plan.rows else None
                 wait = Receiving(attempt, view, hint, admitted.own_id, plan, tag, deadline,
                                  expected=plan.limited(own_limit), limit=own_limit,
-                                 asked=self.mode is TransferMode.PUSH, received=np.zeros(plan.runs, np.int64))
+                                 asked=self.mode is TransferMode.PUSH, received=np.zeros(plan.runs, np.int64),
+                                 sums=LandedSums(plan) if self.integrity.applies(view) else None)
                 self._receiving[tag] = wait
                 wait.held = self._early.take(tag)
+                for early in self._early_sums.pop(tag, []):
+                    self._keep_sums(wait, early)
                 self._replay_stashed(admitted.own_id, hint, view)  # the publisher may have stopped already
             else:
                 injected = admitted.active and limit is not None and limit < plan.rows
                 job = Sending(attempt, view, hint, admitted.own_id, plan, plan.limited(limit if injected else None),
                               transfer_tag(hint.transfer_id), deadline, go=self.mode is TransferMode.PUSH,
                               injected=f"injected fault after {limit} rows" if injected else None,
-                              sent=np.zeros(plan.runs, np.int64))
+                              sent=np.zeros(plan.runs, np.int64), sums=hint.extra(EXTRA_SUMS) is not None)
                 asked = self._asked.pop(admitted.own_id, None)
                 if asked is not None and asked.sender == hint.agent:
                     job.to_send = np.minimum(job.to_send, plan.limited(asked.limit))
@@ -258,6 +270,12 @@ class UcxBackend(BackendEngine):
         kind, body = message[:1], message[1:]
         if kind == b"H":
             return
+        if kind == b"S":
+            if (sums := decode_sums(body, self._key)) is not None:
+                self._on_sums(sums)
+            else:
+                log.warning("ucx backend %s: dropped row digests malformed or not signed by our key", self.name)
+            return
         if kind == b"G":
             if (request := decode_pull(body, self._key)) is not None:
                 self._on_pull_request(request)
@@ -296,6 +314,25 @@ class UcxBackend(BackendEngine):
         if request.sender == job.hint.agent:  # only the fetcher the hint came from may start it
             job.to_send = np.minimum(job.to_send, job.plan.limited(request.limit))
             job.go = True
+
+    def _on_sums(self, sums: RunSums) -> None:
+        tag = transfer_tag(sums.transfer_id)
+        with self._jobs_lock:
+            wait = self._receiving.get(tag)
+            if wait is None:  # a push publisher may send before our fetch() (as its rows may)
+                if tag in self._early_sums:
+                    self._early_sums[tag].append(sums)
+                else:
+                    put_bounded(self._early_sums, tag, [sums], KEPT)
+                return
+        self._keep_sums(wait, sums)
+
+    def _keep_sums(self, wait: Receiving, sums: RunSums) -> None:
+        if wait.sums is None or sums.sender != wait.hint.agent or sums.transfer_id != wait.own_id:
+            return
+        if not wait.sums.add(wait.plan, sums) and wait.attempt.poll() is None:
+            wait.attempt.conclude(Failed(f"peer sent digests of runs {sums.first}..{sums.end} that do not fit them",
+                                         self._received_masks(wait)))
 
     def _send_control(self, agent: str, address: bytes, message: bytes) -> bool:
         try:
@@ -395,6 +432,8 @@ class UcxBackend(BackendEngine):
                 encode_pull(PullRequest(wait.hint.transfer_id, self.name, wait.limit), self._key)):
             wait.asked = True
         if wait.attempt.poll() is None and (outcome := ending(wait, now, self.deadline_s)) is not None:
+            if wait.sums is not None:
+                outcome = wait.sums.check(self.integrity, wait.view, wait.plan, outcome)
             wait.attempt.conclude(outcome)
         if now >= wait.next_heartbeat and wait.attempt.poll() is None:
             wait.next_heartbeat = now + self.heartbeat_s
@@ -437,6 +476,7 @@ class UcxBackend(BackendEngine):
                 job.attempt.conclude(Cancelled(False, job.view.row_masks()))
         if job.go and not job.stopping:
             self._post_sends(job)
+            self._send_sums(job)
         if job.attempt.poll() is None and now >= job.ask_again and (job.all_posted or job.told or not job.go):
             job.ask_again = now + self.heartbeat_s
             self._beat(job.hint)
@@ -486,6 +526,20 @@ class UcxBackend(BackendEngine):
                 self._peer_lost(job.hint.agent, job.hint.endpoint)
                 return
             job.inflight[run] = (request, end, buffer)
+
+    def _send_sums(self, job: Sending) -> None:
+        """The digests of the runs posted since we last sent some, while their sends move (with
+        integrity off here, once: that none will come)."""
+        if not job.sums or job.summed_to >= job.next_run:
+            return
+        first, end, digests = job.summed_to, job.next_run, None
+        if self.integrity.applies(job.view):
+            digests = run_digests(job.view, job.plan, first, end)
+        else:
+            first, end = 0, job.plan.runs
+        job.summed_to = end
+        self._send_control(job.hint.agent, job.hint.endpoint,
+                           encode_sums(RunSums(job.hint.transfer_id, self.name, first, end, digests), self._key))
 
     def _tell_stop(self, job: Sending) -> None:
         """We stop early (a fault, cancel, a failure): tell the fetcher which rows we sent."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.ucx.runs import RunPlan
+from kvxfer.backends.ucx.sums import LandedSums
 from kvxfer.backends.ucx.transport import TRANSFER_TAG_BITS
 from kvxfer.contract import (
     BoolArray,
@@ -48,6 +49,8 @@ class Sending:
     deadline: float
     go: bool                   # push: at once; pull: once the fetcher asks
     injected: str | None = None
+    sums: bool = False         # the fetcher checks rows: our digests follow each batch of sends
+    summed_to: int = 0         # runs before this one had their digests sent
     next_run: int = 0
     inflight: dict[int, tuple[Any, int, Any]] = field(default_factory=dict)  # first run -> (send, end run, buffer)
     sent: IndexArray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows whose send completed
@@ -89,6 +92,7 @@ class Receiving:
     peer_gone: bool = False
     acked: bool = False
     next_heartbeat: float = 0.0
+    sums: LandedSums | None = None  # integrity on: the publisher's digests, as they come
 
     @property
     def complete(self) -> bool:
@@ -102,7 +106,7 @@ def ending(wait: Receiving, now: float, deadline_s: float) -> Outcome | None:
     def masks() -> list[BoolArray]:  # built only when the transfer ends: steps are frequent
         return wait.plan.local_masks(wait.view, wait.received)
 
-    if wait.complete and not wait.posted:
+    if wait.complete and not wait.posted and (wait.sums is None or wait.sums.complete(wait.expected)):
         if wait.stopped is RecordStatus.CANCELLED:
             return Cancelled(True, masks())
         if wait.stopped is RecordStatus.FAILED:
