@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvxfer.engine import SamplingParams
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
 from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
-from kvxfer.pair_report import Result, outcomes, print_report, summarize
+from kvxfer.pair_report import Result, integrity_refused, outcomes, print_report, summarize
 from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
 from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_rows
 from kvxfer.progress import Count, Line, wait_announced
@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--integrity", choices=("on", "off"), default="on",
                    help="every worker's row digests (kvxfer serve --integrity): nixl and the store send and check "
                         "them; off only to measure the transport alone")
+    p.add_argument("--inject-corruption", type=float, default=0.0, metavar="SHARE",
+                   help="fault injection: the decode workers damage this share of the rows that land there before "
+                        "their check (kvxfer serve --inject-corruption); with --on-failure recompute the output "
+                        "must stay token-identical")
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -173,6 +177,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     if args.nixl_arena_mib is not None and args.backend != "nixl":
         parser.error(f"--nixl-arena-mib applies to --backend nixl only, not {args.backend}")
+    if not 0 <= args.inject_corruption <= 1:
+        parser.error(f"--inject-corruption must be a share of rows from 0 to 1, got {args.inject_corruption}")
+    if args.inject_corruption and args.integrity == "off":
+        parser.error("--inject-corruption damages rows for the integrity check to catch: it needs --integrity on")
     for flag in ("timeout", "startup_timeout"):
         if not 0 < getattr(args, flag) < float("inf"):
             parser.error(f"--{flag.replace('_', '-')} must be positive and finite, got {getattr(args, flag)}")
@@ -302,6 +310,7 @@ def _run_config(args: argparse.Namespace, oracle: Oracle, placed: _Placement, lo
             "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                  "pull": list(lanes.pull)},
             "lender": args.lender, "integrity": integrity_state(args.backend, args.integrity == "on"),
+            "inject_corruption": args.inject_corruption,
             "requests": args.requests,
             "prompt_lengths": [args.min_len, longest], "max_len_requested": args.max_len,
             "max_new_tokens": args.max_new_tokens,
@@ -326,8 +335,9 @@ def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Place
                  for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
     workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
                                            *role_args["prefill"]]) for i in range(args.prefill_workers)]
+    corrupt = ["--inject-corruption", str(args.inject_corruption)] if args.inject_corruption else []
     workers += [group.start(f"decode{i}", ["serve", "--role", "decode", "--name", f"decode{i}",
-                                          *role_args["decode"]]) for i in range(args.decode_workers)]
+                                          *role_args["decode"], *corrupt]) for i in range(args.decode_workers)]
     return workers
 
 
@@ -467,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvxfer pair: {exc}", file=sys.stderr)
         return 2
     report = summarize(results, wall, config)
+    report["integrity_rows_refused"] = integrity_refused(log_dir)
     if args.colocated_baseline and isinstance(oracle, TransformersOracle):
         report["colocated"] = oracle.baseline(prompts, args.max_new_tokens, args.concurrency)
     if rounds:

@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -129,6 +130,28 @@ def _colocated_line(colocated: dict[str, Any] | None) -> list[str]:
             f"{colocated['tokens_per_s'] or 0:.0f} tokens/s ({colocated['what']})"]
 
 
+_REFUSED = re.compile(r'^kvxfer_integrity_rows_failed_total\{source="(transfer|store)"\} (\S+)$', re.M)
+
+
+def integrity_refused(log_dir: Path) -> dict[str, int]:
+    """Rows the workers refused because their digests did not check out, by source, from the
+    metrics the pair saved beside their logs (every round's)."""
+    out = {"transfer": 0, "store": 0}
+    for path in log_dir.rglob("*.metrics"):
+        for source, value in _REFUSED.findall(path.read_text()):
+            out[source] += int(float(value))
+    return out
+
+
+def _refused_line(report: dict[str, Any]) -> list[str]:
+    refused = report.get("integrity_rows_refused")
+    if not refused or report["config"].get("integrity") == "off":
+        return []
+    recomputed = report["paths"].get("resumed", 0) + report["paths"].get("recomputed", 0)
+    return [f"  integrity    {refused['transfer']} transferred and {refused['store']} stored rows refused "
+            f"(digest mismatch); {recomputed} requests resumed or recomputed"]
+
+
 def _integrity(config: dict[str, Any]) -> str:
     state = config.get("integrity")  # absent from reports written before it was
     return "" if state is None else f", integrity {state}"
@@ -165,6 +188,7 @@ def print_report(report: dict[str, Any], out: Any = None) -> None:
         *store_lines(report.get("store_rounds", [])),
         f"  paths        {', '.join(f'{k}: {v}' for k, v in sorted(report['paths'].items()))}",
         f"  failures     {', '.join(f'{k}: {v}' for k, v in report['failures'].items()) or 'none'}",
+        *_refused_line(report),
     ]
     for r in report["results"]:
         if not r["matched"]:

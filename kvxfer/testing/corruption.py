@@ -1,83 +1,20 @@
-"""Corrupting rows on purpose: the fault injection behind the integrity tests.
-
-``Corruptor`` is a backend's ``corrupt_landed`` hook (``kvxfer.backends.common.integrity``):
-called with rows that just landed, before the fetcher checks them, it flips one random bit of
-some and rewrites others whole, and remembers exactly which rows it changed, so a test can
-require that those and only those are reported False.
-"""
+"""Corrupting rows on purpose: the fault injection behind the integrity tests. The corruptor
+itself is production's (``kvxfer.backends.common.corruption``: ``kvxfer serve
+--inject-corruption`` uses it); this adds the check a backend's tests share."""
 
 from __future__ import annotations
 
-import ctypes
-import threading
 from collections.abc import Callable
 
 import numpy as np
-import numpy.typing as npt
 
+from kvxfer.backends.common.corruption import Corruptor, flip_bit, reverse_row, row_bytes
 from kvxfer.backends.common.integrity import MISMATCH
-from kvxfer.contract import Delivered, Failed, IndexArray, SlotRegion, TransferMode
+from kvxfer.contract import Delivered, Failed, TransferMode
 from kvxfer.testing.conformance.pair import Pair
 from kvxfer.testing.conformance.transfers import _fill, _finish, _groups, _plan, _start
 
-
-def row_bytes(region: SlotRegion, slot: int) -> npt.NDArray[np.uint8]:
-    """A writable numpy view of one slot of a host region."""
-    if not 0 <= slot < region.slots:
-        raise IndexError(f"slot {slot} outside region {region.name!r} of {region.slots} slots")
-    buf = (ctypes.c_uint8 * region.slot_bytes).from_address(region.address + slot * region.slot_bytes)
-    return np.ctypeslib.as_array(buf)
-
-
-def flip_bit(region: SlotRegion, slot: int, bit: int) -> None:
-    """Flip bit ``bit`` (0 .. 8 * slot_bytes - 1) of one slot."""
-    row = row_bytes(region, slot)
-    row[bit // 8] ^= np.uint8(1 << (bit % 8))
-
-
-def reverse_row(region: SlotRegion, slot: int) -> bool:
-    """Reverse one slot's bytes; False when that changed nothing (a palindrome)."""
-    row = row_bytes(region, slot)
-    before = row.copy()
-    row[:] = before[::-1]
-    return not np.array_equal(before, row)
-
-
-class Corruptor:
-    """Changes each landed row with probability ``p_bit`` (one random bit flipped) or
-    ``p_row`` (the whole row rewritten: reversed, or random bytes when reversing changes
-    nothing). ``changed`` holds (region name, slot) of every row it changed; ``rows_seen`` counts
-    the rows it was shown."""
-
-    def __init__(self, seed: int, *, p_bit: float = 0.0, p_row: float = 0.0) -> None:
-        self._rng = np.random.default_rng(seed)
-        self.p_bit = p_bit
-        self.p_row = p_row
-        self.changed: set[tuple[str, int]] = set()
-        self.rows_seen = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, region: SlotRegion, slots: IndexArray) -> None:
-        with self._lock:
-            self.rows_seen += int(slots.size)
-            draw = self._rng.random(slots.size)
-            for slot in np.asarray(slots)[draw < self.p_bit + self.p_row].tolist():
-                if self._rng.random() * (self.p_bit + self.p_row) < self.p_bit:
-                    flip_bit(region, slot, int(self._rng.integers(0, 8 * region.slot_bytes)))
-                elif not reverse_row(region, slot):
-                    row = row_bytes(region, slot)
-                    fresh = self._rng.integers(0, 256, size=row.size, dtype=np.uint8)
-                    if np.array_equal(fresh, row):
-                        fresh[0] ^= 1
-                    row[:] = fresh
-                self.changed.add((region.name, int(slot)))
-
-    def take(self) -> set[tuple[str, int]]:
-        """The rows changed since the last take."""
-        with self._lock:
-            out, self.changed = self.changed, set()
-            return out
-
+__all__ = ["Corruptor", "check_corrupted_fetches", "flip_bit", "reverse_row", "row_bytes"]
 
 
 def check_corrupted_fetches(make_pair: Callable[[TransferMode], Pair], mode: TransferMode, count: int,

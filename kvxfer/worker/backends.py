@@ -12,6 +12,7 @@ one of ``kvxfer.backends``.
 
 from __future__ import annotations
 
+from kvxfer.backends.common.integrity import CorruptFn
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import Backend, TransferMode
@@ -23,7 +24,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
                  fabric: LoopbackFabric | None = None, device: int = 0, chunk_bytes: int | None = None,
                  chunk_pause_s: float = 0.0, busy_poll: bool = False, arena_bytes: int | None = None,
                  hint_ttl_s: float = DEFAULT_HINT_TTL_S, etcd_endpoints: str = "", etcd_namespace: str = "",
-                 etcd_ttl_s: int = 10, integrity: bool = True) -> Backend:
+                 etcd_ttl_s: int = 10, integrity: bool = True, corrupt_landed: CorruptFn | None = None) -> Backend:
     """``chunk_bytes``/``chunk_pause_s`` tune NIXL's submission chunks (a chunk is the unit
     that a partial delivery reports); a pause between chunks lets tests kill a peer mid-way.
     ``arena_bytes`` (nixl only): the packed path's bounce arena (None: the backend's default,
@@ -32,7 +33,8 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
     doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency.
     ``integrity`` (nixl, ucx, loopback): row digests sent and checked (docs/reliability.md);
-    ipc does not digest rows yet."""
+    ipc does not digest rows yet. ``corrupt_landed``: fault injection, rows damaged where they
+    land before their check (``kvxfer.backends.common.corruption``; nixl, ucx, loopback)."""
     if busy_poll and kind != "ipc":
         raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
     if arena_bytes is not None and kind != "nixl":
@@ -43,7 +45,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
         etcd = EtcdSettings(etcd_endpoints or None, etcd_namespace or None, etcd_ttl_s)
         return NixlBackend(name, mode, deadline_s=deadline_s, chunk_pause_s=chunk_pause_s,
                            chunk_bytes=chunk_bytes or None, arena_bytes=arena_bytes, hint_ttl_s=hint_ttl_s,
-                           etcd=etcd, integrity=integrity)
+                           etcd=etcd, integrity=integrity, corrupt_landed=corrupt_landed)
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 
@@ -51,10 +53,12 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     if kind == "ucx":
         from kvxfer.backends.ucx import UcxBackend  # noqa: PLC0415 - ucxx loads UCX: only when asked
 
-        return UcxBackend(name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s, integrity=integrity)
+        return UcxBackend(name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s, integrity=integrity,
+                          corrupt_landed=corrupt_landed)
     if kind == "loopback":
         if fabric is None:
             raise ValueError("the loopback backend connects backends of one process only: pass a LoopbackFabric "
                              "shared by in-process workers, or use --backend nixl between processes")
-        return LoopbackBackend(fabric, name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s, integrity=integrity)
+        return LoopbackBackend(fabric, name, mode, deadline_s=deadline_s, hint_ttl_s=hint_ttl_s, integrity=integrity,
+                               corrupt_landed=corrupt_landed)
     raise ValueError(f"unknown backend {kind!r}: choose one of {', '.join(BACKENDS)}")

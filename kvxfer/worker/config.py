@@ -57,7 +57,10 @@ class WorkerConfig:
     device: str = "cpu"             # where the pool lives (the model must be on the same device)
     busy_poll: bool = False         # ipc: spin while transfers wait, and offer a doorbell (make_backend)
     arena_bytes: int | None = None  # nixl: the packed path's bounce arena (None: the backend's default, 0: none)
-    integrity: bool = True          # row digests sent and checked (nixl, loopback, the store); --integrity off
+    integrity: bool = True          # row digests sent and checked (nixl, ucx, loopback, the store); --integrity off
+    # Fault injection (kvxfer serve --inject-corruption): the share of rows landing here that
+    # are damaged after their copy and before their check (a bit flipped or the row rewritten).
+    inject_corruption: float = 0.0
     # An engine's own KV (kvxfer.worker.ranks): a TP group sharded by KV heads, in a block
     # size and order of its own, moved as engine geometries. ``peer_tp``: the TP of the
     # prefill workers a decode worker takes KV from.
@@ -95,6 +98,10 @@ class WorkerConfig:
                                                 not 0 <= self.expiry_grace_s < 1e9):
             raise ValueError(f"expiry_grace_s must be None or a number of seconds in [0, 1e9), got "
                              f"{self.expiry_grace_s!r}")
+        if isinstance(self.inject_corruption, bool) or not 0.0 <= self.inject_corruption <= 1.0:
+            raise ValueError(f"inject_corruption must be a share of rows from 0 to 1, got {self.inject_corruption!r}")
+        if self.inject_corruption and not self.integrity:
+            raise ValueError("inject_corruption damages rows for the integrity check to catch: it needs integrity on")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.lender not in ("inplace", "staging"):

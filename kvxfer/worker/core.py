@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 import torch
 
 from kvxfer.backends.blob import MemoryStore
+from kvxfer.backends.common.corruption import Corruptor
 from kvxfer.backends.common.transfers import MAX_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import Backend
@@ -71,6 +73,9 @@ class Worker:
         self.name = config.name or f"{config.role}"
         self._fabric = fabric
         self._shared_store = shared_store
+        # Fault injection (--inject-corruption): one corruptor for this worker's fetching backends.
+        self._corruptor = (Corruptor(seed=zlib.crc32(self.name.encode()), p_bit=config.inject_corruption / 2,
+                                     p_row=config.inject_corruption / 2) if config.inject_corruption else None)
         self._engine = EngineThread(self.name, device)
         self._state = WorkerState(config, model, self.name, self._engine)
         if hf_model is not None:
@@ -135,7 +140,7 @@ class Worker:
             driver = make_store_driver(cfg.store, path=cfg.store_path, master=cfg.store_master,
                                        segment_bytes=cfg.store_segment_mib << 20, shared=self._shared_store)
             s.store = StoreSide(driver, pool, s.lender, self._engine, s.meters, s.quarantine,
-                                cfg.transfer_timeout_s, f"{self.name}-store", cfg.integrity)
+                                cfg.transfer_timeout_s, f"{self.name}-store", cfg.integrity, self._corruptor)
 
     def _build_group(self) -> None:
         """A TP group of pools, one per rank, lent in place and moved as engine geometries."""
@@ -158,7 +163,8 @@ class Worker:
                                  busy_poll=cfg.busy_poll, device=device,
                                  arena_bytes=cfg.arena_bytes, hint_ttl_s=min(cfg.hold_s, MAX_HINT_TTL_S),
                                  etcd_endpoints=cfg.etcd_endpoints, etcd_namespace=cfg.etcd_namespace,
-                                 etcd_ttl_s=cfg.etcd_ttl_s, integrity=cfg.integrity)
+                                 etcd_ttl_s=cfg.etcd_ttl_s, integrity=cfg.integrity,
+                                 corrupt_landed=self._corruptor)
         skipped = s.backend.register(s.lender.regions)
         if skipped:
             raise RuntimeError(f"backend {cfg.backend!r} cannot reach the pool's "

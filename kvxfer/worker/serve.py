@@ -218,6 +218,7 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None,
                           chunk_pause_s=args.nixl_chunk_pause, integrity=args.integrity == "on",
+                          inject_corruption=args.inject_corruption,
                           device=device, busy_poll=args.busy_poll, engine=args.engine,
                           arena_bytes=None if args.nixl_arena_mib is None else args.nixl_arena_mib << 20,
                           **engine_kv_fields(args), **store_fields(args), **etcd_fields(args))
@@ -366,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nixl, loopback and the store: send a digest of each row and check it where the row landed; "
                         "a row that fails is not delivered (default on; off only to measure the transport alone; "
                         "both ends need the same setting)")
+    p.add_argument("--inject-corruption", type=float, default=0.0, metavar="SHARE",
+                   help="fault injection: damage this share of the rows that land here (half a bit flipped, half "
+                        "rewritten) after their copy and before their check, to see integrity catch them "
+                        "(default 0; needs --integrity on)")
     p.add_argument("--busy-poll", action="store_true",
                    help="ipc: a core spins while transfers wait, and a waiting end offers a doorbell word that the "
                         "copy kernel sets (lowest small-transfer latency, one busy core)")
@@ -467,6 +472,10 @@ def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--expiry-grace must be a number of seconds from 0 to below 1e9, got {args.expiry_grace}")
     if not args.nixl_chunk_pause >= 0:
         parser.error(f"--nixl-chunk-pause must not be negative, got {args.nixl_chunk_pause}")
+    if not 0 <= args.inject_corruption <= 1:
+        parser.error(f"--inject-corruption must be a share of rows from 0 to 1, got {args.inject_corruption}")
+    if args.inject_corruption and args.integrity == "off":
+        parser.error("--inject-corruption damages rows for the integrity check to catch: it needs --integrity on")
 
 
 def check_store(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

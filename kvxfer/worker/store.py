@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.backends.blob import BlobBackend, BlobDriver, MemoryDriver, MemoryStore, ShmDriver
+from kvxfer.backends.common.integrity import CorruptFn
 from kvxfer.contract import Attempt, Outcome, View
 from kvxfer.lender import Lease, Lender
 from kvxfer.pool import PagedKVPool, block_names
@@ -75,8 +76,10 @@ class StoreSide:
     """Puts (prefill) and fetches (decode) through a BlobBackend, named by the prompt's tokens."""
 
     def __init__(self, driver: BlobDriver, pool: PagedKVPool, lender: Lender, engine: EngineThread,
-                 meters: Meters, quarantine: Quarantine, timeout_s: float, name: str, integrity: bool = True) -> None:
-        self.backend = BlobBackend(driver, name=name, namer=self.names, timeout_s=timeout_s, integrity=integrity)
+                 meters: Meters, quarantine: Quarantine, timeout_s: float, name: str, integrity: bool = True,
+                 corrupt_landed: CorruptFn | None = None) -> None:
+        self.backend = BlobBackend(driver, name=name, namer=self.names, timeout_s=timeout_s, integrity=integrity,
+                                   corrupt_landed=corrupt_landed)
         try:
             skipped = self.backend.register(lender.regions)
         except BaseException:

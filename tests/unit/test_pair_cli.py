@@ -90,6 +90,21 @@ def test_a_key_its_processes_could_not_use_is_a_usage_error(name: str, monkeypat
     assert f"{name} holds a space" in err and "two words" not in err
 
 
+@pytest.mark.usefixtures("no_processes")
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--inject-corruption", "1.5"], "--inject-corruption must be a share of rows from 0 to 1, got 1.5"),
+    (["--inject-corruption", "0.1", "--integrity", "off"], "it needs --integrity on"),
+])
+def test_corruption_injection_that_cannot_work_is_a_usage_error(flags: list[str], words: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.worker import serve
+
+    assert words in _usage_error([*SMALL, *flags], capsys)
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--role", "decode", *flags])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_serve_refuses_model_flags_that_make_no_model(capsys: pytest.CaptureFixture[str]) -> None:
     from kvxfer.worker import serve
 
