@@ -18,7 +18,9 @@ Faults, per host: ``cut`` / ``restore`` take its link down and up at the bridge 
 pulled: the host's own device stays configured, without carrier); ``loss(host, percent)``
 drops that share of the packets arriving at the host (nftables ``numgen random``: this
 kernel has no netem); ``blackhole`` drops every packet in and out, silently (no RST, no
-ICMP); ``clear`` removes the nftables rules. The rules live in the host's namespace, so
+ICMP); ``corrupt(host, per_mille)`` overwrites 4 bytes inside that share of the large TCP
+packets arriving at the host (nftables payload mangling: on a veth nothing checks the TCP
+checksum, so the damage reaches the receiver as data, silently); ``clear`` removes the nftables rules. The rules live in the host's namespace, so
 they go with it.
 
 Namespaces are named ``kvxns-<pid>-<n>-<host>`` (the bridge's ``-br``); ``close()`` ends the
@@ -334,6 +336,16 @@ class Hosts:
             raise ValueError(f"percent must be in (0, 100), got {percent!r}")
         per_million = round(percent * 10_000)
         self._rules(host, [f"numgen random mod 1000000 < {per_million} counter drop"], [])
+
+    def corrupt(self, host: str, per_mille: int, *, min_bytes: int = 8000, offset: int = 1000) -> None:
+        """Overwrite 4 bytes, ``offset`` bytes into the TCP payload, of ``per_mille`` of every
+        thousand TCP packets longer than ``min_bytes`` arriving at ``host`` (replaces its rules;
+        ``dropped`` counts the packets changed)."""
+        if not 0 < per_mille < 1000 or offset + 4 > min_bytes:
+            raise ValueError(f"per_mille must be in (0, 1000) and the bytes inside the packets, got {per_mille!r}, "
+                             f"offset {offset!r}")
+        self._rules(host, [f"meta l4proto tcp meta length > {min_bytes} numgen random mod 1000 < {per_mille} "
+                           f"counter @ih,{8 * offset},32 set 0x5a5a5a5a"], [])
 
     def blackhole(self, host: str) -> None:
         """Drop every packet to and from ``host`` silently, loopback spared (replaces its rules)."""

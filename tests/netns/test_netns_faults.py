@@ -216,6 +216,28 @@ def test_packet_loss_costs_retransmissions_but_corrupts_nothing(net: Pair) -> No
 
 
 @pytest.mark.timeout(180)
+def test_bytes_corrupted_on_the_wire_are_refused_row_by_row(net: Pair) -> None:
+    """A lane that damages bytes in flight, silently (TCP's checksum is not checked on a veth):
+    the fetcher checks each row's digest where it landed, so every damaged row is False, every
+    intact row True, and the push is never Delivered at the fetcher."""
+    net.hosts.corrupt("decode", 30)
+    refused = checked = 0
+    for _ in range(3):
+        moved = net.push(PACED_ROWS)
+        fetched = moved.mask(moved.fetcher)
+        assert moved.quiesced == (True, True)
+        assert not (fetched & ~moved.arrived).any(), "a row damaged on the wire was claimed"
+        if isinstance(moved.fetcher, Failed) and not moved.fetcher.reason.startswith("digest mismatch"):
+            continue  # the damage hit UCX's own framing and broke the connection: no row claimed wrongly is all
+        assert fetched.tolist() == moved.arrived.tolist(), "an intact row was refused"
+        assert isinstance(moved.fetcher, Delivered) == bool(moved.arrived.all())
+        refused, checked = refused + int((~fetched).sum()), checked + 1
+    changed = net.hosts.dropped("decode")
+    print(f"\n{changed} packets changed on the wire; {refused} rows refused in {checked} pushes of {PACED_ROWS}")
+    assert changed > 0 and checked > 0 and refused > 0
+
+
+@pytest.mark.timeout(180)
 def test_a_fetcher_blackholed_mid_push_is_detected_within_twice_the_deadline(net: Pair) -> None:
     moved = net.push(PACED_ROWS, pause_s=PAUSE_S, fault=lambda: net.hosts.blackhole("decode"))
     print(f"\nfetcher blackholed: publisher {said(moved.publisher)} settled {moved.settled_s[0]:.2f} s after, "
