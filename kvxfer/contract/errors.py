@@ -21,12 +21,29 @@ module imports none of them, it only draws them):
     ├── PeerGone                 a NIXL peer disconnected                          [backends.nixl.agent]
     ├── PeerUnknown              a NIXL peer's metadata is not loaded (yet)        [backends.nixl.agent]
     ├── XferError                NIXL refused or failed a request                  [backends.nixl.agent]
+    ├── UcxUnavailable           the ucx backend cannot run here (no ucxx, or UCX failed) [backends.ucx.transport]
+    ├── UcxPeerGone              a ucx peer disconnected or cannot be reached      [backends.ucx.transport]
+    ├── StoreError               a KV store cannot be used at all (connect, set-up, closed) [backends.blob.driver]
     ├── HttpError                an HTTP exchange failed (refused, cut, status)    [serving.exchange]
     ├── BadRequest               a client sent something malformed: 400            [serving.exchange]
+    ├── InvalidKey               a key that cannot be used; also a ValueError      [serving.keys]
+    ├── RecordError              a worker's discovery record cannot be read; also a ValueError [serving.discovery]
+    ├── EtcdUnavailable          etcd did not answer in time, or refused the call  [etcd.client]
+    ├── InvalidRequest           the router refuses a request; also a ValueError   [router.inputs]
+    │   └── MixedEngines         the router's workers run different engines
+    ├── OpenAIError              a request answered in OpenAI's error shape        [router.openai_api]
+    │   └── ClientGone           the client left before its whole answer: 499      [router.frontend]
+    ├── Failure                  a request failed at a worker (dead, or unavailable) [router.run]
     ├── Refused                  a worker refuses a call as it stands: 400         [worker.errors]
     ├── Aborted                  a /prefill or /reserve aborted while it ran: 409  [worker.errors]
+    ├── ProbeError               a lane-probe call refused                         [worker.probe]
+    │   ├── ProbeInvalid         it asks for what no probe can be
+    │   ├── ProbeBusy            another probe is open, or the worker is stopping
+    │   └── ProbeUnknown         no open probe has that id
     ├── ProcessFailed            a launched worker or router did not come up       [worker.procs]
     ├── PullOverTcp              a pull lane would run over TCP                    [worker.lanes]
+    ├── PeerError                `kvxfer doctor --peer`: the worker cannot be probed [doctor_peer]
+    ├── LaunchError              `kvxfer launch` cannot go on                      [launch.launcher]
     ├── CheckpointError          a model checkpoint cannot be loaded               [engine.weights]
     ├── AdapterError             an engine adapter cannot do what was asked        [adapters.errors]
     │   ├── EngineVersionError   the installed engine is not the pinned version
@@ -36,9 +53,12 @@ module imports none of them, it only draws them):
     ├── ConfigError              a bench option is wrong; also a ValueError        [bench.config]
     ├── ResultError              a bench result file is wrong; also a ValueError   [bench.results]
     ├── Skip                     a bench case cannot run here (and why)            [bench.cases]
-    └── CopyError                the host stand-in for the native module's error   [testing.host_cuda]
+    ├── CopyError                the host stand-in for the native module's error   [testing.host_cuda]
+    └── NetnsError               an `ip` or `nft` command failed; also a RuntimeError [testing.netns]
 
-PeerBusy, PeerGone, PeerUnknown and XferError stay inside their backends, which turn them
+Classes whose names start with ``_`` are private to their module and not drawn;
+``tests/unit/test_error_tree.py`` keeps the tree whole. PeerBusy, PeerGone, PeerUnknown,
+XferError and UcxPeerGone stay inside their backends, which turn them
 into outcomes or the two rejections. The compiled module's own ``kvxfer._native.CopyError``
 is not in the tree: ``kvxfer.native`` turns it into RowCopyError, and the IPC backend into
 outcomes.
