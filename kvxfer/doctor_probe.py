@@ -22,9 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl
-from kvxfer.backends.nixl.loader import nixl_api
-from kvxfer.ucx_env import ucx_settings
+from kvxfer.backends.nixl.agent import raw_agent
 
 ROW = 64 << 10
 
@@ -60,16 +58,10 @@ def _buffer(mem: str, nbytes: int, fill: int, cuda_device: int = -1) -> tuple[An
 
 
 def _agent(role: str) -> Any:
-    api = nixl_api()
-
     # The target keeps NIXL's progress thread (lanes over TCP need the target's worker to
     # progress); the initiator progresses by polling its own requests, as the backend does,
     # so that it does not compete with the transfer for this machine's cores.
-    config = api.nixl_agent_config(enable_prog_thread=role == "target", backends=["UCX"])
-    # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set; the host's UCX
-    # settings (kvxfer.ucx_env) go to the agent's UCX.
-    with hidden_from_nixl(), ucx_settings():
-        return api.nixl_agent(f"kvxfer-doctor-{role}-{os.getpid()}", config)
+    return raw_agent(f"kvxfer-doctor-{role}-{os.getpid()}", progress_thread=role == "target")
 
 
 def target(sock: socket.socket, mem: str, nbytes: int, cuda_device: int = -1) -> None:

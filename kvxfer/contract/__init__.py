@@ -8,7 +8,7 @@ from kvxfer.contract.arrays import BoolArray, IndexArray, constant_mask
 from kvxfer.contract.backend import Attempt, Backend, Capabilities, WakeFn
 from kvxfer.contract.errors import InvalidSubmission, KvxferError, SubmissionRejected, one_line
 from kvxfer.contract.geometry import BlockOrder, HeadOrder, KVGeometry, LayoutMismatch, check_compatible
-from kvxfer.contract.hint import Hint, HintGroup, Peer, TransferMode
+from kvxfer.contract.hint import DEFAULT_HINT_TTL_S, MAX_HINT_TTL_S, Hint, HintGroup, Peer, TransferMode
 from kvxfer.contract.memory import MemoryKind, SlotRegion
 from kvxfer.contract.outcome import Cancelled, Delivered, Failed, Outcome, check_masks, freeze_mask
 from kvxfer.contract.record import CompletionRecord, RecordStatus
@@ -21,4 +21,5 @@ __all__ = [
     "LayerGroupRows", "MemoryKind", "Outcome", "Peer", "SlotRegion", "SubmissionRejected",
     "TokenRange", "TransferMode", "View", "WakeFn", "check_masks", "freeze_mask",
     "BlockOrder", "HeadOrder", "KVGeometry", "LayoutMismatch", "check_compatible",
+    "DEFAULT_HINT_TTL_S", "MAX_HINT_TTL_S",
 ]

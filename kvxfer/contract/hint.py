@@ -30,6 +30,14 @@ from kvxfer.contract.geometry import KVGeometry
 from kvxfer.contract.memory import MemoryKind
 from kvxfer.contract.rows import CacheKind, TokenRange
 
+DEFAULT_HINT_TTL_S = 120.0
+"""How long a hint may be used after describe(): long enough for a prefill to run between a
+decode end's describe() and the prefill end's publish(), short enough to bound how long a
+backend must remember the hints it used."""
+MAX_HINT_TTL_S = 3600.0
+"""No backend makes, or accepts, a hint that lives longer: a used hint is remembered until it
+expires, so a far-off expiry (a forged hint, or clocks far apart) would be kept for ever."""
+
 
 class TransferMode(enum.Enum):
     """PUSH: the publisher WRITEs into the fetcher's rows. PULL: the fetcher READs."""

@@ -13,9 +13,8 @@ one of ``kvxfer.backends``.
 from __future__ import annotations
 
 from kvxfer.backends.common.integrity import CorruptFn
-from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
-from kvxfer.contract import Backend, TransferMode
+from kvxfer.contract import DEFAULT_HINT_TTL_S, Backend, TransferMode
 
 BACKENDS = ("nixl", "ipc", "ucx", "loopback")
 

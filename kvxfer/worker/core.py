@@ -21,9 +21,8 @@ import torch
 
 from kvxfer.backends.blob import MemoryStore
 from kvxfer.backends.common.corruption import Corruptor
-from kvxfer.backends.common.transfers import MAX_HINT_TTL_S
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.contract import Backend
+from kvxfer.contract import MAX_HINT_TTL_S, Backend
 from kvxfer.engine import LlamaModel, ShardedKVCache
 from kvxfer.lender import InPlaceLender, Lender, StagingLender
 from kvxfer.pool import PagedKVPool

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from kvxfer.backends.common.transfers import put_bounded
 from kvxfer.worker.errors import Aborted
 
 _EARLY_ABORTS_KEPT = 4096  # aborts of ids not seen yet: bounded, whoever sends them
@@ -29,7 +28,10 @@ class InFlight:
         self.streams = 0  # publish or generate streams in progress (their clean-up included)
 
     def abort_early(self, rid: str) -> None:
-        put_bounded(self.aborted_early, rid, time.monotonic(), _EARLY_ABORTS_KEPT)
+        self.aborted_early[rid] = time.monotonic()
+        self.aborted_early.move_to_end(rid)
+        while len(self.aborted_early) > _EARLY_ABORTS_KEPT:  # the oldest goes
+            self.aborted_early.popitem(last=False)
 
     def refuse_if_aborted_early(self, rid: str) -> None:
         since = self.aborted_early.pop(rid, None)

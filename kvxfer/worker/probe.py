@@ -44,7 +44,6 @@ import numpy as np
 
 from kvxfer.backends.nixl.loader import nixl_api
 from kvxfer.contract import KvxferError
-from kvxfer.ucx_env import ucx_settings
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +116,9 @@ def parse_open(body: dict[str, Any]) -> tuple[int, str]:
 
 def _agent(name: str) -> Any:
     """A NIXL agent with a UCX backend and NIXL's own progress thread (see the module)."""
-    api = nixl_api()  # a worker without probes never loads it here
+    from kvxfer.backends.nixl.agent import raw_agent  # noqa: PLC0415 - a worker without probes never loads NIXL
 
-    from kvxfer.backends.nixl.etcd_metadata import hidden_from_nixl  # noqa: PLC0415
-
-    # NIXL would start its own etcd backend where NIXL_ETCD_ENDPOINTS is set; the host's UCX
-    # settings (kvxfer.ucx_env) go to the agent's UCX.
-    with hidden_from_nixl(), ucx_settings():
-        return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    return raw_agent(name, progress_thread=True)
 
 
 @dataclass

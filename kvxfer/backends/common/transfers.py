@@ -13,16 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.contract import Attempt, Hint, HintGroup, InvalidSubmission, Peer, SubmissionRejected, View
+from kvxfer.contract import (
+    DEFAULT_HINT_TTL_S,
+    MAX_HINT_TTL_S,
+    Attempt,
+    Hint,
+    HintGroup,
+    InvalidSubmission,
+    Peer,
+    SubmissionRejected,
+    View,
+)
 
 _RETIRED_KEPT = 65536
-DEFAULT_HINT_TTL_S = 120.0
-"""How long a hint may be used after describe(): long enough for a prefill to run between a
-decode end's describe() and the prefill end's publish(), short enough to bound how long a
-backend must remember the hints it used."""
-MAX_HINT_TTL_S = 3600.0
-"""No backend makes, or accepts, a hint that lives longer: a used hint is remembered until it
-expires, so a far-off expiry (a forged hint, or clocks far apart) would be kept for ever."""
 _USED_LIVE_CAP = 1 << 20
 """Used hints not yet expired, at most: past this a submission is refused, never a used hint
 forgotten (forgetting one would let its replay through)."""

@@ -53,6 +53,17 @@ log = logging.getLogger(__name__)
 _MEM = {MemoryKind.HOST: "DRAM", MemoryKind.DEVICE: "VRAM"}
 
 
+def raw_agent(name: str, *, progress_thread: bool) -> Any:
+    """A bare NIXL agent with a UCX backend, no kvxfer wrapper: what the lane probes
+    (``kvxfer doctor``, a worker's ``/probe``) measure with. NIXL's etcd variables are hidden
+    while it is made (NIXL would start its own etcd backend where ``NIXL_ETCD_ENDPOINTS`` is
+    set), and the host's UCX settings (``kvxfer.ucx_env``) go to its UCX."""
+    api = nixl_modules()[0]
+    config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    with hidden_from_nixl(), ucx_settings():
+        return api.nixl_agent(name, config)
+
+
 class PeerGone(KvxferError):
     """The peer's agent disconnected (NIXL_ERR_REMOTE_DISCONNECT) or cannot be reached."""
 
