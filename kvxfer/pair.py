@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(oracle, TransformersOracle):
         oracle.convert_once(args.quiet)
     if args.layerwise > oracle.shape.layers:
-        parser.error(f"--layerwise {args.layerwise} is more layer groups than the model's {oracle.shape.layers} layers")
+        parser.error(f"--layerwise {args.layerwise} is more layer groups than the model has layers ({oracle.shape.layers})")
     longest, capped = prompt_range(parser, args, oracle.shape.max_positions)
     if capped:
         print(f"kvxfer pair: {capped}", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ def layer_groups(layers: int, groups: int) -> tuple[tuple[str, int, int], ...]:
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"layerwise must be a positive number of layer groups, got {groups!r}")
     if groups > layers:
-        raise ValueError(f"layerwise {groups} is more layer groups than the model's {layers} layers")
+        raise ValueError(f"layerwise {groups} is more layer groups than the model has layers ({layers})")
     if groups == 1:
         return ((GROUP, 0, layers),)
     size, extra = divmod(layers, groups)

@@ -124,7 +124,7 @@ class WorkerConfig:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"layerwise must be a positive number of layer groups, got {value!r}")
         if value > self.model.layers:
-            raise ValueError(f"layerwise {value} is more layer groups than the model's {self.model.layers} layers")
+            raise ValueError(f"layerwise {value} is more layer groups than the model has layers ({self.model.layers})")
         if value > 1 and (self.engine != "reference" or self.engine_kv or self.store or self.lender != "inplace"):
             raise ValueError("--layerwise streams the reference engine's own pool, lent in place: it takes no "
                              "--engine transformers, --engine-kv, --tp, --kv-block-tokens, --kv-layout, --store or "

@@ -442,7 +442,7 @@ def check_engine_kv(parser: argparse.ArgumentParser, args: argparse.Namespace) -
                      layerwise=args.layerwise, **({"engine": args.engine} if args.layerwise > 1 else {}),
                      **engine_kv_fields(args), **store_fields(args))
     except ValueError as exc:
-        parser.error(str(exc).replace("layerwise", "--layerwise", 1) if "layerwise" in str(exc) else str(exc))
+        parser.error(f"--{exc}" if str(exc).startswith("layerwise") else str(exc))
     check_engine_args(parser, args)
 
 

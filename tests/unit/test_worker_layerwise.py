@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -199,11 +200,11 @@ def test_a_later_group_failing_resumes_from_the_intersection_of_the_groups() -> 
 
 @pytest.mark.parametrize(("groups", "named"), [(0, "positive number of layer groups, got 0"),
                                               (-2, "positive number of layer groups, got -2"),
-                                              (5, "layerwise 5 is more layer groups than the model's 4 layers")])
+                                              (5, "layerwise 5 is more layer groups than the model has layers (4)")])
 def test_bad_group_counts_are_refused_by_name(groups: int, named: str) -> None:
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(ValueError, match=re.escape(named)):
         WorkerConfig(role="prefill", model=CFG, layerwise=groups)
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(ValueError, match=re.escape(named)):
         layer_groups(CFG.layers, groups)
 
 
@@ -232,3 +233,18 @@ def test_ends_cut_differently_refuse_each_other_and_the_request_is_recomputed() 
             assert done.path == "local" and any("--layerwise" in e for e in done.events), done.events
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--layerwise", "0"], "--layerwise must be a positive number of layer groups, got 0"),
+    (["--layerwise", "-3"], "--layerwise must be a positive number of layer groups, got -3"),
+    (["--layerwise", "5"], "--layerwise 5 is more layer groups than the model has layers (4)"),
+    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the reference engine's own pool"),
+])
+def test_serve_refuses_bad_layerwise_by_name(flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.worker import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--role", "prefill", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and words in err and "Traceback" not in err, err

@@ -44,14 +44,7 @@ def check_group_published_after_the_fetch(make_pair: PairFactory, mode: Transfer
             plan = _plan(pair, f"layers-{local_op}", rows=12, seed=11)
             names = [name for name, _, _ in _groups(pair)]
             assert len(names) == 2, "the case needs two groups (two regions at each end)"
-            for name, region, _ in _groups(pair):
-                _write(pair, plan, name, False, local_is_source, bytes([0xA5]) * (plan.local_slots[name].size *
-                                                                              region.slot_bytes))
-                # Pull: the fetcher READs the rows hint P shows, so the source holds them
-                # before it is described; push: each group's rows are written just before
-                # its publish, after the fetches were submitted.
-                if mode is TransferMode.PULL:
-                    _write(pair, plan, name, True, local_is_source, plan.payload[name])
+            _prepare(pair, plan, mode, local_is_source)
             local_views, peer_views = _per_group(plan.local_view), _per_group(plan.peer_view)
             local_hints = [pair.local.describe(v) for v in local_views]
             peer_hints = [pair.peer.describe(v) for v in peer_views]
@@ -67,15 +60,31 @@ def check_group_published_after_the_fetch(make_pair: PairFactory, mode: Transfer
                 published = publish(i)
                 outcomes.append((_settle(fetches[i][0]), _settle(published)))
             for (fetched, pub), name in zip(outcomes, names):
-                assert isinstance(fetched, Delivered), fetched
-                assert isinstance(pub, Delivered), pub
-                assert fetched.masks[0].all() and pub.masks[0].all()
-                region = next(r for g, r, _ in _groups(pair) if g == name)
-                assert _dest_rows(pair, plan, local_is_source, name) == _source_rows(plan, name, region.slot_bytes)
+                _check_group(pair, plan, local_is_source, name, fetched, pub)
             for _, quiet in fetches:
                 assert quiet(), "a group's fetch did not quiesce"
         finally:
             pair.close()
+
+
+def _prepare(pair: Pair, plan: _Plan, mode: TransferMode, local_is_source: bool) -> None:
+    """Destination rows get a sentinel. Pull: the fetcher READs the rows hint P shows, so the
+    source holds them before it is described; push: each group's rows are written just
+    before its publish, after the fetches were submitted."""
+    for name, region, _ in _groups(pair):
+        sentinel = bytes([0xA5]) * (plan.local_slots[name].size * region.slot_bytes)
+        _write(pair, plan, name, False, local_is_source, sentinel)
+        if mode is TransferMode.PULL:
+            _write(pair, plan, name, True, local_is_source, plan.payload[name])
+
+
+def _check_group(pair: Pair, plan: _Plan, local_is_source: bool, name: str, fetched: Outcome | None,
+                 published: Outcome | None) -> None:
+    assert isinstance(fetched, Delivered), fetched
+    assert isinstance(published, Delivered), published
+    assert fetched.masks[0].all() and published.masks[0].all()
+    region = next(r for g, r, _ in _groups(pair) if g == name)
+    assert _dest_rows(pair, plan, local_is_source, name) == _source_rows(plan, name, region.slot_bytes)
 
 
 Poll = Callable[[], Outcome | None]
