@@ -46,6 +46,7 @@ class GroupStream:
     described: dict[str, Hint] = field(default_factory=dict)  # hint P of each group submitted
     attempts: dict[str, Attempt] = field(default_factory=dict)
     refused: BaseException | None = None  # the first group refused: no later group is submitted
+    escaped: bool = False                 # a publish raised otherwise (rule 3): its hint D may be in use
     submitted: float = 0.0                # when the first group was submitted (perf_counter)
 
     def attempt(self) -> LayerAttempt:
@@ -169,7 +170,7 @@ class PrefillRole:
         except Exception as exc:  # noqa: BLE001 - /publish reports it
             # Rule 3: any other raise means memory access may have escaped: never reuse them.
             s.quarantine.lease(lease, view)
-            stream.refused = exc
+            stream.refused, stream.escaped = exc, True
             return
         lease.track(attempt)
         stream.leases[group], stream.views[group] = lease, view
@@ -191,7 +192,7 @@ class PrefillRole:
         decode_hint = call.decode_hint
         held.busy = True
         stream = held.stream
-        if stream is not None and (stream.attempts or stream.refused is None):
+        if stream is not None and (stream.attempts or stream.refused is None or stream.escaped):
             try:
                 streamed = await s.engine.run(self._streamed, stream)
             except BaseException:
@@ -218,7 +219,11 @@ class PrefillRole:
         caller ends the stream: the groups already out are cancelled, their rows held until
         their attempts quiesce)."""
         if stream.refused is not None:
-            raise stream.refused
+            # Not a refusal (409, "nothing escaped") for the router: earlier groups went out
+            # with their hints D, so it must ask for them back before the rows are reused.
+            raise RuntimeError(f"request {stream.rid!r}: layer group {len(stream.attempts) + 1} of "
+                               f"{len(stream.groups)} failed after {len(stream.attempts)} went out: "
+                               f"{type(stream.refused).__name__}: {stream.refused}") from stream.refused
         missing = [g for g in stream.groups if g not in stream.attempts]
         if missing:
             raise RuntimeError(f"request {stream.rid!r}: layer groups {missing} were never made ready by the forward")

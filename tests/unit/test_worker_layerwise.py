@@ -248,3 +248,34 @@ def test_serve_refuses_bad_layerwise_by_name(flags: list[str], words: str, capsy
         serve.main(["--role", "prefill", *flags])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_a_group_refused_after_another_went_out_is_not_taken_as_nothing_escaped() -> None:
+    """The second group's publish is refused after the first was submitted: /publish fails
+    as one whose hints D may be in use (500, not a 409 refusal), the router asks the prefill
+    worker to take them back before the decode worker reuses the rows, and the request is
+    recomputed at the decode worker, token-identical."""
+    from kvxfer.contract import InvalidSubmission
+
+    prompt = synthetic_prompts(1, 25, 25, CFG.vocab_size, seed=12)[0]
+
+    async def main() -> None:
+        async with pair({"layerwise": 2}, {"layerwise": 2}) as (p_url, d_url, workers):
+            backend: Any = workers["prefill"].backend
+            real = backend.publish
+
+            def publish(view: Any, hint: Any, wake: Any = None) -> Any:
+                if view.groups[0].layer_group == "layers2-3":
+                    raise InvalidSubmission("injected: the second group is refused")
+                return real(view, hint, wake)
+
+            backend.publish = publish
+            router = Router([p_url], [d_url], on_failure="recompute")
+            done = await router.generate(prompt, 4)
+            await router.close()
+            assert done.ok, done.error
+            assert list(done.tokens) == colocated_generate(MODEL, prompt, 4)
+            assert done.path == "local"
+            assert any("HTTP 500" in e and "failed after 1 went out" in e for e in done.events), done.events
+
+    asyncio.run(main())
