@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tc rates of the lanes, comma-separated; shm: no limit and no UCX_TLS (UCX's shared "
                         "memory between the processes: the fast lane)")
     p.add_argument("--groups", default="1,2,4,8", help="--layerwise values, comma-separated")
+    p.add_argument("--table", action="store_true", help="print the markdown table of the finished run in --out")
     p.add_argument("--passes", type=int, default=2,
                    help="passes over the group counts per lane, every other one in reverse order (drift shows)")
     p.add_argument("--requests", type=int, default=8)
@@ -74,10 +75,47 @@ def _pair(hosts: Any, host: str, args: argparse.Namespace, groups: int, report: 
     if done.returncode not in (0, 1):
         raise RuntimeError(f"kvxfer pair --layerwise {groups} exited {done.returncode}: {done.stderr[-2000:]}")
     data = json.loads(report.read_text())
-    return {"groups": groups, "argv": " ".join(argv[1:]), "seconds": time.perf_counter() - started,
+    return {"groups": groups, "after_first_s": _after_first(data), "argv": " ".join(argv[1:]), "seconds": time.perf_counter() - started,
             "lo_bytes": _lo_bytes(hosts, host) - before, "requests": data["requests"], "matched": data["matched"],
             "ttft_s": data["ttft_s"], "second_token_s": data["second_token_s"], "transfer_s": data["transfer_s"],
             "transfer_bytes": data["transfer_bytes"], "paths": data["paths"], "stdout": done.stdout}
+
+
+def _after_first(report: dict[str, Any]) -> dict[str, float | None]:
+    """Per request, the second token's time less the first's: the transfer left after the
+    prefill answered, plus one decode step (p50, p99)."""
+    gaps = [r["second_token_s"] - r["ttft_s"] for r in report["results"]
+            if r.get("second_token_s") is not None and r.get("ttft_s") is not None]
+    if not gaps:
+        return {"p50": None, "p99": None}
+    ordered = sorted(gaps)
+    return {"p50": _quantile(ordered, 0.50), "p99": _quantile(ordered, 0.99)}
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def table(out: Path) -> str:
+    """A markdown table of a finished run's folder (its summary.json and reports)."""
+    summary = json.loads((out / "summary.json").read_text())
+    lines = ["| lane | pass | --layerwise | TTFT p50 / p99 (ms) | 2nd token p50 / p99 (ms) | "
+             "2nd less 1st p50 / p99 (ms) | transfer p50 (ms) | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for lane, runs in summary["lanes"].items():
+        for run in runs:
+            report = json.loads((out / f"{lane}-g{run['groups']}-pass{run['pass']}.json").read_text())
+            after = _after_first(report)
+            cells = [f"{run['ttft_s']['p50'] * 1e3:.0f} / {run['ttft_s']['p99'] * 1e3:.0f}",
+                     f"{run['second_token_s']['p50'] * 1e3:.0f} / {run['second_token_s']['p99'] * 1e3:.0f}",
+                     f"{after['p50'] * 1e3:.0f} / {after['p99'] * 1e3:.0f}" if after["p50"] is not None else "-",
+                     f"{run['transfer_s']['p50'] * 1e3:.0f}", f"{run['matched']}/{run['requests']}"]
+            lines.append(f"| {lane} | {run['pass']} | {run['groups']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvxfer.testing.netns import Hosts, namespaces_available
 
     args = build_parser().parse_args(argv)
+    if args.table:
+        print(table(args.out), end="")
+        return 0
     why = namespaces_available()
     if why is not None:
         print(f"layerwise_lane: network namespaces cannot be made here: {why}", file=sys.stderr)
