@@ -28,7 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.engine import SamplingParams
-from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
+from kvxfer.pair_layouts import (
+    add_engine_kv_args,
+    check_engine_kv_args,
+    engine_kv_argv,
+    engine_kv_report,
+    engine_kv_wanted,
+)
 from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
 from kvxfer.pair_report import Result, integrity_refused, outcomes, print_report, summarize
 from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
@@ -84,7 +90,7 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
         async with sem:
             start = time.perf_counter()
             tokens: list[int] = []
-            ttft = None
+            ttft = second = None
             completion: dict[str, Any] = {}
             error = None
             try:
@@ -95,6 +101,8 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
                     if event.get("event") == "token":
                         if ttft is None:
                             ttft = time.perf_counter() - start  # as the client sees it
+                        elif second is None:  # the decode worker's first: after the KV arrived
+                            second = time.perf_counter() - start
                         tokens.append(int(event["token"]))
                     elif event.get("event") == "done":
                         completion = event["completion"]
@@ -103,7 +111,7 @@ async def run_workload(router_url: str, prompts: list[list[int]], expected: list
             error = error or completion.get("error")
             result = Result(f"pair-{i}", len(prompts[i]), tokens, expected[i], ttft, time.perf_counter() - start,
                             completion.get("transfer"), completion.get("path", "?"), error,
-                            list(completion.get("events", [])))
+                            list(completion.get("events", [])), second)
             progress.update(result)
             return result
 
@@ -140,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "their check (kvxfer serve --inject-corruption); with --on-failure recompute the output "
                         "must stay token-identical")
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
+    p.add_argument("--layerwise", type=int, default=1, metavar="GROUPS",
+                   help="every worker's kvxfer serve --layerwise: the model's layers cut into GROUPS groups, each "
+                        "published by the prefill worker as its forward computes it (1: the whole request moves "
+                        "after prefill)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--selection", default="round_robin", choices=["round_robin", "least_outstanding"])
@@ -173,6 +185,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{flag.replace('_', '-')} must be at least {low}, got {getattr(args, flag)}")
     if args.min_len > args.max_len:
         parser.error(f"--min-len {args.min_len} is over --max-len {args.max_len}")
+    check_layerwise(parser, args)
     if args.busy_poll and args.backend != "ipc":
         parser.error(f"--busy-poll applies to --backend ipc only, not {args.backend}")
     if args.nixl_arena_mib is not None and args.backend != "nixl":
@@ -200,6 +213,17 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--json {args.json} is a directory; give a file path")
         if not os.access(target.parent, os.W_OK | os.X_OK):
             parser.error(f"--json {args.json}: directory {target.parent} is not writable")
+
+
+def check_layerwise(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--layerwise: a positive count, on what it can stream (its upper bound, the model's
+    layers, is checked once the model is known)."""
+    if args.layerwise < 1:
+        parser.error(f"--layerwise must be a positive number of layer groups, got {args.layerwise}")
+    if args.layerwise > 1 and (args.engine != "reference" or args.store or args.lender != "inplace"
+                               or engine_kv_wanted(args)):
+        parser.error("--layerwise streams the reference engine's own pool, lent in place: no --engine transformers, "
+                     "--store, --lender staging or engine-KV flags")
 
 
 def prompt_range(parser: argparse.ArgumentParser, args: argparse.Namespace, max_positions: int
@@ -248,7 +272,8 @@ def role_devices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> t
 def worker_args(args: argparse.Namespace) -> list[str]:
     """The ``kvxfer serve`` flags every worker of the pair gets (the model's come apart)."""
     out = ["--backend", args.backend, "--mode", args.mode, "--lender", args.lender, "--blocks",
-           str(args.blocks), "--transfer-timeout", str(args.timeout), "--integrity", args.integrity]
+           str(args.blocks), "--transfer-timeout", str(args.timeout), "--integrity", args.integrity,
+           "--layerwise", str(args.layerwise)]
     if args.busy_poll:
         out.append("--busy-poll")
     if args.nixl_arena_mib is not None:
@@ -309,7 +334,8 @@ def _run_config(args: argparse.Namespace, oracle: Oracle, placed: _Placement, lo
             "mode": args.mode, "mode_requested": placed.requested_mode,
             "lanes": None if lanes is None else {"memory": lanes.memory, "push": list(lanes.push),
                                                  "pull": list(lanes.pull)},
-            "lender": args.lender, "integrity": integrity_state(args.backend, args.integrity == "on"),
+            "lender": args.lender, "layerwise": args.layerwise,
+            "integrity": integrity_state(args.backend, args.integrity == "on"),
             "inject_corruption": args.inject_corruption,
             "requests": args.requests,
             "prompt_lengths": [args.min_len, longest], "max_len_requested": args.max_len,
@@ -455,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         else ReferenceOracle(model_from_args(args))
     if isinstance(oracle, TransformersOracle):
         oracle.convert_once(args.quiet)
+    if args.layerwise > oracle.shape.layers:
+        parser.error(f"--layerwise {args.layerwise} is more layer groups than the model has layers ({oracle.shape.layers})")
     longest, capped = prompt_range(parser, args, oracle.shape.max_positions)
     if capped:
         print(f"kvxfer pair: {capped}", file=sys.stderr, flush=True)

@@ -30,6 +30,10 @@ class Result:
     path: str
     error: str | None
     events: list[str] = field(default_factory=list)
+    # When the second token reached the client: the decode worker's first, so the prefill,
+    # the KV transfer and one decode step (the first token is the prefill worker's, sent at
+    # once). Layer-wise streaming (--layerwise) shortens this one.
+    second_token_s: float | None = None
 
     @property
     def matched(self) -> bool:
@@ -60,6 +64,7 @@ def summarize(results: list[Result], wall_s: float, config: dict[str, Any]) -> d
         **outcomes(results),
         "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
         "ttft_s": _quantiles([r.ttft_s for r in results if r.ttft_s is not None]),
+        "second_token_s": _quantiles([r.second_token_s for r in results if r.second_token_s is not None]),
         "latency_s": _quantiles([r.total_s for r in results if r.error is None]),
         **_transfer_summary([r.transfer for r in results if r.transfer]),
         "paths": _tally(r.path for r in results),
@@ -178,6 +183,8 @@ def print_report(report: dict[str, Any], out: Any = None) -> None:
         f"concurrency {c['concurrency']})",
         f"  TTFT         p50 {_ms(report['ttft_s']['p50'])}   p99 {_ms(report['ttft_s']['p99'])}   "
         f"latency p50 {_ms(report['latency_s']['p50'])}   p99 {_ms(report['latency_s']['p99'])}",
+        f"  2nd token    p50 {_ms(report['second_token_s']['p50'])}   p99 {_ms(report['second_token_s']['p99'])}   "
+        "(the decode worker's first: prefill, transfer, one step)",
         *_colocated_line(report.get("colocated")),
         f"  transfer     p50 {_ms(report['transfer_s']['p50'])}   p99 {_ms(report['transfer_s']['p99'])}   "
         f"{report['transfers']} transfers, {report['transfer_bytes'] / 1e6:.2f} MB, "

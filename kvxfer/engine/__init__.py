@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.engine.config import GROUP, ModelConfig, config_from_hf
+from kvxfer.engine.config import GROUP, ModelConfig, config_from_hf, layer_groups
 from kvxfer.engine.sampling import GREEDY, InvalidSampling, SamplingParams, pick_token
 from kvxfer.engine.shape import config_from_gguf, model_shape
 from kvxfer.modelfiles import (
@@ -87,7 +87,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "GREEDY", "GROUP", "MODELS", "SMOLLM2", "TEXT_PROMPTS", "TOY", "CheckpointError", "HeadReader", "InvalidSampling", "KVShard", "LlamaModel",
     "ModelConfig", "SamplingParams", "ShardedKVCache", "Tokenizer", "Weights", "colocated_generate", "config_from_gguf",
-    "config_from_hf", "decode", "gguf_metadata", "kv_head_range", "kv_shards", "load_checkpoint", "load_gguf",
+    "config_from_hf", "decode", "gguf_metadata", "kv_head_range", "kv_shards", "layer_groups", "load_checkpoint", "load_gguf",
     "load_model", "load_tokenizer", "model_path", "model_shape", "pick_token", "read_safetensors", "seeded_weights", "smollm2_path",
     "synthetic_prompts", "text_samples", "to_hf_tensors", "tokens_needed", "tp_generate", "workload_prompts",
     "write_safetensors",

@@ -24,6 +24,29 @@ if TYPE_CHECKING:
 GROUP = "full"
 """The single layer group of the reference model: every layer is full attention."""
 
+
+
+def layer_groups(layers: int, groups: int) -> tuple[tuple[str, int, int], ...]:
+    """The model's layers cut into ``groups`` contiguous groups, as (name, first layer,
+    layer count), earlier groups one layer longer where the count does not divide. One
+    group is the single group ``GROUP`` of every layer (a pool exactly as without layer-wise
+    streaming); more are named ``layers{first}-{last}``. ValueError names ``layerwise`` for
+    a count under 1 or over the layers."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"layerwise must be a positive number of layer groups, got {groups!r}")
+    if groups > layers:
+        raise ValueError(f"layerwise {groups} is more layer groups than the model has layers ({layers})")
+    if groups == 1:
+        return ((GROUP, 0, layers),)
+    size, extra = divmod(layers, groups)
+    out, first = [], 0
+    for i in range(groups):
+        count = size + (1 if i < extra else 0)
+        out.append((f"layers{first}-{first + count - 1}", first, count))
+        first += count
+    return tuple(out)
+
+
 _DTYPES = ("float32", "float16", "bfloat16", "float64")
 """The dtypes the model's weights and KV may have, by torch's names."""
 
@@ -100,16 +123,21 @@ class ModelConfig:
 
     def make_pool(self, num_blocks: int, *, device: str = "cpu", name: str = "kv", kv_heads: int | None = None,
                   block_tokens: int | None = None, layout: Layout | None = None,
-                  tp: tuple[int, int] = (1, 0)) -> PagedKVPool:
+                  tp: tuple[int, int] = (1, 0), groups: int = 1) -> PagedKVPool:
         """A pool for this model, block-major by default: one row = one block of all layers, K and V.
 
         A tensor-parallel rank passes its head count as ``kv_heads`` and ``tp=(tp, rank)``,
         which goes into the layout identity (see ``kvxfer.engine.tp.ShardedKVCache``).
+        ``groups`` > 1 cuts the layers into that many groups (``layer_groups``), each a pool
+        group of its own, so that a group's rows can move as soon as the forward wrote them
+        (layer-wise streaming); the group names go into the layout identity, so two ends
+        cut differently refuse each other's hints.
         """
         from kvxfer.pool import Layout, PagedKVPool
 
         spec = self.group_spec(kv_heads=kv_heads, block_tokens=block_tokens)
-        return PagedKVPool([spec], num_blocks, device=device, layout=Layout.BLOCK_MAJOR if layout is None else layout,
+        specs = [replace(spec, name=group, layers=count) for group, _, count in layer_groups(self.layers, groups)]
+        return PagedKVPool(specs, num_blocks, device=device, layout=Layout.BLOCK_MAJOR if layout is None else layout,
                            scope=self.scope(), tp=tp, name=name)
 
 

@@ -20,7 +20,7 @@ sit beside it, and a TP run is token- and byte-identical to the colocated one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from kvxfer.engine.tp import ShardedKVCache
 from kvxfer.engine.weights import LayerWeights, Weights, seeded_weights
 from kvxfer.modelfiles.tokenizer import Tokenizer
 from kvxfer.pool import PagedKVPool
+
+GroupReady = Callable[[str], None]
+"""Told a layer group's name once the forward has written and committed its K/V."""
 
 
 class LlamaModel:
@@ -111,9 +114,13 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, kv: PagedKVPool | ShardedKVCache, request: str, tokens: Sequence[int] | torch.Tensor,
-                start: int) -> torch.Tensor:
+                start: int, ready: GroupReady | None = None) -> torch.Tensor:
         """Run tokens ``[start, start + n)`` of ``request``; K/V for ``[0, start)`` must already
         be in the cache. Writes their K/V, commits ``[0, start + n)``, returns the last logits.
+
+        ``ready(group)``: called, on this thread, as soon as a layer group's last layer has
+        written its K/V, that group committed to ``start + n`` (layer-wise streaming: its rows
+        may move while later layers compute; nothing of this forward writes them again).
 
         ``kv`` is one pool holding every KV head (TP 1) or a TP group (``ShardedKVCache``):
         each rank's heads are written to its pool and read back from it. Projections, o_proj
@@ -136,10 +143,19 @@ class LlamaModel:
             v = (h @ w.wv.T).view(n, cfg.kv_heads, cfg.head_dim)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             cache.write_kv(request, layer, start, k, v)
+            if ready is not None:
+                group, local = cache.group_of(layer)
+                if local == 0 and layer > 0:
+                    # The layer before was its group's last: that group is complete.
+                    done, _ = cache.group_of(layer - 1)
+                    cache.commit_group(request, done, end)
+                    ready(done)
             x = x + self._attention(q, reader.heads(layer), causal) @ w.wo.T
             h = self._norm(x, w.mlp_norm)
             x = x + (F.silu(h @ w.w_gate.T) * (h @ w.w_up.T)) @ w.w_down.T
         cache.commit(request, end)
+        if ready is not None:
+            ready(cache.group_of(cfg.layers - 1)[0])
         last = self._norm(x[-1:], self.weights.norm)
         return (last @ self.weights.lm_head.T)[0].float()
 
@@ -153,10 +169,12 @@ class LlamaModel:
 
     def next_pick(self, kv: PagedKVPool | ShardedKVCache, request: str, tokens: Sequence[int] | torch.Tensor,
                   start: int, sampling: SamplingParams = GREEDY, prompt: Sequence[int] = (),
-                  generated: Sequence[int] = (), logprobs: int | None = None) -> Pick:
+                  generated: Sequence[int] = (), logprobs: int | None = None,
+                  ready: GroupReady | None = None) -> Pick:
         """``next_token``'s token; with ``logprobs`` (0 to 20), its logprob and that many
-        likeliest tokens' too, from the same logits (``kvxfer.engine.sampling.with_logprobs``)."""
-        logits = self.forward(kv, request, tokens, start)
+        likeliest tokens' too, from the same logits (``kvxfer.engine.sampling.with_logprobs``).
+        ``ready``: as ``forward``'s."""
+        logits = self.forward(kv, request, tokens, start, ready)
         token = int(torch.argmax(logits)) if sampling.plain else pick_token(logits, sampling, prompt, generated)
         return Pick(token) if logprobs is None else with_logprobs(logits, token, logprobs)
 

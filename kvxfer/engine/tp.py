@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvxfer.engine.config import GROUP, ModelConfig
+from kvxfer.engine.config import ModelConfig
 from kvxfer.pool import Layout, PagedKVPool, PoolExhausted
 
 
@@ -125,10 +125,17 @@ class ShardedKVCache:
             self._check_pool(shard, pool)
         # Replicated heads are read from the first rank that holds them.
         self.holders = tuple(next(s.rank for s in self.shards if s.holds(h)) for h in range(kv_heads))
+        # Layer l lives in group where[l] at local index l - first of that group: one group of
+        # every layer, or the contiguous groups of layer-wise streaming (ModelConfig.make_pool).
+        self.layer_groups = tuple(g.name for g in pools[0].groups)
+        self._where = tuple((g.name, layer) for g in pools[0].groups for layer in range(g.layers))
 
     def _check_pool(self, shard: KVShard, pool: PagedKVPool) -> None:
-        spec, first = pool.group(GROUP), self.pools[0].group(GROUP)
         where = f"pool {pool.name!r} (rank {shard.rank} of {shard.tp})"
+        names = [g.name for g in pool.groups]
+        if names != [g.name for g in self.pools[0].groups]:
+            raise ValueError(f"{where} has layer groups {names}, rank 0 {[g.name for g in self.pools[0].groups]}")
+        spec, first = pool.groups[0], self.pools[0].groups[0]
         if pool.tp != (shard.tp, shard.rank):
             raise ValueError(f"{where} has tp={pool.tp}; build it with tp=({shard.tp}, {shard.rank})")
         if spec.kv_heads != shard.heads:
@@ -212,12 +219,12 @@ class ShardedKVCache:
     def grow(self, request: str, tokens: int) -> None:
         """Room for ``tokens`` tokens in total on every rank (never shrinks). All or nothing."""
         for rank, pool in enumerate(self.pools):
-            spec = pool.group(GROUP)
-            need = spec.blocks_for(tokens) - pool.block_table(request, GROUP).size
-            have = pool.allocator(GROUP).available()
-            if need > have:
-                raise PoolExhausted(f"rank {rank}: growing {request!r} to {tokens} tokens needs {need} blocks, "
-                                    f"{have} available")
+            for spec in pool.groups:
+                need = spec.blocks_for(tokens) - pool.block_table(request, spec.name).size
+                have = pool.allocator(spec.name).available()
+                if need > have:
+                    raise PoolExhausted(f"rank {rank}: growing {request!r} to {tokens} tokens needs {need} blocks "
+                                        f"of group {spec.name!r}, {have} available")
         for pool in self.pools:
             pool.grow(request, tokens)
 
@@ -226,6 +233,16 @@ class ShardedKVCache:
             raise ValueError("a TP group shares no prompt prefixes: commit without token_ids")
         for pool in self.pools:
             pool.commit(request, end)
+
+    def commit_group(self, request: str, group: str, end: int) -> None:
+        """Record that ``group``'s KV for tokens ``[0, end)`` is written on every rank (its
+        layers done, later ones still computing)."""
+        for pool in self.pools:
+            pool.commit(request, end, groups=(group,))
+
+    def group_of(self, layer: int) -> tuple[str, int]:
+        """The group holding model layer ``layer``, and the layer's index within it."""
+        return self._where[layer]
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Each rank pool's block counts, its groups named ``r{rank}/{group}``."""
@@ -239,16 +256,19 @@ class ShardedKVCache:
     # --- the model's side --------------------------------------------------------------------
     def write_kv(self, request: str, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V of all heads (``[n, kv_heads, head_dim]``): each rank gets its heads."""
+        group, local = self._where[layer]
         for shard, pool in zip(self.shards, self.pools):
-            pool.write_kv(request, GROUP, layer, start, k[:, shard.start:shard.end], v[:, shard.start:shard.end])
+            pool.write_kv(request, group, local, start, k[:, shard.start:shard.end], v[:, shard.start:shard.end])
 
     def reader(self, request: str, end: int) -> HeadReader:
         """Reads tokens ``[0, end)`` of ``request`` back, head by head, layer by layer."""
         tables = {}
         for rank in sorted(set(self.holders)):
             pool = self.pools[rank]
-            blocks = pool.group(GROUP).blocks_for(end)
-            tables[rank] = pool.block_table_tensor(request, GROUP)[:blocks]
+            # Every group of a pool pages alike; each keeps its own blocks.
+            for group in self.layer_groups:
+                blocks = pool.group(group).blocks_for(end)
+                tables[(rank, group)] = pool.block_table_tensor(request, group)[:blocks]
         return HeadReader(self, tables, end)
 
 
@@ -257,7 +277,7 @@ class HeadReader:
     """One forward's view of a request's K/V: its block tables, read once, per reading rank."""
 
     cache: ShardedKVCache
-    tables: dict[int, torch.Tensor]
+    tables: dict[tuple[int, str], torch.Tensor]  # (rank, group): the request's blocks there
     end: int
 
     def heads(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -265,9 +285,12 @@ class HeadReader:
         read from the head's holder. Contiguous, so a head's attention sees the same memory
         layout whichever rank, and however many heads, its bytes came from."""
         per_rank = {}
-        for rank, table in self.tables.items():
+        group, local = self.cache.group_of(layer)
+        for (rank, name), table in self.tables.items():
+            if name != group:
+                continue
             pool = self.cache.pools[rank]
-            kt, vt = pool.layer_kv(GROUP, layer)
+            kt, vt = pool.layer_kv(group, local)
             shape = (-1, *kt.shape[2:])  # [tokens, rank's kv_heads, head_dim]
             per_rank[rank] = kt[table].reshape(shape)[: self.end], vt[table].reshape(shape)[: self.end]
         out = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,13 +138,19 @@ class Lender(abc.ABC):
     def regions(self) -> tuple[SlotRegion, ...]:
         """Regions to register with a backend."""
 
-    def lend_read(self, request: str, tokens: TokenRange | tuple[int, int]) -> Lease:
-        """Rows holding committed KV for the blocks of ``tokens`` (which must all be written)."""
+    def lend_read(self, request: str, tokens: TokenRange | tuple[int, int],
+                  groups: Collection[str] | None = None) -> Lease:
+        """Rows holding committed KV for the blocks of ``tokens`` (which must all be written).
+        ``groups`` (names; None: all): only those layer groups' rows, as a forward that has
+        written and committed some groups so far lends them (layer-wise streaming)."""
         tokens = self._open(request, tokens)
         if tokens.end > self.pool.length(request):
             raise LeaseError(f"cannot lend rows to read: {request!r} holds {self.pool.length(request)} tokens, "
                              f"[{tokens.start}, {tokens.end}) reaches past them")
-        parts = self._select(request, tokens, write=False)
+        if groups is not None:
+            for name in groups:
+                self.pool.group(name)  # KeyError naming the groups the pool has
+        parts = self._select(request, tokens, write=False, groups=groups)
         return self._start(request, tokens, parts, write=False)
 
     def lend_write(self, request: str, tokens: TokenRange | tuple[int, int]) -> Lease:
@@ -283,12 +289,15 @@ class Lender(abc.ABC):
         self._progress()
         return tokens
 
-    def _select(self, request: str, tokens: TokenRange, write: bool) -> list[_Part]:
+    def _select(self, request: str, tokens: TokenRange, write: bool,
+                groups: Collection[str] | None = None) -> list[_Part]:
         """The ordinals and blocks of each group this lease covers (vectorized)."""
         pool = self.pool
         parts: list[_Part] = []
         writes: list[tuple[BlockAllocator, np.ndarray]] = []
         for spec in pool.groups:
+            if groups is not None and spec.name not in groups:
+                continue
             table = pool.block_table(request, spec.name)
             filled = pool.filled(request, spec.name)
             alloc = pool.allocator(spec.name)

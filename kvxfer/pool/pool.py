@@ -325,14 +325,16 @@ class PagedKVPool:
         for spec in self._order:
             self._alloc[spec.name].drop(req.rows[spec.name].blocks)
 
-    def commit(self, request: str, end: int, token_ids: Any = None) -> None:
+    def commit(self, request: str, end: int, token_ids: Any = None, groups: Any = None) -> None:
         """Record that KV for tokens ``[0, end)`` is written (STATE groups: the state is at
-        ``end``). With ``token_ids``, full filled blocks become shareable prefixes."""
+        ``end``). With ``token_ids``, full filled blocks become shareable prefixes. ``groups``
+        (names): only those groups, as a forward that has written some layers' KV so far."""
         req = self._get(request)
         end = _tokens(end)
         if end > req.tokens:
             raise ValueError(f"commit of {request!r} to {end} tokens: it holds only {req.tokens}")
-        for spec in self._order:
+        chosen = self._order if groups is None else [self.group(g) for g in groups]
+        for spec in chosen:
             rows = req.rows[spec.name]
             if spec.kind is CacheKind.STATE:
                 rows.filled[0] = end

@@ -58,6 +58,14 @@ class Cleanup:
             return exc.unreachable and exc.status == 0
         return isinstance(answer, dict) and answer.get("withdrawn") is True
 
+    async def withdrawn_or_later(self, p: _Worker, d: _Worker, key: str, hint: str) -> bool:
+        """Whether the prefill worker took hint D back now; if not, keep asking in the
+        background (``reclaim_later``) until the decode worker may reuse the rows."""
+        safe = await self.withdrawn(p, hint)
+        if not safe:
+            self.reclaim_later(p, d, key, hint)
+        return safe
+
     def reclaim_later(self, p: _Worker, d: _Worker, key: str, hint: str) -> None:
         """Until the prefill worker takes hint D back (or is gone), then tell the decode
         worker its set-aside reservation may be reused; gives up after RECLAIM_S."""

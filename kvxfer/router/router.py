@@ -286,6 +286,8 @@ class Router:
             self._down(p, exc)
             return f"prefill worker {p.url}: {exc}"
         p.publisher = health.get("publisher") if isinstance(health, dict) else None
+        layerwise = health.get("layerwise", 1) if isinstance(health, dict) else 1
+        p.layerwise = layerwise if isinstance(layerwise, int) and not isinstance(layerwise, bool) else 1
         return None if p.publisher is not None else f"prefill worker {p.url}: its /health names no publisher"
 
     # --- one request ---------------------------------------------------------------------------
@@ -329,7 +331,11 @@ class Router:
         # Hint D is bound to the prefill worker's run: no other worker, nor a restart of it,
         # may write into the reservation's rows with it.
         ask = {"request": run.key, "prompt": run.prompt, "max_new_tokens": run.max_new, "publisher": p.publisher}
-        reserved, prefilled = await self._reserve_and_prefill(run, p, d, ask)
+        # Layer-wise streaming: hint D goes with /prefill, so the prefill worker publishes
+        # each layer group as its forward computes it; the reservation comes first.
+        early = p.layerwise > 1
+        reserved, prefilled = await self._reserve_and_prefill(run, p, d, ask, early)
+        sent = early and not isinstance(reserved, BaseException)  # hint D reached the prefill worker
         doomed = isinstance(reserved, BaseException) and self.on_failure == "fail"
         if not isinstance(prefilled, BaseException) and not doomed:
             # (Under policy fail a failed reservation ends the request: it ends before its
@@ -341,8 +347,9 @@ class Router:
                 except GeneratorExit:
                     # The client left before hint D went to the prefill worker: nothing can
                     # write into the reservation, so both ends drop it now (rows reusable)
-                    # rather than the decode end quarantining it when it expires.
-                    self._abandon(run.key, p, d)
+                    # rather than the decode end quarantining it when it expires. (Sent
+                    # with /prefill, it may be in use: the decode end sets the rows aside.)
+                    self._abandon(run.key, p, d, rows_safe=not sent)
                     raise
             reserved = await self._rebound(run, p, d, ask, reserved, prefilled)
         if isinstance(reserved, BaseException):
@@ -351,8 +358,10 @@ class Router:
                 yield tok
             return
         if isinstance(prefilled, BaseException):
-            # The prefill worker never saw hint D: nothing can write into the reservation.
-            async for tok in self._after_prefill_loss(run, p, d, f"prefill on {p.url} failed: {prefilled}", True):
+            # The prefill worker never saw hint D (unless it went with /prefill: then ask it
+            # to take hint D back, as after a failed publish): nothing can write into the reservation.
+            safe = not sent or await self._cleanup.withdrawn_or_later(p, d, run.key, reserved["hint"])
+            async for tok in self._after_prefill_loss(run, p, d, f"prefill on {p.url} failed: {prefilled}", safe):
                 yield tok
             return
         # Publish: the prefill worker answers with its hint as soon as the transfer is posted.
@@ -382,9 +391,13 @@ class Router:
             if figures is not None:
                 run.transfer = figures  # the publisher's view: submission to its outcome
 
-    async def _reserve_and_prefill(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any]) -> tuple[Any, Any]:
-        """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised."""
+    async def _reserve_and_prefill(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any],
+                                   early: bool = False) -> tuple[Any, Any]:
+        """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised.
+        ``early`` (layer-wise streaming): reserve first, then prefill with hint D."""
         t = self.timeout_s
+        if early:
+            return await self._reserve_then_prefill(run, p, d, ask)
         reserve = asyncio.create_task(self._http.request_json(d.url, "POST", "/reserve", ask, t))
         prefill = asyncio.create_task(self._http.request_json(p.url, "POST", "/prefill", sampled(
             run, {"request": run.key, "prompt": run.prompt}), t))
@@ -399,6 +412,26 @@ class Router:
             prefill.cancel()
             self._abandon(run.key, p, d)
             raise
+        return self._prefill_answered(run, p, reserved, prefilled)
+
+    async def _reserve_then_prefill(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any]
+                                    ) -> tuple[Any, Any]:
+        body = sampled(run, {"request": run.key, "prompt": run.prompt})
+        try:
+            (reserved,) = await asyncio.gather(self._http.request_json(d.url, "POST", "/reserve", ask, self.timeout_s),
+                                               return_exceptions=True)
+            if not isinstance(reserved, BaseException):  # else prefill without it: _reserve_failed goes on
+                body["hint"] = reserved["hint"]
+            (prefilled,) = await asyncio.gather(self._http.request_json(p.url, "POST", "/prefill", body,
+                                                                        self.timeout_s), return_exceptions=True)
+        except asyncio.CancelledError:
+            # Hint D may have gone with /prefill, whose handler runs on: the decode end sets
+            # the rows aside until no peer can write them.
+            self._abandon(run.key, p, d, rows_safe="hint" not in body)
+            raise
+        return self._prefill_answered(run, p, reserved, prefilled)
+
+    def _prefill_answered(self, run: Run, p: Endpoint, reserved: Any, prefilled: Any) -> tuple[Any, Any]:
         if isinstance(prefilled, BaseException):
             self._down(p, prefilled)
             # A worker's handler runs on after its client gave up (a timeout here), so the
@@ -436,14 +469,9 @@ class Router:
         """After /publish failed before its hint: whether the reservation's rows are safe to reuse."""
         await publish.aclose()
         self._down(p, exc)
-        safe = rows_safe_after(exc)
-        if not safe:
-            # Nothing says whether the publisher wrote: ask it to take hint D back, and
-            # keep asking in the background until the decode worker may reuse the rows.
-            safe = await self._cleanup.withdrawn(p, hint)
-            if not safe:
-                self._cleanup.reclaim_later(p, d, run.key, hint)
-        return safe
+        # Unless the error says: nothing says whether the publisher wrote: ask it to take
+        # hint D back, and keep asking in the background until the decode worker may reuse the rows.
+        return rows_safe_after(exc) or await self._cleanup.withdrawn_or_later(p, d, run.key, hint)
 
     async def _publish_outcome(self, publish: AsyncGenerator[dict[str, Any], None]) -> TransferFigures | None:
         try:
@@ -530,11 +558,12 @@ class Router:
         finally:
             d.outstanding -= 1
 
-    def _abandon(self, key: str, p: Endpoint, d: Endpoint) -> None:
+    def _abandon(self, key: str, p: Endpoint, d: Endpoint, rows_safe: bool = True) -> None:
         """Drop a request's prefill and reservation in the background: called where the
-        request's own task is being closed and can await nothing more."""
+        request's own task is being closed and can await nothing more. ``rows_safe``: no
+        prefill worker holds hint D (else the decode end sets the rows aside)."""
         self._cleanup.abort_later(p, {"request": key})
-        self._cleanup.abort_later(d, {"request": key, "rows_safe": True})
+        self._cleanup.abort_later(d, {"request": key, "rows_safe": rows_safe})
 
     async def close(self) -> None:
         """Give the background aborts ``connect_timeout_s`` to land, then cancel the rest

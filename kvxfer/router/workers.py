@@ -28,6 +28,7 @@ class Endpoint:
     failures: int = 0
     publisher: Any = None  # a prefill worker's {agent, run}, from its /health or /prefill
     engine: str | None = None  # what its /health names (kvxfer serve --engine), once learnt
+    layerwise: int = 1  # a prefill worker's layer groups (kvxfer serve --layerwise), from its /health
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from kvxfer.worker.calls import (
 
 
 def prefill_call(body: dict[str, Any], model: ModelConfig) -> PrefillCall:
-    return PrefillCall(request_id(body), prompt(body, model), sampling(body, model), logprobs(body))
+    early = hint(body, "hint") if body.get("hint") is not None else None  # layer-wise streaming
+    return PrefillCall(request_id(body), prompt(body, model), sampling(body, model), logprobs(body), early)
 
 
 def publish_call(body: dict[str, Any]) -> PublishCall:

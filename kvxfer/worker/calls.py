@@ -18,6 +18,9 @@ class PrefillCall:
     prompt: list[int]
     sampling: SamplingParams = GREEDY  # picks the first token (index 0 of the completion)
     logprobs: int | None = None  # answer the token's logprob and this many likeliest tokens' too
+    # Layer-wise streaming (--layerwise > 1): the decode end's hints D, one per layer group,
+    # so that each group is published as soon as the forward has computed it.
+    decode_hint: tuple[Hint, ...] | None = None
 
 
 @dataclass(frozen=True)

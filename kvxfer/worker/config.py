@@ -84,6 +84,11 @@ class WorkerConfig:
     # its pool) or "transformers" (Hugging Face transformers' continuous batching, its cache
     # lent in place; kvxfer serve --engine transformers).
     engine: str = "reference"
+    # Layer-wise streaming (kvxfer.worker.layers; kvxfer serve --layerwise): the model's
+    # layers cut into this many groups, each published by the prefill worker as soon as the
+    # forward computed it. 1: the request moves in one transfer after prefill. Both ends of
+    # a pair must say the same (the groups are part of the pool's layout identity).
+    layerwise: int = 1
 
     @property
     def reclaim_grace_s(self) -> float:
@@ -116,9 +121,21 @@ class WorkerConfig:
             self._check_store()
         if self.engine != "reference":
             self._check_engine()
+        self._check_layerwise()
         if self.arena_bytes is not None and (self.backend != "nixl" or self.arena_bytes < 0):
             raise ValueError(f"arena_bytes applies to the nixl backend only and is >= 0, got {self.arena_bytes} "
                              f"with {self.backend!r}")
+
+    def _check_layerwise(self) -> None:
+        value = self.layerwise
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"layerwise must be a positive number of layer groups, got {value!r}")
+        if value > self.model.layers:
+            raise ValueError(f"layerwise {value} is more layer groups than the model has layers ({self.model.layers})")
+        if value > 1 and (self.engine != "reference" or self.engine_kv or self.store or self.lender != "inplace"):
+            raise ValueError("--layerwise streams the reference engine's own pool, lent in place: it takes no "
+                             "--engine transformers, --engine-kv, --tp, --kv-block-tokens, --kv-layout, --store or "
+                             "--lender staging")
 
     def _check_engine(self) -> None:
         if self.engine not in ENGINES:

@@ -33,6 +33,7 @@ from kvxfer.worker.config import ROLES, WorkerConfig, integrity_state
 from kvxfer.worker.decode import DecodeRole, Reserved
 from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.errors import Aborted, Refused
+from kvxfer.worker.layers import LayerMover
 from kvxfer.worker.meters import outcome_bytes, reason_label
 from kvxfer.worker.movers import GroupMover
 from kvxfer.worker.prefill import Held, PrefillRole
@@ -127,7 +128,10 @@ class Worker:
         if cfg.engine_kv:
             self._build_group()
             return
-        s.pool = pool = cfg.model.make_pool(cfg.num_blocks, device=self.device, name=f"{self.name}-kv")
+        s.pool = pool = cfg.model.make_pool(cfg.num_blocks, device=self.device, name=f"{self.name}-kv",
+                                            groups=cfg.layerwise)
+        if cfg.layerwise > 1:
+            s.mover = LayerMover()
         if cfg.lender == "staging":
             row = cfg.model.group_spec().row_bytes
             s.lender = StagingLender(pool, fetch_tokens=cfg.model.max_positions, max_fetches=8,
@@ -274,7 +278,7 @@ class Worker:
     def health(self) -> dict[str, Any]:
         return {"status": "ok" if not self._state.closed else "closing", "role": self.role, "name": self.name,
                 "engine": self._state.serving.name,
-                "backend": self.config.backend, "mode": self.config.mode.value,
+                "backend": self.config.backend, "mode": self.config.mode.value, "layerwise": self.config.layerwise,
                 "integrity": integrity_state(self.config.backend, self.config.integrity),
                 "scope": self.config.model.scope().hex()[:24], "active": self._active,
                 "held": len(self._held), "reserved": len(self._reserved), "publisher": self.publisher(),

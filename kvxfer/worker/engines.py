@@ -19,12 +19,13 @@ run on the engine thread; the async ones wait there.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvxfer.engine import tokens_needed
 from kvxfer.engine.sampling import Pick, SamplingParams
+from kvxfer.lender import Lender
 
 if TYPE_CHECKING:
     from kvxfer.engine import LlamaModel
@@ -68,9 +69,10 @@ class ServingEngine(Protocol):
 
     def check(self, sampling: SamplingParams, logprobs: int | None) -> None: ...
 
-    async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick: ...
+    async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None,
+                      ready: Callable[[str], None] | None = None) -> Pick: ...
 
-    def lend_read(self, rid: str, n: int) -> Any: ...
+    def lend_read(self, rid: str, n: int, groups: tuple[str, ...] | None = None) -> Any: ...
 
     def free(self, rid: str) -> None: ...
 
@@ -113,22 +115,30 @@ class ReferenceEngine:
     def check(self, sampling: SamplingParams, logprobs: int | None) -> None:
         """Every sampling parameter and logprobs are served."""
 
-    async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick:
-        return await self._s.engine.run(self._prefill_sync, rid, prompt, sampling, logprobs)
+    async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None,
+                      ready: Callable[[str], None] | None = None) -> Pick:
+        """``ready(group)``: called on the engine thread as the forward completes each layer
+        group (``LlamaModel.forward``), so the group can be published while later layers run."""
+        return await self._s.engine.run(self._prefill_sync, rid, prompt, sampling, logprobs, ready)
 
-    def _prefill_sync(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick:
+    def _prefill_sync(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None,
+                      ready: Callable[[str], None] | None) -> Pick:
         pool = self._s.pool
         assert pool is not None
         pool.allocate(rid, len(prompt))
         try:
-            return self._model.next_pick(pool, rid, prompt, 0, sampling, prompt, (), logprobs)
+            return self._model.next_pick(pool, rid, prompt, 0, sampling, prompt, (), logprobs, ready)
         except BaseException:
             pool.free(rid)
             raise
 
-    def lend_read(self, rid: str, n: int) -> Any:
+    def lend_read(self, rid: str, n: int, groups: tuple[str, ...] | None = None) -> Any:
         assert self._s.lender is not None
-        return self._s.lender.lend_read(rid, (0, n))
+        if groups is None:
+            return self._s.lender.lend_read(rid, (0, n))
+        lender = self._s.lender
+        assert isinstance(lender, Lender)  # layer-wise streaming runs on a single pool's lender
+        return lender.lend_read(rid, (0, n), groups)
 
     def free(self, rid: str) -> None:
         pool = self._s.pool

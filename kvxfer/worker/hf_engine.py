@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,7 +235,10 @@ class TransformersServing:
         except InvalidSampling as exc:
             raise Refused(f"the {hf.ENGINE} engine cannot serve this request: {exc}") from None
 
-    async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None) -> Pick:
+    async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None,
+                      ready: Callable[[str], None] | None = None) -> Pick:
+        if ready is not None:  # WorkerConfig refuses --layerwise with this engine: never reached
+            raise Refused(f"the {hf.ENGINE} engine has no per-layer hooks: it streams no layer groups")
         picking = self._sampling(sampling, logprobs)
         fut: asyncio.Future[Pick] = asyncio.get_running_loop().create_future()
         self._prefills[rid] = fut
@@ -250,7 +253,7 @@ class TransformersServing:
             await self._thread.cleanup(self.free, rid)
             raise
 
-    def lend_read(self, rid: str, n: int) -> Any:
+    def lend_read(self, rid: str, n: int, groups: tuple[str, ...] | None = None) -> Any:
         return self._engine().lend_prefill(rid)
 
     def free(self, rid: str) -> None:

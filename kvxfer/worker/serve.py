@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer.adapters.errors import AdapterError
 from kvxfer.contract import TransferMode, one_line
-from kvxfer.engine import MODELS, TOY, CheckpointError, ModelConfig, model_shape
+from kvxfer.engine import MODELS, TOY, CheckpointError, ModelConfig, layer_groups, model_shape
 from kvxfer.modelfiles import model_path
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.command import CommandParser
@@ -213,8 +213,14 @@ async def serve_worker(args: argparse.Namespace, ready_fd: int) -> int:
     from kvxfer.worker.core import Worker
 
     model, model_config, device = _engine_model(args)
+    try:
+        layer_groups(model_config.layers, args.layerwise)  # the loaded model's layers: known only now
+    except ValueError as exc:
+        print(f"kvxfer serve: error: --{exc}", file=sys.stderr, flush=True)
+        return 2
     config = WorkerConfig(role=args.role, model=model_config, num_blocks=args.blocks, backend=args.backend,
-                          mode=TransferMode(args.mode), lender=args.lender, **timing_fields(args),
+                          mode=TransferMode(args.mode), lender=args.lender, layerwise=args.layerwise,
+                          **timing_fields(args),
                           prefix_cache=not args.no_prefix_cache, name=args.name or args.role,
                           model_name=args.checkpoint or args.model, chunk_bytes=args.nixl_chunk_bytes or None,
                           chunk_pause_s=args.nixl_chunk_pause, integrity=args.integrity == "on",
@@ -351,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="nixl", choices=[b for b in BACKENDS if b != "loopback"])
     p.add_argument("--mode", default="push", choices=["push", "pull"])
     p.add_argument("--lender", default="inplace", choices=["inplace", "staging"])
+    p.add_argument("--layerwise", type=int, default=1, metavar="GROUPS",
+                   help="layer-wise streaming: cut the model's layers into GROUPS groups; the prefill worker publishes each "
+                        "group as its forward computes it, so the transfer overlaps the later layers (1: the whole "
+                        "request moves after prefill; at most the model's layers; the reference engine's pool lent "
+                        "in place only). Both ends of a pair must say the same")
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a transfer may take")
     p.add_argument("--expiry-grace", type=float, default=None, metavar="SECONDS",
@@ -428,12 +439,15 @@ def engine_kv_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_engine_kv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The engine-KV flags, checked as the worker will check them, before anything starts."""
+    # The layers of a model loaded from a file are known once it loads: until then, any.
+    layers = args.layers if args.model == TOY and not args.checkpoint else max(args.layerwise, 1)
     try:
-        WorkerConfig(role=args.role, model=ModelConfig(kv_heads=args.kv_heads, heads=args.heads),
+        WorkerConfig(role=args.role, model=ModelConfig(kv_heads=args.kv_heads, heads=args.heads, layers=layers),
                      backend=args.backend, lender=args.lender, prefix_cache=not args.no_prefix_cache,
+                     layerwise=args.layerwise, **({"engine": args.engine} if args.layerwise > 1 else {}),
                      **engine_kv_fields(args), **store_fields(args))
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(f"--{exc}" if str(exc).startswith("layerwise") else str(exc))
     check_engine_args(parser, args)
 
 

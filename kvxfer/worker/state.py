@@ -4,10 +4,12 @@ starts), the calls in progress, the set-aside rows and the meters."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kvxfer.backends.common.integrity import RowCheck
 from kvxfer.contract import Backend
 from kvxfer.engine import LlamaModel, ShardedKVCache
-from kvxfer.lender import Lease, Lender
+from kvxfer.lender import Lender
 from kvxfer.pool import PagedKVPool
 from kvxfer.worker.config import WorkerConfig
 from kvxfer.worker.engine_thread import EngineThread
@@ -19,6 +21,12 @@ from kvxfer.worker.movers import Mover, PoolMover
 from kvxfer.worker.quarantine import Quarantine
 from kvxfer.worker.ranks import GroupLender
 from kvxfer.worker.store import StoreSide
+
+
+class Releasable(Protocol):
+    """A lease, or the leases of a request's streamed layer groups (``GroupStream``)."""
+
+    def release(self) -> None: ...
 
 
 class WorkerState:
@@ -75,7 +83,7 @@ class WorkerState:
     def free(self, rid: str) -> None:
         self.serving.free(rid)
 
-    def release_and_free(self, lease: Lease, rid: str) -> None:
+    def release_and_free(self, lease: Releasable, rid: str) -> None:
         lease.release()  # memory stays pinned until the tracked attempt is quiesced
         self.free(rid)
 

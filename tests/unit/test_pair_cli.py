@@ -82,6 +82,16 @@ def test_model_flags_that_make_no_model_are_usage_errors(flags: list[str], words
 
 
 @pytest.mark.usefixtures("no_processes")
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--layerwise", "0"], "--layerwise must be a positive number of layer groups, got 0"),
+    (["--layerwise", "2"], "--layerwise 2 is more layer groups than the model has layers (1)"),
+    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the reference engine's own pool"),
+])
+def test_bad_layerwise_is_a_usage_error(flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert words in _usage_error([*SMALL, *flags], capsys)
+
+
+@pytest.mark.usefixtures("no_processes")
 @pytest.mark.parametrize("name", ["KVXFER_API_KEY", "KVXFER_CLUSTER_KEY"])
 def test_a_key_its_processes_could_not_use_is_a_usage_error(name: str, monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
