@@ -88,4 +88,9 @@ class WorkerState:
         self.free(rid)
 
     def reclaim(self) -> None:
+        """Rows back from the transfers that quiesced since: set-aside ones (the quarantine's
+        bookkeeping) and those of leases released while their attempt still ran, which stay
+        pinned until the lender looks again; on an idle worker nothing else would look."""
         self.quarantine.reclaim(self.lender)
+        if self.lender is not None:
+            self.lender.reclaim()
