@@ -22,7 +22,7 @@ from kvxfer.bench import targets
 from kvxfer.bench.config import format_size
 from kvxfer.bench.references import ratio, reference
 from kvxfer.bench.results import BenchResult, Figure
-from kvxfer.bench.targets import Target, TargetRow
+from kvxfer.bench.targets import PerfTarget, TargetRow
 
 COPY = "layouts_copy"
 PER_PIECE = "layouts_nixl_per_piece"
@@ -43,11 +43,11 @@ def _judge(reference: str, floor: float, as_times: bool) -> Callable[[BenchResul
 
 
 TARGETS = (
-    Target("engine layouts on a GPU: IPC transform, TP1 layer-major NHD → TP2 block-major",
+    PerfTarget("engine layouts on a GPU: IPC transform, TP1 layer-major NHD → TP2 block-major",
            "≥ 75% of the device copy",
            _device("layouts_ipc"), _judge(COPY, 0.75, as_times=False),
            "a CUDA device, the layouts_ipc case and IpcBackend.GEOMETRY"),
-    Target("engine layouts on a GPU: packed NIXL transform, TP1 layer-major NHD → TP2 block-major",
+    PerfTarget("engine layouts on a GPU: packed NIXL transform, TP1 layer-major NHD → TP2 block-major",
            "≥ 20× per-piece NIXL", _device("layouts_nixl_packed"), _judge(PER_PIECE, 20.0, as_times=True),
            "a CUDA device with NIXL over device memory, layouts_nixl_packed and layouts_nixl_per_piece"),
 )

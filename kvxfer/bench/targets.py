@@ -40,7 +40,7 @@ class TargetRow:
 
 
 @dataclass(frozen=True)
-class Target:
+class PerfTarget:
     name: str
     threshold: str
     select: Callable[[Figure], bool]
@@ -92,30 +92,30 @@ def _overhead_judge(result: BenchResult, f: Figure) -> tuple[str, bool] | None:
 
 
 # Judged on one GPU and across two alike.
-SMALL_REQUEST = Target(
+SMALL_REQUEST = PerfTarget(
     "small request (32 rows, 2 MiB): publish → decode outcome", "p50 ≤ 100 µs, p99 ≤ 300 µs",
     lambda f: f.mode == "latency" and f.case in BACKENDS and f.key.get("rows") == 32
     and f.key.get("row_bytes") == 64 * K and f.key.get("direction") == "push", _latency_judge,
     "a latency sweep of a transport (nixl, ipc) with 32 rows of 64 KiB")
 
 TARGETS = (
-    Target("same node GPU→GPU, ≥256 MiB scattered, 4–64 KiB rows", "≥ 85% of D2D",
+    PerfTarget("same node GPU→GPU, ≥256 MiB scattered, 4–64 KiB rows", "≥ 85% of D2D",
            lambda f: f.case in IPC_CASES and _tp(f, "device", "scattered") and f.key["total_bytes"] >= 256 * M
            and 4 * K <= f.key["row_bytes"] <= 64 * K, _ratio_judge("local_copy", 0.85), "a CUDA device and the ipc cases"),
-    Target("same node, contiguous ≥256 MiB", "≥ 90% of D2D",
+    PerfTarget("same node, contiguous ≥256 MiB", "≥ 90% of D2D",
            lambda f: f.case in IPC_CASES and _tp(f, "device", "contiguous") and f.key["total_bytes"] >= 256 * M,
            _ratio_judge("local_copy", 0.90), "a CUDA device and the ipc cases"),
-    Target("NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of D2D and ≥ 50× per-row NIXL",
+    PerfTarget("NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of D2D and ≥ 50× per-row NIXL",
            lambda f: _packed_64k(f), _packed_judge, "a CUDA device and the packed NIXL path"),
     SMALL_REQUEST,
-    Target("submission overhead on the host at 100k rows", "≤ 1 µs per row",
+    PerfTarget("submission overhead on the host at 100k rows", "≤ 1 µs per row",
            lambda f: f.mode == "overhead" and f.case in BACKENDS
            and f.key.get("rows", 0) * f.key.get("groups", 1) >= 100_000, _overhead_judge, "an overhead sweep of a transport (nixl, ipc) at 100k rows"),
-    Target("CPU, two processes, NIXL, 64 KiB rows, coalescable", "≥ 90% of NIXL one descriptor",
+    PerfTarget("CPU, two processes, NIXL, 64 KiB rows, coalescable", "≥ 90% of NIXL one descriptor",
            lambda f: f.case == "nixl_2p" and _tp(f, "host", "contiguous") and f.key["row_bytes"] == 64 * K,
            _ratio_judge("nixl_one_desc", 0.90), "the nixl_2p case (kvxfer NIXL, peer in a second process) over host memory"),
     # Issue 28: the ucx backend within 10% of the NIXL backend on the same case (same shape, same run).
-    Target("CPU, two processes, UCX backend, 64 KiB–1 MiB rows", "≥ 90% of the NIXL backend (nixl_2p)",
+    PerfTarget("CPU, two processes, UCX backend, 64 KiB–1 MiB rows", "≥ 90% of the NIXL backend (nixl_2p)",
            lambda f: f.case == "ucx_2p" and f.mode == "throughput" and f.key.get("memory") == "host"
            and 64 * K <= f.key["row_bytes"] <= 1 * M, _ratio_judge("nixl_2p", 0.90),
            "the ucx_2p and nixl_2p cases over host memory, 64 KiB–1 MiB rows"),
@@ -124,12 +124,12 @@ TARGETS = (
 # Issue 8: prefill on one GPU, decode on another. local_copy is then the torch peer copy
 # between them, the reference for the IPC backend over peer access.
 TWO_GPU_TARGETS = (
-    Target("two GPUs, GPU→GPU over peer access, ≥256 MiB scattered, 4–64 KiB rows", "≥ 85% of the peer copy",
+    PerfTarget("two GPUs, GPU→GPU over peer access, ≥256 MiB scattered, 4–64 KiB rows", "≥ 85% of the peer copy",
            lambda f: f.case in IPC_CASES and _tp(f, "device", "scattered") and f.key["total_bytes"] >= 256 * M
            and 4 * K <= f.key["row_bytes"] <= 64 * K, _ratio_judge("local_copy", 0.85),
            "two CUDA devices (--devices 0,1) and the ipc cases"),
     # the packed target (docs/performance.md) with the peer copy in D2D's place, as issue 8 did for IPC.
-    Target("two GPUs, NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of the peer copy and ≥ 50× per-row NIXL",
+    PerfTarget("two GPUs, NIXL with pack/unpack, scattered 64 KiB rows", "≥ 40% of the peer copy and ≥ 50× per-row NIXL",
            lambda f: _packed_64k(f), _packed_judge, "two CUDA devices (--devices 0,1) and nixl_2p_packed"),
     SMALL_REQUEST,  # now across the two GPUs
 )
@@ -148,7 +148,7 @@ def _shape(f: Figure) -> str:
     return ", ".join(parts) or "-"
 
 
-def targets_for(result: BenchResult) -> tuple[Target, ...]:
+def targets_for(result: BenchResult) -> tuple[PerfTarget, ...]:
     """The engine-layouts targets for a ``layouts`` run; issue 8's for a run across two GPUs;
     docs/performance.md's for everything else."""
     if result.config.get("name") == "layouts":

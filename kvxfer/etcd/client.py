@@ -32,7 +32,7 @@ class EtcdUnavailable(KvxferError):
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class EtcdEndpoint:
     host: str
     port: int
     protocol: str = "http"
@@ -41,7 +41,7 @@ class Endpoint:
         return f"{self.protocol}://{self.host}:{self.port}"
 
 
-def etcd_endpoints(text: str | None = None) -> tuple[Endpoint, ...]:
+def etcd_endpoints(text: str | None = None) -> tuple[EtcdEndpoint, ...]:
     """Parse ``http://host:port[,http://host2:port]`` (the scheme and the port 2379 are
     optional); ``None`` reads ``NIXL_ETCD_ENDPOINTS``. Empty when unset. ValueError names a
     malformed entry."""
@@ -57,7 +57,7 @@ def etcd_endpoints(text: str | None = None) -> tuple[Endpoint, ...]:
             port = parts.port or 2379
         except ValueError:
             raise ValueError(f"etcd endpoint {item!r} has a bad port") from None
-        found.append(Endpoint(parts.hostname, port, parts.scheme))
+        found.append(EtcdEndpoint(parts.hostname, port, parts.scheme))
     return tuple(found)
 
 
@@ -88,7 +88,7 @@ class EtcdClient:
     """Puts, gets, deletes and leases on the first endpoint that answers, each call bounded by
     ``timeout`` seconds; a failure is ``EtcdUnavailable`` naming the endpoints tried."""
 
-    def __init__(self, endpoints: tuple[Endpoint, ...] | str, *, timeout: float = 2.0) -> None:
+    def __init__(self, endpoints: tuple[EtcdEndpoint, ...] | str, *, timeout: float = 2.0) -> None:
         import etcd3gw  # noqa: PLC0415 - only etcd users need it
         import requests  # noqa: PLC0415
         from etcd3gw.exceptions import Etcd3Exception  # noqa: PLC0415

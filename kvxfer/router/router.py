@@ -58,7 +58,15 @@ from kvxfer.router.inputs import InvalidRequest, MixedEngines, check_limits, che
 from kvxfer.router.meters import RouterMeters
 from kvxfer.router.results import Completion, Token, TransferFigures
 from kvxfer.router.run import Failure, Run, generated, rows_safe_after, sampled, settled
-from kvxfer.router.workers import REFERENCE_ENGINE, Endpoint, ModelLimits, RouterHealth, WorkerSet, judge, mixed_engines
+from kvxfer.router.workers import (
+    REFERENCE_ENGINE,
+    ModelLimits,
+    RouterHealth,
+    WorkerEndpoint,
+    WorkerSet,
+    judge,
+    mixed_engines,
+)
 from kvxfer.serving.http import HttpClient, HttpError
 from kvxfer.serving.keys import BearerKey
 from kvxfer.serving.keys import headers as key_headers
@@ -114,11 +122,11 @@ class Router:
         await self.close()
 
     @property
-    def prefill(self) -> list[Endpoint]:
+    def prefill(self) -> list[WorkerEndpoint]:
         return self.workers.prefill
 
     @property
-    def decode(self) -> list[Endpoint]:
+    def decode(self) -> list[WorkerEndpoint]:
         return self.workers.decode
 
     @property
@@ -139,10 +147,10 @@ class Router:
         log.info("%s worker %s removed (%d requests of it still in flight)", e.role, e.url, e.outstanding)
 
     # --- selection ---------------------------------------------------------------------------
-    def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
+    def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> WorkerEndpoint | None:
         return self.workers.pick(role, exclude)
 
-    def _down(self, endpoint: Endpoint, exc: BaseException) -> None:
+    def _down(self, endpoint: WorkerEndpoint, exc: BaseException) -> None:
         if isinstance(exc, HttpError) and exc.status == 400:
             return  # the worker is fine: it named what is wrong with the request
         log.warning("%s worker %s failed: %s", endpoint.role, endpoint.url, exc)
@@ -231,7 +239,7 @@ class Router:
 
     async def health(self) -> RouterHealth:
         """Ask every worker's /health now: who answers, and whether a request can be served."""
-        async def one(e: Endpoint) -> tuple[str, bool]:
+        async def one(e: WorkerEndpoint) -> tuple[str, bool]:
             try:
                 await self._http.request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
                 e.down_until = 0.0
@@ -248,7 +256,7 @@ class Router:
         now = time.monotonic()
         unknown = [e for e in self.workers if e.engine is None and e.down_until <= now]
         if unknown:
-            async def learn(e: Endpoint) -> None:
+            async def learn(e: WorkerEndpoint) -> None:
                 try:
                     health = await self._http.request_json(e.url, "GET", "/health", timeout=self.connect_timeout_s)
                 except HttpError:
@@ -278,7 +286,7 @@ class Router:
                     break
         return self._limits
 
-    async def _identify(self, p: Endpoint) -> str | None:
+    async def _identify(self, p: WorkerEndpoint) -> str | None:
         """Learn a prefill worker's {agent, run}, which hint D is bound to; what went wrong, or None."""
         try:
             health = await self._http.request_json(p.url, "GET", "/health", timeout=self.connect_timeout_s)
@@ -326,7 +334,7 @@ class Router:
             p.outstanding -= 1
             d.outstanding -= 1
 
-    async def _disaggregated(self, run: Run, p: Endpoint, d: Endpoint) -> AsyncIterator[Token]:
+    async def _disaggregated(self, run: Run, p: WorkerEndpoint, d: WorkerEndpoint) -> AsyncIterator[Token]:
         t = self.timeout_s
         # Hint D is bound to the prefill worker's run: no other worker, nor a restart of it,
         # may write into the reservation's rows with it.
@@ -391,7 +399,7 @@ class Router:
             if figures is not None:
                 run.transfer = figures  # the publisher's view: submission to its outcome
 
-    async def _reserve_and_prefill(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any],
+    async def _reserve_and_prefill(self, run: Run, p: WorkerEndpoint, d: WorkerEndpoint, ask: dict[str, Any],
                                    early: bool = False) -> tuple[Any, Any]:
         """Reserve on ``d`` while ``p`` runs the prompt: each answer, or what its call raised.
         ``early`` (layer-wise streaming): reserve first, then prefill with hint D."""
@@ -414,7 +422,7 @@ class Router:
             raise
         return self._prefill_answered(run, p, reserved, prefilled)
 
-    async def _reserve_then_prefill(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any]
+    async def _reserve_then_prefill(self, run: Run, p: WorkerEndpoint, d: WorkerEndpoint, ask: dict[str, Any]
                                     ) -> tuple[Any, Any]:
         body = sampled(run, {"request": run.key, "prompt": run.prompt})
         try:
@@ -431,7 +439,7 @@ class Router:
             raise
         return self._prefill_answered(run, p, reserved, prefilled)
 
-    def _prefill_answered(self, run: Run, p: Endpoint, reserved: Any, prefilled: Any) -> tuple[Any, Any]:
+    def _prefill_answered(self, run: Run, p: WorkerEndpoint, reserved: Any, prefilled: Any) -> tuple[Any, Any]:
         if isinstance(prefilled, BaseException):
             self._down(p, prefilled)
             # A worker's handler runs on after its client gave up (a timeout here), so the
@@ -439,7 +447,7 @@ class Router:
             self._cleanup.abort_later(p, {"request": run.key})
         return reserved, prefilled
 
-    async def _rebound(self, run: Run, p: Endpoint, d: Endpoint, ask: dict[str, Any], reserved: Any,
+    async def _rebound(self, run: Run, p: WorkerEndpoint, d: WorkerEndpoint, ask: dict[str, Any], reserved: Any,
                        prefilled: dict[str, Any]) -> Any:
         """The reservation to publish into: ``reserved``, or one made again for the prefill
         worker's run when /prefill names another than the one ``ask`` bound hint D to."""
@@ -455,7 +463,7 @@ class Router:
         except HttpError as exc:
             return exc
 
-    async def _reserve_failed(self, run: Run, p: Endpoint, d: Endpoint, exc: BaseException, prefilled: Any) -> None:
+    async def _reserve_failed(self, run: Run, p: WorkerEndpoint, d: WorkerEndpoint, exc: BaseException, prefilled: Any) -> None:
         self._down(d, exc)
         # The reservation may still be made after our timer fired, as the prefill above.
         # Hint D never reached us, so no prefill worker can write into its rows: they
@@ -464,7 +472,7 @@ class Router:
         if not isinstance(prefilled, BaseException):
             await self._cleanup.abort(p, {"request": run.key})
 
-    async def _publish_failed(self, run: Run, p: Endpoint, d: Endpoint,
+    async def _publish_failed(self, run: Run, p: WorkerEndpoint, d: WorkerEndpoint,
                               publish: AsyncGenerator[dict[str, Any], None], hint: str, exc: BaseException) -> bool:
         """After /publish failed before its hint: whether the reservation's rows are safe to reuse."""
         await publish.aclose()
@@ -484,7 +492,7 @@ class Router:
             await publish.aclose()
         return None
 
-    async def _generate(self, run: Run, d: Endpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
+    async def _generate(self, run: Run, d: WorkerEndpoint, body: dict[str, Any]) -> AsyncIterator[Token]:
         """Run /generate on ``d``; a cut stream raises Failure(dead=True).
 
         The decode worker gives its fetch ``timeout_s``, then a cancel grace and a quiescence
@@ -505,7 +513,7 @@ class Router:
         finally:
             await events.aclose()  # now, not at garbage collection: the worker sees the router leave
 
-    async def _after_prefill_loss(self, run: Run, p: Endpoint, d: Endpoint, what: str,
+    async def _after_prefill_loss(self, run: Run, p: WorkerEndpoint, d: WorkerEndpoint, what: str,
                                   rows_safe: bool) -> AsyncIterator[Token]:
         run.events.append(what)
         if self.on_failure == "fail":
@@ -524,7 +532,7 @@ class Router:
                 yield tok
         run.recomputed = max(run.recomputed, len(run.prompt))
 
-    async def _after_decode_loss(self, run: Run, d: Endpoint, what: str) -> AsyncIterator[Token]:
+    async def _after_decode_loss(self, run: Run, d: WorkerEndpoint, what: str) -> AsyncIterator[Token]:
         run.events.append(what)
         # Nothing streamed yet: the caller may try again later, as with no worker at all.
         unavailable = not run.emitted
@@ -536,7 +544,7 @@ class Router:
         async for tok in self._local(run, other):
             yield tok
 
-    async def _local(self, run: Run, d: Endpoint) -> AsyncIterator[Token]:
+    async def _local(self, run: Run, d: WorkerEndpoint) -> AsyncIterator[Token]:
         """The decode worker prefills the prompt plus every token streamed so far, then goes on."""
         done = len(run.emitted)
         if done >= run.max_new:
@@ -558,7 +566,7 @@ class Router:
         finally:
             d.outstanding -= 1
 
-    def _abandon(self, key: str, p: Endpoint, d: Endpoint, rows_safe: bool = True) -> None:
+    def _abandon(self, key: str, p: WorkerEndpoint, d: WorkerEndpoint, rows_safe: bool = True) -> None:
         """Drop a request's prefill and reservation in the background: called where the
         request's own task is being closed and can await nothing more. ``rows_safe``: no
         prefill worker holds hint D (else the decode end sets the rows aside)."""

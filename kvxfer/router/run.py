@@ -12,7 +12,7 @@ from typing import Any
 from kvxfer.contract import KvxferError
 from kvxfer.engine.sampling import GREEDY, SamplingParams
 from kvxfer.router.results import Token, TransferFigures
-from kvxfer.router.workers import Endpoint
+from kvxfer.router.workers import WorkerEndpoint
 from kvxfer.serving.http import HttpError
 
 
@@ -75,7 +75,7 @@ def sampled(run: Run, body: dict[str, Any]) -> dict[str, Any]:
     return body if run.logprobs is None else {**body, "logprobs": run.logprobs}
 
 
-def generated(run: Run, d: Endpoint, event: dict[str, Any]) -> Token | None:
+def generated(run: Run, d: WorkerEndpoint, event: dict[str, Any]) -> Token | None:
     """One /generate event: a token to stream (None when the router has it already), a
     resume's figures, or the worker's error (Failure)."""
     kind = event.get("event")

@@ -20,7 +20,7 @@ ROLES = ("prefill", "decode")
 
 
 @dataclass(eq=False)
-class Endpoint:
+class WorkerEndpoint:
     url: str
     role: str
     outstanding: int = 0
@@ -68,10 +68,10 @@ REFERENCE_ENGINE = "kvxfer reference"
 """The engine of a worker whose /health names none (kvxfer's own, before --engine)."""
 
 
-def mixed_engines(endpoints: Sequence[Endpoint]) -> str | None:
+def mixed_engines(endpoints: Sequence[WorkerEndpoint]) -> str | None:
     """What is wrong when the workers run different engines (one's KV means nothing to the
     other's), naming each engine and a worker that runs it; None when they agree."""
-    runs: dict[str, Endpoint] = {}
+    runs: dict[str, WorkerEndpoint] = {}
     for e in endpoints:
         if e.engine is not None:
             runs.setdefault(e.engine, e)
@@ -103,32 +103,32 @@ class WorkerSet:
         if selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
         self.selection = selection
-        self.prefill: list[Endpoint] = []
-        self.decode: list[Endpoint] = []
+        self.prefill: list[WorkerEndpoint] = []
+        self.decode: list[WorkerEndpoint] = []
         self._turns = {role: itertools.count() for role in ROLES}
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
                 self.add(role, url)
 
-    def __iter__(self) -> Iterator[Endpoint]:
+    def __iter__(self) -> Iterator[WorkerEndpoint]:
         return iter(self.prefill + self.decode)
 
-    def of(self, role: str) -> list[Endpoint]:
+    def of(self, role: str) -> list[WorkerEndpoint]:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return self.prefill if role == "prefill" else self.decode
 
-    def add(self, role: str, url: str) -> Endpoint:
+    def add(self, role: str, url: str) -> WorkerEndpoint:
         """ValueError for a URL without host and port, or one the router has already."""
         endpoints = self.of(role)
         url = check_url(url)
         if any(e.url == url for e in self):
             raise ValueError(f"worker {url} is already in the router")
-        endpoint = Endpoint(url, role)
+        endpoint = WorkerEndpoint(url, role)
         endpoints.append(endpoint)
         return endpoint
 
-    def remove(self, url: str) -> Endpoint:
+    def remove(self, url: str) -> WorkerEndpoint:
         """KeyError naming ``url`` when the router does not have it."""
         url = url.rstrip("/")
         for endpoints in (self.prefill, self.decode):
@@ -138,7 +138,7 @@ class WorkerSet:
                     return e
         raise KeyError(f"worker {url} is not in the router")
 
-    def pick(self, role: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
+    def pick(self, role: str, exclude: frozenset[str] = frozenset()) -> WorkerEndpoint | None:
         """The next worker of ``role`` not marked down (nor in ``exclude``), or None."""
         now = time.monotonic()
         live = [e for e in self.of(role) if e.down_until <= now and e.url not in exclude]

@@ -80,7 +80,7 @@ def worker_key(namespace: str, role: str, wid: str) -> str:
 
 
 @dataclass(frozen=True)
-class Layout:
+class RecordedKV:
     """How the worker's KV is shaped: a pair of workers must agree on the model's part
     (``scope``: a digest of the weights' config and KV dtype) and move what their layouts allow."""
 
@@ -95,7 +95,9 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Capabilities:
+class RecordedTransport:
+    """How the worker moves KV, as its record says: a pair of workers must match."""
+
     backend: str               # nixl, ipc, ucx
     mode: str                  # push or pull
     lender: str                # inplace or staging
@@ -111,8 +113,8 @@ class WorkerRecord:
     role: str
     url: str
     model: str
-    layout: Layout
-    capabilities: Capabilities
+    layout: RecordedKV
+    capabilities: RecordedTransport
     name: str = ""
     host: str = ""
     pid: int = 0
@@ -160,8 +162,8 @@ class WorkerRecord:
         if raw.get("v") != RECORD_VERSION:
             raise RecordError(f"worker record version {raw.get('v')!r}, this reader knows {RECORD_VERSION}")
         top = _fields(cls, raw, "worker record", skip=("layout", "capabilities"))
-        top["layout"] = Layout(**_fields(Layout, raw.get("layout"), "worker record layout"))
-        top["capabilities"] = Capabilities(**_fields(Capabilities, raw.get("capabilities"),
+        top["layout"] = RecordedKV(**_fields(RecordedKV, raw.get("layout"), "worker record layout"))
+        top["capabilities"] = RecordedTransport(**_fields(RecordedTransport, raw.get("capabilities"),
                                                      "worker record capabilities"))
         return cls(**top)
 
@@ -292,7 +294,7 @@ class Registration:
 
 
 # --- the router's side --------------------------------------------------------------------------
-class Target(Protocol):
+class WorkerTable(Protocol):
     def add_worker(self, role: str, url: str) -> None: ...
     def remove_worker(self, url: str) -> None: ...
 
@@ -306,7 +308,7 @@ class Membership:
     URLs the router has already (a static worker). ``members`` and ``refused`` are keyed by
     etcd key; read them on the loop."""
 
-    def __init__(self, client: EtcdClient, namespace: str, target: Target, *, model: str | None = None,
+    def __init__(self, client: EtcdClient, namespace: str, target: WorkerTable, *, model: str | None = None,
                  on_change: Callable[[], None] | None = None, quiet_s: float = 5.0) -> None:
         self.client = client
         self.namespace = namespace

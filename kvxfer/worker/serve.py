@@ -32,8 +32,8 @@ from kvxfer.modelfiles import model_path
 from kvxfer.serving.announce import announce, reserve_stdout, watch_stdin
 from kvxfer.serving.command import CommandParser
 from kvxfer.serving.discovery import (
-    Capabilities,
-    Layout,
+    RecordedKV,
+    RecordedTransport,
     Registration,
     WorkerRecord,
     add_etcd_args,
@@ -303,10 +303,10 @@ def _engine_model(args: argparse.Namespace) -> tuple[Any, ModelConfig, str]:
 def worker_record(worker: Worker, url: str) -> WorkerRecord:
     """What etcd lists of this worker (kvxfer.serving.discovery)."""
     c = worker.config
-    layout = Layout(block_tokens=c.model.block_tokens, dtype=c.model.dtype, scope=c.model.scope().hex()[-32:],
+    layout = RecordedKV(block_tokens=c.model.block_tokens, dtype=c.model.dtype, scope=c.model.scope().hex()[-32:],
                     engine_kv=c.engine_kv, tp=c.tp, peer_tp=c.peer_tp, kv_block_tokens=c.block_tokens or 0,
                     kv_layout=c.layout)
-    capabilities = Capabilities(backend=c.backend, mode=c.mode.value, lender=c.lender, store=c.store,
+    capabilities = RecordedTransport(backend=c.backend, mode=c.mode.value, lender=c.lender, store=c.store,
                                 device=worker.device)
     return WorkerRecord(c.role, url, c.model_name, layout, capabilities, name=worker.name,
                         host=socket.gethostname(), pid=os.getpid(), started=time.time())

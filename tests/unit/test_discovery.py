@@ -16,9 +16,9 @@ import pytest
 from kvxfer.etcd import EtcdClient
 from kvxfer.router import Router
 from kvxfer.serving.discovery import (
-    Capabilities,
-    Layout,
     Membership,
+    RecordedKV,
+    RecordedTransport,
     RecordError,
     Registration,
     WorkerRecord,
@@ -33,8 +33,8 @@ from kvxfer.testing.etcd_server import EtcdServer
 
 def record(role: str = "prefill", port: int = 8001, *, model: str = "toy", scope: str = "ab" * 16,
            backend: str = "nixl", mode: str = "push", **extra: Any) -> WorkerRecord:
-    return WorkerRecord(role, f"http://127.0.0.1:{port}", model, Layout(16, "float32", scope),
-                        Capabilities(backend, mode, "inplace"), name=f"{role}-{port}", host="h", pid=port,
+    return WorkerRecord(role, f"http://127.0.0.1:{port}", model, RecordedKV(16, "float32", scope),
+                        RecordedTransport(backend, mode, "inplace"), name=f"{role}-{port}", host="h", pid=port,
                         started=1.5, **extra)
 
 

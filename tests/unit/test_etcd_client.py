@@ -25,7 +25,7 @@ from kvxfer.etcd import (
     etcd_endpoints,
     etcd_namespace,
 )
-from kvxfer.etcd.client import Endpoint
+from kvxfer.etcd.client import EtcdEndpoint
 from kvxfer.testing.etcd_server import EtcdServer
 from kvxfer.testing.waiting import settle
 
@@ -52,7 +52,7 @@ def client(etcd_server: EtcdServer) -> EtcdClient:
 # --- endpoints and namespaces ---------------------------------------------------------------
 def test_endpoints_parse_with_default_scheme_and_port() -> None:
     assert etcd_endpoints(" http://a:1, b:2 ,https://c ") == (
-        Endpoint("a", 1), Endpoint("b", 2), Endpoint("c", 2379, "https"))
+        EtcdEndpoint("a", 1), EtcdEndpoint("b", 2), EtcdEndpoint("c", 2379, "https"))
     assert etcd_endpoints("") == ()
     assert str(etcd_endpoints("h")[0]) == "http://h:2379"
 
@@ -72,7 +72,7 @@ def test_a_malformed_endpoint_is_refused_by_name(text: str, named: str) -> None:
 def test_endpoints_and_namespace_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", "http://e1:7,e2")
     monkeypatch.setenv("KVXFER_ETCD_NAMESPACE", "team-a")
-    assert etcd_endpoints() == (Endpoint("e1", 7), Endpoint("e2", 2379))
+    assert etcd_endpoints() == (EtcdEndpoint("e1", 7), EtcdEndpoint("e2", 2379))
     assert etcd_namespace() == "team-a"
     assert etcd_namespace("given") == "given"
     monkeypatch.delenv("KVXFER_ETCD_NAMESPACE")
