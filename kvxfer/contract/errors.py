@@ -42,7 +42,7 @@ module imports none of them, it only draws them):
     │   └── ProbeUnknown         no open probe has that id
     ├── ProcessFailed            a launched worker or router did not come up       [worker.procs]
     ├── PullOverTcp              a pull lane would run over TCP                    [worker.lanes]
-    ├── PeerError                `kvxfer doctor --peer`: the worker cannot be probed [doctor_peer]
+    ├── PeerError                `kvxfer doctor --peer`: the worker cannot be probed [doctor.peer]
     ├── LaunchError              `kvxfer launch` cannot go on                      [launch.launcher]
     ├── CheckpointError          a model checkpoint cannot be loaded               [engine.weights]
     ├── AdapterError             an engine adapter cannot do what was asked        [adapters.errors]

@@ -50,7 +50,7 @@ class Lanes:
 def probe_lanes(memory: str, timeout: float, devices: tuple[int, int] = (-1, -1)) -> Lanes:
     """Run the doctor's WRITE/READ probe between two processes and read the lanes UCX chose;
     ``devices``: the initiator's and the target's GPUs (a pull's: decode's, then prefill's)."""
-    from kvxfer import doctor  # noqa: PLC0415 (imports NIXL tooling only when a pull is asked for)
+    from kvxfer.doctor import report as doctor  # noqa: PLC0415 (imports NIXL tooling only when a pull is asked for)
 
     lanes = doctor.probe(memory, PROBE_BYTES, 1, timeout, devices)["lanes"]
     return Lanes(memory, tuple(lanes.get("push", ())), tuple(lanes.get("pull", ())))

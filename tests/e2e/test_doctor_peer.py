@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kvxfer.doctor import REMEDY
+from kvxfer.doctor.report import REMEDY
 from kvxfer.worker.procs import Child
 
 BYTES = 4 << 20

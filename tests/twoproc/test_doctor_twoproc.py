@@ -20,7 +20,7 @@ _ENV = {**os.environ, "KVXFER_DOCTOR_TEST": _MARK}
 
 def _probe_processes() -> list[str]:
     ours = marked_processes(f"KVXFER_DOCTOR_TEST={_MARK}".encode())
-    return [cmd for cmd in ours.values() if "kvxfer.doctor_probe" in cmd]
+    return [cmd for cmd in ours.values() if "kvxfer.doctor.probe" in cmd]
 
 
 def test_doctor_reports_host_lanes_and_figures(tmp_path: Path) -> None:

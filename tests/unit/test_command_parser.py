@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvxfer.bench.cli import build_parser as bench_parser
-from kvxfer.doctor import _parser as doctor_parser
+from kvxfer.doctor.report import _parser as doctor_parser
 from kvxfer.launch.cli import build_parser as launch_parser
 from kvxfer.pair import build_parser as pair_parser
 from kvxfer.router.serve import build_parser as router_parser

@@ -17,7 +17,9 @@ import aiohttp
 import pytest
 from test_router import cluster, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
 
-from kvxfer import doctor, doctor_peer, pair
+from kvxfer import pair
+from kvxfer.doctor import peer as doctor_peer
+from kvxfer.doctor import report as doctor
 from kvxfer.router import Router
 from kvxfer.router import serve as router_serve
 from kvxfer.router.app import make_handler as router_handler

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvxfer import native
-from kvxfer.doctor import _print, _warnings, integrity_report, lanes_from_tables, parse_proto_info
+from kvxfer.doctor.report import _print, _warnings, integrity_report, lanes_from_tables, parse_proto_info
 
 # Abridged from UCX_PROTO_INFO=y output of a GPU node where the read lane fell back to TCP.
 SAMPLE = """\
@@ -79,7 +79,7 @@ def test_doctor_devices_are_checked_before_any_process_starts(capsys: object, mo
     placement is a usage error naming the flag, before a probe process starts."""
     import pytest
 
-    import kvxfer.doctor as doctor
+    import kvxfer.doctor.report as doctor
 
     def no_probe(*args: object, **kwargs: object) -> None:
         raise AssertionError("a probe started")

@@ -127,7 +127,7 @@ def test_serve_refuses_model_flags_that_make_no_model(capsys: pytest.CaptureFixt
 def test_a_lane_probe_that_does_not_finish_is_reported(monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     def hangs(memory: str, timeout: float, devices: tuple[int, int]) -> None:
-        raise subprocess.TimeoutExpired(["python", "-m", "kvxfer.doctor_probe"], timeout)
+        raise subprocess.TimeoutExpired(["python", "-m", "kvxfer.doctor.probe"], timeout)
 
     monkeypatch.setattr(pair, "probe_lanes", hangs)
     assert pair.main([*SMALL, "--backend", "nixl", "--mode", "pull", "--startup-timeout", "7"]) == 2

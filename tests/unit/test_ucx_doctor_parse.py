@@ -3,7 +3,7 @@ tables (lines as UCX 1.21 printed them on the CPU machine)."""
 
 from __future__ import annotations
 
-from kvxfer.doctor_ucx import parse_tag_tables
+from kvxfer.doctor.ucx import parse_tag_tables
 
 TCP = """\
 [1796167608.115175] [vm:24978:0]   +--------------------------------+-----------------------------------------------+--------+

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvxfer import doctor
+from kvxfer.doctor import report as doctor
 from kvxfer.worker.probe import (
     MAX_BYTES,
     MIN_BYTES,

@@ -1,7 +1,7 @@
 """``kvxfer doctor``: which transport really carries the bytes, and how fast.
 
 It reports NIXL's and UCX's versions, then for host memory (and device memory when CUDA
-is present) runs two processes (``kvxfer.doctor_probe``): a target that registers a
+is present) runs two processes (``kvxfer.doctor.probe``): a target that registers a
 buffer and an initiator that WRITEs (the push lane) and READs (the pull lane) at a few
 sizes, and moves 64 KiB rows with per-row, prepared and coalesced descriptors. Both run
 with ``UCX_PROTO_INFO=y``, so UCX prints the protocol it selected for each operation and
@@ -44,9 +44,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvxfer import doctor_peer, doctor_ucx
 from kvxfer.backends.common.devices import cuda_device_count, cuda_present
-from kvxfer.doctor_probe import ROW
+from kvxfer.doctor import peer as doctor_peer
+from kvxfer.doctor import ucx as doctor_ucx
+from kvxfer.doctor.probe import ROW
 from kvxfer.serving.command import CommandParser
 from kvxfer.serving.keys import BearerKey, add_key_args, keys_from_args
 from kvxfer.serving.urls import check_url
@@ -138,7 +139,7 @@ def _spawn(role: str, fd: int, memory: str, nbytes: int, reps: int, log: Path,
     env = {**os.environ, "UCX_PROTO_INFO": "y", "NIXL_LOG_LEVEL": "WARN"}
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "kvxfer.doctor_probe", role, str(fd), memory, str(nbytes), str(reps),
+            [sys.executable, "-m", "kvxfer.doctor.probe", role, str(fd), memory, str(nbytes), str(reps),
              str(cuda_device)],
             pass_fds=[fd], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

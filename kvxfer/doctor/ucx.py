@@ -1,7 +1,7 @@
 """``kvxfer doctor``'s ucx part: which UCX transport ucxx (the ucx backend's UCX) chose for
 tag messages between two processes on this node, and how fast they went.
 
-Two processes: ``python -m kvxfer.doctor_ucx receiver BYTES REPS EH`` prints its worker
+Two processes: ``python -m kvxfer.doctor.ucx receiver BYTES REPS EH`` prints its worker
 address and receives; ``... sender ADDRESS BYTES REPS EH`` sends 64 KiB and BYTES messages, timing each
 size from the first send to the receiver's answer, and runs with ``UCX_PROTO_INFO=y``, so
 UCX prints the protocol table of each tag send; the doctor reads the transports from it.
@@ -114,7 +114,7 @@ def _probe_once(nbytes: int, reps: int, timeout: float, error_handling: bool) ->
     except Exception as exc:  # noqa: BLE001 - any reason ucxx cannot load is the answer here
         return {"skipped": str(exc)}
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    cmd = [sys.executable, "-m", "kvxfer.doctor_ucx"]
+    cmd = [sys.executable, "-m", "kvxfer.doctor.ucx"]
     common = [str(nbytes), str(reps), str(int(error_handling))]
     recv = subprocess.Popen([*cmd, "receiver", *common], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)

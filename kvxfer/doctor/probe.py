@@ -1,6 +1,6 @@
 """The two processes ``kvxfer doctor`` measures with: a NIXL target and a NIXL initiator.
 
-``python -m kvxfer.doctor_probe target FD MEM BYTES [REPS [CUDA_DEVICE]]`` registers a buffer (host or device, on
+``python -m kvxfer.doctor.probe target FD MEM BYTES [REPS [CUDA_DEVICE]]`` registers a buffer (host or device, on
 CUDA_DEVICE when given and not -1)
 and sends its agent metadata and address; ``... initiator FD MEM BYTES`` loads them, runs
 WRITE (push lane) and READ (pull lane) at a few sizes, and 64 KiB rows four ways
