@@ -436,14 +436,20 @@ def main(argv: list[str] | None = None) -> int:
     check_store_args(parser, args, (prefill_device, decode_device))
     import torch  # every check is done: now the engine, the oracle and torch
 
-    from kvxfer.engine import text_samples
-
     if args.engine == "transformers":
         preload("kvxfer.worker.hf_engine")  # transformers, imported once for every worker
     # The workers' fork server is this process as it is now (torch imported, nothing run):
     # torch is not imported again in a fresh one, and the first worker starts that much sooner.
-    fork_server_here()
-    torch.set_num_threads(1)
+    with fork_server_here():
+        torch.set_num_threads(1)
+        return _run_checked(parser, args, prefill_device, decode_device)
+
+
+def _run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace, prefill_device: str,
+                 decode_device: str) -> int:
+    """The pair once its flags are checked and torch imported: the oracle, the processes, the report."""
+    from kvxfer.engine import text_samples
+
     oracle: Oracle = TransformersOracle(args, args.blocks, prefill_device) if args.engine == "transformers" \
         else ReferenceOracle(model_from_args(args))
     if isinstance(oracle, TransformersOracle):

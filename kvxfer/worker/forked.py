@@ -26,6 +26,7 @@ waits for.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -35,6 +36,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Iterator
 from multiprocessing import connection, forkserver, resource_tracker
 from multiprocessing.reduction import DupFd
 from typing import IO, Any
@@ -58,58 +60,73 @@ def _context() -> Any:
     return ctx
 
 
-def fork_server_here() -> bool:
-    """Start the fork server as a fork of this process, with ``PRELOAD`` and ``preload()``'s
-    modules imported here first, rather than as a fresh interpreter at the first child; the
-    server is stopped when this process exits. False where it cannot be (another thread runs
-    here: its locks would be copied held; a server runs already; a Python whose fork server
-    authenticates its clients): the first child then starts a fresh one as before.
+@contextlib.contextmanager
+def fork_server_here() -> Iterator[bool]:
+    """Within the block, the fork server is a fork of this process, with ``PRELOAD`` and
+    ``preload()``'s modules imported here first, rather than a fresh interpreter started at the
+    first child; it is stopped and reaped when the block ends (its children stopped first), so
+    that a caller in a longer-lived process (a script, a test) leaves none behind. Yields False
+    where it cannot be (another thread runs here: its locks would be copied held; a server runs
+    already; a Python whose fork server authenticates its clients): the first child then starts
+    a fresh one as before, which lives as long as this process.
 
-    Call it before the caller does anything the children must not inherit (threads, an event
+    Enter it before the caller does anything the children must not inherit (threads, an event
     loop, CUDA, torch's thread count): the server is this process as it is now."""
     server = forkserver._forkserver  # multiprocessing's own: ForkedProcess's context uses it
     if threading.active_count() > 1 or hasattr(server, "_forkserver_authkey"):  # 3.14 added a key
-        return False
+        yield False
+        return
     for module in (*PRELOAD, *_extra):
         importlib.import_module(module)
     with server._lock:
-        if server._forkserver_pid is not None:
-            return False
-        resource_tracker.ensure_running()  # its descriptor goes to each child, as multiprocessing does
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()  # EOF when this process and every child have closed it
-            pid = os.fork()
-            if pid == 0:  # the server: what a fresh one would hold, then multiprocessing's loop
-                code = 1
-                try:
-                    keep = sorted({0, 1, 2, listener.fileno(), alive_r})
-                    for low, high in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
-                        if high > low + 1:  # closerange(n, n) closes every descriptor from n up
-                            os.closerange(low + 1, high)
-                    forkserver.main(listener.fileno(), alive_r, [])
-                except SystemExit:
-                    code = 0
-                finally:
-                    os._exit(code)
-            os.close(alive_r)
-        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-    atexit.register(_stop_server, server, pid)
-    return True
+        started = server._forkserver_pid is None
+        if started:
+            pid = _fork_server(server)
+    try:
+        yield started
+    finally:
+        if started:
+            _stop_server(server, pid)
+
+
+def _fork_server(server: Any) -> int:
+    """The fork server as a fork of this process (``server._lock`` held): what a fresh one would
+    hold (the standard descriptors, the listener, the alive pipe), then multiprocessing's loop."""
+    resource_tracker.ensure_running()  # its descriptor goes to each child, as multiprocessing does
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # EOF when this process and every child have closed it
+        pid = os.fork()
+        if pid == 0:  # the server: what a fresh one would hold, then multiprocessing's loop
+            code = 1
+            try:
+                keep = sorted({0, 1, 2, listener.fileno(), alive_r})
+                for low, high in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
+                    if high > low + 1:  # closerange(n, n) closes every descriptor from n up
+                        os.closerange(low + 1, high)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return pid
 
 
 def _stop_server(server: Any, pid: int, timeout: float = 5.0) -> None:
-    """At exit: close this process's end of the server's alive pipe and reap the server, so
-    that no copy of this process outlives it (its command line is this one's, not a helper's).
-    The server ends once every child has closed its end too; one still running is not waited for."""
+    """Close this process's end of the server's alive pipe and reap the server, so that no copy
+    of this process outlives the block (its command line is this one's, not a helper's). The
+    server ends once every child has closed its end too; one still running is not waited for."""
     with server._lock:
         if server._forkserver_pid != pid:
             return
         os.close(server._forkserver_alive_fd)
-        server._forkserver_pid = server._forkserver_alive_fd = None
+        address = server._forkserver_address
+        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
         deadline = time.monotonic() + timeout
         try:
             while os.waitpid(pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
@@ -117,7 +134,7 @@ def _stop_server(server: Any, pid: int, timeout: float = 5.0) -> None:
         except ChildProcessError:
             pass  # reaped already
         try:
-            os.unlink(server._forkserver_address)
+            os.unlink(address)
         except OSError:
             pass
 

@@ -71,11 +71,12 @@ def test_an_unguarded_script_is_not_run_again_in_the_child(tmp_path: Path) -> No
     assert done.stdout.splitlines() == ["script ran", "exit 2"], done.stdout + done.stderr
 
 
-def test_a_fork_server_forked_from_the_caller_serves_children_and_ends_with_it(tmp_path: Path) -> None:
+def test_a_fork_server_forked_from_the_caller_serves_children_and_ends_with_the_block(tmp_path: Path) -> None:
     """``fork_server_here`` (what ``kvxfer pair`` does once torch is imported): refused while
     another thread runs; then the server is a fork of the caller holding no descriptor of the
     caller's but the standard three, a child forked from it runs and reports its exit status,
-    a second call is refused, and the server is reaped when the caller exits."""
+    a nested block is refused, and the server is reaped when the block ends, the caller still
+    running (a script, a test calling ``pair.main``); a child after it gets a fresh server."""
     script = tmp_path / "here.py"
     script.write_text(textwrap.dedent(f"""
         import os, threading
@@ -83,25 +84,31 @@ def test_a_fork_server_forked_from_the_caller_serves_children_and_ends_with_it(t
         from multiprocessing import forkserver
         from kvxfer.worker.forked import fork_server_here
         from kvxfer.worker.procs import Child
+        log = Path({str(tmp_path / "r.log")!r})
         stop = threading.Event()
         other = threading.Thread(target=stop.wait)
         other.start()
-        print("with a thread", fork_server_here())
+        with fork_server_here() as here:
+            print("with a thread", here)
         stop.set()
         other.join()
         kept = os.readlink(f"/proc/self/fd/{{os.pipe()[0]}}")  # a descriptor of the caller's, not the server's
-        print("alone", fork_server_here(), "again", fork_server_here())
-        server = forkserver._forkserver._forkserver_pid
-        print("server", server, Path(f"/proc/{{server}}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes())
-        child = Child("router", ["router", "--port", "0"], Path({str(tmp_path / "r.log")!r}))
-        # Once a child is forked, the server is past its start: only its own descriptors left.
-        print("kept", [fd for fd in os.listdir(f"/proc/{{server}}/fd") if os.readlink(f"/proc/{{server}}/fd/{{fd}}") == kept])
-        print("exit", child.stop(), flush=True)
+        with fork_server_here() as here:
+            with fork_server_here() as nested:
+                print("alone", here, "nested", nested)
+            server = forkserver._forkserver._forkserver_pid
+            print("server", server, Path(f"/proc/{{server}}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes())
+            child = Child("router", ["router", "--port", "0"], log)
+            # Once a child is forked, the server is past its start: only its own descriptors left.
+            print("kept", [fd for fd in os.listdir(f"/proc/{{server}}/fd") if os.readlink(f"/proc/{{server}}/fd/{{fd}}") == kept])
+            print("exit", child.stop(), flush=True)
+        print("after the block", os.path.exists(f"/proc/{{server}}"), flush=True)
+        print("fresh", Child("router", ["router", "--port", "0"], log).stop(),
+              b"multiprocessing.forkserver" in Path(f"/proc/{{forkserver._forkserver._forkserver_pid}}/cmdline").read_bytes())
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[:2] == ["with a thread False", "alone True again False"], done.stdout + done.stderr
-    server = int(lines[2].split()[1])
-    assert lines[2].endswith(" True") and lines[3:5] == ["kept []", "exit 2"], done.stdout + done.stderr
-    assert not Path(f"/proc/{server}").exists(), "the fork server outlived its caller"
+    assert lines[:2] == ["with a thread False", "alone True nested False"], done.stdout + done.stderr
+    assert lines[2].endswith(" True") and lines[3:] == ["kept []", "exit 2", "after the block False", "fresh 2 True"], \
+        done.stdout + done.stderr
