@@ -32,7 +32,14 @@ from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine
 from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
 from kvxfer.pair_report import Result, outcomes, print_report, summarize
 from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
-from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_rows
+from kvxfer.pair_store import (
+    StoreSetup,
+    add_store_args,
+    check_store_args,
+    check_store_devices,
+    store_for,
+    store_rows,
+)
 from kvxfer.progress import Count, Line, wait_announced
 from kvxfer.progress import RequestProgress as Progress
 from kvxfer.router.constants import KEEPALIVE_S
@@ -432,8 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     check_model_args(parser, args)
     check_engine_kv_args(parser, args)
     check_engine_args(parser, args)
-    prefill_device, decode_device = role_devices(parser, args)
-    check_store_args(parser, args, (prefill_device, decode_device))
+    check_store_args(parser, args)
+    prefill_device, decode_device = role_devices(parser, args)  # imports torch (auto: is CUDA there?)
+    check_store_devices(parser, args, (prefill_device, decode_device))
     import torch  # every check is done: now the engine, the oracle and torch
 
     if args.engine == "transformers":
