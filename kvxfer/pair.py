@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvxfer import cli
 from kvxfer.engine import SamplingParams
 from kvxfer.pair_layouts import add_engine_kv_args, check_engine_kv_args, engine_kv_argv, engine_kv_report
 from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
@@ -446,9 +448,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.engine == "transformers":
         preload("kvxfer.worker.hf_engine")  # transformers, imported once for every worker
-    # The workers' fork server is this process as it is now (torch imported, nothing run):
-    # torch is not imported again in a fresh one, and the first worker starts that much sooner.
-    with fork_server_here():
+    # Run as the command, the workers' fork server is this process as it is now (torch imported,
+    # nothing run): torch is not imported again in a fresh one, and the first worker starts that
+    # much sooner. Called by a script or a test, a fresh one: the caller's exit handlers and
+    # finalizers (a script's TemporaryDirectory) must not run again in each worker.
+    with fork_server_here() if cli.AS_COMMAND else contextlib.nullcontext():
         torch.set_num_threads(1)
         return _run_checked(parser, args, prefill_device, decode_device)
 

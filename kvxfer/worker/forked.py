@@ -11,8 +11,8 @@ process: nothing of the caller (its threads, locks, event loop or CUDA context) 
 which is why ``fork`` itself is not used. The server never touches CUDA (importing torch
 does not initialise it), so each child still picks its own device.
 
-A caller that imports torch anyway (``kvxfer pair``, for its oracle) makes the server a fork
-of itself instead (``fork_server_here``), so that torch is not imported a second time in a
+A caller that imports torch anyway (``kvxfer pair`` run as the command, for its oracle) makes
+the server a fork of itself instead (``fork_server_here``), so that torch is not imported a second time in a
 fresh interpreter: about 3 CPU seconds, and as many of wall time before the first worker
 starts, since starting the first child waits for the server's imports.
 
@@ -71,7 +71,9 @@ def fork_server_here() -> Iterator[bool]:
     a fresh one as before, which lives as long as this process.
 
     Enter it before the caller does anything the children must not inherit (threads, an event
-    loop, CUDA, torch's thread count): the server is this process as it is now."""
+    loop, CUDA, torch's thread count), and only in a process whose state is kvxfer's own: the
+    server is this process as it is now, and each child runs its exit handlers and finalizers
+    (a calling script's ``TemporaryDirectory`` would be removed by the first worker to exit)."""
     server = forkserver._forkserver  # multiprocessing's own: ForkedProcess's context uses it
     if threading.active_count() > 1 or hasattr(server, "_forkserver_authkey"):  # 3.14 added a key
         yield False
