@@ -47,15 +47,27 @@ PRELOAD = ("torch", "aiohttp", "kvxfer.cli", "kvxfer.worker.serve", "kvxfer.work
 _extra: list[str] = []
 
 
+_imported: dict[int, frozenset[str]] = {}  # a fork server this module started (pid) -> what it imported
+
+
 def preload(*modules: str) -> None:
-    """Import ``modules`` in the fork server too (before its first child; later calls change
-    nothing): ``kvxfer pair --engine transformers`` adds the transformers engine, whose import
-    is several CPU seconds that each worker would spend again."""
+    """Import ``modules`` in the fork server too: ``kvxfer pair --engine transformers`` adds the
+    transformers engine, whose import is several CPU seconds that each worker would spend
+    again. A server already running without them (started for other children of this process:
+    another test module's, or the test kit's peers) is replaced at the next child, once none of
+    this process's children is left."""
     _extra.extend(m for m in modules if m not in _extra)
 
 
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
+    server = forkserver._forkserver
+    running = server._forkserver_pid
+    if (running is not None and not set(_extra) <= _imported.get(running, frozenset())
+            and not mp.active_children() and hasattr(server, "_stop")):
+        # Each child would import what preload() asked for itself (transformers: 6-9 CPU-s a
+        # worker, against one server's start); with no child left, nothing uses the old one.
+        server._stop()
     ctx.set_forkserver_preload([*PRELOAD, *_extra])  # read when the server starts: at the first child
     return ctx
 
@@ -116,6 +128,7 @@ def _fork_server(server: Any) -> int:
                 os._exit(code)
         os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _imported[pid] = frozenset((*PRELOAD, *_extra))
     return pid
 
 
@@ -189,11 +202,15 @@ class ForkedProcess:
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         try:
-            self._proc = _context().Process(
+            ctx = _context()
+            starts = forkserver._forkserver._forkserver_pid is None
+            self._proc = ctx.Process(
                 target=_run_cli, name=f"kvxfer {argv[0] if argv else ''}".strip(),
                 args=(dict(os.environ) if env is None else dict(env), os.getcwd(), list(argv),
                       DupFd(stdin_r), DupFd(stdout_w), DupFd(stderr.fileno())))
             _start_without_main(self._proc)
+            if starts:
+                _imported[forkserver._forkserver._forkserver_pid] = frozenset((*PRELOAD, *_extra))
         except BaseException:
             for fd in (stdin_w, stdout_r):
                 os.close(fd)
