@@ -37,7 +37,20 @@ def _usage(commands: dict[str, tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+AS_COMMAND = False
+"""True once ``main`` runs as this process's own command (``kvxfer ...``, ``python -m
+kvxfer.cli ...``: no argv given), not called by a script or a test: the process's state is then
+kvxfer's alone, so ``kvxfer pair`` may fork its workers' server from itself (a fork would carry a
+caller's atexit handlers and finalizers into every worker)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        # Under ``python -m kvxfer.cli`` this module runs as __main__: the flag goes on the one
+        # that ``import kvxfer.cli`` gives, where the commands read it.
+        import kvxfer.cli
+
+        kvxfer.cli.AS_COMMAND = True
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage(_available()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvxfer import cli
 from kvxfer.engine import SamplingParams
 from kvxfer.pair_layouts import (
     add_engine_kv_args,
@@ -38,7 +40,14 @@ from kvxfer.pair_layouts import (
 from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
 from kvxfer.pair_report import Result, integrity_refused, outcomes, print_report, summarize
 from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
-from kvxfer.pair_store import StoreSetup, add_store_args, check_store_args, store_for, store_rows
+from kvxfer.pair_store import (
+    StoreSetup,
+    add_store_args,
+    check_store_args,
+    check_store_devices,
+    store_for,
+    store_rows,
+)
 from kvxfer.progress import Count, Line, wait_announced
 from kvxfer.progress import RequestProgress as Progress
 from kvxfer.router.constants import KEEPALIVE_S
@@ -48,7 +57,7 @@ from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, Invalid
 from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.startup import check_serving
 from kvxfer.worker.config import integrity_state
-from kvxfer.worker.forked import preload
+from kvxfer.worker.forked import fork_server_here, preload
 from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
@@ -468,15 +477,27 @@ def main(argv: list[str] | None = None) -> int:
     check_model_args(parser, args)
     check_engine_kv_args(parser, args)
     check_engine_args(parser, args)
-    prefill_device, decode_device = role_devices(parser, args)
-    check_store_args(parser, args, (prefill_device, decode_device))
+    check_store_args(parser, args)
+    prefill_device, decode_device = role_devices(parser, args)  # imports torch (auto: is CUDA there?)
+    check_store_devices(parser, args, (prefill_device, decode_device))
     import torch  # every check is done: now the engine, the oracle and torch
 
-    from kvxfer.engine import text_samples
-
-    torch.set_num_threads(1)
     if args.engine == "transformers":
         preload("kvxfer.worker.hf_engine")  # transformers, imported once for every worker
+    # Run as the command, the workers' fork server is this process as it is now (torch imported,
+    # nothing run): torch is not imported again in a fresh one, and the first worker starts that
+    # much sooner. Called by a script or a test, a fresh one: the caller's exit handlers and
+    # finalizers (a script's TemporaryDirectory) must not run again in each worker.
+    with fork_server_here() if cli.AS_COMMAND else contextlib.nullcontext():
+        torch.set_num_threads(1)
+        return _run_checked(parser, args, prefill_device, decode_device)
+
+
+def _run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace, prefill_device: str,
+                 decode_device: str) -> int:
+    """The pair once its flags are checked and torch imported: the oracle, the processes, the report."""
+    from kvxfer.engine import text_samples
+
     oracle: Oracle = TransformersOracle(args, args.blocks, prefill_device) if args.engine == "transformers" \
         else ReferenceOracle(model_from_args(args))
     if isinstance(oracle, TransformersOracle):

@@ -39,8 +39,10 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
                    help="instances run one after the other on the store (each with fresh workers)")
 
 
-def check_store_args(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: tuple[str, ...]) -> None:
-    """What the workers would refuse with a store, refused before anything starts (exit 2)."""
+def check_store_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the workers would refuse with a store, refused before anything starts (exit 2) and
+    before torch is imported: only the devices (``check_store_devices``) need it. A device
+    named cuda on the command line is named here too, beside the other problems."""
     if not args.store:
         for flag in ("store_path", "store_master"):
             if getattr(args, flag):
@@ -58,10 +60,18 @@ def check_store_args(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     if engine_kv_wanted(args):
         problems.append("engine KV (--prefill-tp, --decode-tp, --*-kv-block-tokens, --*-kv-layout) does not use a "
                         "KV store")
-    if any(d.startswith("cuda") for d in devices):
-        problems.append("the store reaches host memory only: run the workers on the CPU (--device cpu)")
     if problems:
-        parser.error("; ".join(problems))
+        named = (args.prefill_device or args.device, args.decode_device or args.device)
+        parser.error("; ".join(problems + [HOST_ONLY] * any(d.startswith("cuda") for d in named)))
+
+
+HOST_ONLY = "the store reaches host memory only: run the workers on the CPU (--device cpu)"
+
+
+def check_store_devices(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: tuple[str, ...]) -> None:
+    """With a store, the workers' devices as resolved (``auto`` may be cuda): host memory only."""
+    if args.store and any(d.startswith("cuda") for d in devices):
+        parser.error(HOST_ONLY)
 
 
 @dataclass(frozen=True)

@@ -69,3 +69,45 @@ def test_an_unguarded_script_is_not_run_again_in_the_child(tmp_path: Path) -> No
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["script ran", "exit 2"], done.stdout + done.stderr
+
+
+def test_a_fork_server_forked_from_the_caller_serves_children_and_ends_with_the_block(tmp_path: Path) -> None:
+    """``fork_server_here`` (what ``kvxfer pair`` does once torch is imported): refused while
+    another thread runs; then the server is a fork of the caller holding no descriptor of the
+    caller's but the standard three, a child forked from it runs and reports its exit status,
+    a nested block is refused, and the server is reaped when the block ends, the caller still
+    running (a script, a test calling ``pair.main``), leaving no server for the next child to use."""
+    script = tmp_path / "here.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, threading
+        from pathlib import Path
+        from multiprocessing import forkserver
+        from kvxfer.worker.forked import fork_server_here
+        from kvxfer.worker.procs import Child
+        log = Path({str(tmp_path / "r.log")!r})
+        stop = threading.Event()
+        other = threading.Thread(target=stop.wait)
+        other.start()
+        with fork_server_here() as here:
+            print("with a thread", here)
+        stop.set()
+        other.join()
+        kept = os.readlink(f"/proc/self/fd/{{os.pipe()[0]}}")  # a descriptor of the caller's, not the server's
+        with fork_server_here() as here:
+            with fork_server_here() as nested:
+                print("alone", here, "nested", nested)
+            server = forkserver._forkserver._forkserver_pid
+            print("server", server, Path(f"/proc/{{server}}/cmdline").read_bytes() == Path("/proc/self/cmdline").read_bytes())
+            child = Child("router", ["router", "--port", "0"], log)
+            # Once a child is forked, the server is past its start: only its own descriptors left.
+            print("kept", [fd for fd in os.listdir(f"/proc/{{server}}/fd") if os.readlink(f"/proc/{{server}}/fd/{{fd}}") == kept])
+            print("exit", child.stop(), flush=True)
+        print("after the block", os.path.exists(f"/proc/{{server}}"), flush=True)
+        print("next child's server", forkserver._forkserver._forkserver_pid)  # None: a fresh one, started then
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["with a thread False", "alone True nested False"], done.stdout + done.stderr
+    assert lines[2].endswith(" True") and lines[3:] == ["kept []", "exit 2", "after the block False", "next child's server None"], \
+        done.stdout + done.stderr

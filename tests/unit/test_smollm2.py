@@ -4,10 +4,11 @@ independent implementation of the same file, transformers' GGUF loading and its
 ``LlamaForCausalLM`` (which dequantizes with the same gguf package but runs its own
 un-permutation, tokenizer conversion and forward pass).
 
-Both models load once for the module. Transformers' GGUF loading parses the file three times
-(config, weights, tokenizer) and rebuilds gguf's tensor-name map for every tensor, about 35 CPU-s
-in all; the module memoizes those two pure functions of gguf, so it parses once and gets the
-same objects.
+Both models load once for the module. transformers' model is the one its GGUF loading made, as
+kvxfer keeps it (``kvxfer.adapters.transformers.converted``: the first load of this file with
+this transformers converts and keeps it). Transformers' GGUF loading parses the file for the
+tokenizer and rebuilds gguf's tensor-name map for every tensor; the module memoizes those two
+pure functions of gguf, so it parses once and gets the same objects.
 """
 
 from __future__ import annotations
@@ -60,12 +61,16 @@ def gguf_parsed_once() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def hf(gguf_parsed_once: None) -> object:
+    """transformers' ``LlamaForCausalLM`` as its GGUF loading made it: read from the checkpoint
+    kvxfer keeps of that conversion (keyed by the file, the dtype and the pinned transformers;
+    the first load anywhere converts and keeps it), not converted again here (10-17 CPU-s)."""
     import transformers  # the dev extra installs it: never skipped, CI runs this
 
-    path = smollm2_path()
-    model = transformers.LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          dtype=torch.float32)
-    return model.eval()
+    from kvxfer.adapters.transformers.converted import load_converted
+
+    model = load_converted(smollm2_path(), torch.float32)
+    assert isinstance(model, transformers.LlamaForCausalLM), type(model)
+    return model
 
 
 @pytest.fixture(scope="module")
