@@ -417,11 +417,13 @@ class TransformersServing:
         """transformers' cache, as the worker's ``kvxfer_pool_blocks`` counts a pool. A hybrid
         cache's groups share its sectors and transformers records no sector's owner, so no
         group has a total: each group's ``reusable`` blocks only (free ones, free sectors' and
-        its prefix cache's)."""
+        its prefix cache's), once the empty sectors went back to the pool (so that an idle
+        cache counts as many in each group as it had at the start). On the engine thread."""
         engine = self.engine
         if engine is None:
             return {}
         if engine.hybrid:
+            engine.batch.free_empty_sectors()
             return {group: {"reusable": engine.batch.reusable_block_count(group)} for group in engine.groups}
         return {"kv": engine.block_counts()}
 
