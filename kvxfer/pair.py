@@ -365,7 +365,8 @@ def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Place
     # The pair's router knows its workers by URL: no discovery, even where NIXL_ETCD_ENDPOINTS
     # is set (then the NIXL agents' metadata still goes through etcd), so that no other router
     # watching etcd picks these workers up.
-    common = [*worker_args(args), *(store.argv if store is not None else ()), "--etcd", "", "--engine", args.engine]
+    common = [*worker_args(args), *(store.argv if store is not None else ()), "--etcd", "", "--engine", args.engine,
+              *(["--sliding-window", str(args.sliding_window)] if args.sliding_window else [])]
     role_args = {role: [*common, *engine_kv_argv(args, role), *model_args_list(args, device)]
                  for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
     workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",

@@ -30,6 +30,8 @@ ENGINES = ("reference", "transformers")
 
 
 def add_engine_arg(p: argparse.ArgumentParser) -> None:
+    from kvxfer.worker.serve import add_sliding_window_arg
+
     p.add_argument("--engine", default="reference", choices=list(ENGINES),
                    help="what the workers run: reference (kvxfer's own engine; the oracle is colocated generation "
                         "here) or transformers (Hugging Face transformers' continuous batching, its cache lent in "
@@ -40,10 +42,14 @@ def add_engine_arg(p: argparse.ArgumentParser) -> None:
                    help="--engine transformers: after the workers stop, time transformers' colocated generate_batch "
                         "on the same prompts in waves of --concurrency, on the oracle's device, and report its TTFT, "
                         "latency and tokens/s beside the pair's")
+    add_sliding_window_arg(p)
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--engine transformers``: what it cannot run yet, named before anything starts."""
+    from kvxfer.worker.serve import check_sliding_window
+
+    check_sliding_window(parser, args)
     if args.engine != "transformers":
         if args.colocated_baseline:
             parser.error("--colocated-baseline times transformers' generate_batch: it needs --engine transformers")
@@ -109,6 +115,7 @@ class TransformersOracle:
         self.shape = shape
         self.device = "cpu" if path is not None else device
         self.tokenizer = load_tokenizer(args.model) if path is not None else None
+        self.window = args.sliding_window  # a hybrid model's (seeded): the workers' too
         self.blocks = blocks
         self._model: Any = None
 
@@ -156,7 +163,7 @@ class TransformersOracle:
         greedy = all(s.plain for s in sampling)
         oracle = "transformers' generate_batch" if greedy else "the transformers engine's colocated batch (sampled)"
         line.say(f"computing reference outputs: {oracle} over {len(prompts)} prompts, while {workers} workers start")
-        model = self._model if self._model is not None else load_on(self.path, self.shape, self.device)
+        model = self._model if self._model is not None else load_on(self.path, self.shape, self.device, self.window)
         self._model = model
         tokens = max_batch_tokens(self.device)
         if greedy:
@@ -175,7 +182,7 @@ class TransformersOracle:
         from kvxfer.pair_report import percentile
         from kvxfer.worker.hf_engine import PAGE_SIZE, load_on, max_batch_tokens
 
-        model = self._model if self._model is not None else load_on(self.path, self.shape, self.device)
+        model = self._model if self._model is not None else load_on(self.path, self.shape, self.device, self.window)
         self._model = model
         config = hf.batching_config(PAGE_SIZE, self.blocks, max_batch_tokens(self.device))
         hf.colocated(model, prompts[:1], 2, config)  # warm-up, as the pair's warm-up request

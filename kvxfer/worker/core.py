@@ -122,7 +122,10 @@ class Worker:
     def _build(self) -> None:
         cfg, s = self.config, self._state
         if self._hf is not None:  # transformers' cache, lent in place: no pool
-            s.lender = self._hf.build().lender
+            self._hf.build()
+            s.lender = self._hf.lender
+            if self._hf.hybrid:  # a lease, view and hint per layer group, each its own geometry
+                s.mover = LayerMover()
             self._make_backend(0)
             return
         if cfg.engine_kv:
@@ -323,9 +326,10 @@ class Worker:
         for group, stats in s.serving.block_stats().items():  # the pool, or transformers' cache
             for state, value in stats.items():
                 out[(m.blocks, (("group", group), ("state", state)))] = float(value)
-            # Held by a request (or retained for a peer): neither free nor cached for reuse.
-            in_use = stats["blocks"] - stats["free"] - stats["cached"]
-            out[(m.blocks, (("group", group), ("state", "in_use")))] = float(in_use)
+            if "blocks" in stats:  # a hybrid transformers cache's groups have no total: reusable only
+                # Held by a request (or retained for a peer): neither free nor cached for reuse.
+                in_use = stats["blocks"] - stats["free"] - stats["cached"]
+                out[(m.blocks, (("group", group), ("state", "in_use")))] = float(in_use)
         return out
 
     # --- the tables the tests and health read (each has one owner) --------------------------

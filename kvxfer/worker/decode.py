@@ -29,6 +29,7 @@ from kvxfer.lender import Lease
 from kvxfer.worker.calls import GenerateCall, ReserveCall, pick_json
 from kvxfer.worker.engines import Stream
 from kvxfer.worker.errors import Aborted, Refused
+from kvxfer.worker.layers import geometry_views
 from kvxfer.worker.meters import reason_label
 from kvxfer.worker.state import WorkerState
 
@@ -313,7 +314,8 @@ class DecodeRole:
             await s.engine.run(self._quarantine, reserved, attempt)
             raise
         left = gone()
-        figures = s.meters.count_transfer(reserved.view, outcome, time.perf_counter() - submitted, unwanted=left)
+        figures = s.meters.count_transfer(reserved.view, outcome, time.perf_counter() - submitted, unwanted=left,
+                                          parts=geometry_views(reserved.lease))
         await s.engine.run(self._arrive, reserved, outcome)
         if left:
             # Nothing will be decoded into these rows, so the stream need not wait for the

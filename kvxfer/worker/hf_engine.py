@@ -23,17 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvxfer.adapters.errors import UnsupportedCache
 from kvxfer.adapters.transformers import RequestSampling, TransformersEngine, checkpoint_scope
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.adapters.transformers.converted import load_converted
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.sampling import InvalidSampling, Pick, SamplingParams
+from kvxfer.lender import ShutdownReport
 from kvxfer.modelfiles import model_path
 from kvxfer.pool import PoolExhausted
 from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.engines import Stream
 from kvxfer.worker.errors import Refused
+from kvxfer.worker.layers import LayerLeases
 
 log = logging.getLogger(__name__)
 PAGE_SIZE = 16
@@ -47,28 +48,72 @@ def load_model(path: Path) -> Any:
     return load_converted(path)
 
 
-def seeded_model(shape: ModelConfig, device: str) -> Any:
+def seeded_model(shape: ModelConfig, device: str, sliding_window: int = 0) -> Any:
     """A Llama-style model of ``shape`` with transformers' random initialization seeded by
     ``shape.seed``, in ``shape.dtype`` on ``device``: the toy model's flags (``--layers``,
-    ``--hidden``, ... ``--seed``) give the same weights at both ends and in the oracle."""
+    ``--hidden``, ... ``--seed``) give the same weights at both ends and in the oracle.
+
+    ``sliding_window`` > 0 (``--sliding-window``): a hybrid model instead, Gemma-2-like, its
+    even layers attending to the last ``sliding_window`` tokens and its odd ones to all (a
+    Qwen2-style model, head_dim ``hidden // heads``): transformers keeps each kind of layer in
+    a cache group of its own."""
     import torch
 
+    if sliding_window > 0:
+        if shape.head_dim * shape.heads != shape.hidden:
+            raise ValueError(f"--sliding-window: the hybrid model's head_dim is hidden // heads "
+                             f"({shape.hidden} // {shape.heads}), not {shape.head_dim}: set --head-dim to it")
+        types = [hf.SLIDING if i % 2 == 0 else hf.FULL for i in range(shape.layers)]
+        return hf.random_hybrid_model(vocab_size=shape.vocab_size, hidden=shape.hidden, layer_types=types,
+                                      window=sliding_window, heads=shape.heads, kv_heads=shape.kv_heads,
+                                      intermediate=shape.intermediate, rope_theta=shape.rope_theta,
+                                      rms_eps=shape.rms_eps, max_positions=shape.max_positions, seed=shape.seed,
+                                      dtype=shape.torch_dtype, device=torch.device(device))
     return hf.random_model(vocab_size=shape.vocab_size, hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
                            kv_heads=shape.kv_heads, head_dim=shape.head_dim, intermediate=shape.intermediate,
                            rope_theta=shape.rope_theta, rms_eps=shape.rms_eps, max_positions=shape.max_positions,
                            seed=shape.seed, dtype=shape.torch_dtype, device=torch.device(device))
 
 
-def load_on(path: Path | None, shape: ModelConfig, device: str) -> Any:
+def load_on(path: Path | None, shape: ModelConfig, device: str, sliding_window: int = 0) -> Any:
     """The transformers model a worker or the oracle runs: the GGUF at ``path`` (on the cpu),
-    or, for the toy model (``path`` None), seeded weights of ``shape`` on ``device``."""
-    return load_model(path) if path is not None else seeded_model(shape, device)
+    or, for the toy model (``path`` None), seeded weights of ``shape`` on ``device`` (hybrid
+    with a ``sliding_window``: ``seeded_model``)."""
+    return load_model(path) if path is not None else seeded_model(shape, device, sliding_window)
 
 
 def max_batch_tokens(device: str) -> int:
     """Tokens one step of the batch takes: a 2k-token prompt in one step on a GPU; on the cpu,
     chunks small enough that decoding requests are not starved by a long prefill."""
     return MAX_BATCH_TOKENS if device == "cpu" else GPU_MAX_BATCH_TOKENS
+
+
+class GroupLenders:
+    """The lenders of a hybrid cache's layer groups (``ExternalLender.for_groups``) as the
+    worker's one lender: their memory (the cache tensor, once), their open leases, reclaim
+    and shutdown. Each group lends its own blocks (``TransformersEngine.lend_prefill_groups``)."""
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self._engine = engine
+        self.lenders = {name: group.lender for name, group in engine.groups.items()}
+
+    @property
+    def regions(self) -> tuple[Any, ...]:
+        return self._engine.regions
+
+    @property
+    def open_leases(self) -> int:
+        return sum(lender.open_leases for lender in self.lenders.values())
+
+    def reclaim(self) -> None:
+        for lender in self.lenders.values():
+            lender.reclaim()
+
+    def shutdown(self, force: bool = False) -> ShutdownReport:
+        reports = [lender.shutdown(force=force) for lender in self.lenders.values()]
+        blocks = {g: b for r in reports for g, b in r.retained_blocks.items()}
+        return ShutdownReport(sum(r.open_leases for r in reports), sum(r.unquiesced_attempts for r in reports),
+                              blocks, {})
 
 
 @dataclass(eq=False)
@@ -110,20 +155,25 @@ class TransformersServing:
 
     # --- lifecycle (the worker's) ------------------------------------------------------------
     def build(self) -> TransformersEngine:
-        """On the engine thread: the batch and its cache (lent in place, no pool)."""
-        engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
-                                    max_batch_tokens=self._max_batch_tokens, scope=self._scope, name=self._kv_name)
-        if engine.hybrid:
-            # The seam moves one lease per request, and /metrics counts one pool: refused
-            # before any request rather than at its first lend.
-            groups = sorted(engine.groups)
-            engine.shutdown()
-            raise UnsupportedCache(f"the model's cache has layer groups {groups} (sliding-window layers beside full "
-                                   "attention); kvxfer serve --engine transformers serves models with one layer group "
-                                   "(the adapter moves a hybrid cache by a lease per group, the worker by one lease "
-                                   "per request)")
-        self.engine = engine
-        return engine
+        """On the engine thread: the batch and its cache (lent in place, no pool). A hybrid
+        cache (sliding-window layers beside full attention) lends each layer group by a
+        lender of its own: ``lender`` is them all, and a request moves as one lease, view and
+        hint per group (``kvxfer.worker.layers.LayerLeases``, moved by ``LayerMover``)."""
+        self.engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
+                                         max_batch_tokens=self._max_batch_tokens, scope=self._scope,
+                                         name=self._kv_name)
+        return self.engine
+
+    @property
+    def hybrid(self) -> bool:
+        return self._engine().hybrid
+
+    @property
+    def lender(self) -> Any:
+        """What the worker counts, reclaims and shuts down: the one group's lender, or every
+        group's (``GroupLenders``)."""
+        engine = self._engine()
+        return GroupLenders(engine) if engine.hybrid else engine.lender
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -254,7 +304,10 @@ class TransformersServing:
             raise
 
     def lend_read(self, rid: str, n: int, groups: tuple[str, ...] | None = None) -> Any:
-        return self._engine().lend_prefill(rid)
+        engine = self._engine()
+        if engine.hybrid:
+            return LayerLeases(rid, engine.lend_prefill_groups(rid))
+        return engine.lend_prefill(rid)
 
     def free(self, rid: str) -> None:
         """Whatever ``rid`` holds goes back once nothing may touch it: a prefill's pinned
@@ -281,22 +334,30 @@ class TransformersServing:
         if reservation is None:
             raise PoolExhausted(f"the transformers cache has no room for request {rid!r} ({len(prompt)} prompt tokens) "
                                 "now")
-        if reservation.lease is None:  # transformers shares whole blocks before the last token: never
+        if not reservation.leases:  # transformers shares whole blocks before the last token: never
             self._engine().drop(rid)
             raise Refused(f"request {rid!r}: the whole prompt is held here; nothing to fetch")
         return reservation.held
 
     def lend_write(self, rid: str, n: int) -> Any:
-        reservation = self._engine().reservation(rid)
-        if reservation is None or reservation.lease is None:
+        engine = self._engine()
+        reservation = engine.reservation(rid)
+        if reservation is None or not reservation.leases:
             raise Refused(f"request {rid!r} has no reservation here")
-        return reservation.lease
+        if not engine.hybrid:
+            return reservation.lease
+        if list(reservation.leases) != list(engine.groups):  # a ring is never shared: every group moves
+            raise Refused(f"request {rid!r}: layer groups {sorted(engine.groups)}, leases for "
+                          f"{sorted(reservation.leases)}")
+        return LayerLeases(rid, dict(reservation.leases))
 
     def usable(self, name: str, n: int) -> int:
-        reservation = self._engine().reservation(name)
-        if reservation is None:
+        """Where the request resumes from what arrived: every group's KV in place up to there
+        (a wrapped sliding ring is of use whole or not at all: ``TransformersEngine.usable``)."""
+        engine = self._engine()
+        if engine.reservation(name) is None:
             return 0
-        return n if reservation.lease is None else min(reservation.lease.usable_until, n)
+        return min(engine.usable(name), n)
 
     def allocate_local(self, name: str, prompt: list[int], max_new: int) -> None:
         self._local.add(name)
@@ -353,8 +414,18 @@ class TransformersServing:
             self.engine.reclaim()
 
     def block_stats(self) -> dict[str, dict[str, int]]:
-        """transformers' cache, as the worker's ``kvxfer_pool_blocks`` counts a pool."""
-        return {} if self.engine is None else {"kv": self.engine.block_counts()}
+        """transformers' cache, as the worker's ``kvxfer_pool_blocks`` counts a pool. A hybrid
+        cache's groups share its sectors and transformers records no sector's owner, so no
+        group has a total: each group's ``reusable`` blocks only (free ones, free sectors' and
+        its prefix cache's), once the empty sectors went back to the pool (so that an idle
+        cache counts as many in each group as it had at the start). On the engine thread."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        if engine.hybrid:
+            engine.batch.free_empty_sectors()
+            return {group: {"reusable": engine.batch.reusable_block_count(group)} for group in engine.groups}
+        return {"kv": engine.block_counts()}
 
     def _engine(self) -> TransformersEngine:
         if self.engine is None:

@@ -15,6 +15,12 @@ when every group has landed (or failed, and then resumes from the bound).
 owner thread of the backend) as each group is ready, it lends that group's rows (the lease
 starts then, after the engine wrote and committed them), describes hint P and submits the
 group's publish with its hint D.
+
+A hybrid cache (``kvxfer serve --engine transformers`` with a model whose sliding-window
+layers sit beside full-attention ones) moves the same way, all groups at once: each group is
+an engine geometry of its own, lent by a lease of its own named ``rid/group``
+(``kvxfer.adapters.transformers``), and ``LayerLeases`` makes those leases one, whose
+group views (each with its geometry) ``LayerMover`` moves.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from kvxfer.contract import (
     Outcome,
     Peer,
     SubmissionRejected,
+    TokenRange,
     View,
 )
 
@@ -53,19 +60,73 @@ def group_views(view: View) -> list[View]:
     return [group_view(View(view.request, view.tokens, (g,), view.layout)) for g in view.groups]
 
 
+class LayerLeases:
+    """One request's leases, one per layer group of a cache whose groups are geometries of
+    their own (a hybrid cache: ``ExternalLender.for_groups``), with the interface of one
+    lease. Each lease's view is its group's transfer (named ``rid/group``, its own tokens: a
+    sliding group's ring); ``view()`` lists every group's rows as one view, for counting rows
+    and for the masks, one per group in this order."""
+
+    def __init__(self, request: str, leases: dict[str, Any]) -> None:
+        if not leases:
+            raise InvalidSubmission(f"request {request!r}: no layer group to move")
+        self.request = request
+        self.leases = leases
+
+    def group_views(self) -> list[View]:
+        """Each group's own view (its geometry), in this order."""
+        return [lease.view() for lease in self.leases.values()]
+
+    def view(self) -> View:
+        views = self.group_views()
+        tokens = TokenRange(min(v.tokens.start for v in views), max(v.tokens.end for v in views))
+        return View(self.request, tokens, tuple(v.groups[0] for v in views), b"layer-groups")
+
+    def track(self, attempt: Attempt) -> None:
+        for lease in self.leases.values():
+            lease.track(attempt)
+
+    def unquiesced(self) -> int:
+        return max(lease.unquiesced() for lease in self.leases.values())
+
+    def mark_arrived(self, masks: Sequence[Any]) -> None:
+        """``masks`` aligned with ``view()``'s groups: each group's lease gets its own."""
+        if len(masks) != len(self.leases):
+            raise InvalidSubmission(f"request {self.request!r}: {len(masks)} masks for {len(self.leases)} layer groups")
+        for lease, mask in zip(self.leases.values(), masks):
+            lease.mark_arrived([mask])
+
+    def release(self) -> None:
+        for lease in self.leases.values():
+            lease.release()
+
+
+def _views(lease: Any, view: View) -> list[View]:
+    """The transfers of one request: a hybrid cache's group views, or a pool's groups."""
+    return lease.group_views() if isinstance(lease, LayerLeases) else group_views(view)
+
+
+def geometry_views(lease: Any) -> tuple[View, ...]:
+    """A hybrid cache's group views (each with its geometry: what a row weighs), or none."""
+    return tuple(lease.group_views()) if isinstance(lease, LayerLeases) else ()
+
+
+
 def hints_by_group(names: Sequence[str], hints: Sequence[Hint], rid: str) -> list[Hint]:
     """The peer's hints in the order of ``names`` (this end's groups): one hint of one group
     each. InvalidSubmission names both ends' groups when they differ (the two ends were
-    started with a different --layerwise)."""
+    started with a different --layerwise, or serve models whose caches differ in groups)."""
     by_group: dict[str, Hint] = {}
     for hint in hints:
         if len(hint.groups) != 1:
             raise InvalidSubmission(f"request {rid!r}: the peer sent a hint of {len(hint.groups)} groups; layer-wise "
-                                    "streaming moves one group per hint: start both ends with the same --layerwise")
+                                    "streaming moves one group per hint: start both ends with the same --layerwise "
+                                    "and model")
         by_group[hint.groups[0].layer_group] = hint
     if sorted(by_group) != sorted(names) or len(by_group) != len(hints):
         raise InvalidSubmission(f"request {rid!r}: the peer's layer groups {sorted(by_group)} are not this end's "
-                                f"{sorted(names)}: start both ends with the same --layerwise")
+                                f"{sorted(names)}: start both ends with the same --layerwise and model (a "
+                                "hybrid model's groups are its cache's)")
     return [by_group[name] for name in names]
 
 
@@ -120,7 +181,7 @@ def _submit(lease: Any, view: View, hints: tuple[Hint, ...], submit: Callable[..
     cancelled and tracked by the lease (their rows wait for them to quiesce) before the
     refusal is raised: a refused submission, as the contract says, leaves nothing running
     that the caller does not know of."""
-    views = group_views(view)
+    views = _views(lease, view)
     theirs = hints_by_group([v.groups[0].layer_group for v in views], hints, view.request)
     attempts: list[Attempt] = []
     try:
@@ -141,19 +202,20 @@ def _attempt(view: View, attempts: Sequence[Attempt | None]) -> LayerAttempt:
 
 
 class LayerMover:
-    """The worker's mover (``kvxfer.worker.movers.Mover``) under --layerwise > 1: one
-    transfer per layer group, each with its own hint, all at once. The prefill worker's
-    streamed publish (``GroupStream``) submits the same per group, as the groups get ready."""
+    """The worker's mover (``kvxfer.worker.movers.Mover``) under --layerwise > 1, and for a
+    hybrid cache's ``LayerLeases``: one transfer per layer group, each with its own hint, all
+    at once. The prefill worker's streamed publish (``GroupStream``) submits the same per
+    group, as the groups get ready."""
 
     def describe_write(self, backend: Backend, lease: Any, view: View, publisher: Peer) -> bytes:
-        return wire.encode_hints([backend.describe(v, publisher) for v in group_views(view)])
+        return wire.encode_hints([backend.describe(v, publisher) for v in _views(lease, view)])
 
     def fetch(self, backend: Backend, lease: Any, view: View, hints: tuple[Hint, ...],
               wake: Callable[[], None]) -> Attempt:
         return _submit(lease, view, hints, backend.fetch, wake)
 
     def describe_read(self, backend: Backend, lease: Any, view: View, hints: tuple[Hint, ...]) -> bytes:
-        views = group_views(view)
+        views = _views(lease, view)
         theirs = hints_by_group([v.groups[0].layer_group for v in views], hints, view.request)
         return wire.encode_hints([backend.describe(v, h.peer) for v, h in zip(views, theirs)])
 

@@ -10,7 +10,7 @@ cancelled because its client left: that one is only ``kvxfer_transfers_total{sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer.contract import Cancelled, Delivered, Failed, Outcome, View
@@ -29,7 +29,12 @@ def reason_label(outcome: Outcome | None, reason: str = "") -> str:
     return "transfer_error"
 
 
-def outcome_bytes(view: View, outcome: Outcome) -> int:
+def outcome_bytes(view: View, outcome: Outcome, parts: Sequence[View] = ()) -> int:
+    """``parts``: the request's transfers, one geometry view per group of ``view`` (a hybrid
+    cache's), each row weighing its own geometry's block."""
+    if parts:
+        return sum(int(m.sum()) * part.geometry.block_bytes for part, m in zip(parts, outcome.masks)
+                   if part.geometry is not None)
     if view.geometry is not None:  # an engine's own KV: a row is a block of every layer's K and V (its heads)
         return int(outcome.masks[0].sum()) * view.geometry.block_bytes
     return sum(int(m.sum()) * g.region.slot_bytes for g, m in zip(view.groups, outcome.masks))
@@ -94,14 +99,14 @@ class Meters:
         for series in (self.nixl_time, self.nixl_bytes, self.nixl_failed):
             series.metric.labels(model_name=model_name)  # at 0 from the start, as vLLM's are
 
-    def count_transfer(self, view: View, outcome: Outcome, seconds: float, *, unwanted: bool = False
-                       ) -> dict[str, Any]:
+    def count_transfer(self, view: View, outcome: Outcome, seconds: float, *, unwanted: bool = False,
+                       parts: Sequence[View] = ()) -> dict[str, Any]:
         """Count a concluded transfer; its figures, as the /publish and /generate streams report them.
         ``unwanted``: its rows were no longer wanted (the client left), so a Cancelled outcome is
-        counted as cancelled only, not as a failure."""
+        counted as cancelled only, not as a failure. ``parts``: ``outcome_bytes``'s."""
         status = _status(outcome)
         self.transfers.inc(status=status)
-        nbytes = outcome_bytes(view, outcome)
+        nbytes = outcome_bytes(view, outcome, parts)
         self.transfer_bytes.inc(nbytes)
         self.transfer_rows.inc(outcome.rows_delivered)
         self.latency.observe(seconds)

@@ -26,7 +26,7 @@ from kvxfer.lender import Lease
 from kvxfer.pool import PagedKVPool
 from kvxfer.worker.calls import PrefillCall, PublishCall, pick_json
 from kvxfer.worker.errors import Aborted, Refused
-from kvxfer.worker.layers import LayerAttempt, group_view, hints_by_group
+from kvxfer.worker.layers import LayerAttempt, geometry_views, group_view, hints_by_group
 from kvxfer.worker.state import WorkerState
 
 
@@ -265,7 +265,8 @@ class PrefillRole:
         try:
             yield {"event": "published", "hint": base64.b64encode(prefill_hint).decode(), "rows": view.rows}
             outcome = await s.engine.settle(attempt, event, s.config.transfer_timeout_s)
-            figures = s.meters.count_transfer(view, outcome, time.perf_counter() - submitted)
+            figures = s.meters.count_transfer(view, outcome, time.perf_counter() - submitted,
+                                              parts=geometry_views(lease))
             yield {"event": "transfer", "final": True, **figures}
         finally:
             try:

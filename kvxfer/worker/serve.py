@@ -294,7 +294,7 @@ def _engine_model(args: argparse.Namespace) -> tuple[Any, ModelConfig, str]:
     try:
         from kvxfer.worker.hf_engine import load_on  # noqa: PLC0415 - imports transformers
 
-        return load_on(path, shape, device), shape, device
+        return load_on(path, shape, device, args.sliding_window), shape, device
     except AdapterError as exc:  # another transformers than the adapter's pinned one, a cache it cannot lend
         print(f"{getattr(args, 'model_prog', 'kvxfer')}: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Hugging Face transformers' continuous batching, its cache lent in place; needs pip install "
                         "'kvxfer[transformers]', a GGUF --model such as smollm2, the cpu; requests sample with kvxfer's sampler). Both "
                         "ends of a pair must run the same engine: a router refuses a mixed pair by name")
+    add_sliding_window_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = ephemeral (announced on stdout)")
     p.add_argument("--port-file", default="", help="also write the ready line here (atomically)")
@@ -451,8 +452,32 @@ def check_engine_kv(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     check_engine_args(parser, args)
 
 
+def add_sliding_window_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sliding-window", type=int, default=0, metavar="TOKENS",
+                   help="--engine transformers with the toy model's seeded shape: a hybrid model instead, "
+                        "Gemma-2-like, its even layers attending to the last TOKENS tokens (a cache group of their "
+                        "own, of which only the ring moves) and its odd layers to all; head_dim must be hidden / "
+                        "heads. 0: every layer attends to all")
+
+
+def check_sliding_window(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--sliding-window``: what it cannot make, named before anything loads."""
+    window = args.sliding_window
+    if window == 0:
+        return
+    if window < 0:
+        parser.error(f"--sliding-window must be a positive number of tokens (or 0: none), got {window}")
+    if args.engine != "transformers" or args.model != TOY or args.checkpoint:
+        parser.error("--sliding-window seeds a hybrid model for --engine transformers from the toy model's shape "
+                     "(--model toy, no --checkpoint)")
+    if args.head_dim * args.heads != args.hidden:
+        parser.error(f"--sliding-window: the hybrid model's head_dim is --hidden / --heads ({args.hidden} / "
+                     f"{args.heads}), not --head-dim {args.head_dim}")
+
+
 def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--engine transformers``: what it cannot serve, named before anything loads."""
+    check_sliding_window(parser, args)
     if args.engine != "transformers":
         return
     if args.checkpoint:

@@ -283,3 +283,65 @@ def test_a_client_that_leaves_mid_transfer_leaves_both_caches_consistent(oracle:
                 gate.set()
 
     asyncio.run(main())
+
+
+# --- a hybrid model: sliding-window layers beside full attention -----------------------------
+WINDOW = 24  # under the prompts' 40 tokens: the ring wrapped, so a gap anywhere recomputes from 0
+
+
+async def reusable(url: str) -> dict[str, float]:
+    """A hybrid cache's blocks each group may take now (no group has a total of its own)."""
+    text = await request_text(url, "/metrics")
+    return {s.labels["group"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "kvxfer_pool_blocks" and s.labels.get("state") == "reusable"}
+
+
+async def hybrid_consistent(url: str, start: dict[str, float]) -> None:
+    """Nothing held for any request, and each group's reusable blocks as many as at the start."""
+    async def quiet() -> bool:
+        g = await gauges(url)
+        return all(g[k] == 0 for k in LEFT if k != "blocks_in_use") and await reusable(url) == start
+    await until(f"{url} idle, both groups' blocks back", quiet)
+
+
+def test_a_hybrid_prefill_worker_killed_mid_transfer(tmp_path: Path) -> None:
+    """--sliding-window: each request moves two transfers, the full-attention blocks and the
+    ring. Push, the prefill worker dies after each group's first block went out: the request
+    (its ring wrapped) is prefilled again from 0 in the decode worker's batch, as generate_batch
+    makes it; both groups' blocks go back, and the next request runs there token-identical."""
+    preload("transformers.models.qwen2.modeling_qwen2")
+    from kvxfer.worker.hf_engine import seeded_model
+
+    torch.set_num_threads(1)
+    group = ProcessGroup(tmp_path)
+    window = ["--sliding-window", str(WINDOW)]
+    with group:
+        p = group.start("p", ["serve", "--role", "prefill", "--name", "p", *FLAGS, *window, *PACED])
+        d = group.start("d", ["serve", "--role", "decode", "--name", "d", *FLAGS, *window])
+        model = seeded_model(SHAPE, "cpu", sliding_window=WINDOW)
+        expected = hf.colocated(model, [PROMPTS["killed"], PROMPTS["after"]], NEW,
+                                hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
+        group.wait_ready([p, d], 180)
+
+        async def main() -> None:
+            start = await reusable(d.url)
+            assert sorted(start) == [hf.FULL, hf.SLIDING], start
+            async with Router([p.url], [d.url], on_failure="recompute", timeout_s=30) as router:
+                task = asyncio.create_task(router.generate(PROMPTS["killed"], NEW))
+                await in_flight([task], p.url, d.url)
+                p.kill()
+                done = await task
+            assert done.ok, done.error
+            assert done.transfer is not None and done.transfer.status == "failed", done.transfer
+            assert named_dead(done.transfer.reason, p), done.transfer
+            assert done.recomputed_tokens == 40 and list(done.tokens) == expected[0], done
+            await hybrid_consistent(d.url, start)
+            async with Router([], [d.url], on_failure="recompute", timeout_s=30) as router:
+                after = await router.generate(PROMPTS["after"], NEW)
+            assert after.ok and after.path == "local" and list(after.tokens) == expected[1], after
+            await hybrid_consistent(d.url, start)
+
+        asyncio.run(main())
+        codes = group.stop()
+    assert codes == {"d": 0, "p": -9}, codes
+    assert_nothing_left([{"pid": c.pid, "port": c.port} for c in (p, d)])

@@ -61,6 +61,29 @@ def test_pair_transformers_sampled_is_token_identical_to_its_colocated_batch(tmp
     # That the oracle samples (is not greedy) is tests/unit/test_transformers_sampling.py's.
 
 
+def test_pair_transformers_hybrid_is_token_identical_to_generate_batch(tmp_path: Path) -> None:
+    """``--sliding-window 24``: the toy model's shape seeded as a hybrid model (even layers
+    sliding, odd ones full attention), two cache groups at each worker, each moving by its own
+    transfer over NIXL, the sliding group only its ring: every completion token-identical to
+    generate_batch on the same hybrid model, prompts shorter and longer than the window."""
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers", "--sliding-window", "24",
+         "--requests", "4", "--concurrency", "2", "--min-len", "8", "--max-len", "90", "--max-new-tokens", "6",
+         "--warmup", "0", "--blocks", "64", "--json", str(report_path), "--log-dir", str(tmp_path / "logs"), "--quiet"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert report["requests"] == report["matched"] == 4 and report["failed"] == 0
+    results = report["results"]
+    lengths = [r["prompt_tokens"] for r in results]
+    assert min(lengths) < 24 < max(lengths), lengths
+    assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
+    # Every full-attention block of each prompt and the ring's blocks only: two groups moved.
+    assert report["rows"] == sum(-(-n // 16) + -(-min(n, 24) // 16) for n in lengths), (report["rows"], lengths)
+    assert_nothing_left(report["config"]["processes"])
+
+
 def test_serving_without_the_engine_flag_never_imports_transformers() -> None:
     code = ("import sys, kvxfer.worker.serve, kvxfer.worker.core, kvxfer.worker.app, kvxfer.pair, kvxfer.router.serve; "
             "print('transformers' in sys.modules)")
@@ -76,14 +99,22 @@ def test_what_the_transformers_engine_cannot_run_is_refused_by_name(capsys: pyte
                         (["--engine", "transformers", "--model", "smollm2", "--backend", "ucx"],
                          "over nixl or ipc for now, not --backend ucx"),
                         (["--engine", "transformers", "--model", "smollm2", "--lender", "staging"],
-                         "no engine-KV flags, --store or --lender staging")):
+                         "no engine-KV flags, --store or --lender staging"),
+                        (["--sliding-window", "8"], "--sliding-window seeds a hybrid model for --engine transformers"),
+                        (["--engine", "transformers", "--model", "smollm2", "--sliding-window", "8"],
+                         "from the toy model's shape (--model toy, no --checkpoint)"),
+                        (["--engine", "transformers", "--sliding-window", "8", "--head-dim", "16"],
+                         "head_dim is --hidden / --heads (128 / 4), not --head-dim 16"),
+                        (["--engine", "transformers", "--sliding-window", "-2"], "must be a positive number")):
         with pytest.raises(SystemExit) as exc:
             pair.main(argv)  # refused before any process starts
         err = capsys.readouterr().err
         assert exc.value.code == 2 and words in err and "Traceback" not in err, err
     for argv, words in ((["--role", "prefill", "--engine", "transformers", "--checkpoint", "w"], "no --checkpoint"),
                         (["--role", "decode", "--engine", "transformers", "--model", "smollm2", "--store", "memory"],
-                         "does not use a KV store")):
+                         "does not use a KV store"),
+                        (["--role", "prefill", "--sliding-window", "8"],
+                         "--sliding-window seeds a hybrid model for --engine transformers")):
         with pytest.raises(SystemExit) as exc:
             serve.main(argv)
         err = capsys.readouterr().err

@@ -288,19 +288,26 @@ def test_single_lease_calls_and_other_windows_are_refused_by_name(engines: Any, 
         lease.release()
 
 
-def test_block_counts_and_the_worker_refuse_a_hybrid_cache_by_name(engines: Any, model: Any,
-                                                                   sliding_only: Any) -> None:
+def test_block_counts_refuse_a_hybrid_cache_by_name_and_the_worker_counts_each_group(engines: Any, model: Any,
+                                                                                      sliding_only: Any) -> None:
     """Its groups share the cache's sectors and transformers records no sector's owner: no
-    group has a block total for /metrics, and the worker's seam moves one lease per request."""
+    group has a block total, so the worker's /metrics counts each group's reusable blocks (it
+    serves the model: tests/unit/test_worker_transformers_hybrid.py)."""
     from kvxfer.modelfiles import TOY
-    from kvxfer.worker.hf_engine import TransformersServing
+    from kvxfer.worker.hf_engine import GroupLenders, TransformersServing
 
     with pytest.raises(UnsupportedCache, match=r"layer groups \['full_attention', 'sliding_attention'\] share"):
         engines(model).block_counts()
     counts = engines(sliding_only).block_counts()  # one group: every sector is its own
     assert counts["blocks"] > 0 and counts["free"] == counts["blocks"] and counts["cached"] == 0
-    serving = TransformersServing(model, None, num_blocks=64, model_name=TOY, name="refused")  # type: ignore[arg-type]
-    with pytest.raises(UnsupportedCache, match=r"layer groups \['full_attention', 'sliding_attention'\].*"
-                                               r"serves models with one layer group"):
-        serving.build()
-    assert serving.engine is None
+    serving = TransformersServing(model, None, num_blocks=64, model_name=TOY, name="hybrid")  # type: ignore[arg-type]
+    engine = serving.build()
+    try:
+        assert serving.hybrid and isinstance(serving.lender, GroupLenders)
+        assert serving.lender.regions == engine.regions and serving.lender.open_leases == 0
+        stats = serving.block_stats()
+        assert list(stats) == [FULL, SLIDING]
+        assert all(s["reusable"] == engine.batch.reusable_block_count(g) > 0 for g, s in stats.items())
+    finally:
+        assert not serving.lender.shutdown().retained_anything
+        serving.shutdown()

@@ -387,6 +387,12 @@ class Batch:
     def block_table(self, request_id: str, group: str | None = None) -> list[int]:
         return list(self._group(group).block_table.get(request_id, ()))
 
+    def free_empty_sectors(self) -> None:
+        """Give the sectors none of whose blocks is in use back to the pool, as the scheduler
+        does before it allocates (between two steps only): an empty sector then counts as
+        reusable in every group, not only in the group that used it last."""
+        self.cache.pool.try_to_free_sectors()
+
     def reusable_block_count(self, group: str | None = None) -> int:
         """Blocks of ``group`` transformers may hand out now: free ones, free sectors' and those
         its prefix cache keeps with no reference (evicted under pressure)."""
