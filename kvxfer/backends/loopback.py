@@ -105,6 +105,7 @@ class _Active:
     not_before: float
     cancelled_by_peer: bool = False
     transform: Oriented | None = None  # engine geometries at both ends: the plan moves the bytes
+    fail_after_rows: int | None = None  # the backend's injected fault when it was submitted
 
 
 @dataclass(eq=False)
@@ -205,7 +206,7 @@ class LoopbackBackend(BackendEngine):
             transform = plan_between(view, hint, fetching=fetching) if view.geometry is not None else None
             matches = [] if transform is not None else match_rows(view, hint)
             job = _Active(attempt, view, hint, matches, writes_peer=not fetching,
-                          not_before=now + self.delay_s, transform=transform)
+                          not_before=now + self.delay_s, transform=transform, fail_after_rows=self.fail_after_rows)
             with self._jobs_lock:
                 self._claim(hint, attempt)
                 self._active.append(job)
@@ -328,7 +329,7 @@ class LoopbackBackend(BackendEngine):
         peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
         failure: str | None = None
         total = sum(m.local_rows.size for m in job.matches)
-        budget = total if self.fail_after_rows is None else min(total, self.fail_after_rows)
+        budget = total if job.fail_after_rows is None else min(total, job.fail_after_rows)
         if budget < total:
             failure = f"injected fault after {budget} rows"
         moved = [0] * len(job.matches)
@@ -365,7 +366,7 @@ class LoopbackBackend(BackendEngine):
         """Copy the plan's runs a block-sized batch at a time (a cancel stops between
         batches); ``fail_after_rows`` counts runs here."""
         plan = transform.plan
-        budget = plan.runs if self.fail_after_rows is None else min(plan.runs, self.fail_after_rows)
+        budget = plan.runs if job.fail_after_rows is None else min(plan.runs, job.fail_after_rows)
         failure = f"injected fault after {budget} runs" if budget < plan.runs else None
         step = max(1, plan.runs // 8)
         done = 0

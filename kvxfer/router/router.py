@@ -594,8 +594,6 @@ class Router:
         """Each worker's /metrics text (unreachable ones are left out)."""
         out = {}
         for e in self.prefill + self.decode:
-            try:
+            with contextlib.suppress(HttpError):
                 out[e.url] = await self._http.request_text(e.url, "/metrics", self.connect_timeout_s)
-            except HttpError:
-                pass
         return out

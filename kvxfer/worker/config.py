@@ -98,15 +98,7 @@ class WorkerConfig:
         return settle_bound(self.transfer_timeout_s) + CLOCK_SKEW_S
 
     def __post_init__(self) -> None:
-        if self.expiry_grace_s is not None and (isinstance(self.expiry_grace_s, bool) or
-                                                not isinstance(self.expiry_grace_s, (int, float)) or
-                                                not 0 <= self.expiry_grace_s < 1e9):
-            raise ValueError(f"expiry_grace_s must be None or a number of seconds in [0, 1e9), got "
-                             f"{self.expiry_grace_s!r}")
-        if isinstance(self.inject_corruption, bool) or not 0.0 <= self.inject_corruption <= 1.0:
-            raise ValueError(f"inject_corruption must be a share of rows from 0 to 1, got {self.inject_corruption!r}")
-        if self.inject_corruption and not self.integrity:
-            raise ValueError("inject_corruption damages rows for the integrity check to catch: it needs integrity on")
+        self._check_numbers()
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.lender not in ("inplace", "staging"):
@@ -125,6 +117,17 @@ class WorkerConfig:
         if self.arena_bytes is not None and (self.backend != "nixl" or self.arena_bytes < 0):
             raise ValueError(f"arena_bytes applies to the nixl backend only and is >= 0, got {self.arena_bytes} "
                              f"with {self.backend!r}")
+
+    def _check_numbers(self) -> None:
+        if self.expiry_grace_s is not None and (isinstance(self.expiry_grace_s, bool) or
+                                                not isinstance(self.expiry_grace_s, (int, float)) or
+                                                not 0 <= self.expiry_grace_s < 1e9):
+            raise ValueError(f"expiry_grace_s must be None or a number of seconds in [0, 1e9), got "
+                             f"{self.expiry_grace_s!r}")
+        if isinstance(self.inject_corruption, bool) or not 0.0 <= self.inject_corruption <= 1.0:
+            raise ValueError(f"inject_corruption must be a share of rows from 0 to 1, got {self.inject_corruption!r}")
+        if self.inject_corruption and not self.integrity:
+            raise ValueError("inject_corruption damages rows for the integrity check to catch: it needs integrity on")
 
     def _check_layerwise(self) -> None:
         value = self.layerwise

@@ -23,6 +23,13 @@ A dead peer is seen when a send to it fails: sends of data, records and the hear
 end sends while it waits (``heartbeat_s``). Memory: HOST, and DEVICE where ucxx was built
 with CUDA and a device is present (tested on the GPU machine only, where the wheels are
 carried as NIXL's are).
+
+Options: ``error_handling`` (see Transport) False trades dead-peer detection for shared
+memory. ``pack_bytes``: small host runs this end fetches come packed in messages of about this
+size (0, the default: a message per run); its hints say so to the publisher. Off by default:
+on the CPU machine it did not pay (bench/results/2026-12-01-cpu-ucx, run d), and it never
+applies to device memory. ``integrity``: rows fetched here are checked against the
+publisher's digests (``sums``); ``corrupt_landed`` is the integrity tests' fault hook.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from kvxfer.backends.common.engine import BackendEngine, ProgressThread
 from kvxfer.backends.common.integrity import CorruptFn, RowCheck
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
-from kvxfer.backends.ucx.control import PullRequest, RunSums, decode_pull, decode_sums, encode_pull, encode_sums
+from kvxfer.backends.ucx.control import PullRequest, RunSums, decode_pull, decode_sums, encode_pull
 from kvxfer.backends.ucx.early import EarlyMessages
 from kvxfer.backends.ucx.jobs import (
     Receiving,
@@ -55,11 +62,12 @@ from kvxfer.backends.ucx.jobs import (
     ending,
     fits,
     stop_record,
+    take_received,
     transfer_tag,
 )
-from kvxfer.backends.ucx.packing import gather, run_memory, scatter, split
+from kvxfer.backends.ucx.packing import gather, run_memory, split
 from kvxfer.backends.ucx.runs import plan_runs
-from kvxfer.backends.ucx.sums import EXTRA_SUMS, LandedSums, run_digests
+from kvxfer.backends.ucx.sums import SumsDesk
 from kvxfer.backends.ucx.transport import (
     CONTROL_TAG,
     DATA_MASK,
@@ -103,17 +111,11 @@ class UcxBackend(BackendEngine):
                  fail_after_rows: int | None = None, poll_s: float = 0.0001, key: bytes | None = None,
                  error_handling: bool = True, pack_bytes: int = 0, integrity: bool = True,
                  corrupt_landed: CorruptFn | None = None) -> None:
-        # ``error_handling``: see Transport; False trades dead-peer detection for shared memory.
-        # ``pack_bytes``: small host runs this end fetches come packed in messages of about
-        # this size (0, the default: a message per run); its hints say so to the publisher.
-        # Off by default: on the CPU machine it did not pay (bench/results/2026-12-01-cpu-ucx,
-        # run d), and it never applies to device memory.
-        # ``integrity``: rows fetched here are checked against the publisher's digests
-        # (``sums``); ``corrupt_landed`` is the integrity tests' fault hook.
+        self.integrity = RowCheck(integrity, corrupt_landed)
+        self._sums = SumsDesk(self.integrity, KEPT)
         if window <= 0 or deadline_s <= 0 or heartbeat_s <= 0 or poll_s < 0 or pack_bytes < 0:
             raise ValueError("window, deadline_s and heartbeat_s must be positive, poll_s and pack_bytes not negative")
         self.pack_bytes = pack_bytes
-        self.integrity = RowCheck(integrity, corrupt_landed)
         self._transport = Transport(error_handling)
         kinds = {MemoryKind.HOST} | ({MemoryKind.DEVICE} if self._transport.cuda and cuda_present() else set())
         self._start_engine(name or unique_agent_name("kvxfer-ucx"), mode,
@@ -125,7 +127,6 @@ class UcxBackend(BackendEngine):
         self._receiving: dict[int, Receiving] = {}    # by data tag
         self._early = EarlyMessages()  # data messages before their fetch()
         self._asked: OrderedDict[str, PullRequest] = OrderedDict()  # pull requests before their publish()
-        self._early_sums: OrderedDict[int, list[RunSums]] = OrderedDict()  # digests before their fetch(), by tag
         self._replay: list[CompletionRecord] = []  # stashed records of submissions made since
         self._next_sweep = 0.0
         self._drains: list[tuple[Any, np.ndarray]] = []  # receives into scratch, and their buffers
@@ -146,10 +147,8 @@ class UcxBackend(BackendEngine):
         transfer_id = self._describe_checked(view)
         with self._jobs_lock:
             self._early.described(transfer_tag(transfer_id), time.monotonic() + self._own.ttl_ms / 1000)
-        extras = ((EXTRA_PACK, struct.pack("<q", self.pack_bytes)),)
-        if self.integrity.applies(view):
-            extras += ((EXTRA_SUMS, b"\x01"),)
-        return self._hint(view, transfer_id, audience, endpoint=self._transport.address, extras=extras)
+        return self._hint(view, transfer_id, audience, endpoint=self._transport.address,
+                          extras=((EXTRA_PACK, struct.pack("<q", self.pack_bytes)),) + self._sums.extras(view))
 
     def shutdown(self) -> frozenset[TrackedAttempt]:
         """Stop taking work, cancel what runs, return the attempts not proven quiesced. Called
@@ -185,11 +184,8 @@ class UcxBackend(BackendEngine):
     def _submit(self, view: View, hint: Hint, wake: WakeFn | None, *, fetching: bool) -> TrackedAttempt:
         admitted = self._admit(view, hint, fetching=fetching)
         attempt = TrackedAttempt(wake, self._on_cancel, admitted.label)
-        plan = plan_runs(view, hint, match_rows(view, hint),
+        plan = plan_runs(view, hint, match_rows(view, hint), max_runs=RUN_MASK + 1,  # numbered in a tag's low bits
                          pack_bytes=self.pack_bytes if fetching else _peer_pack_bytes(hint))
-        if plan.runs > RUN_MASK + 1:  # a run's number travels in the tag's low RUN_BITS bits
-            raise InvalidSubmission(f"the transfer has {plan.runs} runs of contiguous rows; the ucx backend "
-                                    f"numbers at most {RUN_MASK + 1} per transfer: split the request")
         deadline = time.monotonic() + self.deadline_s
         limit = self.fail_after_rows
         with self._jobs_lock:
@@ -203,18 +199,16 @@ class UcxBackend(BackendEngine):
                 wait = Receiving(attempt, view, hint, admitted.own_id, plan, tag, deadline,
                                  expected=plan.limited(own_limit), limit=own_limit,
                                  asked=self.mode is TransferMode.PUSH, received=np.zeros(plan.runs, np.int64),
-                                 sums=LandedSums(plan) if self.integrity.applies(view) else None)
+                                 sums=self._sums.expected(view, plan), held_sums=self._sums.take(tag))
                 self._receiving[tag] = wait
                 wait.held = self._early.take(tag)
-                for early in self._early_sums.pop(tag, []):
-                    self._keep_sums(wait, early)
                 self._replay_stashed(admitted.own_id, hint, view)  # the publisher may have stopped already
             else:
                 injected = admitted.active and limit is not None and limit < plan.rows
                 job = Sending(attempt, view, hint, admitted.own_id, plan, plan.limited(limit if injected else None),
                               transfer_tag(hint.transfer_id), deadline, go=self.mode is TransferMode.PUSH,
                               injected=f"injected fault after {limit} rows" if injected else None,
-                              sent=np.zeros(plan.runs, np.int64), sums=hint.extra(EXTRA_SUMS) is not None)
+                              sent=np.zeros(plan.runs, np.int64), sums=self._sums.wanted(hint))
                 asked = self._asked.pop(admitted.own_id, None)
                 if asked is not None and asked.sender == hint.agent:
                     job.to_send = np.minimum(job.to_send, plan.limited(asked.limit))
@@ -268,29 +262,17 @@ class UcxBackend(BackendEngine):
     # --- control messages -------------------------------------------------------------
     def _on_control(self, message: bytes) -> None:
         kind, body = message[:1], message[1:]
-        if kind == b"H":
-            return
         if kind == b"S":
-            if (sums := decode_sums(body, self._key)) is not None:
-                self._on_sums(sums)
-            else:
-                log.warning("ucx backend %s: dropped row digests malformed or not signed by our key", self.name)
-            return
-        if kind == b"G":
-            if (request := decode_pull(body, self._key)) is not None:
-                self._on_pull_request(request)
-            else:
-                log.warning("ucx backend %s: dropped a pull request malformed or not signed by our key", self.name)
-            return
-        if kind != b"R":
+            self._on_sums(decode_sums(body, self._key))
+        elif kind == b"G":
+            self._on_pull_request(decode_pull(body, self._key))
+        elif kind == b"R":
+            try:
+                self._on_record(decode_completion(body, self._key))
+            except WireError as exc:
+                log.warning("ucx backend %s: dropped a completion record: %s", self.name, exc)
+        elif kind != b"H":
             log.warning("ucx backend %s: dropped a control message of kind %r", self.name, kind)
-            return
-        try:
-            record = decode_completion(body, self._key)
-        except WireError as exc:
-            log.warning("ucx backend %s: dropped a completion record: %s", self.name, exc)
-            return
-        self._on_record(record)
 
     def _on_record(self, record: CompletionRecord) -> None:
         with self._jobs_lock:
@@ -304,7 +286,10 @@ class UcxBackend(BackendEngine):
         elif wait is not None and record.sender == wait.hint.agent and record.request == wait.view.request:
             self._on_stop(wait, record)
 
-    def _on_pull_request(self, request: PullRequest) -> None:
+    def _on_pull_request(self, request: PullRequest | None) -> None:
+        if request is None:
+            log.warning("ucx backend %s: dropped a pull request malformed or not signed by our key", self.name)
+            return
         with self._jobs_lock:
             job = self._sending.get(request.transfer_id)
             if job is None:
@@ -315,24 +300,19 @@ class UcxBackend(BackendEngine):
             job.to_send = np.minimum(job.to_send, job.plan.limited(request.limit))
             job.go = True
 
-    def _on_sums(self, sums: RunSums) -> None:
-        tag = transfer_tag(sums.transfer_id)
+    def _on_sums(self, sums: RunSums | None) -> None:
+        if sums is None:
+            log.warning("ucx backend %s: dropped row digests malformed or not signed by our key", self.name)
+            return
         with self._jobs_lock:
-            wait = self._receiving.get(tag)
-            if wait is None:  # a push publisher may send before our fetch() (as its rows may)
-                if tag in self._early_sums:
-                    self._early_sums[tag].append(sums)
-                else:
-                    put_bounded(self._early_sums, tag, [sums], KEPT)
-                return
+            if (wait := self._receiving.get(tag := transfer_tag(sums.transfer_id))) is None:
+                return self._sums.hold(tag, sums)
         self._keep_sums(wait, sums)
 
     def _keep_sums(self, wait: Receiving, sums: RunSums) -> None:
-        if wait.sums is None or sums.sender != wait.hint.agent or sums.transfer_id != wait.own_id:
-            return
-        if not wait.sums.add(wait.plan, sums) and wait.attempt.poll() is None:
-            wait.attempt.conclude(Failed(f"peer sent digests of runs {sums.first}..{sums.end} that do not fit them",
-                                         self._received_masks(wait)))
+        bad = wait.sums.keep(wait.plan, sums, wait.hint.agent, wait.own_id) if wait.sums is not None else None
+        if bad is not None and wait.attempt.poll() is None:
+            wait.attempt.conclude(Failed(bad, wait.masks()))
 
     def _send_control(self, agent: str, address: bytes, message: bytes) -> bool:
         try:
@@ -404,29 +384,19 @@ class UcxBackend(BackendEngine):
             self._drains.append(self._transport.drain(probe))
             if live:
                 wait.attempt.conclude(Failed(f"peer sent {length} bytes as run {run}, which does not fit it",
-                                             self._received_masks(wait)))
+                                             wait.masks()))
             return
         buffer = np.empty(length, np.uint8) if end - run > 1 else run_memory(wait.view, plan, run, length)
         wait.posted[run] = (self._transport.receive(probe, buffer), counts, buffer)
 
     def _advance_receiving(self, wait: Receiving, now: float) -> None:
-        held, wait.held = wait.held, []  # taken from the early messages when it was submitted
+        (held, wait.held), (sums, wait.held_sums) = (wait.held, []), (wait.held_sums, [])  # before fetch()
         for probe in held:
             self._land(wait, probe.sender_tag.value & RUN_MASK, probe)
-        for run, (request, counts, buffer) in list(wait.posted.items()):
-            state = self._transport.state(request)
-            if state == "PROC":
-                continue
-            del wait.posted[run]
-            if state == "DONE":
-                if counts.size > 1:
-                    scatter(wait.view, wait.plan, run, counts, buffer)
-                wait.received[run:run + counts.size] += counts
-            elif state == "GONE":
-                wait.peer_gone = True
-            else:
-                wait.attempt.conclude(Failed(f"UCX failed the receive of run {run} from {wait.hint.agent!r}",
-                                             self._received_masks(wait)))
+        for early in sums:
+            self._keep_sums(wait, early)
+        if (run := take_received(wait, self._transport.state)) is not None:
+            wait.attempt.conclude(Failed(f"UCX failed the receive of run {run} from {wait.hint.agent!r}", wait.masks()))
         if not wait.asked and wait.attempt.poll() is None and self._send_control(
                 wait.hint.agent, wait.hint.endpoint,
                 encode_pull(PullRequest(wait.hint.transfer_id, self.name, wait.limit), self._key)):
@@ -445,13 +415,10 @@ class UcxBackend(BackendEngine):
         """The publisher stopped early: wait for the rows it says it sent, no more."""
         if not fits(record, wait.view):
             wait.attempt.conclude(Failed("peer sent a completion record of the wrong shape",
-                                         self._received_masks(wait)))
+                                         wait.masks()))
             return
         wait.expected = np.minimum(wait.expected, wait.plan.rows_per_run(wait.view, record.masks))
         wait.stopped, wait.reason = record.status, record.reason
-
-    def _received_masks(self, wait: Receiving) -> list[np.ndarray]:
-        return wait.plan.local_masks(wait.view, wait.received)
 
     def _end_receiving(self, wait: Receiving) -> None:
         outcome = wait.attempt.poll()
@@ -528,18 +495,11 @@ class UcxBackend(BackendEngine):
             job.inflight[run] = (request, end, buffer)
 
     def _send_sums(self, job: Sending) -> None:
-        """The digests of the runs posted since we last sent some, while their sends move (with
-        integrity off here, once: that none will come)."""
-        if not job.sums or job.summed_to >= job.next_run:
-            return
-        first, end, digests = job.summed_to, job.next_run, None
-        if self.integrity.applies(job.view):
-            digests = run_digests(job.view, job.plan, first, end)
-        else:
-            first, end = 0, job.plan.runs
-        job.summed_to = end
-        self._send_control(job.hint.agent, job.hint.endpoint,
-                           encode_sums(RunSums(job.hint.transfer_id, self.name, first, end, digests), self._key))
+        """The digests of the runs posted since we last sent some, while their sends move."""
+        if job.sums and job.summed_to < job.next_run:
+            message, job.summed_to = self._sums.message(job.view, job.plan, job.hint.transfer_id, self.name,
+                                                         self._key, job.summed_to, job.next_run)
+            self._send_control(job.hint.agent, job.hint.endpoint, message)
 
     def _tell_stop(self, job: Sending) -> None:
         """We stop early (a fault, cancel, a failure): tell the fetcher which rows we sent."""

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.ucx.packing import scatter
 from kvxfer.backends.ucx.runs import RunPlan
 from kvxfer.backends.ucx.sums import LandedSums
 from kvxfer.backends.ucx.transport import TRANSFER_TAG_BITS
@@ -93,33 +94,55 @@ class Receiving:
     acked: bool = False
     next_heartbeat: float = 0.0
     sums: LandedSums | None = None  # integrity on: the publisher's digests, as they come
+    held_sums: list[Any] = field(default_factory=list)  # digests that came before fetch(), to keep
 
     @property
     def complete(self) -> bool:
         return bool(np.all(self.received >= self.expected))
+
+    def masks(self) -> list[BoolArray]:
+        """The rows whose receives completed, as masks over the view's groups."""
+        return self.plan.local_masks(self.view, self.received)
+
+
+def take_received(wait: Receiving, state: Any) -> int | None:
+    """Count the posted receives that ended (``state(request)``: UCX's PROC, DONE, GONE or an
+    error), scattering packed ones into their rows; the first run whose receive failed, if one did."""
+    failed = None
+    for run, (request, counts, buffer) in list(wait.posted.items()):
+        status = state(request)
+        if status == "PROC":
+            continue
+        del wait.posted[run]
+        if status == "DONE":
+            if counts.size > 1:
+                scatter(wait.view, wait.plan, run, counts, buffer)
+            wait.received[run:run + counts.size] += counts
+        elif status == "GONE":
+            wait.peer_gone = True
+        elif failed is None:
+            failed = run
+    return failed
 
 
 def ending(wait: Receiving, now: float, deadline_s: float) -> Outcome | None:
     """How a live receiving transfer ends now, if it does: every expected row in (and no
     receive running), cancelled, its peer gone, or past its deadline. The masks are the
     rows whose receives completed."""
-    def masks() -> list[BoolArray]:  # built only when the transfer ends: steps are frequent
-        return wait.plan.local_masks(wait.view, wait.received)
-
     if wait.complete and not wait.posted and (wait.sums is None or wait.sums.complete(wait.expected)):
         if wait.stopped is RecordStatus.CANCELLED:
-            return Cancelled(True, masks())
+            return Cancelled(True, wait.masks())
         if wait.stopped is RecordStatus.FAILED:
-            return Failed(f"peer failed: {wait.reason}", masks())
+            return Failed(f"peer failed: {wait.reason}", wait.masks())
         if wait.limit is not None:
-            return Failed(f"injected fault after {wait.limit} rows", masks())
-        return Delivered(tuple(masks()))
+            return Failed(f"injected fault after {wait.limit} rows", wait.masks())
+        return Delivered(tuple(wait.masks()))
     if wait.attempt.cancel_requested:
-        return Cancelled(False, masks())
+        return Cancelled(False, wait.masks())
     if wait.peer_gone:
-        return Failed(f"ucx peer {wait.hint.agent!r} disconnected before completing", masks())
+        return Failed(f"ucx peer {wait.hint.agent!r} disconnected before completing", wait.masks())
     if now > wait.deadline:
-        return Failed(f"timeout after {deadline_s:g}s waiting for peer {wait.hint.agent!r}", masks())
+        return Failed(f"timeout after {deadline_s:g}s waiting for peer {wait.hint.agent!r}", wait.masks())
     return None
 
 
@@ -132,7 +155,7 @@ def fits(record: CompletionRecord, view: View) -> bool:
 def acknowledged(job: Sending, record: CompletionRecord) -> Outcome:
     """The publisher's outcome from the fetcher's acknowledgement: the rows it received."""
     if not fits(record, job.view):
-        return Failed("peer sent a completion record of the wrong shape", job.view.row_masks())
+        return Failed("peer sent a completion record of the wrong shape", job.view.row_wait.masks())
     if record.status is RecordStatus.DELIVERED and job.injected is None:
         return Delivered(record.masks)
     if record.status is RecordStatus.CANCELLED:
@@ -164,7 +187,7 @@ def end_idle(sending: list[Sending], receiving: list[Receiving]) -> None:
     writing our rows conclude (Cancelled, if not concluded) and quiesce."""
     for job in sending:
         if not job.inflight:
-            job.attempt.conclude(Cancelled(False, job.view.row_masks()))
+            job.attempt.conclude(Cancelled(False, job.view.row_wait.masks()))
             job.attempt.mark_quiesced()
     for wait in receiving:
         if not wait.posted:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.backends.common.matching import GroupMatch
-from kvxfer.contract import BoolArray, Hint, IndexArray, MemoryKind, View
+from kvxfer.contract import BoolArray, Hint, IndexArray, InvalidSubmission, MemoryKind, View
 
 MAX_RUN_ROWS = 1 << 16  # a longer stretch goes as several runs: a receive is posted only once its message came
 PACK_BYTES = 4 << 20  # a pack_bytes to try: host runs up to a quarter of it travel packed, this many bytes a message
@@ -87,11 +87,13 @@ def _masks(sizes: list[int], plan: RunPlan, counts: IndexArray, groups: IndexArr
     return masks
 
 
-def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, pack_bytes: int = 0) -> RunPlan:
+def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, pack_bytes: int = 0,
+              max_runs: int | None = None) -> RunPlan:
     """The runs of a transfer between ``view`` (this end) and ``hint`` (the peer), numbered as
     the peer numbers them, grouped into messages of about ``pack_bytes`` (0: a message per
     run). Sending or receiving, both ends get the same runs: both order by (layer group,
-    ordinal)."""
+    ordinal). InvalidSubmission past ``max_runs`` runs
+    (a ucx message's tag numbers its run in a few bits)."""
     peer_index = {g.layer_group: i for i, g in enumerate(hint.groups)}
     parts: list[tuple[str, int, int, IndexArray, IndexArray, IndexArray, IndexArray, int]] = []
     for gi, match in enumerate(matches):
@@ -124,6 +126,9 @@ def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, pack_bytes: 
     host = np.array([m.local.region.memory_kind is MemoryKind.HOST and m.peer is not None
                      and m.peer.memory_kind is MemoryKind.HOST for m in matches] + [False], dtype=np.bool_)
     packable_runs = host[cat["lg"]]
+    if max_runs is not None and cat["len"].size > max_runs:
+        raise InvalidSubmission(f"the transfer has {cat['len'].size} runs of contiguous rows; the ucx backend "
+                                f"numbers at most {max_runs} per transfer: split the request")
     return RunPlan(cat["lg"], cat["pg"], cat["ls"], cat["len"], cat["rb"], starts, cat["lr"], cat["pr"],
                    _chunk_ends(cat["len"] * cat["rb"], packable_runs, pack_bytes))
 

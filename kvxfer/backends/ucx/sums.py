@@ -11,12 +11,15 @@ rows count toward a resume bound only as far as its digests reached us.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from kvxfer.backends.common.integrity import U64, RowCheck, check_landed, row_digests, with_refused
-from kvxfer.backends.ucx.control import RunSums
+from kvxfer.backends.common.transfers import put_bounded
+from kvxfer.backends.ucx.control import RunSums, encode_sums
 from kvxfer.backends.ucx.runs import RunPlan
-from kvxfer.contract import BoolArray, IndexArray, Outcome, View
+from kvxfer.contract import BoolArray, Hint, IndexArray, Outcome, View
 
 EXTRA_SUMS = "ucx.sums"  # in a hint: rows landing here are checked, send their digests
 
@@ -50,6 +53,15 @@ class LandedSums:
         self.values = np.zeros(plan.rows, dtype=np.uint64)
         self.known = np.zeros(plan.runs, dtype=np.bool_)
         self.none = False  # the publisher sends no digests
+
+    def keep(self, plan: RunPlan, sums: RunSums, agent: str, own_id: str) -> str | None:
+        """Keep the digests of ``sums`` when ``agent`` sent them for transfer ``own_id``; why
+        the transfer fails when they do not fit the plan (then none is kept)."""
+        if sums.sender != agent or sums.transfer_id != own_id:
+            return None
+        if not self.add(plan, sums):
+            return f"peer sent digests of runs {sums.first}..{sums.end} that do not fit them"
+        return None
 
     def add(self, plan: RunPlan, sums: RunSums) -> bool:
         """Keep the digests of ``sums``; False when they do not fit the plan (then none is kept)."""
@@ -100,3 +112,48 @@ class LandedSums:
             expected[g][rows] = self.values[chosen]
             proven[g][rows] = self.known[runs[chosen]]
         return expected, proven
+
+
+class SumsDesk:
+    """A backend's side of it: what its hints ask, what its fetches expect, the digests that
+    came before their fetch() (a push publisher may send them as soon as it holds our hint,
+    as it may its rows; at most ``kept`` transfers), and the ``S`` messages it sends."""
+
+    def __init__(self, check: RowCheck, kept: int) -> None:
+        self.check = check
+        self._kept = kept
+        self._early: OrderedDict[int, list[RunSums]] = OrderedDict()  # by data tag
+
+    def extras(self, view: View) -> tuple[tuple[str, bytes], ...]:
+        """A hint's ask: rows landing in ``view`` are checked."""
+        return ((EXTRA_SUMS, b"\x01"),) if self.check.applies(view) else ()
+
+    def expected(self, view: View, plan: RunPlan) -> LandedSums | None:
+        """A fetch's record of the digests to come (None: this end checks nothing)."""
+        return LandedSums(plan) if self.check.applies(view) else None
+
+    @staticmethod
+    def wanted(hint: Hint) -> bool:
+        """The fetcher asks for digests."""
+        return hint.extra(EXTRA_SUMS) is not None
+
+    def hold(self, tag: int, sums: RunSums) -> None:
+        held = self._early.get(tag)
+        if held is None:
+            put_bounded(self._early, tag, [sums], self._kept)
+        else:
+            held.append(sums)
+
+    def take(self, tag: int) -> list[RunSums]:
+        return self._early.pop(tag, [])
+
+    def message(self, view: View, plan: RunPlan, transfer_id: str, sender: str, key: bytes, first: int,
+                end: int) -> tuple[bytes, int]:
+        """The ``S`` message for runs ``first .. end-1`` (with integrity off here, one saying
+        that none will come, for every run), and the run the next one starts at."""
+        digests = None
+        if self.check.applies(view):
+            digests = run_digests(view, plan, first, end)
+        else:
+            first, end = 0, plan.runs
+        return encode_sums(RunSums(transfer_id, sender, first, end, digests), key), end
