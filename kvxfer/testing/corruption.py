@@ -17,6 +17,17 @@ from kvxfer.testing.conformance.transfers import _fill, _finish, _groups, _plan,
 __all__ = ["Corruptor", "check_corrupted_fetches", "flip_bit", "reverse_row", "row_bytes"]
 
 
+def corrupting(pairs: type, make_backend: Callable[..., object], corruptor: Corruptor) -> type:
+    """``pairs`` (the nixl or ucx kit's ``ChildPairs``) whose local, fetching end, made by that
+    kit's ``make_backend``, damages the rows that land there through ``corruptor``."""
+
+    class Corrupting(pairs):  # type: ignore[valid-type, misc]
+        def _local_backend(self, mode: TransferMode, memory: object) -> object:
+            return make_backend(mode, memory, corrupt_landed=corruptor, **self.options)
+
+    return Corrupting
+
+
 def check_corrupted_fetches(make_pair: Callable[[TransferMode], Pair], mode: TransferMode, count: int,
                             corruptor: Corruptor) -> None:
     """``count`` fetches of 24 scattered rows per group through a pair whose local (fetching)

@@ -8,19 +8,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvxfer.contract import Backend, TransferMode
-from kvxfer.testing.corruption import Corruptor, check_corrupted_fetches
-from kvxfer.testing.memory import HostRows
-from kvxfer.testing.nixl_pairs import ChildPairs, DeviceRows, make_backend
+from kvxfer.contract import TransferMode
+from kvxfer.testing.corruption import Corruptor, check_corrupted_fetches, corrupting
+from kvxfer.testing.nixl_pairs import ChildPairs, make_backend
 
 pytest.importorskip("nixl")
 
 CORRUPT = Corruptor(seed=21, p_bit=0.1, p_row=0.1)
 
 
-class _CorruptedPairs(ChildPairs):
-    def _local_backend(self, mode: TransferMode, memory: HostRows | DeviceRows) -> Backend:
-        return make_backend(mode, memory, corrupt_landed=CORRUPT, **self.options)
+_CorruptedPairs = corrupting(ChildPairs, make_backend, CORRUPT)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from kvxfer.backends.ucx.transport import ucxx_unavailable
 from kvxfer.contract import Backend, Delivered, Failed, TransferMode
 from kvxfer.testing.conformance.transfers import _fill, _finish, _plan, _start
-from kvxfer.testing.corruption import Corruptor, check_corrupted_fetches
+from kvxfer.testing.corruption import Corruptor, check_corrupted_fetches, corrupting
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import DeviceRows, two_ends
 
@@ -25,9 +25,7 @@ from kvxfer.testing.ucx_pairs import ChildPairs, make_backend  # noqa: E402
 CORRUPT = Corruptor(seed=22, p_bit=0.1, p_row=0.1)
 
 
-class _CorruptedPairs(ChildPairs):
-    def _local_backend(self, mode: TransferMode, memory: HostRows | DeviceRows) -> Backend:
-        return make_backend(mode, memory, corrupt_landed=CORRUPT, **self.options)
+_CorruptedPairs = corrupting(ChildPairs, make_backend, CORRUPT)
 
 
 @pytest.fixture(scope="module")
