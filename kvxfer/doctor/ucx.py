@@ -1,10 +1,12 @@
 """``kvxfer doctor``'s ucx part: which UCX transport ucxx (the ucx backend's UCX) chose for
 tag messages between two processes on this node, and how fast they went.
 
-Two processes: ``python -m kvxfer.doctor.ucx receiver BYTES REPS EH`` prints its worker
-address and receives; ``... sender ADDRESS BYTES REPS EH`` sends 64 KiB and BYTES messages, timing each
+Two processes: ``python -m kvxfer.doctor.ucx receiver FD BYTES REPS EH`` prints its worker
+address and receives; ``... sender FD ADDRESS BYTES REPS EH`` sends 64 KiB and BYTES messages, timing each
 size from the first send to the receiver's answer, and runs with ``UCX_PROTO_INFO=y``, so
 UCX prints the protocol table of each tag send; the doctor reads the transports from it.
+FD is the read end of a pipe whose write end only the doctor holds: both exit when it reads
+end of file, so a doctor killed mid-probe (a timeout) leaves no probe spinning on UCX progress.
 ucxx bundles its own UCX (1.21 in ucxx-cu13 0.52), which need not be NIXL's.
 """
 
@@ -15,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -54,6 +57,18 @@ def _ucx_version() -> str:
 
     lib, _, _ = load_ucxx()
     return ".".join(str(x) for x in lib.get_ucx_version())
+
+
+def exit_with_parent(fd: int) -> None:
+    """Exit at once when ``fd`` (the read end of the doctor's pipe) reads end of file: the doctor
+    is gone, killed or not. The probes spin on UCX progress and never block where a dead parent
+    would be noticed, so without this a killed doctor leaves them spinning a core each."""
+    def watch() -> None:
+        while os.read(fd, 4096):
+            pass
+        os._exit(3)
+
+    threading.Thread(target=watch, name="kvxfer-doctor-parent", daemon=True).start()
 
 
 def receiver(nbytes: int, reps: int, error_handling: bool) -> None:
@@ -114,22 +129,34 @@ def _probe_once(nbytes: int, reps: int, timeout: float, error_handling: bool) ->
     except Exception as exc:  # noqa: BLE001 - any reason ucxx cannot load is the answer here
         return {"skipped": str(exc)}
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    watch_fd, alive_fd = os.pipe()  # the probes exit when alive_fd closes: with this process
+    os.set_inheritable(watch_fd, True)
     cmd = [sys.executable, "-m", "kvxfer.doctor.ucx"]
     common = [str(nbytes), str(reps), str(int(error_handling))]
-    recv = subprocess.Popen([*cmd, "receiver", *common], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    send: subprocess.Popen[str] | None = None
+    try:
+        recv = subprocess.Popen([*cmd, "receiver", str(watch_fd), *common], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                pass_fds=[watch_fd])
+    except BaseException:
+        os.close(watch_fd)
+        os.close(alive_fd)
+        raise
     try:
         assert recv.stdout is not None and recv.stdin is not None
         address = recv.stdout.readline().strip()
-        send = subprocess.Popen([*cmd, "sender", address, *common], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env={**env, "UCX_PROTO_INFO": "y"})
+        send = subprocess.Popen([*cmd, "sender", str(watch_fd), address, *common], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**env, "UCX_PROTO_INFO": "y"},
+                                pass_fds=[watch_fd])
         assert send.stdout is not None
         recv.stdin.write(send.stdout.readline().strip() + "\n")
         recv.stdin.flush()
         output, _ = send.communicate(timeout=timeout)
         recv.wait(timeout=timeout)
     finally:
-        for proc in (recv, locals().get("send")):
+        os.close(watch_fd)
+        os.close(alive_fd)
+        for proc in (recv, send):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -141,9 +168,11 @@ def _probe_once(nbytes: int, reps: int, timeout: float, error_handling: bool) ->
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["receiver"]:
-        receiver(int(argv[1]), int(argv[2]), argv[3] == "1")
+        exit_with_parent(int(argv[1]))
+        receiver(int(argv[2]), int(argv[3]), argv[4] == "1")
     elif argv[:1] == ["sender"]:
-        sender(argv[1], int(argv[2]), int(argv[3]), argv[4] == "1")
+        exit_with_parent(int(argv[1]))
+        sender(argv[2], int(argv[3]), int(argv[4]), argv[5] == "1")
     else:
         print(json.dumps(probe(), indent=2))
     return 0
