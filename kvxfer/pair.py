@@ -38,7 +38,7 @@ from kvxfer.pair_layouts import (
     engine_kv_wanted,
 )
 from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
-from kvxfer.pair_report import Result, integrity_refused, outcomes, print_report, summarize
+from kvxfer.pair_report import Result, engine_loop, integrity_refused, outcomes, print_report, summarize
 from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
 from kvxfer.pair_store import (
     StoreSetup,
@@ -528,6 +528,7 @@ def _run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace, pref
         return 2
     report = summarize(results, wall, config)
     report["integrity_rows_refused"] = integrity_refused(log_dir)
+    report["engine_loop"] = engine_loop(log_dir)
     if args.colocated_baseline and isinstance(oracle, TransformersOracle):
         report["colocated"] = oracle.baseline(prompts, args.max_new_tokens, args.concurrency)
     if rounds:

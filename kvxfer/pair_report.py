@@ -148,6 +148,59 @@ def integrity_refused(log_dir: Path) -> dict[str, int]:
     return out
 
 
+_ENGINE_SERIES = re.compile(r'^kvxfer_engine_(thread_seconds|thread_jobs|step_seconds|steps)_total'
+                            r'\{(?:job|transfers)="(\w+)"\} (\S+)$', re.M)
+
+
+def engine_loop(log_dir: Path) -> dict[str, dict[str, float | None]]:
+    """What moving requests cost the engines' step loops, by role, from the workers' saved metrics
+    (every round's, warm-up requests included): the mean step with a transfer of that worker in
+    flight and with none, and the engine thread's time in the jobs a move adds (lend, describe,
+    submit, arrival, adopt), which run between two steps."""
+    sums: dict[str, dict[str, float]] = {}
+    for path in sorted(log_dir.rglob("*.metrics")):
+        role = path.stem.rstrip("0123456789")
+        if role not in ("prefill", "decode"):
+            continue
+        into = sums.setdefault(role, {})
+        for series, label, value in _ENGINE_SERIES.findall(path.read_text()):
+            into[f"{series}.{label}"] = into.get(f"{series}.{label}", 0.0) + float(value)
+    def mean_ms(v: dict[str, float], seconds: str, count: str) -> float | None:
+        n = v.get(count, 0.0)
+        return 1e3 * v.get(seconds, 0.0) / n if n else None
+
+    out: dict[str, dict[str, float | None]] = {}
+    for role, v in sums.items():
+        busy = sum(v.get(f"thread_seconds.{job}", 0.0) for job in ("step", "engine", "transfer"))
+        out[role] = {
+            "steps": v.get("thread_jobs.step", 0.0),
+            "step_ms_in_flight": mean_ms(v, "step_seconds.in_flight", "steps.in_flight"),
+            "step_ms_none": mean_ms(v, "step_seconds.none", "steps.none"),
+            "steps_in_flight": v.get("steps.in_flight", 0.0),
+            "transfer_jobs": v.get("thread_jobs.transfer", 0.0),
+            "transfer_job_ms": 1e3 * v.get("thread_seconds.transfer", 0.0),
+            "transfer_share_of_busy": v.get("thread_seconds.transfer", 0.0) / busy if busy else None,
+        }
+    return out
+
+
+def _loop_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    requests = report["requests"] + report["config"].get("warmup", 0)
+    for role, e in sorted((report.get("engine_loop") or {}).items(), reverse=True):
+        share = e["transfer_share_of_busy"]
+        lines.append(
+            f"  {role + ' loop':<12} step {_ms_or(e['step_ms_none'])} with no transfer in flight, "
+            f"{_ms_or(e['step_ms_in_flight'])} with one ({e['steps_in_flight']:.0f} of {e['steps']:.0f} steps); "
+            f"move jobs {e['transfer_job_ms'] / max(requests, 1):.2f} ms a request"
+            f"{'' if share is None else f' ({100 * share:.1f}% of the engine thread busy)'}")
+    return lines
+
+
+def _ms_or(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f} ms"
+
+
 def _refused_line(report: dict[str, Any]) -> list[str]:
     refused = report.get("integrity_rows_refused")
     if not refused or report["config"].get("integrity") == "off":
@@ -196,6 +249,7 @@ def print_report(report: dict[str, Any], out: Any = None) -> None:
         f"  paths        {', '.join(f'{k}: {v}' for k, v in sorted(report['paths'].items()))}",
         f"  failures     {', '.join(f'{k}: {v}' for k, v in report['failures'].items()) or 'none'}",
         *_refused_line(report),
+        *_loop_lines(report),
     ]
     for r in report["results"]:
         if not r["matched"]:

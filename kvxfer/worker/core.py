@@ -115,6 +115,8 @@ class Worker:
     async def start(self) -> None:
         self._engine.loop = asyncio.get_running_loop()
         await self._run(self._build)
+        state = self._state
+        self._engine.clock.lent = lambda: state.lender is not None and state.lender.open_leases > 0
         if self._hf is not None:
             self._hf.start()
         self._sweeper = asyncio.create_task(self._sweep())

@@ -68,7 +68,7 @@ class DecodeRole:
         if aborted:
             # Hint D would be in this answer, which a 409 replaces: it is never sent, so no
             # peer can write these rows.
-            await s.engine.run(s.release_and_free, lease, rid)
+            await s.engine.run_move(s.release_and_free, lease, rid)
             raise Aborted(f"request {rid!r} was aborted while it was reserved; its rows are released")
         self.reserved[rid] = Reserved(prompt, max_new, lease, view, time.monotonic(), expires_ms=expires)
         return {"request": rid, "hint": base64.b64encode(hint).decode(), "rows": view.rows,
@@ -85,7 +85,7 @@ class DecodeRole:
         try:
             if s.store is not None:
                 stored = await s.store.lookup(rid, prompt, reused)
-            hint, lease, view, expires = await s.engine.run(self._lend_reserved, rid, len(prompt), publisher)
+            hint, lease, view, expires = await s.engine.run_move(self._lend_reserved, rid, len(prompt), publisher)
         except BaseException:
             await s.engine.cleanup(s.free, rid)
             raise
@@ -129,7 +129,7 @@ class DecodeRole:
         if reserved is None or reserved.busy:
             return False
         del self.reserved[rid]
-        await self._s.engine.run(self._drop_reservation, rid, reserved, rows_safe)
+        await self._s.engine.run_move(self._drop_reservation, rid, reserved, rows_safe)
         return True
 
     async def expire(self, now: float) -> None:
@@ -137,7 +137,7 @@ class DecodeRole:
         for rid, reserved in list(self.reserved.items()):
             if not reserved.busy and now - reserved.since > self._s.config.hold_s:
                 self.reserved.pop(rid, None)
-                await self._s.engine.run(self._drop_reservation, rid, reserved, False)
+                await self._s.engine.run_move(self._drop_reservation, rid, reserved, False)
 
     def quarantine_all(self) -> None:
         """At shutdown: a peer may hold hint D of any reservation left, so none is reused."""
@@ -206,7 +206,7 @@ class DecodeRole:
             s.calls.starting.pop(rid, None)
             if gone():
                 return  # the client left: no recompute, no token, for nobody (finally frees the rows)
-            position = await s.engine.run(self._usable, stream.name, n)
+            position = await s.engine.run_move(self._usable, stream.name, n)
             if position < n and transfer is not None and policy == "fail":
                 yield {"event": "error", "final": True, "transfer": transfer,
                        "error": f"transfer {transfer['status']}: {transfer['rows_delivered']} of {transfer['rows']} "
@@ -270,7 +270,7 @@ class DecodeRole:
             # No hint P: the prefill side failed before publishing. Unless the router
             # knows it cannot write into our rows, quarantine them and start afresh.
             stream.owned = False
-            await s.engine.run(self._drop_reservation, rid, reserved, rows_safe)
+            await s.engine.run_move(self._drop_reservation, rid, reserved, rows_safe)
             stream.name = f"{rid}#local"
             reserved = None
             first = None
@@ -295,7 +295,7 @@ class DecodeRole:
         event, wake = s.engine.waker()
         submitted = time.perf_counter()
         try:
-            attempt = await s.engine.run(self._fetch_sync, reserved, prefill_hint, wake)
+            attempt = await s.engine.run_move(self._fetch_sync, reserved, prefill_hint, wake)
         except BaseException:
             # Refused (e.g. a layout mismatch, a replayed hint): no attempt watches the peer
             # that holds hint D, so, as for a reservation dropped without rows_safe, these rows
@@ -311,17 +311,17 @@ class DecodeRole:
         except RuntimeError:
             # Never concluded: its rows stay out of use until the attempt quiesces (a late
             # confirmation, the peer proven dead); recompute elsewhere in the pool.
-            await s.engine.run(self._quarantine, reserved, attempt)
+            await s.engine.run_move(self._quarantine, reserved, attempt)
             raise
         left = gone()
         figures = s.meters.count_transfer(reserved.view, outcome, time.perf_counter() - submitted, unwanted=left,
                                           parts=geometry_views(reserved.lease))
-        await s.engine.run(self._arrive, reserved, outcome)
+        await s.engine.run_move(self._arrive, reserved, outcome)
         if left:
             # Nothing will be decoded into these rows, so the stream need not wait for the
             # attempt to quiesce: until it does (a peer may still write), they are set aside,
             # and never named for prefix reuse.
-            stream.suspect = await s.engine.run(self._set_aside_unless_quiet, reserved, attempt)
+            stream.suspect = await s.engine.run_move(self._set_aside_unless_quiet, reserved, attempt)
             return figures
         # Decoding writes into the prompt's last block, which the lease pins until the
         # attempt is quiesced: wait for that (the backend wakes us) before going on.

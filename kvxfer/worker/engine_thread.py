@@ -4,6 +4,12 @@ Everything that touches the pool, the lender, the backend or the model runs on o
 thread (a single-thread executor): the pool is not thread-safe, and a backend's methods must
 come from one call sequence. The asyncio side only waits: for the engine thread's jobs, and
 for attempts, whose ``wake`` callbacks set asyncio events.
+
+``EngineClock`` says where the engine thread's time goes, which is what moving requests costs
+the engine's own step loop: the jobs that exist only because requests move (``run_move``:
+lend, describe, submit, arrival, set-aside, adopt) run between two steps and delay the next one,
+and a step that runs while a transfer is in flight shares the machine with it (cores, memory
+bandwidth, the GPU).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +40,53 @@ def _concluded(attempt: Attempt) -> bool:
     return attempt.poll() is not None
 
 
+JOBS = ("step", "engine", "transfer")
+"""The engine thread's jobs: a step of the engine's batch (``run_step``), the engine's other
+work (``run``: prefill admission, allocation, freeing), and the work a move adds (``run_move``)."""
+
+
+class EngineClock:
+    """Seconds and jobs of the engine thread by kind (``JOBS``), and the steps' seconds by
+    whether rows of this worker were lent to a transfer (an open lease: a publish or fetch that
+    may be moving, a reservation a peer may be writing) when the step began. Written by the
+    engine thread, read when scraped."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(JOBS, 0.0)
+        self.jobs = dict.fromkeys(JOBS, 0)
+        self.step_seconds = {"in_flight": 0.0, "none": 0.0}
+        self.steps = {"in_flight": 0, "none": 0}
+        # Asked on the engine thread before each job (the lender is that thread's): the worker
+        # sets it once its lender exists.
+        self.lent: Callable[[], bool] = lambda: False
+        self._lock = threading.Lock()  # a scrape reads a consistent set
+
+    def add(self, kind: str, seconds: float, moving: bool) -> None:
+        with self._lock:
+            self.seconds[kind] += seconds
+            self.jobs[kind] += 1
+            if kind == "step":
+                key = "in_flight" if moving else "none"
+                self.step_seconds[key] += seconds
+                self.steps[key] += 1
+
+    def by_job(self) -> dict[tuple[str, ...], float]:
+        with self._lock:
+            return {(k,): v for k, v in self.seconds.items()}
+
+    def jobs_by_kind(self) -> dict[tuple[str, ...], float]:
+        with self._lock:
+            return {(k,): float(v) for k, v in self.jobs.items()}
+
+    def step_seconds_by_transfers(self) -> dict[tuple[str, ...], float]:
+        with self._lock:
+            return {(k,): v for k, v in self.step_seconds.items()}
+
+    def steps_by_transfers(self) -> dict[tuple[str, ...], float]:
+        with self._lock:
+            return {(k,): float(v) for k, v in self.steps.items()}
+
+
 class EngineThread:
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name  # the worker's, for the refusal once it is torn down
@@ -42,10 +96,31 @@ class EngineThread:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{name}-engine", initializer=on_gpu)
         self.loop: asyncio.AbstractEventLoop | None = None  # the asyncio side's, once the worker starts
         self.torn_down = False  # set on the engine thread once the lender and backend are shut down
+        self.clock = EngineClock()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the engine thread: the engine's own work (not a step)."""
+        return await self._queue("engine", fn, args)
+
+    async def run_step(self, fn: Callable[..., T], *args: Any) -> T:
+        """One step of the engine's batch (a forward over the requests decoding)."""
+        return await self._queue("step", fn, args)
+
+    async def run_move(self, fn: Callable[..., T], *args: Any) -> T:
+        """Work that exists because a request's KV moves: lend, describe, submit, arrival, adopt."""
+        return await self._queue("transfer", fn, args)
+
+    async def _queue(self, kind: str, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._job, fn, args)
+        return await loop.run_in_executor(self.executor, self._timed, kind, fn, args)
+
+    def _timed(self, kind: str, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        moving = self.clock.lent()
+        start = time.perf_counter()
+        try:
+            return self._job(fn, args)
+        finally:
+            self.clock.add(kind, time.perf_counter() - start, moving)
 
     def _job(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         """Run one job on the engine thread, unless the worker was torn down: streams still
@@ -111,7 +186,7 @@ class EngineThread:
             if await self.wait(attempt, event, min(left, GONE_POLL_S), _concluded):
                 break
             if left <= GONE_POLL_S or gone():
-                await self.run(attempt.cancel)
+                await self.run_move(attempt.cancel)
                 await self.wait(attempt, event, CANCEL_GRACE_S, _concluded)
                 break
         outcome = attempt.poll()

@@ -119,7 +119,7 @@ class ReferenceEngine:
                       ready: Callable[[str], None] | None = None) -> Pick:
         """``ready(group)``: called on the engine thread as the forward completes each layer
         group (``LlamaModel.forward``), so the group can be published while later layers run."""
-        return await self._s.engine.run(self._prefill_sync, rid, prompt, sampling, logprobs, ready)
+        return await self._s.engine.run_step(self._prefill_sync, rid, prompt, sampling, logprobs, ready)
 
     def _prefill_sync(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None,
                       ready: Callable[[str], None] | None) -> Pick:
@@ -177,15 +177,15 @@ class ReferenceEngine:
 
     async def first(self, stream: Stream, position: int) -> Pick:
         s = self._s
-        return await s.engine.run(self._model.next_pick, s.pool, stream.name, stream.prompt[position:], position,
-                                  stream.sampling, stream.origin, stream.earlier, stream.logprobs)
+        return await s.engine.run_step(self._model.next_pick, s.pool, stream.name, stream.prompt[position:], position,
+                                       stream.sampling, stream.origin, stream.earlier, stream.logprobs)
 
     async def tokens(self, stream: Stream, first: int) -> AsyncGenerator[Pick, None]:
         s, n = self._s, len(stream.prompt)
         token, origin, generated = first, stream.origin, [*stream.earlier, first]
         for index in range(1, stream.max_new):
-            pick = await s.engine.run(self._model.next_pick, s.pool, stream.name, [token], n + index - 1,
-                                      stream.sampling, origin, generated, stream.logprobs)
+            pick = await s.engine.run_step(self._model.next_pick, s.pool, stream.name, [token], n + index - 1,
+                                           stream.sampling, origin, generated, stream.logprobs)
             token = pick.token
             generated.append(token)
             yield pick

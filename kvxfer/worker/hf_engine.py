@@ -203,7 +203,7 @@ class TransformersServing:
             self._work.clear()
             while not self._closed:
                 try:
-                    ran, idle, firsts, tokens = await self._thread.run(self._step)
+                    ran, idle, firsts, tokens = await self._thread.run_step(self._step)
                 except Exception as exc:  # a step failed: every waiter hears it, the worker serves on
                     log.exception("transformers step failed")
                     self._fail_all(exc)
@@ -371,7 +371,7 @@ class TransformersServing:
             self._local.discard(stream.name)
             await self._thread.run(self._engine().generate, stream.name, stream.prompt, stream.max_new, picking)
         else:
-            await self._thread.run(self._engine().adopt, stream.name, 0, stream.max_new, picking)
+            await self._thread.run_move(self._engine().adopt, stream.name, 0, stream.max_new, picking)
         self._kick()
         pick = await self._take(watch)
         if pick is None:
@@ -386,7 +386,7 @@ class TransformersServing:
         if watch is None:
             picking = self._sampling(stream.sampling, stream.logprobs, stream.generated)
             watch = self._watch[stream.name] = _Watch(seen=1)  # the batch's first token is ``first``
-            await self._thread.run(self._engine().adopt, stream.name, first, stream.max_new, picking)
+            await self._thread.run_move(self._engine().adopt, stream.name, first, stream.max_new, picking)
             self._kick()
         while (pick := await self._take(watch)) is not None:
             yield pick

@@ -53,10 +53,11 @@ class Meters:
     """The counters, histograms and gauges of one worker, in one registry of its own (a
     prometheus_client CollectorRegistry: ``Worker.metrics``). ``model_name``: the vllm:
     series' label (the worker's ``--model``). ``integrity_rows``: the rows its backends' integrity
-    checks refused so far, by source (read when scraped)."""
+    checks refused so far, by source (read when scraped). ``clock``: the engine thread's
+    ``EngineClock`` (kvxfer.worker.engine_thread), read when scraped."""
 
     def __init__(self, model_name: str = "",
-                 integrity_rows: Callable[[], dict[LabelValues, float]] = dict) -> None:
+                 integrity_rows: Callable[[], dict[LabelValues, float]] = dict, clock: Any = None) -> None:
         r = self.registry = Registry()
         self.model_name = model_name
         self.requests = r.counter("kvxfer_worker_requests_total", "Control API calls, by endpoint and result.",
@@ -89,6 +90,17 @@ class Meters:
             "kvxfer_integrity_rows_failed", "Rows that landed here and failed their integrity check (their bytes "
             "differ from the sender's digest, or came with none), by source: transfer or store.", ("source",),
             integrity_rows)
+        if clock is not None:
+            r.read_counter("kvxfer_engine_thread_seconds", "Seconds the engine thread spent in its jobs, by job: a step "
+                           "of the engine's batch, the engine's other work, or the work a move adds (lend, describe, "
+                           "submit, arrival, adopt), which delays the next step.", ("job",), clock.by_job)
+            r.read_counter("kvxfer_engine_thread_jobs", "Jobs the engine thread ran, by job (as "
+                           "kvxfer_engine_thread_seconds).", ("job",), clock.jobs_by_kind)
+            r.read_counter("kvxfer_engine_step_seconds", "Seconds in the engine's steps, by whether rows of this "
+                           "worker were lent to a transfer (an open lease) when the step began (in_flight, none).", ("transfers",),
+                           clock.step_seconds_by_transfers)
+            r.read_counter("kvxfer_engine_steps", "The engine's steps, by whether rows of this worker were lent "
+                           "to a transfer (an open lease) when the step began (in_flight, none).", ("transfers",), clock.steps_by_transfers)
         model = ("model_name",)
         self.nixl_time = r.histogram("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for KV Cache "
                                      "transfers (kvxfer's, by vLLM's NIXL name).", model, NIXL_XFER_TIME_BUCKETS)

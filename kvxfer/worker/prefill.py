@@ -105,7 +105,7 @@ class PrefillRole:
             aborted = s.calls.end_start(rid)
         if aborted:
             if stream is not None:
-                await s.engine.run(self._end_stream, stream)
+                await s.engine.run_move(self._end_stream, stream)
             await s.engine.run(s.free, rid)
             raise Aborted(f"request {rid!r} was aborted while it was prefilled; its blocks are freed")
         seconds = time.perf_counter() - start
@@ -194,7 +194,7 @@ class PrefillRole:
         stream = held.stream
         if stream is not None and (stream.attempts or stream.refused is None or stream.escaped):
             try:
-                streamed = await s.engine.run(self._streamed, stream)
+                streamed = await s.engine.run_move(self._streamed, stream)
             except BaseException:
                 self.held.pop(rid, None)
                 await s.engine.cleanup(self._end_stream, stream)
@@ -205,7 +205,7 @@ class PrefillRole:
         # of this worker, say): publish every group now with the hints this call carries.
         event, wake = s.engine.waker()
         try:
-            lease, view, prefill_hint, attempt, submitted = await s.engine.run(self._publish_sync, rid,
+            lease, view, prefill_hint, attempt, submitted = await s.engine.run_move(self._publish_sync, rid,
                                                                                len(held.prompt), decode_hint, wake)
         except BaseException:
             self.held.pop(rid, None)
@@ -272,8 +272,8 @@ class PrefillRole:
             try:
                 self.held.pop(rid, None)
                 if attempt.poll() is None:  # the router went away mid-transfer
-                    await s.engine.run(attempt.cancel)
-                await s.engine.run(s.release_and_free, lease, rid)
+                    await s.engine.run_move(attempt.cancel)
+                await s.engine.run_move(s.release_and_free, lease, rid)
             finally:
                 s.calls.streams -= 1  # last: "no active stream" means its clean-up is done
 
@@ -283,7 +283,7 @@ class PrefillRole:
         held = self.held.pop(rid, None)
         if held is None:
             return False
-        await self._s.engine.run(self._drop_held, held, rid)
+        await self._s.engine.run_move(self._drop_held, held, rid)
         return True
 
     def _drop_held(self, held: Held, rid: str) -> None:
@@ -296,4 +296,4 @@ class PrefillRole:
         for rid, held in list(self.held.items()):
             if not held.busy and now - held.since > self._s.config.hold_s:
                 self.held.pop(rid, None)
-                await self._s.engine.run(self._drop_held, held, rid)
+                await self._s.engine.run_move(self._drop_held, held, rid)

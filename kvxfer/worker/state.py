@@ -36,7 +36,7 @@ class WorkerState:
         self.model = model  # the reference engine's (None where another engine serves)
         self.name = name
         self.engine = engine
-        self.meters = Meters(config.model_name, self.integrity_rows_failed)
+        self.meters = Meters(config.model_name, self.integrity_rows_failed, engine.clock)
         self.calls = InFlight(config.hold_s)
         self.quarantine = Quarantine(self.meters, config.reclaim_grace_s)
         # One pool and its lender; or, for a TP group (``config.engine_kv``), the group's

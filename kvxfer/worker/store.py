@@ -160,7 +160,7 @@ class StoreSide:
         began = time.perf_counter()
         token = object()
         try:
-            view, attempt = await self._engine.run(self._submit, token, rid, prompt, start, end, put, wake)
+            view, attempt = await self._engine.run_move(self._submit, token, rid, prompt, start, end, put, wake)
             outcome = await self._engine.settle(attempt, event, self._timeout_s)
             await self._engine.wait(attempt, event, 5.0, lambda a: a.quiesced())
         except BaseException:
@@ -170,7 +170,7 @@ class StoreSide:
             await self._engine.cleanup(self._finish, token, None)
             raise
         # Shielded: were the caller cancelled now, the job would still run.
-        await asyncio.shield(self._engine.run(self._finish, token, None if put else outcome))
+        await asyncio.shield(self._engine.run_move(self._finish, token, None if put else outcome))
         return self._count(view, outcome, start, put, time.perf_counter() - began)
 
     def _submit(self, token: object, rid: str, prompt: Sequence[int], start: int, end: int, put: bool,

@@ -32,6 +32,12 @@ def test_pair_transformers_is_token_identical_to_generate_batch(tmp_path: Path) 
     results = report["results"]
     assert len({r["prompt_tokens"] for r in results}) > 1  # mixed lengths
     assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
+    # What the moves cost each engine loop, from the workers' metrics: every request's move
+    # added jobs on both engine threads, and the decode loop stepped the batch.
+    loop = report["engine_loop"]
+    assert loop["prefill"]["transfer_jobs"] >= 4 and loop["decode"]["transfer_jobs"] >= 4, loop
+    assert loop["decode"]["steps"] > 0 and 0 < loop["decode"]["transfer_share_of_busy"] < 1, loop
+    assert "decode loop" in proc.stdout and "prefill loop" in proc.stdout
     assert_nothing_left(report["config"]["processes"])
 
 

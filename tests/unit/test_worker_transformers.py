@@ -52,17 +52,28 @@ def served(engines: dict[str, tuple[str, Any]]) -> Any:
 def test_concurrent_requests_are_token_identical_to_generate_batch(model: Any) -> None:
     expected = hf.colocated(model, PROMPTS, NEW, hf.batching_config(PAGE_SIZE, BLOCKS, MAX_BATCH_TOKENS))
 
-    async def main() -> None:
-        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, _):
+    async def main() -> dict[str, dict[str, float]]:
+        async with served({"prefill": ("transformers", model), "decode": ("transformers", model)}) as (urls, workers):
             async with Router([urls["prefill"]], [urls["decode"]]) as router:
                 done = await asyncio.gather(*(router.generate(p, NEW) for p in PROMPTS))
+            metrics = {role: w.metrics.snapshot() for role, w in workers.items()}
         for completion, want in zip(done, expected):
             assert completion.ok, completion.error
             assert list(completion.tokens) == want
             assert completion.path == "disaggregated" and completion.recomputed_tokens == 0
             assert completion.transfer is not None and completion.transfer.status == "delivered"
+        return metrics
 
-    asyncio.run(main())
+    metrics = asyncio.run(main())
+    # Where each engine thread's time went: the batch's steps, and the work the moves added
+    # (the prefill end lends, describes and publishes each request; the decode end lends its
+    # reservation, fetches, marks arrival and adopts): what moving costs the step loop.
+    for role, m in metrics.items():
+        jobs = {job: m[f'kvxfer_engine_thread_jobs_total{{job="{job}"}}'] for job in ("step", "engine", "transfer")}
+        assert jobs["step"] > 0 and jobs["transfer"] >= len(PROMPTS), (role, jobs)
+        assert m['kvxfer_engine_thread_seconds_total{job="transfer"}'] > 0, role
+        steps = sum(m[f'kvxfer_engine_steps_total{{transfers="{t}"}}'] for t in ("in_flight", "none"))
+        assert steps == jobs["step"], (role, steps, jobs)
 
 
 def test_a_mixed_pair_is_refused_naming_both_engines(model: Any) -> None:
