@@ -223,6 +223,45 @@ def test_nothing_decodes_until_every_group_has_landed(model: Any) -> None:
     asyncio.run(main())
 
 
+def test_a_group_refused_after_another_went_out_is_recomputed_and_every_block_comes_back(
+        model: Any, oracle: list[list[int]]) -> None:
+    """The last group's publish is refused after the first went out: /publish fails as one
+    whose hints D may be in use (500, not a 409), the router recomputes the request at the
+    decode worker, token-identical, and both workers end with no lease, attempt or block
+    held (``served_workers`` checks the close report; the caches come back whole)."""
+    from kvxfer.contract import InvalidSubmission
+
+    async def main() -> None:
+        async with served(model, 2) as (urls, workers):
+            backend: Any = workers["prefill"].backend
+            real = backend.publish
+
+            def publish(view: Any, hint: Any, wake: Any = None) -> Any:
+                if view.groups[0].layer_group == "layers2-2":
+                    raise InvalidSubmission("injected: the last group is refused")
+                return real(view, hint, wake)
+
+            backend.publish = publish
+            async with Router([urls["prefill"]], [urls["decode"]], on_failure="recompute") as router:
+                done = await router.generate(PROMPTS[1], NEW)
+            assert done.ok, done.error
+            assert list(done.tokens) == oracle[1]
+            assert done.path == "local"
+            assert any("HTTP 500" in e and "failed after 1 went out" in e for e in done.events), done.events
+            for worker in workers.values():
+                engine: Any = worker._hf.engine  # type: ignore[attr-defined]
+                for _ in range(500):  # the cancelled group's blocks come back once it quiesced
+                    await worker.metrics_text()  # a reclaim pass on the engine thread
+                    counts = await worker._engine.run(engine.block_counts)
+                    if counts["free"] + counts["cached"] == counts["blocks"] and worker.lender.open_leases == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert counts["free"] + counts["cached"] == counts["blocks"], counts
+                assert not engine._streamed
+
+    asyncio.run(main())
+
+
 # --- what is refused, by name --------------------------------------------------------------------
 
 def test_ends_cut_differently_refuse_each_other_naming_the_groups(model: Any) -> None:
