@@ -229,10 +229,9 @@ def check_layerwise(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     layers, is checked once the model is known)."""
     if args.layerwise < 1:
         parser.error(f"--layerwise must be a positive number of layer groups, got {args.layerwise}")
-    if args.layerwise > 1 and (args.engine != "reference" or args.store or args.lender != "inplace"
-                               or engine_kv_wanted(args)):
-        parser.error("--layerwise streams the reference engine's own pool, lent in place: no --engine transformers, "
-                     "--store, --lender staging or engine-KV flags")
+    if args.layerwise > 1 and (args.store or args.lender != "inplace" or engine_kv_wanted(args)):
+        parser.error("--layerwise streams the engine's own KV (the reference engine's pool or transformers' cache), "
+                     "lent in place: no --store, --lender staging or engine-KV flags")
 
 
 def prompt_range(parser: argparse.ArgumentParser, args: argparse.Namespace, max_positions: int

@@ -87,7 +87,9 @@ class WorkerConfig:
     # Layer-wise streaming (kvxfer.worker.layers; kvxfer serve --layerwise): the model's
     # layers cut into this many groups, each published by the prefill worker as soon as the
     # forward computed it. 1: the request moves in one transfer after prefill. Both ends of
-    # a pair must say the same (the groups are part of the pool's layout identity).
+    # a pair must say the same (the groups are part of the pool's layout identity). Either
+    # engine: the reference engine's pool, or transformers' cache (a model of full-attention
+    # layers only: a hybrid cache is refused when the engine is built).
     layerwise: int = 1
 
     @property
@@ -135,10 +137,10 @@ class WorkerConfig:
             raise ValueError(f"layerwise must be a positive number of layer groups, got {value!r}")
         if value > self.model.layers:
             raise ValueError(f"layerwise {value} is more layer groups than the model has layers ({self.model.layers})")
-        if value > 1 and (self.engine != "reference" or self.engine_kv or self.store or self.lender != "inplace"):
-            raise ValueError("--layerwise streams the reference engine's own pool, lent in place: it takes no "
-                             "--engine transformers, --engine-kv, --tp, --kv-block-tokens, --kv-layout, --store or "
-                             "--lender staging")
+        if value > 1 and (self.engine_kv or self.store or self.lender != "inplace"):
+            raise ValueError("--layerwise streams the engine's own KV (the reference engine's pool or transformers' "
+                             "cache), lent in place: it takes no --engine-kv, --tp, --kv-block-tokens, --kv-layout, "
+                             "--store or --lender staging")
 
     def _check_engine(self) -> None:
         if self.engine not in ENGINES:

@@ -83,7 +83,8 @@ class Worker:
 
             self._state.serving = self._hf = TransformersServing(hf_model, self._engine, num_blocks=config.num_blocks,
                                                                  model_name=config.model_name, name=f"{self.name}-kv",
-                                                                 shape=config.model, device=self.device)
+                                                                 shape=config.model, device=self.device,
+                                                                 layer_groups=config.layerwise)
         self._prefill = PrefillRole(self._state)
         self._decode = DecodeRole(self._state)
         self._sweeper: asyncio.Task[None] | None = None
@@ -126,7 +127,7 @@ class Worker:
         if self._hf is not None:  # transformers' cache, lent in place: no pool
             self._hf.build()
             s.lender = self._hf.lender
-            if self._hf.hybrid:  # a lease, view and hint per layer group, each its own geometry
+            if self._hf.grouped:  # a lease, view and hint per layer group, each its own geometry
                 s.mover = LayerMover()
             self._make_backend(0)
             return

@@ -4,7 +4,9 @@ The roles (``kvxfer.worker.prefill``, ``kvxfer.worker.decode``) own the transpor
 publish and fetch, settling, quarantine. What computes and holds KV is a ``ServingEngine``:
 
 - prefill end: ``prefill`` a prompt to its first token, ``lend_read`` its KV, ``free`` it
-  once published (its blocks come back when no attempt may touch them);
+  once published (its blocks come back when no attempt may touch them); under layer-wise
+  streaming ``prefill`` calls ``ready(group)`` as its forward writes each of
+  ``stream_groups()``, and ``lend_read(rid, n, (group,))`` lends that group then;
 - decode end: ``reserve`` room for a prompt (the tokens already held by prefix sharing come
   back), ``lend_write`` the rest, ``usable`` after arrival, then ``first`` (the first token,
   computed here from a position: a recompute) and ``tokens`` (the completion after the first
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvxfer.engine import tokens_needed
 from kvxfer.engine.sampling import Pick, SamplingParams
 from kvxfer.lender import Lender
+from kvxfer.pool import PagedKVPool
 
 if TYPE_CHECKING:
     from kvxfer.engine import LlamaModel
@@ -71,6 +74,8 @@ class ServingEngine(Protocol):
 
     async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None,
                       ready: Callable[[str], None] | None = None) -> Pick: ...
+
+    def stream_groups(self) -> tuple[str, ...]: ...
 
     def lend_read(self, rid: str, n: int, groups: tuple[str, ...] | None = None) -> Any: ...
 
@@ -131,6 +136,14 @@ class ReferenceEngine:
         except BaseException:
             pool.free(rid)
             raise
+
+    def stream_groups(self) -> tuple[str, ...]:
+        """The pool's layer groups, which the forward publishes one by one (--layerwise > 1);
+        none without layer-wise streaming."""
+        pool = self._s.pool
+        if self._s.config.layerwise <= 1 or not isinstance(pool, PagedKVPool):
+            return ()
+        return tuple(g.name for g in pool.groups)
 
     def lend_read(self, rid: str, n: int, groups: tuple[str, ...] | None = None) -> Any:
         assert self._s.lender is not None

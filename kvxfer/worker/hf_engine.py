@@ -12,6 +12,12 @@ Each request picks its tokens with kvxfer's sampler and its own parameters and l
 (``kvxfer.adapters.transformers.sampler``, over ``kvxfer.engine.sampling``), as the reference
 engine does: a seeded request makes the same tokens colocated and disaggregated; greedy is
 transformers' own argmax, token for token ``generate_batch``'s.
+
+Layer-wise streaming (``--layerwise`` > 1): the cache's full-attention layers are cut into
+that many layer groups, each lent and moved by a lease of its own (as a hybrid cache's groups
+are), and a prefill's ``ready`` is called by the forward (a hook on the model's decoder
+layers, ``TransformersEngine.prefill(ready=)``) as each group is written, inside the step
+that ends the prompt, on the engine thread: ``lend_read(rid, n, (group,))`` lends it then.
 """
 
 from __future__ import annotations
@@ -130,9 +136,10 @@ class TransformersServing:
     """The transformers engine behind the worker's seam. ``thread``: the worker's engine thread."""
 
     def __init__(self, model: Any, thread: EngineThread, *, num_blocks: int, model_name: str, name: str,
-                 shape: ModelConfig | None = None, device: str = "cpu") -> None:
+                 shape: ModelConfig | None = None, device: str = "cpu", layer_groups: int = 1) -> None:
         """``model_name``: what ``--model`` named; a GGUF's digest scopes the KV (a peer with
-        other weights is refused by the transport), or for seeded weights ``shape``'s scope."""
+        other weights is refused by the transport), or for seeded weights ``shape``'s scope.
+        ``layer_groups``: ``--layerwise``."""
         self.name = hf.ENGINE
         self._model = model
         self._thread = thread
@@ -142,6 +149,7 @@ class TransformersServing:
             shape.scope() if shape is not None else model_name.encode()
         self._max_batch_tokens = max_batch_tokens(device)
         self._kv_name = name
+        self._layer_groups = layer_groups
         self.engine: TransformersEngine | None = None
         self._prefills: dict[str, asyncio.Future[Pick]] = {}
         self._doomed: set[str] = set()            # prefilled while nobody waits any more: freed at once
@@ -155,13 +163,14 @@ class TransformersServing:
 
     # --- lifecycle (the worker's) ------------------------------------------------------------
     def build(self) -> TransformersEngine:
-        """On the engine thread: the batch and its cache (lent in place, no pool). A hybrid
-        cache (sliding-window layers beside full attention) lends each layer group by a
-        lender of its own: ``lender`` is them all, and a request moves as one lease, view and
-        hint per group (``kvxfer.worker.layers.LayerLeases``, moved by ``LayerMover``)."""
+        """On the engine thread: the batch and its cache (lent in place, no pool). A cache of
+        several layer groups (a hybrid one, sliding-window layers beside full attention, or one
+        cut by --layerwise) lends each group by a lender of its own: ``lender`` is them all, and
+        a request moves as one lease, view and hint per group
+        (``kvxfer.worker.layers.LayerLeases``, moved by ``LayerMover``)."""
         self.engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
                                          max_batch_tokens=self._max_batch_tokens, scope=self._scope,
-                                         name=self._kv_name)
+                                         name=self._kv_name, layer_groups=self._layer_groups)
         return self.engine
 
     @property
@@ -169,11 +178,22 @@ class TransformersServing:
         return self._engine().hybrid
 
     @property
+    def grouped(self) -> bool:
+        """Whether a request moves as a lease per layer group (hybrid, or --layerwise > 1)."""
+        return self._engine().grouped
+
+    def stream_groups(self) -> tuple[str, ...]:
+        """The layer groups a prefill publishes as the forward writes them (--layerwise > 1), in
+        the model's order; none without layer-wise streaming."""
+        engine = self._engine()
+        return tuple(engine.groups) if engine.layer_groups > 1 else ()
+
+    @property
     def lender(self) -> Any:
         """What the worker counts, reclaims and shuts down: the one group's lender, or every
         group's (``GroupLenders``)."""
         engine = self._engine()
-        return GroupLenders(engine) if engine.hybrid else engine.lender
+        return GroupLenders(engine) if engine.grouped else engine.lender
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -287,13 +307,15 @@ class TransformersServing:
 
     async def prefill(self, rid: str, prompt: list[int], sampling: SamplingParams, logprobs: int | None,
                       ready: Callable[[str], None] | None = None) -> Pick:
-        if ready is not None:  # WorkerConfig refuses --layerwise with this engine: never reached
-            raise Refused(f"the {hf.ENGINE} engine has no per-layer hooks: it streams no layer groups")
+        """``ready(group)``: called on the engine thread by the forward hooks as the step that
+        ends the prompt has written each layer group (``TransformersEngine.prefill``)."""
+        if ready is not None and not self.stream_groups():
+            raise Refused(f"the {hf.ENGINE} engine streams no layer groups here (--layerwise 1)")
         picking = self._sampling(sampling, logprobs)
         fut: asyncio.Future[Pick] = asyncio.get_running_loop().create_future()
         self._prefills[rid] = fut
         try:
-            await self._thread.run(self._engine().prefill, rid, prompt, picking)
+            await self._thread.run(self._engine().prefill, rid, prompt, picking, ready)
             self._kick()
             return await fut
         except BaseException:
@@ -304,8 +326,13 @@ class TransformersServing:
             raise
 
     def lend_read(self, rid: str, n: int, groups: tuple[str, ...] | None = None) -> Any:
+        """The prefill's KV lent for reading: one lease, or one per layer group; ``groups``
+        (layer-wise streaming, from the forward's ``ready``): those groups only, lent while
+        the prompt's last step runs."""
         engine = self._engine()
-        if engine.hybrid:
+        if groups is not None:
+            return LayerLeases(rid, {g: engine.lend_streamed(rid, g) for g in groups})
+        if engine.grouped:
             return LayerLeases(rid, engine.lend_prefill_groups(rid))
         return engine.lend_prefill(rid)
 
@@ -317,6 +344,7 @@ class TransformersServing:
         if rid in engine.prefilled:
             engine.finish_prefill(rid)
         elif engine.prefilling(rid):
+            engine.stop_streaming(rid)  # its forward lends and publishes no group for nobody
             self._doomed.add(rid)
         elif engine.reservation(rid) is not None:
             engine.drop(rid)
@@ -344,9 +372,9 @@ class TransformersServing:
         reservation = engine.reservation(rid)
         if reservation is None or not reservation.leases:
             raise Refused(f"request {rid!r} has no reservation here")
-        if not engine.hybrid:
+        if not engine.grouped:
             return reservation.lease
-        if list(reservation.leases) != list(engine.groups):  # a ring is never shared: every group moves
+        if list(reservation.leases) != list(engine.groups):  # every group moves (a ring is never shared)
             raise Refused(f"request {rid!r}: layer groups {sorted(engine.groups)}, leases for "
                           f"{sorted(reservation.leases)}")
         return LayerLeases(rid, dict(reservation.leases))

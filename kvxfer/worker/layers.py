@@ -101,8 +101,9 @@ class LayerLeases:
             lease.release()
 
 
-def _views(lease: Any, view: View) -> list[View]:
-    """The transfers of one request: a hybrid cache's group views, or a pool's groups."""
+def transfer_views(lease: Any, view: View) -> list[View]:
+    """The transfers of one request: the group views of an engine's ``LayerLeases`` (a hybrid
+    cache's, or one cut by --layerwise), or a pool's groups."""
     return lease.group_views() if isinstance(lease, LayerLeases) else group_views(view)
 
 
@@ -181,7 +182,7 @@ def _submit(lease: Any, view: View, hints: tuple[Hint, ...], submit: Callable[..
     cancelled and tracked by the lease (their rows wait for them to quiesce) before the
     refusal is raised: a refused submission, as the contract says, leaves nothing running
     that the caller does not know of."""
-    views = _views(lease, view)
+    views = transfer_views(lease, view)
     theirs = hints_by_group([v.groups[0].layer_group for v in views], hints, view.request)
     attempts: list[Attempt] = []
     try:
@@ -208,14 +209,14 @@ class LayerMover:
     group, as the groups get ready."""
 
     def describe_write(self, backend: Backend, lease: Any, view: View, publisher: Peer) -> bytes:
-        return wire.encode_hints([backend.describe(v, publisher) for v in _views(lease, view)])
+        return wire.encode_hints([backend.describe(v, publisher) for v in transfer_views(lease, view)])
 
     def fetch(self, backend: Backend, lease: Any, view: View, hints: tuple[Hint, ...],
               wake: Callable[[], None]) -> Attempt:
         return _submit(lease, view, hints, backend.fetch, wake)
 
     def describe_read(self, backend: Backend, lease: Any, view: View, hints: tuple[Hint, ...]) -> bytes:
-        views = _views(lease, view)
+        views = transfer_views(lease, view)
         theirs = hints_by_group([v.groups[0].layer_group for v in views], hints, view.request)
         return wire.encode_hints([backend.describe(v, h.peer) for v, h in zip(views, theirs)])
 

@@ -23,10 +23,9 @@ from typing import Any
 from kvxfer import wire
 from kvxfer.contract import Attempt, Hint, InvalidSubmission, SubmissionRejected, View
 from kvxfer.lender import Lease
-from kvxfer.pool import PagedKVPool
 from kvxfer.worker.calls import PrefillCall, PublishCall, pick_json
 from kvxfer.worker.errors import Aborted, Refused
-from kvxfer.worker.layers import LayerAttempt, geometry_views, group_view, hints_by_group
+from kvxfer.worker.layers import LayerAttempt, geometry_views, hints_by_group, transfer_views
 from kvxfer.worker.state import WorkerState
 
 
@@ -37,11 +36,11 @@ class GroupStream:
 
     rid: str
     tokens: int
-    groups: tuple[str, ...]           # the pool's groups, in order
+    groups: tuple[str, ...]           # the engine's layer groups (the pool's, or its cache's), in order
     hints: dict[str, Hint]            # hint D of each group
     event: asyncio.Event              # set by the attempts' wake
     wake: Callable[[], None]
-    leases: dict[str, Lease] = field(default_factory=dict)
+    leases: dict[str, Any] = field(default_factory=dict)  # a Lease, or an engine's LayerLeases of one group
     views: dict[str, View] = field(default_factory=dict)
     described: dict[str, Hint] = field(default_factory=dict)  # hint P of each group submitted
     attempts: dict[str, Attempt] = field(default_factory=dict)
@@ -57,6 +56,12 @@ class GroupStream:
         """The request's view over every group (one group per submitted view), for the figures."""
         first = self.views[self.groups[0]]
         return View(self.rid, first.tokens, tuple(self.views[g].groups[0] for g in self.groups), first.layout)
+
+    def geometry_views(self) -> tuple[View, ...]:
+        """Each group's view when each carries its geometry (an engine's cache: what a row
+        weighs), else none (a pool's rows weigh their region's slots)."""
+        views = tuple(self.views[g] for g in self.groups if g in self.views)
+        return views if views and all(v.geometry is not None for v in views) else ()
 
     def release(self) -> None:
         """End every group's lease: rows stay pinned until their tracked attempts quiesce."""
@@ -130,9 +135,9 @@ class PrefillRole:
         s = self._s
         if call.decode_hint is None:
             return None
-        if s.config.layerwise <= 1 or not isinstance(s.pool, PagedKVPool):
+        groups = s.serving.stream_groups()
+        if not groups:
             raise Refused("this worker streams no layer groups (--layerwise 1): send hint D to /publish")
-        groups = tuple(g.name for g in s.pool.groups)
         hints = dict(zip(groups, hints_by_group(groups, call.decode_hint, call.request)))
         event, wake = s.engine.waker()
         return GroupStream(call.request, len(call.prompt), groups, hints, event, wake)
@@ -149,10 +154,10 @@ class PrefillRole:
         lease = None
         try:
             lease = s.serving.lend_read(stream.rid, stream.tokens, (group,))
-            view = lease.view()
-            if view is None:
+            whole = lease.view()
+            if whole is None:
                 raise RuntimeError(f"read lease of {stream.rid!r}, group {group!r}, is not ready")
-            view = group_view(view)
+            (view,) = transfer_views(lease, whole)  # the group's own transfer, named rid/group
             described = backend.describe(view, hint.peer)
         except Exception as exc:  # noqa: BLE001 - /publish reports it, as its own lend or describe raising
             if lease is not None:
@@ -265,8 +270,8 @@ class PrefillRole:
         try:
             yield {"event": "published", "hint": base64.b64encode(prefill_hint).decode(), "rows": view.rows}
             outcome = await s.engine.settle(attempt, event, s.config.transfer_timeout_s)
-            figures = s.meters.count_transfer(view, outcome, time.perf_counter() - submitted,
-                                              parts=geometry_views(lease))
+            parts = lease.geometry_views() if isinstance(lease, GroupStream) else geometry_views(lease)
+            figures = s.meters.count_transfer(view, outcome, time.perf_counter() - submitted, parts=parts)
             yield {"event": "transfer", "final": True, **figures}
         finally:
             try:

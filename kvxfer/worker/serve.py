@@ -361,8 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layerwise", type=int, default=1, metavar="GROUPS",
                    help="layer-wise streaming: cut the model's layers into GROUPS groups; the prefill worker publishes each "
                         "group as its forward computes it, so the transfer overlaps the later layers (1: the whole "
-                        "request moves after prefill; at most the model's layers; the reference engine's pool lent "
-                        "in place only). Both ends of a pair must say the same")
+                        "request moves after prefill; at most the model's layers; lent in place, either engine: with "
+                        "--engine transformers, a model of full-attention layers only). Both ends of a pair must say "
+                        "the same")
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a transfer may take")
     p.add_argument("--expiry-grace", type=float, default=None, metavar="SECONDS",
@@ -470,6 +471,9 @@ def check_sliding_window(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.engine != "transformers" or args.model != TOY or args.checkpoint:
         parser.error("--sliding-window seeds a hybrid model for --engine transformers from the toy model's shape "
                      "(--model toy, no --checkpoint)")
+    if getattr(args, "layerwise", 1) > 1:
+        parser.error(f"--layerwise {args.layerwise} with --sliding-window: layer-wise streaming cuts a cache of "
+                     "full-attention layers only, not a hybrid one (sliding-window layers): use --layerwise 1")
     if args.head_dim * args.heads != args.hidden:
         parser.error(f"--sliding-window: the hybrid model's head_dim is --hidden / --heads ({args.hidden} / "
                      f"{args.heads}), not --head-dim {args.head_dim}")

@@ -125,3 +125,26 @@ def test_what_the_transformers_engine_cannot_run_is_refused_by_name(capsys: pyte
             serve.main(argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2 and words in err, err
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_pair_transformers_layerwise_is_token_identical(tmp_path: Path, mode: str) -> None:
+    """``--layerwise 4`` on the toy model's 4 layers: each layer group published by the prefill
+    worker from the forward's hook on that group's last layer, moved over NIXL by a transfer of
+    its own, every completion token-identical to generate_batch, nothing recomputed."""
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "pair", "--engine", "transformers", "--layerwise", "4", "--mode", mode,
+         "--requests", "4", "--concurrency", "2", "--min-len", "8", "--max-len", "90", "--max-new-tokens", "6",
+         "--warmup", "0", "--blocks", "64", "--json", str(report_path), "--log-dir", str(tmp_path / "logs"), "--quiet"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(report_path.read_text())
+    assert report["config"]["layerwise"] == 4 and report["config"]["engine"] == "transformers"
+    assert report["requests"] == report["matched"] == 4 and report["failed"] == 0
+    results = report["results"]
+    assert all(r["transfer"]["status"] == "delivered" and r["path"] == "disaggregated" for r in results), results
+    # Every group moves every block of the prompt (16-token blocks), all of it delivered.
+    assert all(r["transfer"]["rows"] == r["transfer"]["rows_delivered"] == 4 * -(-r["prompt_tokens"] // 16)
+               for r in results), results
+    assert_nothing_left(report["config"]["processes"])

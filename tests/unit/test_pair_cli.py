@@ -85,7 +85,9 @@ def test_model_flags_that_make_no_model_are_usage_errors(flags: list[str], words
 @pytest.mark.parametrize(("flags", "words"), [
     (["--layerwise", "0"], "--layerwise must be a positive number of layer groups, got 0"),
     (["--layerwise", "2"], "--layerwise 2 is more layer groups than the model has layers (1)"),
-    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the reference engine's own pool"),
+    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the engine's own KV"),
+    (["--engine", "transformers", "--layers", "2", "--layerwise", "2", "--sliding-window", "8"],
+     "--layerwise 2 with --sliding-window: layer-wise streaming cuts a cache of full-attention layers only"),
 ])
 def test_bad_layerwise_is_a_usage_error(flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert words in _usage_error([*SMALL, *flags], capsys)

@@ -239,7 +239,7 @@ def test_ends_cut_differently_refuse_each_other_and_the_request_is_recomputed() 
     (["--layerwise", "0"], "--layerwise must be a positive number of layer groups, got 0"),
     (["--layerwise", "-3"], "--layerwise must be a positive number of layer groups, got -3"),
     (["--layerwise", "5"], "--layerwise 5 is more layer groups than the model has layers (4)"),
-    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the reference engine's own pool"),
+    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the engine's own KV"),
 ])
 def test_serve_refuses_bad_layerwise_by_name(flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     from kvxfer.worker import serve

@@ -23,6 +23,11 @@ reaches, and why:
   ``tokens_to_process``, status ``DECODING``) and put into ``Scheduler.active_requests``; the
   same fields the scheduler sets after a prompt's last chunk, and what ``OffloadingManager``
   restores "with exact request state";
+- layer-wise streaming: a forward hook (``register_forward_hook``) on the decoder layers
+  (``model.get_decoder().layers``) that end a layer group: when it runs, the layer has written
+  this step's K/V into the cache (``PagedAttentionCache.update`` runs inside the layer's
+  attention); the requests whose prompt ends in this step are those of
+  ``ContinuousBatchingIOs.requests_in_batch`` with ``has_new_token`` (set before the forward);
 - results: ``OutputRouter.output_queue`` (``get_result`` wants the manager's own thread);
 - picking: ``ModelRunner._sample`` (where a step's logits, one row per request with a new token,
   in the order of ``ContinuousBatchingIOs.requests_in_batch``, become tokens) is wrapped so that
@@ -36,7 +41,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,6 +299,8 @@ class Batch:
         self._ended: list[tuple[str, list[int], str | None]] = []
         self.picker: Picker | None = None
         self._hook_sampling()
+        self._layer_hooks: list[Any] = []
+        self._stepping: int | None = None  # the thread running this batch's forward, while it runs
 
     def _hook_sampling(self) -> None:
         """Route the step's logits through ``self.picker`` (when set) instead of transformers'
@@ -316,6 +324,43 @@ class Batch:
 
         runner._sample = sample  # type: ignore[method-assign]
 
+    def watch_layers(self, ends: Mapping[int, str], watched: Mapping[str, Callable[[str], None]]) -> None:
+        """Layer-wise streaming: after the decoder layer ``i`` of ``ends`` (model layer index ->
+        the name of the layer group it ends) has run in one of this batch's steps, call
+        ``watched[request](name)`` for each request of ``watched`` whose prompt ends in this
+        step: its K/V of that group's layers is in the cache. Only on the thread that steps
+        this batch (workers of one process may share the model and its layers, so its hooks fire
+        in their forwards too). ``close`` takes the hooks off."""
+        layers = getattr(self.model.get_decoder(), "layers", None)
+        if layers is None or not isinstance(layers, torch.nn.ModuleList):
+            raise UnsupportedCache(f"{type(self.model).__name__}'s decoder has no list of layers to hook: it cannot "
+                                   "stream layer groups")
+        io: Any = self.processor.inputs_and_outputs
+
+        def hook(group: str) -> Callable[..., None]:
+            def after(module: Any, args: Any, output: Any) -> None:
+                if self._stepping != threading.get_ident() or not watched:
+                    return
+                ready = [f.state.request_id for f in io.requests_in_batch
+                         if f.has_new_token and f.state.request_id in watched]
+                if not ready:
+                    return
+                first = output[0] if isinstance(output, (tuple, list)) else output
+                if isinstance(first, torch.Tensor) and first.is_cuda:
+                    # The hook runs on the owner thread once the layer's kernels are queued, not
+                    # done: wait for the current stream (which wrote the cache) before the group
+                    # is lent and a backend may read it. A stream synchronize, not an event: the
+                    # publish that follows is synchronous on this thread anyway.
+                    torch.cuda.current_stream(first.device).synchronize()
+                for request in ready:
+                    watched[request](group)
+            return after
+
+        for index, group in sorted(ends.items()):
+            if not 0 <= index < len(layers):
+                raise UnsupportedCache(f"layer {index} ends layer group {group!r}, but the model has {len(layers)} layers")
+            self._layer_hooks.append(layers[index].register_forward_hook(hook(group)))
+
     def completion(self, request_id: str) -> tuple[list[int], list[int]]:
         """(the tokens before its completion, the completion so far) of a request in the batch,
         as its state holds them (a soft reset moves generated tokens into its prompt)."""
@@ -324,8 +369,12 @@ class Batch:
         return state.initial_tokens[:cut], state.initial_tokens[cut:] + state.generated_tokens
 
     def close(self) -> None:
-        """Restore the model's attention implementation (the manager switched it)."""
+        """Restore the model's attention implementation (the manager switched it) and take the
+        layer hooks off."""
         self.manager._generation_thread = None
+        for handle in self._layer_hooks:
+            handle.remove()
+        self._layer_hooks.clear()
         if self.manager._original_attn_impl is not None:
             self.model.set_attn_implementation(self.manager._original_attn_impl)
             self.manager._original_attn_impl = None
@@ -362,7 +411,11 @@ class Batch:
         """One scheduling round and forward pass; False when there was nothing to run."""
         if not self.processor.prepare_next_batch():
             return False
-        self.manager._generation_step()
+        self._stepping = threading.get_ident()
+        try:
+            self.manager._generation_step()
+        finally:
+            self._stepping = None
         self.manager.current_batch += 1
         self.processor.update_batch()
         return True

@@ -37,12 +37,20 @@ and a request moves as one lease per group, named ``{request}/{group}``
 (``lend_prefill_groups``, ``Reservation.leases``): the full-attention group its tokens, the
 sliding group only its ring, the blocks that hold the last ``window`` tokens (ring slot
 ``position % window``, the same slots at both ends).
+
+Layer-wise streaming (``layer_groups`` > 1, a cache of full-attention layers only): the
+model's layers are cut into that many groups of consecutive layers (``layers{first}-{last}``,
+as ``kvxfer.engine.layer_groups`` cuts the reference model's), each its own ``EngineKV``
+over the same blocks and lent by a lender of its own, as a hybrid cache's groups are. A
+prefill given ``ready`` calls ``ready(group)`` on the owner thread as the forward of the
+prompt's last step has run each group's last layer (a forward hook on the decoder layers):
+``lend_streamed`` then lends that group's blocks while later layers are still to run.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +60,7 @@ from kvxfer.adapters.errors import AdapterError, EngineMismatch, UnsupportedCach
 from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.adapters.transformers.sampler import PLAIN, RequestSampling, Sampler
 from kvxfer.contract import BlockOrder, HeadOrder
+from kvxfer.engine.config import layer_groups as cut_layers
 from kvxfer.engine.sampling import Pick
 from kvxfer.lender.engine_kv import EngineKV
 from kvxfer.lender.external import ExternalLease, ExternalLender
@@ -69,13 +78,15 @@ def check_peer_engine(local: str, peer: str) -> None:
 
 @dataclass(frozen=True)
 class LayerGroup:
-    """One of the cache's layer groups (one transformers allocator) as kvxfer lends it: its
-    geometry over the shared cache tensor and its own lender."""
+    """One of the cache's layer groups as kvxfer lends it: its geometry over the shared cache
+    tensor and its own lender. One transformers allocator's layers, or under layer-wise
+    streaming some consecutive ones of them (over the allocator's blocks)."""
 
-    name: str                 # transformers' layer type: "full_attention" or "sliding_attention"
+    name: str                 # transformers' layer type ("full_attention", "sliding_attention"), or "layers0-3"
     kv: EngineKV
     lender: ExternalLender
     window: int | None        # sliding: the ring's size in tokens; None for full attention
+    allocator: str = hf.FULL  # the transformers allocator whose blocks (and block tables) hold it
 
     def span(self, prompt: int, held: int) -> tuple[int, int]:
         """What this group moves of a ``prompt``-token prompt whose first ``held`` tokens are in
@@ -97,8 +108,8 @@ class LayerGroup:
 @dataclass(frozen=True)
 class Prefilled:
     """A prompt prefill ran: its first token (``pick``: with its logprobs, when asked for) and
-    the blocks (held) that hold its KV: ``tables``, per layer group (full attention first);
-    ``blocks``, the first group's."""
+    the blocks (held) that hold its KV: ``tables``, per transformers allocator (full attention
+    first); ``blocks``, the first one's."""
 
     request: str
     prompt: tuple[int, ...]
@@ -113,9 +124,10 @@ class Prefilled:
 
 @dataclass(frozen=True)
 class Reservation:
-    """Blocks reserved in the decode engine's cache for a prompt, per layer group (full
-    attention first). ``held`` tokens from the start are already in place (prefix sharing) and
-    are not fetched; ``leases`` write the rest, one per group with anything to fetch."""
+    """Blocks reserved in the decode engine's cache for a prompt, per transformers allocator
+    (``tables``, full attention first). ``held`` tokens from the start are already in place
+    (prefix sharing) and are not fetched; ``leases`` write the rest, one per layer group with
+    anything to fetch."""
 
     request: str
     prompt: tuple[int, ...]
@@ -130,10 +142,12 @@ class Reservation:
     @property
     def lease(self) -> ExternalLease | None:
         """The write lease of a cache with one layer group (None when nothing is left to fetch);
-        refused for a hybrid cache, whose groups move by a lease each (``leases``)."""
-        if len(self.tables) != 1:
-            raise UnsupportedCache(f"request {self.request!r}: the cache has layer groups {sorted(self.tables)}; "
-                                   "each moves by its own lease (Reservation.leases)")
+        refused for a cache of several (hybrid, or cut for layer-wise streaming), whose groups
+        move by a lease each (``leases``)."""
+        if len(self.tables) != 1 or len(self.leases) > 1:
+            raise UnsupportedCache(f"request {self.request!r}: the cache has layer groups "
+                                   f"{sorted(self.leases or self.tables)}; each moves by its own lease "
+                                   "(Reservation.leases)")
         return next(iter(self.leases.values()), None)
 
 
@@ -150,7 +164,11 @@ class TransformersEngine:
     """One transformers continuous batch, for either role, with its cache lent in place."""
 
     def __init__(self, model: Any, *, page_size: int = 16, num_blocks: int = 256, max_batch_tokens: int = 256,
-                 max_requests_per_batch: int | None = None, scope: bytes = b"", name: str = "transformers-kv") -> None:
+                 max_requests_per_batch: int | None = None, scope: bytes = b"", name: str = "transformers-kv",
+                 layer_groups: int = 1) -> None:
+        """``layer_groups`` > 1: layer-wise streaming, the full-attention layers cut into that
+        many groups (UnsupportedCache for a hybrid cache; ValueError naming ``layerwise`` for a
+        count under 1 or over the layers)."""
         self.engine = ENGINE
         self.model = model
         self.eos = hf.model_eos(model)
@@ -159,17 +177,26 @@ class TransformersEngine:
         self.sampler = Sampler(self.batch.completion, hf.vocab_size(model))
         self.batch.picker = self.sampler
         layouts = self.batch.layouts()
-        kvs, windows = {}, {}
-        for group, layout in layouts.items():
-            k = [layout.plane(i, value=False) for i in range(layout.layers)]
-            v = [layout.plane(i, value=True) for i in range(layout.layers)]
+        self.allocators = tuple(layouts)
+        kvs, made = {}, {}
+        for group, (layout, positions) in _cut(layouts, layer_groups).items():
+            k = [layout.plane(i, value=False) for i in positions]
+            v = [layout.plane(i, value=True) for i in positions]
             kvs[group] = EngineKV.from_planes(k, v, tensors=(layout.tensor,), kv_heads=layout.kv_heads, heads=None,
                                               head_order=HeadOrder.NHD, order=BlockOrder.BLOCK_MAJOR,
-                                              scope=_group_scope(scope, layout, hybrid=list(layouts) != [hf.FULL]),
+                                              scope=_group_scope(scope, group, layout, positions,
+                                                                 one=list(layouts) == [hf.FULL] and layer_groups == 1),
                                               name=name)
-            windows[group] = layout.window
+            made[group] = layout
         lenders = {hf.FULL: ExternalLender(kvs[hf.FULL])} if list(kvs) == [hf.FULL] else ExternalLender.for_groups(kvs)
-        self.groups = {g: LayerGroup(g, kvs[g], lenders[g], windows[g]) for g in kvs}
+        self.groups = {g: LayerGroup(g, kvs[g], lenders[g], made[g].window, made[g].group) for g in kvs}
+        self.layer_groups = layer_groups
+        self._ready: dict[str, Callable[[str], None]] = {}  # prefills streamed as the forward makes groups ready
+        self._streamed: dict[str, dict[str, list[int]]] = {}  # their blocks pinned when a group was first lent
+        if layer_groups > 1:
+            ends = {layouts[hf.FULL].layer_indices[positions[-1]]: group
+                    for group, (_, positions) in _cut(layouts, layer_groups).items()}
+            self.batch.watch_layers(ends, self._ready)
         first = next(iter(self.groups.values()))
         self.kv, self.lender = first.kv, first.lender  # the full-attention group's (or the only group's)
         self.page_size = next(iter(layouts.values())).page_size
@@ -187,13 +214,19 @@ class TransformersEngine:
 
     @property
     def hybrid(self) -> bool:
-        """Whether the cache has several layer groups (each moves by a lease of its own)."""
+        """Whether the cache has several transformers allocators (sliding-window layers)."""
+        return len(self.allocators) > 1
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the cache has several layer groups (hybrid, or cut for layer-wise
+        streaming): each moves by a lease of its own."""
         return len(self.groups) > 1
 
     def lease_name(self, request: str, group: str) -> str:
         """The request name of ``group``'s lease (and view): the request's own with one group,
-        ``{request}/{group}`` in a hybrid cache, so that each group's transfer is its own."""
-        return f"{request}/{group}" if self.hybrid else request
+        ``{request}/{group}`` with several, so that each group's transfer is its own."""
+        return f"{request}/{group}" if self.grouped else request
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -204,9 +237,13 @@ class TransformersEngine:
         for request, prompt in list(self._prefilling.items()):
             tokens = self.batch.generated(request)
             if tokens:
-                tables = {g: np.asarray(self.batch.block_table(request, g), dtype=np.int64) for g in self.groups}
-                for group, blocks in tables.items():
-                    self.batch.pin(blocks.tolist(), group)
+                tables = {a: np.asarray(self.batch.block_table(request, a), dtype=np.int64) for a in self.allocators}
+                for allocator, blocks in tables.items():
+                    self.batch.pin(blocks.tolist(), allocator)
+                # The pin a streamed group took inside the forward: the one above holds them now.
+                for allocator, early in self._streamed.pop(request, {}).items():
+                    self.batch.unpin(early, allocator)
+                self._ready.pop(request, None)
                 self.batch.detach(request)
                 del self._prefilling[request]
                 pick = self.sampler.picks(request, tokens[:1])[0]
@@ -250,23 +287,52 @@ class TransformersEngine:
         self._adopted.add(request)  # running in the batch until results() gives it
 
     # --- prefill ---------------------------------------------------------------------------------
-    def prefill(self, request: str, prompt: Sequence[int], sampling: RequestSampling = PLAIN) -> None:
+    def prefill(self, request: str, prompt: Sequence[int], sampling: RequestSampling = PLAIN,
+                ready: Callable[[str], None] | None = None) -> None:
         """Queue ``prompt``; once a step produced its first token (picked as ``sampling`` says)
         it is in ``prefilled``. The request runs without an end-of-sequence token and two new
         tokens at most, so that the batch never ends it (and frees its blocks) before it is
-        taken out."""
+        taken out. ``ready`` (layer-wise streaming): called on the owner thread, inside the
+        step that ends the prompt, with each layer group's name once the forward has written
+        that group's K/V of the whole prompt (``lend_streamed`` lends it then)."""
         self._check_new(request)
         prompt = tuple(int(t) for t in prompt)
         if not prompt:
             raise AdapterError(f"request {request!r}: an empty prompt has nothing to prefill")
+        if ready is not None and self.layer_groups <= 1:
+            raise UnsupportedCache(f"request {request!r}: this engine streams no layer groups (layer_groups=1)")
         self.sampler.add(request, sampling)
         self._prefilling[request] = prompt
+        if ready is not None:
+            self._ready[request] = ready
         self.batch.submit(request, prompt, 2, None)
+
+    def stop_streaming(self, request: str) -> None:
+        """No more ``ready`` calls for ``request`` (nobody will publish it)."""
+        self._ready.pop(request, None)
+
+    def lend_streamed(self, request: str, group: str) -> ExternalLease:
+        """Inside the forward (from ``ready``): ``group``'s blocks of the prompt lent for
+        reading. The request is still the batch's, so its blocks get a pin of their own first
+        (dropped once ``step`` has pinned the prefill's): should the step fail after this, a
+        peer's transfer still never reads blocks transformers handed out again."""
+        prompt = self._prefilling.get(request)
+        layer = self.groups.get(group)
+        if prompt is None or request not in self._ready or layer is None:
+            raise AdapterError(f"request {request!r}, group {group!r}: not a layer group of a prefill streamed now "
+                               f"(groups {sorted(self.groups)})")
+        table = self.batch.block_table(request, layer.allocator)
+        pinned = self._streamed.setdefault(request, {})
+        if layer.allocator not in pinned:
+            self.batch.pin(table, layer.allocator)
+            pinned[layer.allocator] = table
+        blocks = np.asarray(table, dtype=np.int64)
+        return layer.lender.lend_read(self.lease_name(request, group), blocks, layer.span(len(prompt), 0))
 
     def lend_prefill(self, request: str) -> ExternalLease:
         """The prompt's blocks lent for reading (tokens [0, len(prompt))), in a cache with one
-        layer group; a hybrid cache lends a lease per group (``lend_prefill_groups``)."""
-        if self.hybrid:
+        layer group; a cache of several lends a lease per group (``lend_prefill_groups``)."""
+        if self.grouped:
             raise UnsupportedCache(f"request {request!r}: the cache has layer groups {sorted(self.groups)}; each "
                                    "moves by its own lease (lend_prefill_groups)")
         return self.lend_prefill_groups(request)[next(iter(self.groups))]
@@ -280,7 +346,7 @@ class TransformersEngine:
         leases: dict[str, ExternalLease] = {}
         try:
             for name, group in self.groups.items():
-                leases[name] = group.lender.lend_read(self.lease_name(request, name), done.tables[name],
+                leases[name] = group.lender.lend_read(self.lease_name(request, name), done.tables[group.allocator],
                                                       group.span(len(done.prompt), 0))
         except BaseException:
             for lease in leases.values():
@@ -308,13 +374,13 @@ class TransformersEngine:
         if got is None:
             return None
         found, held = got
-        tables = {g: np.asarray(found[g], dtype=np.int64) for g in self.groups}
+        tables = {a: np.asarray(found[a], dtype=np.int64) for a in self.allocators}
         leases: dict[str, ExternalLease] = {}
         try:
             for name, group in self.groups.items():
                 start, end = group.span(len(prompt), held)
                 if start < end:
-                    table = tables[name]
+                    table = tables[group.allocator]
                     shared = table[: held // self.page_size] if group.window is None else None
                     leases[name] = group.lender.lend_write(self.lease_name(request, name), table, (start, end),
                                                            shared=shared)
@@ -418,7 +484,8 @@ class TransformersEngine:
 
     def _busy(self, tables: dict[str, np.ndarray]) -> bool:
         """Whether a lease or an unquiesced attempt may touch any of these blocks (per group)."""
-        return any(self.groups[g].lender.busy(blocks).any() for g, blocks in tables.items())
+        return any(group.lender.busy(tables[group.allocator]).any() for group in self.groups.values()
+                   if group.allocator in tables)
 
     def _give_back(self) -> None:
         for request, tables in list(self._unpin.items()):
@@ -438,14 +505,32 @@ class TransformersEngine:
         self.batch.close()
 
 
-def _group_scope(scope: bytes, layout: hf.CacheLayout, *, hybrid: bool) -> bytes:
-    """The KV scope of a layer group: the engine and the weights, and in a hybrid cache which of
-    the model's layers the group holds and its window, so that two ends whose groups differ
-    (another layer pattern or window) are refused as other KV."""
+def _cut(layouts: dict[str, hf.CacheLayout], groups: int) -> dict[str, tuple[hf.CacheLayout, tuple[int, ...]]]:
+    """The layer groups kvxfer lends: each allocator's layers (name -> its layout and the
+    positions of its layers in a block), or with ``groups`` > 1 the full-attention layers cut
+    into that many groups of consecutive layers (``layers{first}-{last}``, model indices)."""
+    if groups == 1:
+        return {name: (layout, tuple(range(layout.layers))) for name, layout in layouts.items()}
+    if list(layouts) != [hf.FULL]:
+        raise UnsupportedCache(f"layer-wise streaming ({groups} layer groups) cuts a cache of full-attention layers "
+                               f"only; this model's cache has {sorted(layouts)} layers (sliding-window layers "
+                               "beside full attention): serve it with --layerwise 1")
+    layout = layouts[hf.FULL]
+    if layout.layer_indices != tuple(range(layout.layers)):  # pragma: no cover - a full-attention model's own order
+        raise UnsupportedCache(f"the cache holds layers {list(layout.layer_indices)} in a block: not the model's "
+                               "layers in order, which layer-wise streaming cuts")
+    return {name: (layout, tuple(range(first, first + count))) for name, first, count in cut_layers(layout.layers, groups)}
+
+
+def _group_scope(scope: bytes, group: str, layout: hf.CacheLayout, positions: Sequence[int], *, one: bool) -> bytes:
+    """The KV scope of a layer group: the engine and the weights, and when the cache has
+    several groups which of the model's layers the group holds and its window, so that two
+    ends whose groups differ (another layer pattern, window or cut) are refused as other KV."""
     base = ENGINE.encode() + b"|" + scope
-    if not hybrid:
+    if one:
         return base
-    return base + f"|{layout.group}|layers={list(layout.layer_indices)}|window={layout.window}".encode()
+    layers = [layout.layer_indices[i] for i in positions]
+    return base + f"|{group}|layers={layers}|window={layout.window}".encode()
 
 
 def colocated_sampled(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
