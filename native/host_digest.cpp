@@ -105,14 +105,27 @@ std::uint64_t unit_share(const unsigned char* unit, std::int64_t unit_bytes, std
 }
 
 void segment_range(const SegmentDigests& p, std::uint64_t* out, std::int64_t begin, std::int64_t end) {
+  // Units adjacent both where they lie and in the row are one span: a token's heads when
+  // they are contiguous in memory (the row's heads always are), and then a segment's tokens
+  // when those are too. Fewer, longer spans run at the row digest's speed.
+  std::int64_t span = p.unit_bytes, heads = p.heads;
+  if (heads == 1 || (p.head_stride == p.unit_bytes && p.canon_head == p.unit_bytes)) {
+    span *= heads;
+    heads = 1;
+  }
+  const bool tokens_join = heads == 1 && p.token_stride == span && p.canon_token == span;
   for (std::int64_t s = begin; s < end; ++s) {
     const std::int64_t m = (p.row_bytes[s] + 7) / 8;
+    const auto* at = reinterpret_cast<const unsigned char*>(p.addr[s]);
+    if (tokens_join) {
+      out[s] = p.tokens[s] > 0 ? unit_share(at, span * p.tokens[s], p.offset[s], m, p.k) : 0;
+      continue;
+    }
     std::uint64_t sum = 0;
     for (std::int64_t t = 0; t < p.tokens[s]; ++t) {
-      for (std::int64_t h = 0; h < p.heads; ++h) {
-        const auto* unit = reinterpret_cast<const unsigned char*>(p.addr[s] + t * p.token_stride + h * p.head_stride);
-        sum += unit_share(unit, p.unit_bytes, p.offset[s] + t * p.canon_token + h * p.canon_head, m, p.k);
-      }
+      for (std::int64_t h = 0; h < heads; ++h)
+        sum += unit_share(at + t * p.token_stride + h * p.head_stride, span,
+                          p.offset[s] + t * p.canon_token + h * p.canon_head, m, p.k);
     }
     out[s] = sum;
   }

@@ -130,7 +130,7 @@ def test_composed_digests_equal_the_digest_of_the_assembled_destination_row(t: d
     assert at_source[proven].tolist() == assembled[proven].tolist()
     assert landed[proven].tolist() == assembled[proven].tolist()
     # The fallback, byte by byte, equals the compiled shares.
-    where = plan_digest.placement(plan)
+    where = plan_digest.placement(plan, everything)
     unit = plan.dst.unit_bytes
     for at_src, addr, g in ((True, plan.src_addr, plan.src), (False, plan.dst_addr, plan.dst)):
         compiled = plan_digest.segment_shares(plan, everything, at_source=at_src, k=DIGEST_K)

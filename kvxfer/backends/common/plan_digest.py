@@ -39,31 +39,33 @@ U64 = npt.NDArray[np.uint64]
 
 @dataclass(frozen=True, eq=False)
 class Placement:
-    """Per segment of a plan: its destination row, the canonical byte offset of its first
-    unit in that row, and the row's canonical bytes."""
+    """Per segment of some of a plan's: its destination row, the canonical byte offset of its
+    first unit in that row, and the row's canonical bytes."""
 
     row: IndexArray
     offset: IndexArray
     row_bytes: IndexArray
 
 
-def placement(plan: TransformPlan) -> Placement:
+def placement(plan: TransformPlan, segments: IndexArray) -> Placement:
+    """Where ``segments`` (indices into the plan's) land: O(len(segments)), so that a mover
+    digesting chunk by chunk does not redo the whole plan each time."""
     planes, heads, unit = plan.planes, plan.heads, plan.dst.unit_bytes
-    row = np.repeat(plan.run_dst_row, planes)
+    run, plane = np.divmod(np.asarray(segments, dtype=np.int64), planes)
+    row = plan.run_dst_row[run]
     tokens = plan.dst_expected[row]
-    plane = np.tile(np.arange(planes, dtype=np.int64), plan.runs)
-    first = np.repeat(plan.run_dst_offset, planes)
-    return Placement(row, (plane * tokens + first) * heads * unit, planes * tokens * heads * unit)
+    return Placement(row, (plane * tokens + plan.run_dst_offset[run]) * heads * unit, planes * tokens * heads * unit)
 
 
 def segment_shares(plan: TransformPlan, segments: IndexArray, *, at_source: bool, k: int,
                    where: Placement | None = None) -> U64:
     """The share of each of ``segments`` (indices into the plan's) in its destination row's
-    digest, its units read at the source (``at_source``) or at the destination (host memory)."""
-    where = placement(plan) if where is None else where
+    digest, its units read at the source (``at_source``) or at the destination (host memory);
+    ``where``: their ``placement``, when the caller has it."""
+    where = placement(plan, segments) if where is None else where
     end = plan.src if at_source else plan.dst
     addr = (plan.src_addr if at_source else plan.dst_addr)[segments]
-    args = (addr, plan.tokens[segments], where.offset[segments], where.row_bytes[segments])
+    args = (addr, plan.tokens[segments], where.offset, where.row_bytes)
     unit = plan.dst.unit_bytes
     kw = {"heads": plan.heads, "unit_bytes": unit, "strides": (end.token_stride, end.head_stride),
           "canon": (plan.heads * unit, unit), "k": k}
@@ -75,10 +77,10 @@ def segment_shares(plan: TransformPlan, segments: IndexArray, *, at_source: bool
 def row_digests(plan: TransformPlan, segments: IndexArray, *, at_source: bool, k: int) -> U64:
     """The digest of every destination row (zero where none of ``segments`` lands), as far as
     ``segments`` make it: a row's whole digest once they hold every segment of the row."""
-    where = placement(plan)
     out = np.zeros(plan.dst_expected.size, dtype=np.uint64)
     if segments.size:
-        np.add.at(out, where.row[segments], segment_shares(plan, segments, at_source=at_source, k=k, where=where))
+        where = placement(plan, segments)
+        np.add.at(out, where.row, segment_shares(plan, segments, at_source=at_source, k=k, where=where))
     return out
 
 
