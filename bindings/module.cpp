@@ -100,6 +100,33 @@ nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>> host_row_digests(std::uint64_
   return nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>(out, {static_cast<std::size_t>(n_rows)}, owner);
 }
 
+nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>> host_segment_digests(
+    Index addr, Index tokens, Index offset, Index row_bytes, std::int64_t heads, std::int64_t unit_bytes,
+    std::int64_t token_stride, std::int64_t head_stride, std::int64_t canon_token, std::int64_t canon_head,
+    std::uint64_t k, int threads) {
+  const auto n = static_cast<std::int64_t>(addr.shape(0));
+  if (static_cast<std::int64_t>(tokens.shape(0)) != n || static_cast<std::int64_t>(offset.shape(0)) != n ||
+      static_cast<std::int64_t>(row_bytes.shape(0)) != n)
+    throw CopyError("addr, tokens, offset and row_bytes must have one entry per segment");
+  kvxfer::SegmentDigests p;
+  p.addr = addr.data();
+  p.tokens = tokens.data();
+  p.offset = offset.data();
+  p.row_bytes = row_bytes.data();
+  p.n_segments = n;
+  p.heads = heads;
+  p.unit_bytes = unit_bytes;
+  p.token_stride = token_stride;
+  p.head_stride = head_stride;
+  p.canon_token = canon_token;
+  p.canon_head = canon_head;
+  p.k = k;
+  auto* out = new std::uint64_t[static_cast<std::size_t>(n > 0 ? n : 1)]();
+  nb::capsule owner(out, [](void* q) noexcept { delete[] static_cast<std::uint64_t*>(q); });
+  check_unlocked([&] { return kvxfer::host_segment_digests(p, out, threads); });
+  return nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>(out, {static_cast<std::size_t>(n)}, owner);
+}
+
 // The segment arrays of a layout transform, checked for equal lengths (the native checks
 // the rest: geometry, tokens, addresses).
 kvxfer::TransformPlan make_transform(const Index& src_addr, const Index& dst_addr, const Index& tokens,
@@ -219,6 +246,7 @@ NB_MODULE(_native, m) {
   m.attr("ABI_VERSION") = 1;
   m.attr("HAS_TRANSFORM") = true;  // host_transform_copy, and cuda_transform_copy(_then) with CUDA
   m.attr("HAS_DIGEST") = true;     // host_row_digests
+  m.attr("HAS_SEGMENT_DIGEST") = true;  // host_segment_digests
 
   m.def("fill_helper_threads", [] { return kvxfer::FillHelpers::instance().threads(); },
         "How many persistent index-fill helper threads are running (started by large CUDA copies).");
@@ -258,6 +286,13 @@ NB_MODULE(_native, m) {
         "The row digest (kvxfer.backends.common.integrity) of the row_bytes bytes at base + slots[i] * stride "
         "(slots None: i) for each i < n_rows, read in place with the GIL released, as a new uint64 array. A negative "
         "slot is refused; nothing checks an upper bound (the caller's rows must be mapped).");
+
+  m.def("host_segment_digests", &host_segment_digests, "addr"_a.noconvert(), "tokens"_a.noconvert(),
+        "offset"_a.noconvert(), "row_bytes"_a.noconvert(), "heads"_a, "unit_bytes"_a, "token_stride"_a,
+        "head_stride"_a, "canon_token"_a, "canon_head"_a, "k"_a, "threads"_a = 0,
+        "Each segment's share of the row digest of the row it lands in (digest.h): its units, read at addr[s] + t * "
+        "token_stride + h * head_stride, placed at byte offset[s] + t * canon_token + h * canon_head of a row of "
+        "row_bytes[s] bytes. int64 arrays; a new uint64 array; the GIL released.");
 
   m.def("host_transform_copy", &host_transform_copy, "src_addr"_a.noconvert(), "dst_addr"_a.noconvert(),
         "tokens"_a.noconvert(), "heads"_a, "unit_bytes"_a, "src_token_stride"_a, "src_head_stride"_a,

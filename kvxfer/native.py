@@ -16,7 +16,9 @@ h * head_stride`` to the same expression on the destination end; natively by mem
 one CUDA kernel, else numpy / torch indexing with identical bytes.
 
 ``row_digests`` reads host rows where they lie (no gather) and returns each one's integrity
-digest (``kvxfer.backends.common.integrity`` defines it and keeps the numpy fallback).
+digest (``kvxfer.backends.common.integrity`` defines it and keeps the numpy fallback);
+``segment_digests`` the shares of destination rows of an engine geometry that segments of units
+add (``kvxfer.backends.common.plan_digest``).
 
 ``info()`` says what is available and why not. Failures raise :class:`RowCopyError`.
 """
@@ -373,6 +375,29 @@ def row_digests(*, base: int, stride: int, slots: npt.NDArray[np.int64], row_byt
     except _NATIVE.CopyError as exc:
         raise RowCopyError(str(exc)) from exc
     return out
+
+
+def segment_digests(addr: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], offset: npt.NDArray[np.int64],
+                    row_bytes: npt.NDArray[np.int64], *, heads: int, unit_bytes: int, strides: tuple[int, int],
+                    canon: tuple[int, int], k: int, threads: int = 0) -> npt.NDArray[np.uint64]:
+    """Each segment's share of the digest of the destination row it lands in (native/digest.h:
+    units read at ``addr[s] + t * strides[0] + h * strides[1]``, placed at byte ``offset[s] +
+    t * canon[0] + h * canon[1]`` of a row of ``row_bytes[s]``); host memory, in place, the GIL
+    released. RowCopyError where the module lacks it (``has_segment_digests()``) or a segment
+    does not fit its row."""
+    if not has_segment_digests() or _NATIVE is None:
+        raise RowCopyError(_LOAD_REASON or "kvxfer._native was built without the segment digest")
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (addr, tokens, offset, row_bytes)]
+    try:
+        out: npt.NDArray[np.uint64] = _NATIVE.host_segment_digests(*arrays, heads, unit_bytes, *strides, *canon, k,
+                                                                   threads)
+    except _NATIVE.CopyError as exc:
+        raise RowCopyError(str(exc)) from exc
+    return out
+
+
+def has_segment_digests() -> bool:
+    return bool(getattr(_NATIVE, "HAS_SEGMENT_DIGEST", False))
 
 
 # --- layout transform ---------------------------------------------------------------

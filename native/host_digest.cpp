@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -30,7 +32,11 @@ inline Lanes2 load_lanes(const unsigned char* p) {
   return v;
 }
 
-std::uint64_t row_digest(const unsigned char* row, std::int64_t row_bytes, std::uint64_t k) {
+struct Sums {
+  std::uint64_t a, b;  // A = sum_i x_i, B = sum_i (m - i) x_i
+};
+
+Sums row_sums(const unsigned char* row, std::int64_t row_bytes) {
   const std::int64_t full = row_bytes / 8;          // whole words
   const std::int64_t m = (row_bytes + 7) / 8;       // words after zero padding
   const std::int64_t blocks = full / kLanes;
@@ -69,7 +75,77 @@ std::uint64_t row_digest(const unsigned char* row, std::int64_t row_bytes, std::
   }
   A += ta;
   B += tb;
-  return A + k * B;
+  return {A, B};
+}
+
+std::uint64_t row_digest(const unsigned char* row, std::int64_t row_bytes, std::uint64_t k) {
+  const Sums s = row_sums(row, row_bytes);
+  return s.a + k * s.b;
+}
+
+// One unit's share of its row's digest, the unit landing at byte q of a row of m words. At a
+// word boundary with whole words (w of them, o = q / 8): its words y_j are the row's words
+// o + j, of weight 1 + k (m - o - j), so the share is A + k (B + (m - o - w) A) with the
+// unit's own sums. Else byte by byte: byte b of the unit is bits 8 ((q + b) % 8) of word
+// (q + b) / 8, and the digest is linear in every word.
+std::uint64_t unit_share(const unsigned char* unit, std::int64_t unit_bytes, std::int64_t q, std::int64_t m,
+                         std::uint64_t k) {
+  if (q % 8 == 0 && unit_bytes % 8 == 0) {
+    const Sums s = row_sums(unit, unit_bytes);
+    const auto rest = static_cast<std::uint64_t>(m - q / 8 - unit_bytes / 8);
+    return s.a + k * (s.b + rest * s.a);
+  }
+  std::uint64_t out = 0;
+  for (std::int64_t b = 0; b < unit_bytes; ++b) {
+    const std::int64_t at = q + b;
+    const std::uint64_t weight = 1 + k * static_cast<std::uint64_t>(m - at / 8);
+    out += weight * (static_cast<std::uint64_t>(unit[b]) << (8 * (at % 8)));
+  }
+  return out;
+}
+
+void segment_range(const SegmentDigests& p, std::uint64_t* out, std::int64_t begin, std::int64_t end) {
+  // Units adjacent both where they lie and in the row are one span: a token's heads when
+  // they are contiguous in memory (the row's heads always are), and then a segment's tokens
+  // when those are too. Fewer, longer spans run at the row digest's speed.
+  std::int64_t span = p.unit_bytes, heads = p.heads;
+  if (heads == 1 || (p.head_stride == p.unit_bytes && p.canon_head == p.unit_bytes)) {
+    span *= heads;
+    heads = 1;
+  }
+  const bool tokens_join = heads == 1 && p.token_stride == span && p.canon_token == span;
+  for (std::int64_t s = begin; s < end; ++s) {
+    const std::int64_t m = (p.row_bytes[s] + 7) / 8;
+    const auto* at = reinterpret_cast<const unsigned char*>(p.addr[s]);
+    if (tokens_join) {
+      out[s] = p.tokens[s] > 0 ? unit_share(at, span * p.tokens[s], p.offset[s], m, p.k) : 0;
+      continue;
+    }
+    std::uint64_t sum = 0;
+    for (std::int64_t t = 0; t < p.tokens[s]; ++t) {
+      for (std::int64_t h = 0; h < heads; ++h)
+        sum += unit_share(at + t * p.token_stride + h * p.head_stride, span,
+                          p.offset[s] + t * p.canon_token + h * p.canon_head, m, p.k);
+    }
+    out[s] = sum;
+  }
+}
+
+std::string check_segments(const SegmentDigests& p) {
+  if (p.n_segments < 0) return "n_segments is negative";
+  if (p.heads < 1 || p.unit_bytes < 1) return "heads and unit_bytes must be at least 1";
+  if (p.token_stride < 0 || p.head_stride < 0 || p.canon_token < 0 || p.canon_head < 0)
+    return "strides must not be negative";
+  for (std::int64_t s = 0; s < p.n_segments; ++s) {
+    if (p.tokens[s] < 0) return "tokens[" + std::to_string(s) + "] is negative";
+    if (p.tokens[s] == 0) continue;
+    if (p.addr[s] <= 0) return "addr[" + std::to_string(s) + "] is not an address";
+    const std::int64_t last = p.offset[s] + (p.tokens[s] - 1) * p.canon_token + (p.heads - 1) * p.canon_head;
+    if (p.offset[s] < 0 || last + p.unit_bytes > p.row_bytes[s])
+      return "segment " + std::to_string(s) + " lands at bytes [" + std::to_string(p.offset[s]) + ", " +
+             std::to_string(last + p.unit_bytes) + ") of a row of " + std::to_string(p.row_bytes[s]);
+  }
+  return {};
 }
 
 void digest_range(std::uint64_t base, std::int64_t stride, const std::int64_t* slots, std::int64_t row_bytes,
@@ -82,6 +158,35 @@ void digest_range(std::uint64_t base, std::int64_t stride, const std::int64_t* s
 }
 
 }  // namespace
+
+std::string host_segment_digests(const SegmentDigests& p, std::uint64_t* out, int threads) {
+  std::string err = check_segments(p);
+  if (!err.empty() || p.n_segments == 0) return err;
+  const std::int64_t n = p.n_segments;
+  std::int64_t units = 0;
+  for (std::int64_t s = 0; s < n; ++s) units += p.tokens[s];
+  const std::int64_t total = units * p.heads * p.unit_bytes;
+  std::int64_t want;
+  if (threads > 0) {
+    want = std::min<std::int64_t>(threads, n);
+  } else {
+    const std::int64_t hw = std::max(1u, std::thread::hardware_concurrency());
+    want = std::max<std::int64_t>(1, std::min<std::int64_t>({total / kBytesPerThread, hw, n, 16}));
+  }
+  const std::int64_t share = (n + want - 1) / want;
+  std::vector<std::thread> pool;
+  std::int64_t started = 1;
+  try {
+    for (std::int64_t t = 1; t < want && t * share < n; ++t, ++started)
+      pool.emplace_back(segment_range, std::cref(p), out, t * share, std::min(n, (t + 1) * share));
+  } catch (const std::exception&) {
+    // Fewer threads than wanted: the shares none took are done here below.
+  }
+  segment_range(p, out, 0, std::min(share, n));
+  for (auto& th : pool) th.join();
+  if (started * share < n) segment_range(p, out, started * share, n);
+  return {};
+}
 
 std::string host_row_digests(std::uint64_t base, std::int64_t stride, const std::int64_t* slots, std::int64_t n,
                              std::int64_t row_bytes, std::uint64_t k, std::uint64_t* out, int threads) {

@@ -9,7 +9,9 @@ submission can be delayed, so that tests can exercise partial delivery and cance
 Integrity (``integrity=True``, the default; ``kvxfer.backends.common.integrity``): the end
 that reads the source rows digests them (a push publisher as it copies, a pull publisher in
 describe()) and the fetcher checks its rows where they landed; ``corrupt_landed`` is the
-fetcher's test hook that changes landed bytes before that check.
+fetcher's test hook that changes landed bytes before that check. Between engine geometries a
+push publisher digests each destination block's KV from the source segments it copied
+(``plan_digest``) and the fetcher checks it with its own plan; a pull is not checked.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvxfer.backends.common.integrity import (
     CorruptFn,
     RowCheck,
     expected_from_hint,
+    geometry_digests,
     group_digests,
     pack_digests,
     peer_masks_from_local,
@@ -118,6 +121,7 @@ class _Passive:
     own_id: str
     deadline: float
     told_peer: bool = False
+    transform: Oriented | None = None  # a push fetch between geometries, checked: its plan
 
 
 @dataclass(eq=False)
@@ -211,7 +215,9 @@ class LoopbackBackend(BackendEngine):
                 self._claim(hint, attempt)
                 self._active.append(job)
         else:
-            wait = _Passive(attempt, view, hint, admitted.own_id, deadline=now + self.deadline_s)
+            checked = fetching and view.geometry is not None and self.integrity.applies_geometry(view)
+            wait = _Passive(attempt, view, hint, admitted.own_id, deadline=now + self.deadline_s,
+                            transform=plan_between(view, hint, fetching=True) if checked else None)
             with self._jobs_lock:
                 self._refuse_if_closed()
                 self._passive[admitted.own_id] = wait
@@ -283,7 +289,7 @@ class LoopbackBackend(BackendEngine):
         # Concluded already: we gave up earlier, and the peer now confirms it stopped.
         fetching = self.mode is TransferMode.PUSH  # a passive wait fetches in push mode
         conclude_from_record(wait.attempt, wait.view, record,
-                             self.integrity.record_check(wait.view) if fetching else None)
+                             self.integrity.record_check(wait.view, wait.transform) if fetching else None)
         self._end_passive(wait)
 
     def _end_passive(self, wait: _Passive) -> None:
@@ -378,7 +384,11 @@ class LoopbackBackend(BackendEngine):
             copy_runs(plan, done, end, memory=MemoryKind.HOST)
             done = end
         local_masks, peer_masks = transform.masks(done)
-        self._finish(job, failure, local_masks, peer_masks)
+        # A push publisher digests the destination rows from the source segments it copied;
+        # a pull between geometries carries none (integrity.py says why).
+        digests = ([geometry_digests(transform, done * plan.planes)]
+                   if job.writes_peer and self.integrity.applies_geometry(job.view) else None)
+        self._finish(job, failure, local_masks, peer_masks, digests)
 
     def _finish(self, job: _Active, failure: str | None, local_masks: list, peer_masks: list,
                 digests: list | None = None) -> None:

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.backends.common.corruption import Corruptor
+from kvxfer.backends.common.integrity import MISMATCH
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import Delivered, Failed, HeadOrder, InvalidSubmission, LayoutMismatch, TransferMode
 from kvxfer.lender.engine_kv import EngineKV
@@ -130,3 +132,41 @@ def test_refusals_name_the_difference_and_touch_nothing() -> None:
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def _tp_rank_ends() -> tuple[EngineKV, EngineKV, np.ndarray, np.ndarray]:
+    """TP 1 layer-major HND -> rank 1 of 2 in a block-major pool of 32-token blocks."""
+    src = EngineKV.per_layer(per_layer(12, 16, KV_HEADS, HeadOrder.HND, seed=10), kv_heads=KV_HEADS,
+                             head_order=HeadOrder.HND)
+    spec = LayerGroupSpec("kv", layers=LAYERS, block_tokens=32, kv_heads=2, head_dim=DIM)
+    dst = EngineKV.from_pool(PagedKVPool([spec], 8, layout=Layout.BLOCK_MAJOR, tp=(2, 1)), heads=(2, 4),
+                             kv_heads=KV_HEADS)
+    return src, dst, block_table(12, TOKENS, 16, 10), block_table(8, TOKENS, 32, 11)
+
+
+def test_a_push_between_geometries_refuses_exactly_the_damaged_destination_blocks() -> None:
+    """The publisher sums each destination block's digest from the source segments it copied;
+    the fetcher checks its blocks with its own plan after the test hook damaged some."""
+    corruptor = Corruptor(seed=5, p_bit=0.3, p_row=0.3)
+    src, dst, s_table, d_table = _tp_rank_ends()
+    published, fetched = move(TransferMode.PUSH, src, dst, s_table, d_table, corrupt_landed=corruptor)
+    changed = corruptor.take()
+    name = dst.geometry.regions[0].name
+    damaged = np.array([(name, b) in changed for b in d_table.tolist()])
+    assert 0 < damaged.sum() < damaged.size, changed
+    assert fetched.masks[0].tolist() == (~damaged).tolist()
+    assert isinstance(published, Delivered)  # as for pool rows: the fetcher checks after the publisher concluded
+    assert isinstance(fetched, Failed) and fetched.reason.startswith(MISMATCH), fetched
+    bt, got, want = 32, tokens_of(dst, d_table, TOKENS), tokens_of(src, s_table, TOKENS)[:, :, :, 2:4]
+    for block in np.flatnonzero(~damaged).tolist():
+        assert torch.equal(got[:, :, block * bt:(block + 1) * bt], want[:, :, block * bt:(block + 1) * bt])
+
+
+def test_a_pull_between_geometries_is_not_checked() -> None:
+    """The publisher's hint is made before it knows the fetcher's layout: no digest travels,
+    the fetcher checks nothing (its hook is never called), and the pull is Delivered."""
+    corruptor = Corruptor(seed=3, p_bit=1.0)
+    src, dst, s_table, d_table = _tp_rank_ends()
+    _, fetched = move(TransferMode.PULL, src, dst, s_table, d_table, corrupt_landed=corruptor)
+    assert isinstance(fetched, Delivered) and fetched.masks[0].all()
+    assert corruptor.rows_seen == 0

@@ -22,6 +22,14 @@ A digest is an integrity check, not an authenticity check: anyone who can write 
 write a matching digest. The completion record's HMAC (``KVXFER_HINT_KEY``) is what says who
 sent the digests.
 
+Engine geometries (TP and layout transforms): a destination row is a block of the fetcher's
+layout, not the source row's bytes, so its digest is defined over its canonical bytes (the
+units its view asks for, in (plane, token, head) order; ``plan_digest``). A push publisher sums
+it from the segments it reads, with no row assembled; the fetcher from the segments where they
+landed, with its own plan. A pull between geometries carries no digest and is not checked:
+the publisher's hint is made before it knows the fetcher's layout, and a destination row's
+digest depends on it.
+
 Where digests travel: in the completion record (``CompletionRecord.digests``, one uint64
 array per mask) from the end that read the source rows; in pull mode, where the fetcher reads
 them itself, in the publisher's hint (``Hint.extras`` under ``DIGEST_EXTRA``, digested at
@@ -39,7 +47,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer import native
+from kvxfer.backends.common import plan_digest
 from kvxfer.backends.common.matching import GroupMatch
+from kvxfer.backends.common.transform import Oriented
 from kvxfer.contract import (
     BoolArray,
     Cancelled,
@@ -170,6 +180,40 @@ def check_landed(view: View, masks: list[BoolArray], digests: Sequence[U64] | No
     return f"{MISMATCH}: {total} of {landed} rows landed with other bytes than were sent ({'; '.join(bad)})"
 
 
+def check_landed_geometry(transform: Oriented, view: View, masks: list[BoolArray], digests: Sequence[U64] | None,
+                          corrupt: CorruptFn | None = None) -> str | None:
+    """``check_landed`` for a geometry view (the plan's destination, ``masks``: one over its
+    rows): the digest of each landed row's canonical bytes, summed from the plan's segments
+    where they landed, against ``digests[0]`` (the publisher's, aligned with the view's rows)."""
+    mask = masks[0]
+    rows = np.flatnonzero(mask)
+    if corrupt is not None and rows.size:
+        plan_digest.corrupt_rows(corrupt, view, rows)
+    if rows.size == 0:
+        return None
+    if digests is None or len(digests) != 1 or np.asarray(digests[0]).size != mask.size:
+        mask[:] = False
+        return (f"{MISMATCH}: {rows.size} rows came without a digest to check them against "
+                "(is integrity off at the end that read them?)")
+    plan = transform.plan
+    got = plan_digest.row_digests(plan, plan_digest.segments_of_rows(plan, mask), at_source=False, k=DIGEST_K)
+    wrong = rows[got[rows] != np.asarray(digests[0], dtype=np.uint64)[rows]]
+    if wrong.size == 0:
+        return None
+    mask[wrong] = False
+    shown = ", ".join(str(r) for r in wrong[:8].tolist()) + (", ..." if wrong.size > 8 else "")
+    return (f"{MISMATCH}: {wrong.size} of {rows.size} rows landed with other bytes than were sent "
+            f"(group {view.groups[0].layer_group!r} rows [{shown}], digests of their blocks' KV in this layout)")
+
+
+def geometry_digests(transform: Oriented, segments: int | tuple[int, int]) -> U64:
+    """A push publisher's digest of each destination row (aligned with the fetcher's hint rows),
+    from the source segments [0, segments) or [first, end) it read."""
+    first, end = (0, segments) if isinstance(segments, int) else segments
+    return plan_digest.row_digests(transform.plan, np.arange(first, end, dtype=np.int64), at_source=True,
+                                   k=DIGEST_K)
+
+
 def sent_digests(matches: Sequence[GroupMatch], hint: Hint, moved: Sequence[int]) -> list[U64]:
     """The record's digests from the reading end: the digest of each local row it sent
     (``moved[i]`` rows of ``matches[i]``, in order), placed at its row of the peer's hint."""
@@ -223,10 +267,20 @@ class RowCheck:
         self.rows_failed = 0
 
     def applies(self, view: View) -> bool:
-        """Pool rows in host memory: an engine geometry's destination rows are not the source's
-        bytes, and device rows wait for the IPC kernel's fused digest."""
+        """Pool rows in host memory (device rows wait for the IPC kernel's fused digest); an
+        engine geometry's rows: ``applies_geometry``."""
         return self.enabled and view.geometry is None and all(
             g.region.memory_kind is MemoryKind.HOST for g in view.groups)
+
+    def applies_geometry(self, view: View) -> bool:
+        """An engine geometry's rows in host memory: a push publisher sends the digests of the
+        destination rows and the fetcher checks them (a pull is not checked: module docstring)."""
+        return self.enabled and view.geometry is not None and all(
+            r.memory_kind is MemoryKind.HOST for r in view.geometry.regions)
+
+    def checks_records(self, view: View) -> bool:
+        """A push fetcher of ``view`` concludes only from a record, which has the digests."""
+        return self.applies(view) or self.applies_geometry(view)
 
     def check(self, view: View, masks: list[BoolArray], digests: Sequence[U64] | None) -> str | None:
         before = sum(int(m.sum()) for m in masks)
@@ -235,8 +289,20 @@ class RowCheck:
             self.rows_failed += before - sum(int(m.sum()) for m in masks)
         return reason
 
-    def record_check(self, view: View) -> Callable[[list[BoolArray], CompletionRecord], str | None] | None:
-        """What ``conclude_from_record`` takes for a passive fetch of ``view``."""
+    def check_geometry(self, transform: Oriented, view: View, masks: list[BoolArray],
+                       digests: Sequence[U64] | None) -> str | None:
+        before = int(masks[0].sum())
+        reason = check_landed_geometry(transform, view, masks, digests, self.corrupt)
+        if reason is not None:
+            self.rows_failed += before - int(masks[0].sum())
+        return reason
+
+    def record_check(self, view: View, transform: Oriented | None = None) -> Callable[[list[BoolArray],
+                                                                                   CompletionRecord], str | None] | None:
+        """What ``conclude_from_record`` takes for a passive (push) fetch of ``view``
+        (``transform``: its plan, for a geometry view)."""
+        if transform is not None and self.applies_geometry(view):
+            return lambda masks, record: self.check_geometry(transform, view, masks, record.digests or None)
         if not self.applies(view):
             return None
         return lambda masks, record: self.check(view, masks, record.digests or None)

@@ -70,6 +70,7 @@ class TransformPlan:
     run_src_row: IndexArray  # per run: the source row (index into the source rows)
     run_dst_row: IndexArray
     run_tokens: IndexArray
+    run_dst_offset: IndexArray  # per run: its first token's place among the tokens its destination row asks for
     src_expected: IndexArray  # per source row: tokens the transfer must copy from it
     dst_expected: IndexArray  # per destination row: tokens its view asks for
 
@@ -150,12 +151,14 @@ def plan_transform(src: KVGeometry, src_rows: Rows, dst: KVGeometry, dst_rows: R
     src_planes = np.array([src.plane_address(p) for p in range(2 * src.layers)], dtype=np.int64)
     dst_planes = np.array([dst.plane_address(p) for p in range(2 * dst.layers)], dtype=np.int64)
     planes = src_planes.size
+    dst_first = np.maximum(dst_rows.ordinals[d_row] * dst.block_tokens, dst_rows.start)
     return TransformPlan(
         src=src, dst=dst,
         src_addr=_frozen(np.add.outer(s_off, src_planes).ravel()),
         dst_addr=_frozen(np.add.outer(d_off, dst_planes).ravel()),
         tokens=_frozen(np.repeat(lengths, planes)),
         run_src_row=_frozen(s_row), run_dst_row=_frozen(d_row), run_tokens=_frozen(lengths),
+        run_dst_offset=_frozen(starts - dst_first),
         src_expected=_frozen(_expected(src_rows, src.block_tokens, lo, hi)),
         dst_expected=_frozen(_expected(dst_rows, dst.block_tokens, dst_rows.start, dst_rows.end)),
     )

@@ -475,7 +475,7 @@ class NixlBackend(BackendEngine):
             return  # not from the peer this transfer was described to: ignore it
         packed = wait.inbound is not None and wait.inbound.requested  # else the rows came unpacked
         self._tally.set_path(wait.attempt, "packed" if packed else "unpacked", first=True)
-        check = self.integrity.record_check(wait.view) if self.mode is TransferMode.PUSH else None  # we fetch
+        check = self.integrity.record_check(wait.view, wait.transform) if self.mode is TransferMode.PUSH else None
         if packed:
             conclude_packed(wait, record, check)
         else:

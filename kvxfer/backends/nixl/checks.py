@@ -1,6 +1,10 @@
 """Row integrity on the NIXL backend (``kvxfer.backends.common.integrity``): which digests a
 finished job's record carries, and the pull fetcher's check of the rows it READ.
 
+Between engine geometries (push only): the publisher sums each destination row's digest from
+the source segments of each chunk it posted (``plan_digest``), and the fetcher checks its
+blocks with its own plan; a pull between geometries is not checked (``integrity`` says why).
+
 Push: the publisher digests the rows it WROTE (host memory, pool rows), each chunk's just after
 posting it, so the digest runs while the WRITE moves (the rows are pinned; both only read them),
 and sends them in its completion record; the fetcher checks its rows when the record comes
@@ -19,6 +23,7 @@ from kvxfer.backends.common.integrity import (
     U64,
     RowCheck,
     expected_from_hint,
+    geometry_digests,
     group_digests,
     pack_digests,
     peer_masks_from_local,
@@ -40,7 +45,15 @@ def digest_posted(check: RowCheck, job: ActiveJob) -> None:
     """A push publisher digests the rows of the chunks posted since it last did (those posted
     inline at submission included), into ``job.digests`` at their rows of the peer's hint."""
     first, job.digested = job.digested, job.next_chunk
-    if job.op != "WRITE" or job.next_chunk <= first or not check.applies(job.view):
+    if job.op != "WRITE" or job.next_chunk <= first:
+        return
+    transform = getattr(job, "transform", None)
+    if transform is not None:  # chunks are consecutive segment ranges: one call for those posted
+        if check.applies_geometry(job.view):
+            sums = geometry_digests(transform, (job.chunks[first].first, job.chunks[job.next_chunk - 1].end))
+            job.digests = [sums if job.digests is None else job.digests[0] + sums]
+        return
+    if not check.applies(job.view):
         return
     if job.digests is None:
         job.digests = [np.zeros(len(g), dtype=np.uint64) for g in job.hint.groups]
@@ -53,7 +66,7 @@ def digest_posted(check: RowCheck, job: ActiveJob) -> None:
 def record_digests(check: RowCheck, job: ActiveJob) -> list[U64] | None:
     """A push publisher's digests of the rows it wrote, aligned with the peer's hint (zero
     where no chunk went: those rows are False in the record)."""
-    if job.op != "WRITE" or not check.applies(job.view):
+    if job.op != "WRITE" or not (check.applies(job.view) or check.applies_geometry(job.view)):
         return None
     return job.digests or [np.zeros(len(g), dtype=np.uint64) for g in job.hint.groups]
 

@@ -180,7 +180,7 @@ class PackedReceiver:
             return
         if self._hooks.notify(inbound.sender, inbound.note(wait.own_id)):
             inbound.sent()
-        if self._integrity.applies(wait.view):
+        if self._integrity.checks_records(wait.view):
             return  # the publisher's record carries the digests: conclude_packed checks them
         wait.attempt.conclude(Delivered(tuple(wait.masks())))
         self._hooks.end_passive(wait)
