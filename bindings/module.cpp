@@ -185,15 +185,17 @@ std::tuple<std::string, std::string> cuda_transform_copy_then(
 void cuda_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::optional<Index> src_index,
                     std::uint64_t dst_base, std::int64_t dst_stride, std::optional<Index> dst_index,
                     std::int64_t n_rows, std::int64_t row_bytes, std::uint64_t stream, int device,
-                    std::int64_t src_limit, std::int64_t dst_limit) {
+                    std::int64_t src_limit, std::int64_t dst_limit, std::uint64_t check_ptr, std::uint64_t check_k,
+                    bool corrupt) {
   auto p = make_plan(src_base, src_stride, index_of(src_index, n_rows, "source"), dst_base, dst_stride,
                      index_of(dst_index, n_rows, "destination"), n_rows, row_bytes);
+  const kvxfer::cuda::RowCheck rc{check_ptr, check_k, corrupt};
   std::string err;
   {
     nb::gil_scoped_release release;
     err = kvxfer::check_indices(p.src.index, n_rows, src_limit, "source");
     if (err.empty()) err = kvxfer::check_indices(p.dst.index, n_rows, dst_limit, "destination");
-    if (err.empty()) err = kvxfer::cuda::copy_rows(p, false, device, stream);
+    if (err.empty()) err = kvxfer::cuda::copy_rows(p, false, device, stream, &rc);
   }
   check(err);
 }
@@ -201,13 +203,15 @@ void cuda_copy_rows(std::uint64_t src_base, std::int64_t src_stride, std::option
 std::tuple<std::string, std::string> cuda_copy_rows_then(
     std::uint64_t src_base, std::int64_t src_stride, std::optional<Index> src_index, std::uint64_t dst_base,
     std::int64_t dst_stride, std::optional<Index> dst_index, std::int64_t n_rows, std::int64_t row_bytes,
-    std::uint64_t stream, int device, std::uint64_t bell_ptr, std::uint64_t bell_value, std::uint64_t event) {
+    std::uint64_t stream, int device, std::uint64_t bell_ptr, std::uint64_t bell_value, std::uint64_t event,
+    std::uint64_t check_ptr, std::uint64_t check_k, bool corrupt) {
   auto p = make_plan(src_base, src_stride, index_of(src_index, n_rows, "source"), dst_base, dst_stride,
                      index_of(dst_index, n_rows, "destination"), n_rows, row_bytes);
+  const kvxfer::cuda::RowCheck rc{check_ptr, check_k, corrupt};
   std::string err, bell_err, event_err;
   {
     nb::gil_scoped_release release;
-    err = kvxfer::cuda::copy_rows_then(p, device, stream, bell_ptr, bell_value, event, &bell_err, &event_err);
+    err = kvxfer::cuda::copy_rows_then(p, device, stream, bell_ptr, bell_value, event, &bell_err, &event_err, &rc);
   }
   check(err);
   return {bell_err, event_err};
@@ -315,15 +319,20 @@ NB_MODULE(_native, m) {
         "error, event error), empty strings when they were queued.");
   m.def("cuda_copy_rows", &cuda_copy_rows, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(), "dst_base"_a,
         "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "stream"_a, "device"_a = -1,
-        "src_limit"_a = -1, "dst_limit"_a = -1,
+        "src_limit"_a = -1, "dst_limit"_a = -1, "check_ptr"_a = 0, "check_k"_a = 0, "corrupt"_a = false,
         "Queue one row-copy kernel on `stream` (an integer cudaStream_t; 0 = legacy default). Host int64 indices. "
-        "Returns once queued; the copy is complete when an event recorded after it completes.");
+        "Returns once queued; the copy is complete when an event recorded after it completes. check_ptr (the "
+        "device address of host memory mapped for the device, one byte per row; 0: none): the kernel takes each "
+        "row's digest (constant check_k) over the bytes it read and over the bytes read back where it wrote them, "
+        "and writes 0 (the same) or 1 there per row; corrupt: rows whose byte is 0xFE get one bit flipped where "
+        "they landed before the read-back (a test hook).");
   m.def("cuda_copy_rows_then", &cuda_copy_rows_then, "src_base"_a, "src_stride"_a, "src_index"_a.noconvert().none(),
         "dst_base"_a, "dst_stride"_a, "dst_index"_a.noconvert().none(), "n_rows"_a, "row_bytes"_a, "stream"_a,
-        "device"_a, "bell_ptr"_a, "bell_value"_a, "event"_a,
+        "device"_a, "bell_ptr"_a, "bell_value"_a, "event"_a, "check_ptr"_a = 0, "check_k"_a = 0, "corrupt"_a = false,
         "cuda_copy_rows (indices not bounds-checked), then on the same stream the 8-byte store of bell_value at "
         "bell_ptr (0: none) and the record of event (0: none), in one call. Raises CopyError if the copy was not "
-        "queued; else returns (store error, event error), empty strings when they were queued.");
+        "queued; else returns (store error, event error), empty strings when they were queued. With check_ptr "
+        "(as cuda_copy_rows), the doorbell rings only from a small copy's kernel and only if every row checked out.");
   m.def("cuda_copy_rows_device", &cuda_copy_rows_device, "src_base"_a, "src_stride"_a, "src_index_ptr"_a,
         "dst_base"_a, "dst_stride"_a, "dst_index_ptr"_a, "n_rows"_a, "row_bytes"_a, "stream"_a, "device"_a = -1,
         "As cuda_copy_rows, with int64 index arrays already in device memory (0 = contiguous). Not bounds-checked.");
@@ -355,20 +364,24 @@ NB_MODULE(_native, m) {
     check(kvxfer::cuda::event_query(ev, &done));
     return done;
   }, "event"_a, "True once the work before the event completed; raises CopyError if it failed.");
-  m.def("event_spin_send", [](std::uint64_t ev, std::int64_t spin_us, int fd, nb::bytes frame) {
+  m.def("event_spin_send", [](std::uint64_t ev, std::int64_t spin_us, int fd, nb::bytes frame,
+                              std::uint64_t check_host, std::uint64_t check_rows) {
     bool done = false;
     std::int64_t sent = 0;
     std::string err;
     {
       nb::gil_scoped_release release;
-      err = kvxfer::cuda::event_spin_send(ev, spin_us, fd, frame.c_str(), frame.size(), &done, &sent);
+      err = kvxfer::cuda::event_spin_send(ev, spin_us, fd, frame.c_str(), frame.size(), &done, &sent,
+                                          reinterpret_cast<const unsigned char*>(check_host),
+                                          static_cast<std::size_t>(check_rows));
     }
     check(err);
     return std::make_tuple(done, sent);
-  }, "event"_a, "spin_us"_a, "fd"_a, "frame"_a,
+  }, "event"_a, "spin_us"_a, "fd"_a, "frame"_a, "check_host"_a = 0, "check_rows"_a = 0,
         "Spin up to spin_us for the event (the GIL released), then write frame to the non-blocking socket fd "
         "(-1: none). Returns (done, sent): sent is the bytes written, 0 if not done or the socket was full, "
-        "-errno if the write failed. Raises CopyError if the work failed.");
+        "-errno if the write failed. Raises CopyError if the work failed. With check_host (the host address of a "
+        "checked copy's row verdicts, check_rows bytes), the frame goes only if every one is 0.");
   m.def("event_synchronize", [](std::uint64_t ev) {
     check_unlocked([&] { return kvxfer::cuda::event_synchronize(ev); });
   }, "event"_a);

@@ -13,11 +13,26 @@ namespace kvxfer::cuda {
 
 constexpr int kIpcHandleBytes = 64;
 
+// The row check of a copy: kvxfer's integrity digest (kvxfer/backends/common/integrity.py) of
+// each row, taken in the copy kernel over the bytes it read and over the bytes it reads back
+// where it wrote them. `out`: the device address of host memory mapped for the device
+// (host_register), one byte per row of the copy; once the copy has completed, out[i] is 0 when
+// row i's two digests agree, else 1 (bytes the kernel never wrote keep what was there: write
+// 0xFF first). `k`: the digest's constant. `corrupt`: a test hook: rows whose out byte is 0xFE
+// when the copy starts get one bit flipped where they landed, after their store and before the
+// read-back. out == 0: no check.
+struct RowCheck {
+  std::uint64_t out = 0;
+  std::uint64_t k = 0;
+  bool corrupt = false;
+};
+
 // Row copy on `stream` of `device`, one kernel launch. With indices_on_device the plan's
 // index pointers are device addresses (read by the kernel as they stand); otherwise they are
 // host arrays: up to a few dozen rows travel inside the launch parameters, more are copied
 // to a stream-ordered scratch buffer first. Returns once the work is queued.
-std::string copy_rows(const CopyPlan& plan, bool indices_on_device, int device, std::uint64_t stream);
+std::string copy_rows(const CopyPlan& plan, bool indices_on_device, int device, std::uint64_t stream,
+                      const RowCheck* check = nullptr);
 
 std::string versions(int* runtime, int* driver);
 std::string device_count(int* count);
@@ -43,8 +58,11 @@ std::string event_spin(std::uint64_t event, std::int64_t timeout_us, bool* done)
 // *done: the event completed within the spin; *sent: bytes written (0 when not done, no
 // socket, or the socket was full; -errno when the write failed). A CUDA failure is the
 // returned message; a socket failure is only reported through *sent.
+// With `check` (host bytes a checked copy wrote, `check_rows` of them), the frame goes only if
+// every byte is 0: every row checked out.
 std::string event_spin_send(std::uint64_t event, std::int64_t spin_us, int fd, const char* frame, std::size_t len,
-                            bool* done, std::int64_t* sent);
+                            bool* done, std::int64_t* sent, const unsigned char* check = nullptr,
+                            std::size_t check_rows = 0);
 std::string event_destroy(std::uint64_t event);
 
 // Once the work queued on `stream` so far has completed, a driver thread writes one byte to
@@ -70,9 +88,11 @@ std::string stream_write_word(int device, std::uint64_t stream, std::uint64_t de
 // doorbell store (bell_ptr != 0) and the completion event (event != 0) behind it on the same
 // stream. The returned message is the copy's failure (then nothing was queued); a failure of
 // the store or of the event, after the copy was queued, goes to *bell_err / *event_err.
+// With a check (`check` non-null, out != 0), a doorbell rings only from a small copy's own kernel,
+// and only if every row checked out; otherwise none is stored.
 std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t stream, std::uint64_t bell_ptr,
                            std::uint64_t bell_value, std::uint64_t event, std::string* bell_err,
-                           std::string* event_err);
+                           std::string* event_err, const RowCheck* check = nullptr);
 
 // Plain device memory, for tests and tools that run without a framework.
 std::string device_alloc(int device, std::uint64_t bytes, std::uint64_t* ptr);

@@ -93,6 +93,114 @@ __device__ __forceinline__ void ring_if_last(const Signal& sig) {
   }
 }
 
+// The row check (kvxfer's integrity digest, kvxfer/backends/common/integrity.py): each row's
+// digest D = sum_i (1 + k * (m - i)) * x_i mod 2**64 over its m little-endian 8-byte words
+// (zero-padded), taken over the bytes the kernel read and again over the bytes it reads back
+// from where it wrote them (a volatile load: the write's line, from L2 when it is still there).
+// D is linear in the row's bytes, so each thread weighs what it holds and the sums meet in
+// `acc` by atomics; the launch's last block compares each row's two sums, writes one byte per
+// row to `out` (host memory mapped for the device: 0 the same, 1 different) and zeroes `acc`
+// for the stream's next launch. out == null: no check.
+struct Check {
+  unsigned char* out;        // one byte per row of the whole copy (row_base + launch row)
+  unsigned long long* acc;   // 2 per row of this launch: read, landed (zero between launches)
+  unsigned int* counter;     // blocks of this launch done (zero between launches)
+  unsigned long long k;
+  long long words;           // m: the row's 8-byte words, the last one zero-padded
+  long long row_base;        // this launch's first row within the copy
+  bool corrupt;              // test hook: rows whose out byte reads kCorruptRow lose one bit (see below)
+};
+constexpr unsigned char kCorruptRow = 0xFE;
+
+__device__ __forceinline__ unsigned long long weight(const Check& c, long long word) {
+  return 1ull + c.k * static_cast<unsigned long long>(c.words - word);
+}
+// The weighted sum of one vector of a row at byte offset `off` (a whole word, two, or part of one:
+// a part contributes its bytes shifted to their place in the word, which is what the word is).
+__device__ __forceinline__ unsigned long long weigh(const uint4& v, long long off, const Check& c) {
+  const unsigned long long w = weight(c, off >> 3);
+  const unsigned long long x0 = (static_cast<unsigned long long>(v.y) << 32) | v.x;
+  const unsigned long long x1 = (static_cast<unsigned long long>(v.w) << 32) | v.z;
+  return w * x0 + (w - c.k) * x1;  // the next word's weight is k less
+}
+__device__ __forceinline__ unsigned long long weigh(const uint2& v, long long off, const Check& c) {
+  return weight(c, off >> 3) * ((static_cast<unsigned long long>(v.y) << 32) | v.x);
+}
+__device__ __forceinline__ unsigned long long weigh(unsigned int v, long long off, const Check& c) {
+  return weight(c, off >> 3) * (static_cast<unsigned long long>(v) << (8 * (off & 7)));
+}
+__device__ __forceinline__ unsigned long long weigh(unsigned char v, long long off, const Check& c) {
+  return weight(c, off >> 3) * (static_cast<unsigned long long>(v) << (8 * (off & 7)));
+}
+
+__device__ __forceinline__ unsigned long long warp_sum(unsigned long long x) {
+  for (int s = 16; s > 0; s >>= 1) x += __shfl_xor_sync(0xffffffffu, x, s);
+  return x;
+}
+
+// After a block stored its U items: read each back, weigh it, and add both sums of each item
+// (one row's chunk: every thread of the block holds the same item) to its row, a warp at a time.
+template <int W, int U>
+__device__ __forceinline__ void check_items(const Geometry& g, const Check& c, std::int64_t first,
+                                            std::int64_t items, unsigned char* const (&dst)[U],
+                                            const unsigned long long (&read)[U]) {
+  using V = typename Vec<W>::T;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const std::int64_t item = first + u;
+    if (item >= items) break;  // the same for the whole block: every lane reaches warp_sum
+    const std::int64_t row = item / g.chunks_per_row;
+    const std::int64_t chunk = item - row * g.chunks_per_row;
+    unsigned long long landed = 0;
+    if (dst[u] != nullptr) {
+      if (c.corrupt && chunk == 0 && threadIdx.x == 0 &&
+          *reinterpret_cast<volatile unsigned char*>(c.out + c.row_base + row) == kCorruptRow) {
+        // Fault injection: damage the row where it landed, after its store and before the check.
+        *reinterpret_cast<volatile unsigned char*>(dst[u]) ^= 1u;
+      }
+      landed = weigh(__ldcv(reinterpret_cast<const V*>(dst[u])), chunk * g.chunk_bytes + threadIdx.x * W, c);
+    }
+    const unsigned long long a = warp_sum(read[u]);
+    const unsigned long long b = warp_sum(landed);
+    if ((threadIdx.x & 31) == 0 && (a | b) != 0) {
+      atomicAdd(c.acc + 2 * row, a);
+      atomicAdd(c.acc + 2 * row + 1, b);
+    }
+  }
+}
+
+// The launch's last block: compare, report, reset; and ring the doorbell only if every row of
+// the launch checked out (a doorbell says DELIVERED, every row).
+__device__ void finish_check(const Geometry& g, const Check& c, const Signal& sig) {
+  __shared__ bool last;
+  __shared__ unsigned int differ;
+  __threadfence();  // this block's sums, before it counts itself done
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(c.counter, 1u) == gridDim.x - 1;
+    differ = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  unsigned int mine = 0;
+  for (std::int64_t r = threadIdx.x; r < g.n_rows; r += blockDim.x) {
+    const unsigned long long a = atomicExch(c.acc + 2 * r, 0ull);
+    const unsigned long long b = atomicExch(c.acc + 2 * r + 1, 0ull);
+    c.out[c.row_base + r] = a != b ? 1 : 0;
+    mine += a != b ? 1u : 0u;
+  }
+  if (mine != 0) atomicAdd(&differ, mine);
+  __threadfence_system();  // the out bytes, before a doorbell says the copy ended
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  *c.counter = 0;
+  if (sig.bell != nullptr && differ == 0) {
+    __threadfence_system();
+    *reinterpret_cast<volatile unsigned long long*>(sig.bell) = sig.value;
+  }
+}
+
 __device__ __forceinline__ std::int64_t src_slot(const Indices& ix, std::int64_t r) {
   return ix.src ? __ldg(ix.src + r) : r;
 }
@@ -110,17 +218,19 @@ __device__ __forceinline__ std::int64_t dst_slot(const InlineIndices& ix, std::i
 // items and each thread issues its U loads before any store, so that small rows (one chunk
 // each) still keep U loads per thread in flight. The bytes of a row past its last whole
 // vector (the tail) are copied bytewise by the block holding the row's last chunk.
-template <int W, int U, typename Ix>
-__global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix, Signal sig) {
+template <int W, int U, typename Ix, bool C>
+__global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix, Signal sig, Check c) {
   using V = typename Vec<W>::T;
   const std::int64_t items = g.n_rows * g.chunks_per_row;
   for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * U; first < items;
        first += static_cast<std::int64_t>(gridDim.x) * U) {
     V tmp[U];
     unsigned char* dst[U];
+    unsigned long long read[U];  // C: each item's weighted sum of what this thread read
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       dst[u] = nullptr;
+      read[u] = 0;
       const std::int64_t item = first + u;
       if (item < items) {
         const std::int64_t row = item / g.chunks_per_row;
@@ -128,6 +238,7 @@ __global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix, Si
         if (off < g.body_bytes) {
           tmp[u] = *reinterpret_cast<const V*>(g.src + src_slot(ix, row) * g.src_stride + off);
           dst[u] = g.dst + dst_slot(ix, row) * g.dst_stride + off;
+          if constexpr (C) read[u] = weigh(tmp[u], off, c);
         }
       }
     }
@@ -135,6 +246,7 @@ __global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix, Si
     for (int u = 0; u < U; ++u) {
       if (dst[u] != nullptr) *reinterpret_cast<V*>(dst[u]) = tmp[u];
     }
+    if constexpr (C) check_items<W, U>(g, c, first, items, dst, read);
     if (g.body_bytes == g.row_bytes) continue;
     for (int u = 0; u < U; ++u) {
       const std::int64_t item = first + u;
@@ -143,10 +255,21 @@ __global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix, Si
       if (item - row * g.chunks_per_row != g.chunks_per_row - 1) continue;
       const unsigned char* s = g.src + src_slot(ix, row) * g.src_stride;
       unsigned char* d = g.dst + dst_slot(ix, row) * g.dst_stride;
-      for (std::int64_t b = g.body_bytes + threadIdx.x; b < g.row_bytes; b += kThreads) d[b] = s[b];
+      for (std::int64_t b = g.body_bytes + threadIdx.x; b < g.row_bytes; b += kThreads) {
+        const unsigned char v = s[b];
+        d[b] = v;
+        if constexpr (C) {
+          atomicAdd(c.acc + 2 * row, weigh(v, b, c));
+          atomicAdd(c.acc + 2 * row + 1, weigh(__ldcv(d + b), b, c));
+        }
+      }
     }
   }
-  ring_if_last(sig);
+  if constexpr (C) {
+    finish_check(g, c, sig);
+  } else {
+    ring_if_last(sig);
+  }
 }
 
 int unroll_setting() {
@@ -158,25 +281,33 @@ int unroll_setting() {
   return value;
 }
 
-template <int U, typename Ix>
-cudaError_t launch_u(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, std::int64_t items,
-                     const Signal& sig) {
+template <int U, typename Ix, bool C>
+cudaError_t launch_uc(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, std::int64_t items,
+                      const Signal& sig, const Check& c) {
   const std::int64_t grid = std::min<std::int64_t>((items + U - 1) / U, kMaxGrid);
   const dim3 blocks(static_cast<unsigned>(grid)), threads(kThreads);
   switch (width) {
-    case 16: rowcopy_kernel<16, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
-    case 8: rowcopy_kernel<8, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
-    case 4: rowcopy_kernel<4, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
-    default: rowcopy_kernel<1, U, Ix><<<blocks, threads, 0, stream>>>(g, ix, sig); break;
+    case 16: rowcopy_kernel<16, U, Ix, C><<<blocks, threads, 0, stream>>>(g, ix, sig, c); break;
+    case 8: rowcopy_kernel<8, U, Ix, C><<<blocks, threads, 0, stream>>>(g, ix, sig, c); break;
+    case 4: rowcopy_kernel<4, U, Ix, C><<<blocks, threads, 0, stream>>>(g, ix, sig, c); break;
+    default: rowcopy_kernel<1, U, Ix, C><<<blocks, threads, 0, stream>>>(g, ix, sig, c); break;
   }
   return cudaGetLastError();
 }
 
+template <int U, typename Ix>
+cudaError_t launch_u(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, std::int64_t items,
+                     const Signal& sig, const Check& c) {
+  return c.out != nullptr ? launch_uc<U, Ix, true>(width, g, ix, stream, items, sig, c)
+                          : launch_uc<U, Ix, false>(width, g, ix, stream, items, sig, c);
+}
+
 template <typename Ix>
-cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, const Signal& sig = Signal{}) {
+cudaError_t launch(int width, const Geometry& g, const Ix& ix, cudaStream_t stream, const Signal& sig = Signal{},
+                   const Check& c = Check{}) {
   const std::int64_t items = g.n_rows * g.chunks_per_row;
-  return unroll_setting() == 8 ? launch_u<8>(width, g, ix, stream, items, sig)
-                               : launch_u<4>(width, g, ix, stream, items, sig);
+  return unroll_setting() == 8 ? launch_u<8>(width, g, ix, stream, items, sig, c)
+                               : launch_u<4>(width, g, ix, stream, items, sig, c);
 }
 
 // The block counter of Signal, one per (device, stream), made on first use and freed with
@@ -212,6 +343,56 @@ std::string stream_counter(int device, std::uint64_t stream, unsigned int** out)
   return {};
 }
 
+// The row check's device words of one (device, stream): its block counter and its per-row
+// sums, grown on demand (the launches of one stream run one after the other, and each one's
+// last block zeroes what it used).
+struct CheckWords {
+  unsigned int* counter = nullptr;
+  unsigned long long* acc = nullptr;
+  std::int64_t rows = 0;  // acc holds 2 per row
+};
+std::map<std::pair<int, std::uint64_t>, CheckWords> g_check_words;  // under g_counters_mu
+
+std::string check_words(int device, std::uint64_t stream, std::int64_t rows, CheckWords* out) {
+  KVXFER_DEVICE_SCOPE(device);
+  int current = -1;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) return fail("reading the current device", e);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  std::lock_guard<std::mutex> lock(g_counters_mu);
+  CheckWords& w = g_check_words[std::make_pair(current, stream)];
+  if (w.counter == nullptr) {
+    e = cudaMalloc(&w.counter, sizeof(unsigned int));
+    if (e == cudaSuccess) e = cudaMemsetAsync(w.counter, 0, sizeof(unsigned int), s);
+    if (e != cudaSuccess) {
+      (void)cudaFree(w.counter);
+      w.counter = nullptr;
+      return fail("allocating the row check's block counter", e);
+    }
+  }
+  if (w.rows < rows) {
+    // Kernels queued before may still add into the old sums: let them end first.
+    e = cudaStreamSynchronize(s);
+    if (e != cudaSuccess) return fail("waiting for the stream before growing the row check's sums", e);
+    (void)cudaFree(w.acc);
+    w.acc = nullptr;
+    w.rows = 0;
+    std::int64_t cap = 8192;
+    while (cap < rows) cap <<= 1;
+    const std::size_t bytes = sizeof(unsigned long long) * 2 * static_cast<std::size_t>(cap);
+    e = cudaMalloc(&w.acc, bytes);
+    if (e == cudaSuccess) e = cudaMemsetAsync(w.acc, 0, bytes, s);
+    if (e != cudaSuccess) {
+      (void)cudaFree(w.acc);
+      w.acc = nullptr;
+      return fail("allocating the row check's sums", e);
+    }
+    w.rows = cap;
+  }
+  *out = w;
+  return {};
+}
+
 // A created stream's handle is unique across devices, so its counters go with it whatever
 // the device; the default streams' counters live as long as the process.
 void drop_stream_counter(std::uint64_t stream) {
@@ -220,6 +401,15 @@ void drop_stream_counter(std::uint64_t stream) {
     if (it->first.second == stream) {
       (void)cudaFree(it->second);
       it = g_counters.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = g_check_words.begin(); it != g_check_words.end();) {
+    if (it->first.second == stream) {
+      (void)cudaFree(it->second.counter);
+      (void)cudaFree(it->second.acc);
+      it = g_check_words.erase(it);
     } else {
       ++it;
     }
@@ -361,7 +551,7 @@ std::vector<std::int64_t> chunk_starts(std::int64_t n_rows) {
 }
 
 std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int arrays, Staging* st,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, const Check& check) {
   const std::vector<std::int64_t> starts = chunk_starts(p.n_rows);
   const std::size_t chunks = starts.size() - 1;
   std::string err = ready_events(st, chunks);
@@ -418,7 +608,9 @@ std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int 
     gc.dst = g.dst + (p.dst.index ? 0 : first * g.dst_stride);
     const auto* cursor = reinterpret_cast<const std::int64_t*>(dev + at);
     Indices ix{p.src.index ? cursor : nullptr, p.dst.index ? cursor + (p.src.index ? rows : 0) : nullptr};
-    e = launch(width, gc, ix, stream);
+    Check cc = check;
+    cc.row_base = first;  // this chunk's rows report at their place in the copy
+    e = launch(width, gc, ix, stream, Signal{}, cc);
     if (e != cudaSuccess) err = fail("launching the row copy kernel", e);
   }
   if (!err.empty()) {
@@ -434,24 +626,39 @@ std::string pipelined_copy(const CopyPlan& p, const Geometry& g, int width, int 
 
 namespace {
 std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int device, std::uint64_t stream_handle,
-                             const Signal* sig, bool* rang);
+                             const Signal* sig, bool* rang, const RowCheck* check);
 }  // namespace
 
-std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std::uint64_t stream_handle) {
+std::string copy_rows(const CopyPlan& p, bool indices_on_device, int device, std::uint64_t stream_handle,
+                      const RowCheck* check) {
   bool rang = false;
-  return copy_rows_signal(p, indices_on_device, device, stream_handle, nullptr, &rang);
+  return copy_rows_signal(p, indices_on_device, device, stream_handle, nullptr, &rang, check);
 }
 
 namespace {
 // copy_rows; with `sig`, a small copy (indices in the launch parameters) rings the doorbell
-// from its own kernel and *rang is set; other copies leave it to the caller.
+// from its own kernel and *rang is set (with a check, only if every row checked out); other
+// copies leave it to the caller.
 std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int device, std::uint64_t stream_handle,
-                             const Signal* sig, bool* rang) {
+                             const Signal* sig, bool* rang, const RowCheck* check) {
   *rang = false;
   std::string err = check_plan(p);
   if (!err.empty() || p.n_rows == 0 || p.row_bytes == 0) return err;
   KVXFER_DEVICE_SCOPE(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  Check c{};
+  if (check != nullptr && check->out != 0) {
+    CheckWords words;
+    err = check_words(device, stream_handle, p.n_rows, &words);
+    if (!err.empty()) return err;
+    c.out = reinterpret_cast<unsigned char*>(check->out);
+    c.acc = words.acc;
+    c.counter = words.counter;
+    c.k = check->k;
+    c.words = (p.row_bytes + 7) / 8;
+    c.row_base = 0;
+    c.corrupt = check->corrupt;
+  }
 
   const int width = vector_width(p);
   Geometry g{};
@@ -466,12 +673,12 @@ std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int devi
   g.chunks_per_row = std::max<std::int64_t>(1, (g.body_bytes + g.chunk_bytes - 1) / g.chunk_bytes);
 
   if (indices_on_device) {
-    cudaError_t e = launch(width, g, Indices{p.src.index, p.dst.index}, stream);
+    cudaError_t e = launch(width, g, Indices{p.src.index, p.dst.index}, stream, Signal{}, c);
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
   if (p.src.index == nullptr && p.dst.index == nullptr) {
     // Contiguous on both ends: nothing to upload.
-    cudaError_t e = launch(width, g, Indices{nullptr, nullptr}, stream);
+    cudaError_t e = launch(width, g, Indices{nullptr, nullptr}, stream, Signal{}, c);
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
   if (p.n_rows <= kInlineRows) {
@@ -481,7 +688,7 @@ std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int devi
     ix.has_dst = p.dst.index != nullptr;
     if (ix.has_src) std::memcpy(ix.src, p.src.index, sizeof(std::int64_t) * p.n_rows);
     if (ix.has_dst) std::memcpy(ix.dst, p.dst.index, sizeof(std::int64_t) * p.n_rows);
-    cudaError_t e = launch(width, g, ix, stream, sig != nullptr ? *sig : Signal{});
+    cudaError_t e = launch(width, g, ix, stream, sig != nullptr ? *sig : Signal{}, c);
     *rang = e == cudaSuccess && sig != nullptr;
     return e == cudaSuccess ? std::string() : fail("launching the row copy kernel", e);
   }
@@ -505,7 +712,7 @@ std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int devi
     cudaStream_t stream;
     ~GiveBack() { give_staging(st, stream, true); }
   } give_back{st, stream};
-  if (p.n_rows > kPipelineRows) return pipelined_copy(p, g, width, arrays, st, stream);
+  if (p.n_rows > kPipelineRows) return pipelined_copy(p, g, width, arrays, st, stream, c);
   auto* host = static_cast<unsigned char*>(st->host);
   if (p.src.index) std::memcpy(host, p.src.index, one);
   if (p.dst.index) std::memcpy(host + (p.src.index ? one : 0), p.dst.index, one);
@@ -515,7 +722,7 @@ std::string copy_rows_signal(const CopyPlan& p, bool indices_on_device, int devi
     auto* cursor = static_cast<const std::int64_t*>(st->dev);
     if (p.src.index) ix.src = cursor;
     if (p.dst.index) ix.dst = cursor + (p.src.index ? p.n_rows : 0);
-    e = launch(width, g, ix, stream);
+    e = launch(width, g, ix, stream, Signal{}, c);
     if (e != cudaSuccess) err = fail("launching the row copy kernel", e);
   } else {
     err = fail("uploading row indices", e);
@@ -613,10 +820,15 @@ std::string event_spin(std::uint64_t ev, std::int64_t timeout_us, bool* done) {
 }
 
 std::string event_spin_send(std::uint64_t ev, std::int64_t spin_us, int fd, const char* frame, std::size_t len,
-                            bool* done, std::int64_t* sent) {
+                            bool* done, std::int64_t* sent, const unsigned char* check, std::size_t check_rows) {
   *sent = 0;
   std::string err = event_spin(ev, spin_us, done);
   if (!err.empty() || !*done || fd < 0) return err;
+  // The row check's verdicts, written by the kernel that the event follows: any row that
+  // failed, and the frame (DELIVERED) does not go.
+  for (std::size_t i = 0; i < check_rows; ++i) {
+    if (check[i] != 0) return {};
+  }
   ssize_t n = ::send(fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (n >= 0) *sent = n;
   else if (errno != EAGAIN && errno != EWOULDBLOCK) *sent = -errno;
@@ -693,7 +905,7 @@ std::string stream_write_word(int device, std::uint64_t s, std::uint64_t device_
 
 std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t stream, std::uint64_t bell_ptr,
                            std::uint64_t bell_value, std::uint64_t event, std::string* bell_err,
-                           std::string* event_err) {
+                           std::string* event_err, const RowCheck* check) {
   Signal sig{reinterpret_cast<unsigned long long*>(bell_ptr), bell_value, nullptr};
   bool rang = false;
   if (bell_ptr != 0 && bell_ptr % 8 == 0 && plan.n_rows <= kInlineRows) {
@@ -702,9 +914,12 @@ std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t strea
   } else {
     sig.bell = nullptr;
   }
-  std::string err = copy_rows_signal(plan, false, device, stream, sig.bell != nullptr ? &sig : nullptr, &rang);
+  std::string err = copy_rows_signal(plan, false, device, stream, sig.bell != nullptr ? &sig : nullptr, &rang, check);
   if (!err.empty()) return err;
-  if (bell_ptr != 0 && !rang) *bell_err = stream_write_word(device, stream, bell_ptr, bell_value);
+  // A checked copy rings only from its kernel, which knows whether every row checked out; the
+  // store below could not, so the socket's record tells the passive end instead.
+  const bool checked = check != nullptr && check->out != 0;
+  if (bell_ptr != 0 && !rang && !checked) *bell_err = stream_write_word(device, stream, bell_ptr, bell_value);
   if (event != 0) *event_err = event_record(event, stream);
   return {};
 }

@@ -282,7 +282,7 @@ K, M, G = 1 << 10, 1 << 20, 1 << 30
 ROW_SIZES = (4 * K, 16 * K, 64 * K, 256 * K, 1 * M, 4 * M)
 ALL_CASES = ("local_copy", "local_rows", "nixl_one_desc", "nixl_per_row", "peer_practice",
              "loopback", "nixl", "nixl_2p", "nixl_2p_no_integrity", "nixl_packed", "nixl_2p_packed", "ucx_2p", "ucx_2p_no_integrity",
-             "ipc_kernel", "ipc",
+             "ipc_kernel", "ipc", "ipc_no_integrity",
              "ipc_busy_poll", "ipc_busy_poll_sockets")
 # On a GPU: issue 5's figures, IPC first (a --time-limit cuts the tail). Cases with both NIXL
 # agents in one process are left out: they get a 0.36 GB/s lane on device memory.

@@ -13,7 +13,7 @@ from typing import Any
 from kvxfer.bench.results import BenchResult
 
 _DIRECTED = ("nixl_per_row", "peer_practice", "loopback", "nixl", "nixl_2p", "nixl_packed", "nixl_2p_packed", "ucx_2p",
-             "ipc", "ipc_busy_poll", "ipc_busy_poll_sockets")
+             "ipc", "ipc_no_integrity", "ipc_busy_poll", "ipc_busy_poll_sockets")
 MISSING = "matplotlib is not installed (pip install matplotlib): no plots written"
 
 

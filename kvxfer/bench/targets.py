@@ -18,7 +18,7 @@ K, M = 1 << 10, 1 << 20
 # The same-node targets speak of the same-node transport: ipc_kernel is its copy alone (issue
 # 5's "IPC kernel", a ceiling with the host work set aside), ipc the backend end to end. The
 # NIXL paths have their own target (the packed one); held to these they fail by design.
-IPC_CASES = ("ipc_kernel", "ipc", "ipc_busy_poll", "ipc_busy_poll_sockets")
+IPC_CASES = ("ipc_kernel", "ipc", "ipc_no_integrity", "ipc_busy_poll", "ipc_busy_poll_sockets")
 # Transports, for the small-request and overhead targets: loopback is the reference oracle
 # (an in-process memmove), not something a deployment moves KV with.
 BACKENDS = ("nixl", "nixl_packed", "nixl_2p", "ipc", "ipc_busy_poll", "ipc_busy_poll_sockets")

@@ -139,16 +139,17 @@ def _ucx_kind(**options: Any) -> Kind:
                  **{k: settings[k] for k in ("window", "error_handling") if k in settings}})
 
 
-def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:
+def _ipc_kind(busy_poll: bool = False, doorbell: bool = True, integrity: bool = True) -> Kind:
     def local(mode: TransferMode, device: int) -> Backend:
         from kvxfer.backends.ipc import IpcBackend
 
-        return IpcBackend("bench", mode, device=device, busy_poll=busy_poll, doorbell=doorbell)
+        return IpcBackend("bench", mode, device=device, busy_poll=busy_poll, doorbell=doorbell, integrity=integrity)
 
     def peer(mode: TransferMode, geometry: Geometry, memory: str, device: int) -> Any:
         from kvxfer.testing.ipc_pairs import ChildPeer, PeerSpec
 
-        return ChildPeer(PeerSpec(mode, geometry=geometry, device=device, busy_poll=busy_poll, doorbell=doorbell))
+        return ChildPeer(PeerSpec(mode, geometry=geometry, device=device, busy_poll=busy_poll, doorbell=doorbell,
+                                  integrity=integrity))
 
     def rows(geometry: Geometry, memory: str, device: int) -> Any:
         from kvxfer.testing.ipc_pairs import DeviceRows
@@ -157,7 +158,7 @@ def _ipc_kind(busy_poll: bool = False, doorbell: bool = True) -> Kind:
 
     return Kind(("device",), local, peer, None, rows,
                 {"processes": 2, "transport": "CUDA IPC mapping + native row kernel", "busy_poll": busy_poll,
-                 "doorbell": busy_poll and doorbell},
+                 "doorbell": busy_poll and doorbell, "integrity": integrity},
                 stamps_outcome=True)
 
 
@@ -404,6 +405,10 @@ SPECS = [
     CaseSpec("ipc", "kvxfer CUDA IPC backend, peer in a second process", Role.BACKEND,
              frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
              frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind())),
+    CaseSpec("ipc_no_integrity", "kvxfer CUDA IPC backend, integrity=False on both ends (no row check in the copy "
+             "kernel: ipc's reference for its cost), peer in a second process", Role.BACKEND,
+             frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,
+             frozenset({"throughput", "latency"}), lambda config: TwoProcessCase(config, _ipc_kind(integrity=False))),
     CaseSpec("ipc_busy_poll", "kvxfer CUDA IPC backend, busy_poll=True on both ends (a core each polls their sockets "
              "and the waiter's doorbell word)",
              Role.BACKEND, frozenset({Requirement.CUDA, Requirement.KVXFER_IPC}), _ALL,

@@ -170,9 +170,29 @@ def stream_write_word(device: int, stream: int, ptr: int, value: int) -> None:
     _enqueue(stream, write)
 
 
+CORRUPT_ROW = 0xFE  # a check byte that asks the test hook to damage its row (native/cuda_api.h RowCheck)
+
+
+def _check_rows(src_base: int, src_stride: int, src_slots: Any, dst_base: int, dst_stride: int, dst_slots: Any,
+                n_rows: int, row_bytes: int, check_ptr: int, check_k: int, corrupt: bool) -> int:
+    """The kernel's row check, after the copy: rows marked CORRUPT_ROW lose one bit where they
+    landed (``corrupt``), then each row's digest where it was read and where it landed; one
+    byte per row at ``check_ptr`` (0 the same, 1 not). The rows that differ."""
+    out = np.ctypeslib.as_array((ctypes.c_uint8 * n_rows).from_address(check_ptr))
+    src = np.arange(n_rows, dtype=np.int64) if src_slots is None else src_slots
+    dst = np.arange(n_rows, dtype=np.int64) if dst_slots is None else dst_slots
+    if corrupt:
+        for row in np.flatnonzero(out == CORRUPT_ROW).tolist():
+            ctypes.c_uint8.from_address(dst_base + int(dst[row]) * dst_stride).value ^= 1
+    read = native.row_digests(base=src_base, stride=src_stride, slots=src, row_bytes=row_bytes, k=check_k)
+    landed = native.row_digests(base=dst_base, stride=dst_stride, slots=dst, row_bytes=row_bytes, k=check_k)
+    out[:] = read != landed
+    return int(np.count_nonzero(out))
+
+
 def cuda_copy_rows(src_base: int, src_stride: int, src_index: Any, dst_base: int, dst_stride: int, dst_index: Any,
                    n_rows: int, row_bytes: int, stream: int, device: int = -1, src_limit: int = -1,
-                   dst_limit: int = -1) -> None:
+                   dst_limit: int = -1, check_ptr: int = 0, check_k: int = 0, corrupt: bool = False) -> None:
     src_slots, dst_slots = _index(src_index), _index(dst_index)  # copies: the caller may reuse its arrays
     for slots, limit, what in ((src_slots, src_limit, "source"), (dst_slots, dst_limit, "destination")):
         # Refused at once, as the real launch does (limit -1: not checked).
@@ -183,14 +203,33 @@ def cuda_copy_rows(src_base: int, src_stride: int, src_index: Any, dst_base: int
         native.copy_rows(src_base=src_base, src_stride=src_stride, src_slots=src_slots, dst_base=dst_base,
                          dst_stride=dst_stride, dst_slots=dst_slots, row_bytes=row_bytes, n_rows=n_rows,
                          memory=MemoryKind.HOST)
+        if check_ptr and n_rows:
+            _check_rows(src_base, src_stride, src_slots, dst_base, dst_stride, dst_slots, n_rows, row_bytes,
+                        check_ptr, check_k, corrupt)
 
     _enqueue(stream, copy)
 
 
 def cuda_copy_rows_then(src_base: int, src_stride: int, src_index: Any, dst_base: int, dst_stride: int,
                         dst_index: Any, n_rows: int, row_bytes: int, stream: int, device: int, bell_ptr: int,
-                        bell_value: int, event: int) -> tuple[str, str]:
-    cuda_copy_rows(src_base, src_stride, src_index, dst_base, dst_stride, dst_index, n_rows, row_bytes, stream, device)
+                        bell_value: int, event: int, check_ptr: int = 0, check_k: int = 0,
+                        corrupt: bool = False) -> tuple[str, str]:
+    cuda_copy_rows(src_base, src_stride, src_index, dst_base, dst_stride, dst_index, n_rows, row_bytes, stream,
+                   device, check_ptr=check_ptr, check_k=check_k, corrupt=corrupt)
+    if check_ptr and bell_ptr:
+        # As the kernel: a checked copy rings only from a small copy's kernel (64 rows or fewer),
+        # and only if every row checked out.
+        if n_rows > 64:
+            return _then(device, stream, 0, 0, event)
+        if bell_ptr % 8:
+            return "stream_write_word: the word's address is not 8-byte aligned", _then(device, stream, 0, 0, event)[1]
+
+        def ring_if_clean() -> None:
+            if not any((ctypes.c_uint8 * n_rows).from_address(check_ptr)):
+                ctypes.c_uint64.from_address(bell_ptr).value = bell_value
+
+        _enqueue(stream, ring_if_clean)
+        return _then(device, stream, 0, 0, event)
     return _then(device, stream, bell_ptr, bell_value, event)
 
 
@@ -411,10 +450,13 @@ def _spin(event: int, timeout_us: int) -> bool:
     return True
 
 
-def event_spin_send(event: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
+def event_spin_send(event: int, spin_us: int, fd: int, frame: bytes, check_host: int = 0,
+                    check_rows: int = 0) -> tuple[bool, int]:
     done = _spin(event, spin_us)
     if not done or fd < 0:
         return done, 0
+    if check_rows and any((ctypes.c_uint8 * check_rows).from_address(check_host)):
+        return True, 0  # a row failed its check: the frame (DELIVERED) does not go
     try:
         return True, os.write(fd, frame)  # the socket is non-blocking; Python ignores SIGPIPE
     except BlockingIOError:

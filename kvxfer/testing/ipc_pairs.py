@@ -254,6 +254,7 @@ class PeerSpec:
     emulated: bool = False  # kvxfer.testing.host_cuda instead of CUDA (CI without a GPU)
     busy_poll: bool = False  # IpcBackend(busy_poll=...) in the child
     doorbell: bool = True  # IpcBackend(doorbell=...) in the child (effective with busy_poll)
+    integrity: bool = True  # IpcBackend(integrity=...) in the child
 
 
 def cuda_calls(emulated: bool) -> Any:
@@ -272,7 +273,7 @@ def _serve(conn: Connection, spec: PeerSpec) -> None:
     memory: Any = DeviceRows(spec.geometry, spec.device, cuda) if spec.kv is None else DeviceKV(
         spec.kv, spec.device, cuda, name="peer-kv")
     backend = IpcBackend("child", spec.mode, device=spec.device, deadline_s=spec.deadline_s, key=spec.key,
-                         busy_poll=spec.busy_poll, doorbell=spec.doorbell, cuda=cuda)
+                         busy_poll=spec.busy_poll, doorbell=spec.doorbell, cuda=cuda, integrity=spec.integrity)
     backend.register(memory.regions)
     attempts: dict[int, Any] = {}
     visible: dict[int, int] = {}

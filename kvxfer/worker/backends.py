@@ -31,9 +31,10 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     only): keep the agent's metadata in etcd there ("" endpoints: as NIXL_ETCD_ENDPOINTS says).
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
     doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency.
-    ``integrity`` (nixl, ucx, loopback): row digests sent and checked (docs/reliability.md);
-    ipc does not digest rows yet. ``corrupt_landed``: fault injection, rows damaged where they
-    land before their check (``kvxfer.backends.common.corruption``; nixl, ucx, loopback)."""
+    ``integrity``: row digests sent and checked (docs/reliability.md; ipc: its copy kernel
+    checks each row where it landed). ``corrupt_landed``: fault injection, rows damaged where
+    they land before their check (``kvxfer.backends.common.corruption``; for ipc, whose kernel
+    damages them, a ``Corruptor``: its ``pick`` chooses them)."""
     if busy_poll and kind != "ipc":
         raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
     if arena_bytes is not None and kind != "nixl":
@@ -48,7 +49,12 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     if kind == "ipc":
         from kvxfer.backends.ipc import IpcBackend  # noqa: PLC0415
 
-        return IpcBackend(name, mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll, hint_ttl_s=hint_ttl_s)
+        pick = getattr(corrupt_landed, "pick", None)
+        if corrupt_landed is not None and pick is None:
+            raise ValueError("the ipc backend's kernel damages the rows itself: corrupt_landed must offer pick() "
+                             "(kvxfer.backends.common.corruption.Corruptor)")
+        return IpcBackend(name, mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll, hint_ttl_s=hint_ttl_s,
+                          integrity=integrity, corrupt_rows=pick)
     if kind == "ucx":
         from kvxfer.backends.ucx import UcxBackend  # noqa: PLC0415 - ucxx loads UCX: only when asked
 

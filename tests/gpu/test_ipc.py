@@ -64,3 +64,29 @@ def test_shutdown_leaves_nothing_running() -> None:
     left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert not left, left
     assert pair.peer._proc.exitcode is not None  # type: ignore[attr-defined]
+
+
+# --- the copy kernel's row check (kvxfer.backends.ipc.rowcheck) on the real kernel --------------
+from kvxfer.testing.ipc_integrity import (  # noqa: E402
+    checking_fetcher_checked_by_unchecking_publisher,
+    clean_rows_delivered,
+    damaged_rows_refused_exactly,
+)
+
+
+@pytest.mark.parametrize("rows,row_bytes", [(24, 4096), (96, 4096), (400, 65536), (9000, 4096), (64, 4100)],
+                         ids=["inline", "staged", "64k", "pipelined", "tail"])
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_rows_damaged_where_they_landed_are_refused_exactly(mode: TransferMode, rows: int, row_bytes: int) -> None:
+    damaged_rows_refused_exactly(mode, cuda=None, rows=rows, row_bytes=row_bytes)
+
+
+@pytest.mark.parametrize("rows,row_bytes", [(24, 4096), (9000, 4096), (64, 4100), (32, 100)],
+                         ids=["inline", "pipelined", "tail", "small-rows"])
+@pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
+def test_clean_rows_are_delivered_checked(mode: TransferMode, rows: int, row_bytes: int) -> None:
+    clean_rows_delivered(mode, cuda=None, rows=rows, row_bytes=row_bytes)
+
+
+def test_a_checking_fetcher_gets_its_rows_checked_by_a_publisher_with_integrity_off() -> None:
+    checking_fetcher_checked_by_unchecking_publisher(cuda=None, rows=96)

@@ -183,8 +183,8 @@ def test_small_copy_tells_the_peer_in_the_call_that_waits_for_its_event(monkeypa
     calls: list[tuple[int, int]] = []
     real = host_cuda.event_spin_send
 
-    def counted(event: int, spin_us: int, fd: int, frame: bytes) -> tuple[bool, int]:
-        done, sent = real(event, spin_us, fd, frame)
+    def counted(event: int, spin_us: int, fd: int, frame: bytes, *check: int) -> tuple[bool, int]:
+        done, sent = real(event, spin_us, fd, frame, *check)  # check: the row check's verdict bytes
         calls.append((fd, sent))
         return done, sent
 

@@ -70,6 +70,16 @@ class Corruptor:
                     row[:] = fresh
                 self.changed.add((region.name, int(slot)))
 
+    def pick(self, region: str, slots: IndexArray) -> np.ndarray:
+        """Which of these rows (of region ``region``) to damage, for a mover that damages them
+        itself as they land (the IPC copy kernel flips one bit of each, before its check):
+        each with probability ``p_bit + p_row``, remembered in ``changed``."""
+        with self._lock:
+            self.rows_seen += int(slots.size)
+            chosen = self._rng.random(slots.size) < self.p_bit + self.p_row
+            self.changed.update((region, int(s)) for s in np.asarray(slots)[chosen].tolist())
+            return chosen
+
     def take(self) -> set[tuple[str, int]]:
         """The rows changed since the last take."""
         with self._lock:

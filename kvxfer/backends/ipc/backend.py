@@ -51,6 +51,7 @@ import numpy as np
 from kvxfer import native
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclude_from_record, stop_reason
+from kvxfer.backends.common.integrity import MISMATCH, RowCheck
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
 from kvxfer.backends.ipc.bells import EXTRA_BELL, bell_slot, bell_value
@@ -60,6 +61,7 @@ from kvxfer.backends.ipc.frames import DONE_PREFIX, TOKEN_FRAME_BYTES, Completio
 from kvxfer.backends.ipc.geometry import export_names, peer_exports, plan_submission
 from kvxfer.backends.ipc.jobs import ActiveJob, PassiveWait
 from kvxfer.backends.ipc.mappings import EXTRA_PREFIX, Export
+from kvxfer.backends.ipc.rowcheck import EXTRA_CHECK, PickFn
 from kvxfer.backends.ipc.waits import PassiveWaits
 from kvxfer.contract import (
     Cancelled,
@@ -139,6 +141,8 @@ class IpcBackend(BackendEngine):
         busy_poll: bool = False,
         doorbell: bool = True,
         cuda: ModuleType | None = None,
+        integrity: bool = True,
+        corrupt_rows: PickFn | None = None,
     ) -> None:
         # ``cuda``: the CUDA calls to make, kvxfer._native by default; kvxfer.testing.host_cuda
         # emulates them over shared host memory so that CI runs this control path without a GPU.
@@ -172,7 +176,10 @@ class IpcBackend(BackendEngine):
         # The agent name is the socket path: records can be answered.
         self._start_engine(self._channel.path, mode, frozenset({MemoryKind.DEVICE}), hint_ttl_s)
         self._frames = CompletionFrames(self.name, signing_key)
-        self._copies = CopyQueue(cuda, device, stream, self.name, self._frames)
+        # Row integrity (rowcheck): the copy kernel checks each row where it landed; ``corrupt_rows``
+        # picks rows for it to damage first (fault injection). rows_failed: those refused here.
+        self.integrity = RowCheck(integrity)
+        self._copies = CopyQueue(cuda, device, stream, self.name, self._frames, corrupt_rows)
         # A busy-polling passive end also offers a doorbell word (bells); False: sockets only.
         self._waits = PassiveWaits(self._jobs_lock, self._own.retire, self.name, doorbell and busy_poll)
         self._progress = ProgressThread(f"kvxfer-ipc-{name}", self._step, _no_pause,
@@ -217,6 +224,8 @@ class IpcBackend(BackendEngine):
         names = export_names(view)  # an engine view's: every region of its geometry
         extras = ((EXTRA_NODE, self._node),) + tuple((EXTRA_PREFIX + n, self._exports[n].pack()) for n in names)
         extras += self._frames.hint_extras(transfer_id, view.request)
+        if self.integrity.enabled:  # the active end's kernel checks every row, whatever its own setting
+            extras += ((EXTRA_CHECK, b"1"),)
         ring = self._waits.make_ring()
         if ring is not None:
             extras += ((EXTRA_BELL, ring.extra(bell_slot(transfer_id))),)
@@ -271,7 +280,8 @@ class IpcBackend(BackendEngine):
             matches = match_rows(view, hint) if transform is None else []
             exports = copies.peer_exports(hint, matches) if transform is None else peer_exports(copies, hint)
             job = ActiveJob(attempt, view, hint, matches, exports, writes_peer=not fetching,
-                            bell=copies.peer_bell(hint), transform=transform)
+                            bell=copies.peer_bell(hint), transform=transform,
+                            checked=transform is None and (self.integrity.enabled or bool(hint.extra(EXTRA_CHECK))))
             # launch_lock before _jobs_lock, here and wherever both are taken.
             with copies.launch_lock:
                 with self._jobs_lock:
@@ -310,10 +320,11 @@ class IpcBackend(BackendEngine):
             if job.sent:
                 return
             spin_us = OWNER_SPIN_US if job.nbytes <= OWNER_SPIN_BYTES else 0
+            # The wait and the socket write are one native call (no Python between them); a
+            # checked job reads its rows' verdicts between the two.
+            write = self._copies.spin_check_send if job.checked else self._copies.spin_send
             try:
-                # The wait and the socket write are one native call (no Python between them).
-                job.sent = self._channel.send_with(job.hint.endpoint, job.frame,
-                                                   functools.partial(self._copies.spin_send, job, spin_us))
+                job.sent = self._channel.send_with(job.hint.endpoint, job.frame, functools.partial(write, job, spin_us))
             except self._copies.native.CopyError:
                 return  # the progress thread reports it
 
@@ -426,6 +437,9 @@ class IpcBackend(BackendEngine):
             return  # not from the peer this transfer was described to: ignore it
         # Concluded already: we gave up earlier, and the peer now confirms it stopped.
         conclude_from_record(wait.attempt, wait.view, record)
+        if record.status is RecordStatus.FAILED and record.reason.startswith(MISMATCH):
+            # The publisher's kernel refused rows that landed here: every row it did not deliver.
+            self.integrity.rows_failed += sum(int(m.size - np.count_nonzero(m)) for m in record.masks)
         self._waits.end(wait)
 
     def _on_cancel_request(self, record: CompletionRecord) -> None:
@@ -479,6 +493,10 @@ class IpcBackend(BackendEngine):
         with job.send_lock:
             owner_sent = job.sent
             job.sent = True  # from here on the owner thread sends nothing and leaves the event alone
+        if device_error is None:
+            failed = self._copies.apply_check(job)  # 0 when the owner sent DELIVERED: it checked first
+            if not job.writes_peer:  # a fetch: they landed here (a push's fetcher counts its own)
+                self.integrity.rows_failed += failed
         self._copies.retire(job, device_error)
         if owner_sent:
             # The owner saw the event complete and told the peer DELIVERED: so it ended.

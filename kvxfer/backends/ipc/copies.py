@@ -23,6 +23,7 @@ from kvxfer.backends.ipc.frames import CompletionFrames
 from kvxfer.backends.ipc.geometry import queue_transform
 from kvxfer.backends.ipc.jobs import ActiveJob
 from kvxfer.backends.ipc.mappings import EXTRA_PREFIX, Export, Mappings
+from kvxfer.backends.ipc.rowcheck import CheckPool, PickFn, arm, kernel_args, verdict
 from kvxfer.contract import Hint, InvalidSubmission, MemoryKind, constant_mask
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,11 @@ class CopyQueue:
     """Row-copy kernels on one stream of ``device``, through ``native`` (kvxfer._native, or
     its emulation); ``name`` is the backend's, for logs."""
 
-    def __init__(self, native: ModuleType, device: int, stream: int, name: str, frames: CompletionFrames) -> None:
+    def __init__(self, native: ModuleType, device: int, stream: int, name: str, frames: CompletionFrames,
+                 pick: PickFn | None = None) -> None:
         self.native = native
+        self.checks = CheckPool(native, device)  # the row check's verdict bytes (rowcheck)
+        self._pick = pick  # the fault hook: rows the kernel damages where they land, before its check
         self.device = device
         self.stream = stream
         self.name = name
@@ -143,22 +147,26 @@ class CopyQueue:
         event, event_error = self.take_event()
         bell_ptr, bell_value = self.bell_target(job, rows)
         recorded = False
+        if job.checked:
+            job.check = self.checks.take(rows)
+            job.check_launches = arm(job.check, plan, job.writes_peer, self._pick)
         for k, (gi, match, n, src, dst) in enumerate(plan):
             row = match.local.region.slot_bytes
+            check = kernel_args(job.check, job.check_launches[k] if job.check else None, self._pick is not None)
             try:
                 # Slot bounds were checked already: ours by check_view, the peer's by HintGroup
                 # (and its region against the exported allocation), so the kernel is told -1.
                 if k == len(plan) - 1 and event:
                     bell_error, error = self.native.cuda_copy_rows_then(
                         src[0], row, src[1], dst[0], row, dst[1], n, row, self.stream, self.device,
-                        bell_ptr, bell_value, event)
+                        bell_ptr, bell_value, event, **check)
                     if bell_error:
                         log.info("IPC backend %s: doorbell store failed (%s); the record still goes", self.name,
                                  bell_error)
                     recorded, event_error = not error, error or None
                 else:
                     self.native.cuda_copy_rows(src[0], row, src[1], dst[0], row, dst[1], n, row, self.stream,
-                                               self.device, -1, -1)
+                                               self.device, -1, -1, **check)
             except (self.native.CopyError, MemoryError, RuntimeError) as exc:
                 # A large copy goes in chunks: some may be queued already. The job waits for
                 # an event like any other before anything is reported (their rows stay False).
@@ -168,6 +176,8 @@ class CopyQueue:
             job.nbytes += n * row
             job.launched = True
             copied.append((gi, match, n))
+        if job.check is not None:
+            job.check_launches = job.check_launches[:len(copied)]  # the kernels that were queued
         if not self.seal(job, event, recorded, event_error):
             copied = []
         self._set_masks(job, copied)
@@ -301,6 +311,26 @@ class CopyQueue:
         done, sent = self.native.event_spin_send(job.event, spin_us, fd, data)
         return int(sent) if done else 0
 
+    def spin_check_send(self, job: ActiveJob, spin_us: int, fd: int, data: bytes) -> int:
+        """``spin_send`` for a checked job: in the same native call, the frame goes only once the
+        copy ended and every row checked out (else 0: the progress thread reports the rows that failed)."""
+        if job.check is None:
+            return 0
+        rows = sum(launch.n for launch in job.check_launches)
+        done, sent = self.native.event_spin_send(job.event, spin_us, fd, data, job.check.host, rows)
+        return int(sent) if done else 0
+
+    def apply_check(self, job: ActiveJob) -> int:
+        """Once the job's kernels ended: rows that failed their check False in both ends' masks and
+        the job failed naming them; the rows that failed."""
+        if job.check is None:
+            return 0
+        peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
+        failed, reason = verdict(job.check, job.check_launches, job.local_masks, job.peer_masks, peer_index)
+        if reason is not None:
+            job.failure = reason if job.failure is None else f"{job.failure}; {reason}"
+        return failed
+
     def watch_head(self, spin_us: int) -> None:
         """Wait up to ``spin_us`` for the oldest copy's event, spinning natively with the GIL
         released: a full pass of the loop (socket poll, waits, deadlines) costs tens of
@@ -332,11 +362,14 @@ class CopyQueue:
         return job, error
 
     def retire(self, job: ActiveJob, device_error: str | None) -> None:
-        """A finished job gives back its mappings, and its event to the pool."""
+        """A finished job gives back its mappings, its check bytes, and its event to the pool."""
         with self.map_lock:
             for mapping in job.mappings:
                 self.mappings.release(mapping)
         job.mappings.clear()
+        if job.check is not None and device_error is None:  # after a device fault, never reused
+            self.checks.give(job.check)
+        job.check = None
         if job.event:
             if device_error is None:
                 self._events.append(job.event)
@@ -369,7 +402,8 @@ class CopyQueue:
             return False
 
     def close_mappings(self) -> None:
-        """Unmap every peer allocation and ring, and destroy the pooled events."""
+        """Unmap every peer allocation and ring, unregister the check bytes, and destroy the pooled events."""
+        self.checks.close()
         with self.map_lock:
             still_mapped = self.mappings.close_all()
         if still_mapped:

@@ -18,6 +18,7 @@ from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.matching import GroupMatch
 from kvxfer.backends.common.transform import Oriented
 from kvxfer.backends.ipc.mappings import Export, Mapping
+from kvxfer.backends.ipc.rowcheck import CheckBytes, CheckedLaunch
 from kvxfer.contract import Delivered, Hint, View
 
 
@@ -33,6 +34,9 @@ class ActiveJob:
     writes_peer: bool
     bell: tuple[str, int] | None = None  # the passive end's doorbell: (ring path, slot)
     transform: Oriented | None = None  # engine geometries at both ends: this plan moves the bytes (geometry)
+    checked: bool = False  # the kernels check every row (rowcheck): set at submission
+    check: CheckBytes | None = None  # where they write their verdicts, and each kernel's rows in it
+    check_launches: list[CheckedLaunch] = field(default_factory=list)
     cancelled_by_peer: bool = False
     launched: bool = False
     event: int = 0
