@@ -368,9 +368,11 @@ def _start_workers(group: ProcessGroup, args: argparse.Namespace, placed: _Place
               *(["--sliding-window", str(args.sliding_window)] if args.sliding_window else [])]
     role_args = {role: [*common, *engine_kv_argv(args, role), *model_args_list(args, device)]
                  for role, device in (("prefill", placed.prefill_device), ("decode", placed.decode_device))}
-    workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
-                                           *role_args["prefill"]]) for i in range(args.prefill_workers)]
     corrupt = ["--inject-corruption", str(args.inject_corruption)] if args.inject_corruption else []
+    # ipc's copy kernel damages the rows it moves, so its active end takes the hook: in push, the prefill workers.
+    corrupt_prefill = corrupt if args.backend == "ipc" and args.mode == "push" else []
+    workers = [group.start(f"prefill{i}", ["serve", "--role", "prefill", "--name", f"prefill{i}",
+                                           *role_args["prefill"], *corrupt_prefill]) for i in range(args.prefill_workers)]
     workers += [group.start(f"decode{i}", ["serve", "--role", "decode", "--name", f"decode{i}",
                                           *role_args["decode"], *corrupt]) for i in range(args.decode_workers)]
     return workers

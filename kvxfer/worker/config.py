@@ -23,14 +23,10 @@ def settle_bound(deadline_s: float) -> float:
 LAYOUTS = ("block_major", "layer_major")
 
 
-INTEGRITY_BACKENDS = ("nixl", "ucx", "loopback")  # the transfer backends that send and check row digests
-
-
 def integrity_state(backend: str, enabled: bool) -> str:
-    """What a worker's integrity setting means with ``backend`` (/health, kvxfer pair's report)."""
-    if not enabled:
-        return "off"
-    return "on" if backend in INTEGRITY_BACKENDS else f"on for the store only ({backend} carries no row digests)"
+    """What a worker's integrity setting means (/health, kvxfer pair's report): every transfer
+    backend checks its rows (ipc between engine geometries excepted: docs/reliability.md)."""
+    return "on" if enabled else "off"
 
 
 @dataclass(frozen=True)
