@@ -68,15 +68,15 @@ class _TimedNative:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
-    def cuda_copy_rows(self, *args: Any) -> Any:
+    def cuda_copy_rows(self, *args: Any, **kwargs: Any) -> Any:
         _stamp("native>")
-        out = self._module.cuda_copy_rows(*args)
+        out = self._module.cuda_copy_rows(*args, **kwargs)
         _stamp("native<")
         return out
 
-    def cuda_copy_rows_then(self, *args: Any) -> Any:  # the last kernel, the doorbell store and the event
+    def cuda_copy_rows_then(self, *args: Any, **kwargs: Any) -> Any:  # the last kernel, the doorbell store and the event
         _stamp("native_then>")
-        out = self._module.cuda_copy_rows_then(*args)
+        out = self._module.cuda_copy_rows_then(*args, **kwargs)
         _stamp("native_then<")
         return out
 

@@ -154,7 +154,7 @@ def test_an_event_that_cannot_be_recorded_fails_the_push_by_name_after_the_copy(
 
 
 def test_a_last_kernel_that_cannot_be_queued_rings_no_doorbell(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object) -> tuple[str, str]:
+    def refuse(*args: object, **check: object) -> tuple[str, str]:
         raise host_cuda.CopyError("launching the row copy kernel: cudaErrorLaunchOutOfResources")
 
     monkeypatch.setattr(host_cuda, "cuda_copy_rows_then", refuse)

@@ -150,11 +150,11 @@ def test_a_launch_failing_part_way_reuses_its_clean_event(ends: Ends, monkeypatc
     launch = host_cuda.cuda_copy_rows_then
     calls = {"n": 0}
 
-    def fail_once(*args: object) -> tuple[str, str]:
+    def fail_once(*args: object, **check: object) -> tuple[str, str]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise host_cuda.CopyError("cudaErrorLaunchOutOfResources: injected")
-        return launch(*args)  # type: ignore[arg-type]
+        return launch(*args, **check)  # type: ignore[arg-type]
 
     monkeypatch.setattr(host_cuda, "cuda_copy_rows_then", fail_once)
     bad = _push(ends, 1, "partial")

@@ -367,7 +367,7 @@ class CopyQueue:
             for mapping in job.mappings:
                 self.mappings.release(mapping)
         job.mappings.clear()
-        if job.check is not None and device_error is None:  # after a device fault, never reused
+        if job.check is not None and device_error is None:  # after a device fault, never reused (CheckPool)
             self.checks.give(job.check)
         job.check = None
         if job.event:

@@ -37,6 +37,9 @@ CORRUPT_ROW = 0xFE  # the fault hook: the kernel damages this row where it lande
 PickFn = Callable[[str, IndexArray], BoolArray]  # which of these rows (region name, slots) to damage as they land
 
 
+_STRANDED: list[CheckBytes] = []  # registered pages a broken context would not give back: kept mapped
+
+
 class CheckBytes:
     """Page-aligned host bytes, registered with CUDA so that kernels write them (one per row)."""
 
@@ -46,37 +49,49 @@ class CheckBytes:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.host = int(self.array.ctypes.data)
         self.rows = size
-        self.device_ptr = int(cuda.host_register(device, self.host, size))
+        try:
+            self.device_ptr = int(cuda.host_register(device, self.host, size))
+        except BaseException:
+            del self.array
+            self._map.close()
+            raise
 
     def close(self, cuda: ModuleType, device: int) -> None:
         try:
             cuda.host_unregister(device, self.host)
         except cuda.CopyError:
-            return  # a broken context keeps it registered: the pages stay mapped, never reused
+            _STRANDED.append(self)  # still registered: its pages must stay mapped, never reused
+            return
         del self.array
         self._map.close()
 
 
 class CheckPool:
-    """The active end's check buffers, reused across jobs (registration costs far more than a job)."""
+    """The active end's check buffers, reused across jobs (registration costs far more than a job).
+    Every buffer made stays the pool's until close(): one a device fault may still be written by
+    is set aside (``discard``), never reused, and unmapped only once unregistered."""
 
     def __init__(self, cuda: ModuleType, device: int) -> None:
         self._cuda = cuda
         self._device = device
         self._free: list[CheckBytes] = []
+        self._made: list[CheckBytes] = []
 
     def take(self, rows: int) -> CheckBytes:
         for i, buf in enumerate(self._free):
             if buf.rows >= rows:
                 return self._free.pop(i)
-        return CheckBytes(self._cuda, self._device, rows)
+        buf = CheckBytes(self._cuda, self._device, rows)
+        self._made.append(buf)
+        return buf
 
     def give(self, buf: CheckBytes) -> None:
         self._free.append(buf)
 
     def close(self) -> None:
-        while self._free:
-            self._free.pop().close(self._cuda, self._device)
+        self._free.clear()
+        while self._made:
+            self._made.pop().close(self._cuda, self._device)
 
 
 @dataclass(frozen=True, slots=True)
