@@ -69,7 +69,7 @@ class CheckBytes:
 class CheckPool:
     """The active end's check buffers, reused across jobs (registration costs far more than a job).
     Every buffer made stays the pool's until close(): one a device fault may still be written by
-    is set aside (``discard``), never reused, and unmapped only once unregistered."""
+    is never given back (``CopyQueue.retire``) nor reused, and unmapped only once unregistered."""
 
     def __init__(self, cuda: ModuleType, device: int) -> None:
         self._cuda = cuda
