@@ -1,9 +1,10 @@
 """MooncakeDriver against a real Mooncake Store: a ``mooncake_master`` started here and
 clients in this process (several Mooncake clients live in one process). The conformance kit
 over two clients; rows byte for byte between two clients through BlobBackend; a missing or
-removed key, a blob of another size, a full store, a killed master and a closed holder, each
-ending with exact masks; a closed driver never reaches Mooncake (which would crash); the
-master's foreground command, and a master that cannot start.
+removed key, a blob of another size, a get racing a put of the same keys, a put over a
+stored key, a full store, a killed master and a closed holder, each ending with exact masks;
+a closed driver never reaches Mooncake (which would crash); the master's foreground command,
+and a master that cannot start.
 
 A client's close takes a second or two, so the kit's pairs (dozens) are lanes over two
 module-long clients: ``holder``, whose segment holds the blobs, and ``reader``, without one;
@@ -16,7 +17,9 @@ import itertools
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -254,9 +257,9 @@ def test_rows_put_by_one_client_come_back_byte_for_byte_at_another(master: Moonc
         assert isinstance(outcome, Delivered) and outcome.all_delivered
         assert dm.read("decode0", view.groups[0].slots) == data
         assert prefill.bytes_moved == decode.bytes_moved == 64 * ROW
-        again = _payload(64, seed=3)  # a second put replaces the blobs
-        assert isinstance(_publish(prefill, pm, _view(pm, "r1", order), again), Delivered)
-        assert isinstance(_fetch(decode, view), Delivered) and dm.read("decode0", view.groups[0].slots) == again
+        # A second put under the same names keeps the first blobs (put-if-absent), and their digests.
+        assert isinstance(_publish(prefill, pm, _view(pm, "r1", order), _payload(64, seed=3)), Delivered)
+        assert isinstance(_fetch(decode, view), Delivered) and dm.read("decode0", view.groups[0].slots) == data
     finally:
         assert decode.shutdown() == frozenset() and prefill.shutdown() == frozenset()
     # Closed: every call is refused before it reaches Mooncake (which would crash the process).
@@ -313,6 +316,73 @@ def test_a_blob_of_another_size_is_wrong_size(holder: MooncakeDriver, reader: Mo
     finally:
         reader.unregister(Span(base, buf.nbytes))
         reader.unregister(Span(base, buf.nbytes))  # not registered any more: nothing to do
+
+
+def _registered(driver: MooncakeDriver, data: np.ndarray) -> tuple[Span, IndexArray]:
+    """``data``'s span, registered with ``driver``, and the address of each of its ROW-byte rows."""
+    span = Span(int(data.ctypes.data), data.nbytes)
+    driver.register(span)
+    return span, span.address + ROW * np.arange(data.nbytes // ROW, dtype=np.int64)
+
+
+def test_a_get_racing_a_put_of_the_same_blobs_finds_them(holder: MooncakeDriver, reader: MooncakeDriver) -> None:
+    """A prefill worker puts a prompt's blocks again while a decode worker looks them up:
+    every get finds them. With upsert, each put took the blobs out of reach until they were
+    rewritten, and a get in that window answered REPLICA_IS_NOT_READY (a miss): most of
+    these gets did."""
+    n, rounds = 8, 200
+    src = np.frombuffer(_payload(n, seed=7), dtype=np.uint8).copy()
+    dst = np.zeros_like(src)
+    src_span, src_at = _registered(holder, src)
+    dst_span, dst_at = _registered(reader, dst)
+    sizes = np.full(n, ROW, dtype=np.int64)
+    keys = [f"race{i}".encode() for i in range(n)]
+    puts: list[list[KeyStatus]] = []
+    stop = threading.Event()
+
+    def put_again() -> None:
+        while not stop.is_set() and len(puts) < rounds:
+            puts.append(holder.put(keys, src_at, sizes))
+
+    try:
+        assert holder.put(keys, src_at, sizes) == [KeyStatus.OK] * n
+        putter = threading.Thread(target=put_again, name="putter")
+        putter.start()
+        seen: Counter[KeyStatus] = Counter()
+        gets = 0
+        try:
+            while putter.is_alive():  # gets while the putter is putting the same keys, until its rounds are done
+                seen.update(reader.get(keys, dst_at, sizes))
+                gets += 1
+        finally:
+            stop.set()
+            putter.join(30)
+        assert not putter.is_alive()
+        assert len(puts) == rounds and all(p == [KeyStatus.OK] * n for p in puts)
+        assert gets > 0 and seen == Counter({KeyStatus.OK: gets * n}), (gets, seen)
+        assert dst.tobytes() == src.tobytes()
+    finally:
+        reader.remove(keys)
+        holder.unregister(src_span)
+        reader.unregister(dst_span)
+
+
+def test_a_put_over_a_stored_key_keeps_its_blob(holder: MooncakeDriver, reader: MooncakeDriver) -> None:
+    """Put-if-absent: OK, and the first blob stays, whatever the second's bytes or size (a
+    get of the second's size then says WRONG_SIZE)."""
+    data = np.frombuffer(_payload(4, seed=8), dtype=np.uint8).copy()
+    span, at = _registered(reader, data)
+    one, two = np.array([ROW], dtype=np.int64), np.array([2 * ROW], dtype=np.int64)
+    try:
+        assert reader.put([b"kept"], at[:1], one) == [KeyStatus.OK]
+        assert reader.put([b"kept"], at[1:2], one) == [KeyStatus.OK]  # other bytes, same size
+        assert reader.put([b"kept"], at[1:2], two) == [KeyStatus.OK]  # another size
+        assert reader.get([b"kept"], at[3:4], one) == [KeyStatus.OK]
+        assert data[3 * ROW:].tobytes() == data[:ROW].tobytes()
+        assert reader.get([b"kept"], at[2:3], two) == [KeyStatus.WRONG_SIZE]
+    finally:
+        reader.remove([b"kept"])
+        reader.unregister(span)
 
 
 def test_the_holder_gone_its_keys_read_as_missing(master: MooncakeMaster) -> None:

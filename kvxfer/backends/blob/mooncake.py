@@ -11,8 +11,12 @@ Blobs a client holds go when it closes or dies (they read as missing then). The 
 must run without eviction for a full store to answer FULL (``MooncakeMaster`` does: without
 it the master silently drops old blobs, which then read as missing).
 
-Bytes move straight from and into caller memory (``batch_upsert_from``, ``batch_get_into``);
-``register`` hands the spans to Mooncake's transfer engine. A get that finds a blob of
+Bytes move straight from and into caller memory (``batch_put_from``, ``batch_get_into``);
+``register`` hands the spans to Mooncake's transfer engine. A put over a key that holds a
+blob leaves that blob and answers OK (Mooncake's put-if-absent), whatever its bytes or size:
+store keys name their content (block names), and replacing a blob in place (upsert) makes
+every get of it answer REPLICA_IS_NOT_READY (-703) until the new bytes are in, so a
+lookup racing another worker's put of the same block missed it. A get that finds a blob of
 another size reports WRONG_SIZE; a blob smaller than the row has by then been copied into
 the start of the row (Mooncake reports sizes only after the copy), which the row's False
 mask covers. Calls are serialized by a lock, and none reaches the Mooncake client after
@@ -43,9 +47,10 @@ T = TypeVar("T")
 # Mooncake's error codes (mooncake-store/include/types.h) that the driver tells apart.
 NO_AVAILABLE_HANDLE = -200  # put: no segment has room for the object
 INVALID_PARAMS = -600       # get: among others, a destination smaller than the object
+REPLICA_IS_NOT_READY = -703  # get: the blob is being written (a put of it not finished)
 OBJECT_NOT_FOUND = -704     # never put, removed, evicted, or its holder gone
 CODE_NAMES = {NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE", INVALID_PARAMS: "INVALID_PARAMS",
-              OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
+              REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY", OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
               -800: "TRANSFER_FAIL", -900: "RPC_FAIL"}
 INSTALL_HINT = ("pip install 'kvxfer[store]' (the mooncake-transfer-engine-non-cuda wheel), and the system library "
                 "libibverbs1 (apt-get install libibverbs1)")
@@ -147,8 +152,13 @@ class MooncakeDriver(BlobDriver):
 
     def put(self, keys: Sequence[bytes], addresses: IndexArray, sizes: IndexArray) -> list[KeyStatus]:
         names, ptrs, lens = self._names(keys), addresses.tolist(), sizes.tolist()
-        codes = self._batch("batch_upsert_from", len(names),
-                            lambda s: s.batch_upsert_from(names, ptrs, lens, self._config))
+        # Put-if-absent, not upsert: an upsert of a stored key takes its replica out of reach
+        # (gets answer REPLICA_IS_NOT_READY) until it is rewritten, so a get racing it misses a
+        # blob the store holds; the rewrite brings nothing, since a key names its content. A key
+        # already there answers 0 (OK) and keeps its blob, even one of another size (a get of
+        # the new size then says WRONG_SIZE), and costs only the master's look-up.
+        codes = self._batch("batch_put_from", len(names),
+                            lambda s: s.batch_put_from(names, ptrs, lens, self._config))
         return [_put_status(c) for c in codes]
 
     def get(self, keys: Sequence[bytes], addresses: IndexArray, sizes: IndexArray) -> list[KeyStatus]:
