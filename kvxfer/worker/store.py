@@ -58,7 +58,9 @@ def make_store_driver(kind: str, *, path: str = "", master: str = "", segment_by
 
         if not master:
             raise ValueError("--store mooncake needs --store-master HOST:PORT (the Mooncake master)")
-        return MooncakeDriver(master, segment_bytes=segment_bytes)
+        # Block names name their content: a put of a stored block keeps it, so that a lookup of
+        # it never races another worker's put of the same block (MooncakeDriver keep_stored).
+        return MooncakeDriver(master, segment_bytes=segment_bytes, keep_stored=True)
     raise ValueError(f"store must be one of {STORES}, got {kind!r}")
 
 

@@ -257,9 +257,9 @@ def test_rows_put_by_one_client_come_back_byte_for_byte_at_another(master: Moonc
         assert isinstance(outcome, Delivered) and outcome.all_delivered
         assert dm.read("decode0", view.groups[0].slots) == data
         assert prefill.bytes_moved == decode.bytes_moved == 64 * ROW
-        # A second put under the same names keeps the first blobs (put-if-absent), and their digests.
-        assert isinstance(_publish(prefill, pm, _view(pm, "r1", order), _payload(64, seed=3)), Delivered)
-        assert isinstance(_fetch(decode, view), Delivered) and dm.read("decode0", view.groups[0].slots) == data
+        again = _payload(64, seed=3)  # a second put replaces the blobs (upsert: keep_stored is off)
+        assert isinstance(_publish(prefill, pm, _view(pm, "r1", order), again), Delivered)
+        assert isinstance(_fetch(decode, view), Delivered) and dm.read("decode0", view.groups[0].slots) == again
     finally:
         assert decode.shutdown() == frozenset() and prefill.shutdown() == frozenset()
     # Closed: every call is refused before it reaches Mooncake (which would crash the process).
@@ -344,6 +344,7 @@ def test_a_get_racing_a_put_of_the_same_blobs_finds_them(holder: MooncakeDriver,
         while not stop.is_set() and len(puts) < rounds:
             puts.append(holder.put(keys, src_at, sizes))
 
+    holder.keep_stored = True  # as a worker's store makes it (its keys name their content)
     try:
         assert holder.put(keys, src_at, sizes) == [KeyStatus.OK] * n
         putter = threading.Thread(target=put_again, name="putter")
@@ -362,17 +363,19 @@ def test_a_get_racing_a_put_of_the_same_blobs_finds_them(holder: MooncakeDriver,
         assert gets > 0 and seen == Counter({KeyStatus.OK: gets * n}), (gets, seen)
         assert dst.tobytes() == src.tobytes()
     finally:
+        holder.keep_stored = False
         reader.remove(keys)
         holder.unregister(src_span)
         reader.unregister(dst_span)
 
 
 def test_a_put_over_a_stored_key_keeps_its_blob(holder: MooncakeDriver, reader: MooncakeDriver) -> None:
-    """Put-if-absent: OK, and the first blob stays, whatever the second's bytes or size (a
-    get of the second's size then says WRONG_SIZE)."""
+    """keep_stored (a worker's store: put-if-absent): OK, and the first blob stays, whatever the
+    second's bytes or size (a get of the second's size then says WRONG_SIZE)."""
     data = np.frombuffer(_payload(4, seed=8), dtype=np.uint8).copy()
     span, at = _registered(reader, data)
     one, two = np.array([ROW], dtype=np.int64), np.array([2 * ROW], dtype=np.int64)
+    reader.keep_stored = True
     try:
         assert reader.put([b"kept"], at[:1], one) == [KeyStatus.OK]
         assert reader.put([b"kept"], at[1:2], one) == [KeyStatus.OK]  # other bytes, same size
@@ -381,6 +384,7 @@ def test_a_put_over_a_stored_key_keeps_its_blob(holder: MooncakeDriver, reader: 
         assert data[3 * ROW:].tobytes() == data[:ROW].tobytes()
         assert reader.get([b"kept"], at[2:3], two) == [KeyStatus.WRONG_SIZE]
     finally:
+        reader.keep_stored = False
         reader.remove([b"kept"])
         reader.unregister(span)
 

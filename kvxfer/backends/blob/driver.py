@@ -64,7 +64,8 @@ class BlobDriver(abc.ABC):
     def put(self, keys: Sequence[bytes], addresses: IndexArray, sizes: IndexArray) -> list[KeyStatus]:
         """Store the ``sizes[i]`` bytes at ``addresses[i]`` under ``keys[i]``. A key that
         holds a blob: the memory and shm drivers replace it (a get sees the old or the new
-        blob, never neither); Mooncake's keeps it and answers OK (see ``mooncake.py``)."""
+        blob, never neither), and so does Mooncake's unless made with ``keep_stored``: then it
+        keeps the blob and answers OK (see ``mooncake.py``)."""
 
     @abc.abstractmethod
     def get(self, keys: Sequence[bytes], addresses: IndexArray, sizes: IndexArray) -> list[KeyStatus]:

@@ -11,12 +11,14 @@ Blobs a client holds go when it closes or dies (they read as missing then). The 
 must run without eviction for a full store to answer FULL (``MooncakeMaster`` does: without
 it the master silently drops old blobs, which then read as missing).
 
-Bytes move straight from and into caller memory (``batch_put_from``, ``batch_get_into``);
-``register`` hands the spans to Mooncake's transfer engine. A put over a key that holds a
-blob leaves that blob and answers OK (Mooncake's put-if-absent), whatever its bytes or size:
-store keys name their content (block names), and replacing a blob in place (upsert) makes
-every get of it answer REPLICA_IS_NOT_READY (-703) until the new bytes are in, so a
-lookup racing another worker's put of the same block missed it. A get that finds a blob of
+Bytes move straight from and into caller memory (``batch_upsert_from`` or ``batch_put_from``,
+``batch_get_into``); ``register`` hands the spans to Mooncake's transfer engine. A put over a
+key that holds a blob replaces it (upsert), as the other drivers do, unless the driver is made
+with ``keep_stored``: then it leaves that blob and answers OK (Mooncake's put-if-absent),
+whatever its bytes or size. That is for keys that name their content (a worker's block names):
+replacing a blob in place makes every get of it answer REPLICA_IS_NOT_READY (-703) until the
+new bytes are in, so a lookup racing another worker's put of the same block missed it, and the
+rewrite brings nothing. A get that finds a blob of
 another size reports WRONG_SIZE; a blob smaller than the row has by then been copied into
 the start of the row (Mooncake reports sizes only after the copy), which the row's False
 mask covers. Calls are serialized by a lock, and none reaches the Mooncake client after
@@ -76,7 +78,8 @@ class MooncakeDriver(BlobDriver):
     name = "mooncake"
 
     def __init__(self, master: str, *, segment_bytes: int = 256 << 20, host: str = "127.0.0.1",
-                 protocol: str = "tcp", device: str = "", key_prefix: str = "kvxfer/") -> None:
+                 protocol: str = "tcp", device: str = "", key_prefix: str = "kvxfer/",
+                 keep_stored: bool = False) -> None:
         if segment_bytes < 0 or 0 < segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment_bytes must be 0 or at least {MIN_SEGMENT_BYTES} (Mooncake's least segment), "
                              f"got {segment_bytes}")
@@ -87,6 +90,7 @@ class MooncakeDriver(BlobDriver):
         self.master = master
         self.segment_bytes = segment_bytes
         self.key_prefix = key_prefix
+        self.keep_stored = keep_stored  # a put leaves a stored blob (module docstring)
         self._lock = threading.Lock()
         self._spans: dict[int, int] = {}  # address -> size, registered with Mooncake
         _check_reachable(master)
@@ -152,13 +156,17 @@ class MooncakeDriver(BlobDriver):
 
     def put(self, keys: Sequence[bytes], addresses: IndexArray, sizes: IndexArray) -> list[KeyStatus]:
         names, ptrs, lens = self._names(keys), addresses.tolist(), sizes.tolist()
-        # Put-if-absent, not upsert: an upsert of a stored key takes its replica out of reach
-        # (gets answer REPLICA_IS_NOT_READY) until it is rewritten, so a get racing it misses a
-        # blob the store holds; the rewrite brings nothing, since a key names its content. A key
-        # already there answers 0 (OK) and keeps its blob, even one of another size (a get of
-        # the new size then says WRONG_SIZE), and costs only the master's look-up.
-        codes = self._batch("batch_put_from", len(names),
-                            lambda s: s.batch_put_from(names, ptrs, lens, self._config))
+        if self.keep_stored:
+            # Put-if-absent: an upsert of a stored key takes its replica out of reach (gets answer
+            # REPLICA_IS_NOT_READY) until it is rewritten, so a get racing it misses a blob the
+            # store holds; where a key names its content the rewrite brings nothing. A key already
+            # there answers 0 (OK) and keeps its blob, even one of another size (a get of the new
+            # size then says WRONG_SIZE), and costs only the master's look-up.
+            codes = self._batch("batch_put_from", len(names),
+                                lambda s: s.batch_put_from(names, ptrs, lens, self._config))
+        else:
+            codes = self._batch("batch_upsert_from", len(names),
+                                lambda s: s.batch_upsert_from(names, ptrs, lens, self._config))
         return [_put_status(c) for c in codes]
 
     def get(self, keys: Sequence[bytes], addresses: IndexArray, sizes: IndexArray) -> list[KeyStatus]:
