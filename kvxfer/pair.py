@@ -56,7 +56,7 @@ from kvxfer.serving.exchange import HttpError
 from kvxfer.serving.keys import API_KEY_ENV, CLUSTER_KEY_ENV, BearerKey, InvalidKey
 from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.startup import check_serving
-from kvxfer.worker.config import integrity_state
+from kvxfer.worker.config import integrity_state, layerwise_refusal
 from kvxfer.worker.forked import fork_server_here, preload
 from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
@@ -229,9 +229,10 @@ def check_layerwise(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     layers, is checked once the model is known)."""
     if args.layerwise < 1:
         parser.error(f"--layerwise must be a positive number of layer groups, got {args.layerwise}")
-    if args.layerwise > 1 and (args.store or args.lender != "inplace" or engine_kv_wanted(args)):
-        parser.error("--layerwise streams the engine's own KV (the reference engine's pool or transformers' cache), "
-                     "lent in place: no --store, --lender staging or engine-KV flags")
+    if args.layerwise > 1 and engine_kv_wanted(args):
+        parser.error(layerwise_refusal(args.layerwise, "engine_kv"))
+    if args.layerwise > 1 and args.lender != "inplace":
+        parser.error(layerwise_refusal(args.layerwise, "staging"))
 
 
 def prompt_range(parser: argparse.ArgumentParser, args: argparse.Namespace, max_positions: int

@@ -29,6 +29,19 @@ def integrity_state(backend: str, enabled: bool) -> str:
     return "on" if enabled else "off"
 
 
+def layerwise_refusal(groups: int, what: str) -> str:
+    """Why ``--layerwise GROUPS`` refuses ``what`` ("engine_kv": a TP group of engine KV, or
+    "staging": --lender staging), one message for kvxfer serve and kvxfer pair."""
+    if what == "engine_kv":
+        return (f"--layerwise {groups} with a TP group of engine KV (--engine-kv, --tp, --kv-block-tokens, "
+                "--kv-layout; kvxfer pair: --prefill-/--decode-tp, -kv-block-tokens, -kv-layout) is not supported: "
+                "a TP group moves a request as one transfer per rank pair whose geometry spans every layer, not "
+                "one per rank pair and layer group; use --layerwise 1 there")
+    return (f"--layerwise {groups} with --lender staging is not supported: --layerwise streams the engine's own KV, "
+            "lent in place as each group is computed, and a staging lender copies the rows out only after prefill; "
+            "use --lender inplace")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: str
@@ -84,8 +97,9 @@ class WorkerConfig:
     # layers cut into this many groups, each published by the prefill worker as soon as the
     # forward computed it. 1: the request moves in one transfer after prefill. Both ends of
     # a pair must say the same (the groups are part of the pool's layout identity). Either
-    # engine: the reference engine's pool, or transformers' cache (a model of full-attention
-    # layers only: a hybrid cache is refused when the engine is built).
+    # engine: the reference engine's pool (with a KV store or without), or transformers'
+    # cache (a model of full-attention layers only: a hybrid cache is refused when the
+    # engine is built). Not a TP group of engine KV, nor --lender staging (layerwise_refusal).
     layerwise: int = 1
 
     @property
@@ -133,10 +147,10 @@ class WorkerConfig:
             raise ValueError(f"layerwise must be a positive number of layer groups, got {value!r}")
         if value > self.model.layers:
             raise ValueError(f"layerwise {value} is more layer groups than the model has layers ({self.model.layers})")
-        if value > 1 and (self.engine_kv or self.store or self.lender != "inplace"):
-            raise ValueError("--layerwise streams the engine's own KV (the reference engine's pool or transformers' "
-                             "cache), lent in place: it takes no --engine-kv, --tp, --kv-block-tokens, --kv-layout, "
-                             "--store or --lender staging")
+        if value > 1 and self.engine_kv:
+            raise ValueError(layerwise_refusal(value, "engine_kv"))
+        if value > 1 and self.lender != "inplace":
+            raise ValueError(layerwise_refusal(value, "staging"))
 
     def _check_engine(self) -> None:
         if self.engine not in ENGINES:

@@ -362,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer-wise streaming: cut the model's layers into GROUPS groups; the prefill worker publishes each "
                         "group as its forward computes it, so the transfer overlaps the later layers (1: the whole "
                         "request moves after prefill; at most the model's layers; lent in place, either engine: with "
-                        "--engine transformers, a model of full-attention layers only). Both ends of a pair must say "
-                        "the same")
+                        "--engine transformers, a model of full-attention layers only; with or without --store; not a "
+                        "TP group of engine KV). Both ends of a pair must say the same")
     p.add_argument("--blocks", type=int, default=2048, help="pool blocks")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a transfer may take")
     p.add_argument("--expiry-grace", type=float, default=None, metavar="SECONDS",

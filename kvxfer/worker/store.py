@@ -218,7 +218,18 @@ class StoreSide:
         op = "put" if put else "get"
         self._meters.store_rows.inc(hits, op=op, result="hit")
         self._meters.store_rows.inc(view.rows - hits, op=op, result="miss")
-        # A fetch's usable prefix: its rows in ordinal order up to the first miss.
-        ordinals = np.concatenate([g.ordinals for g in view.groups]) if view.groups else mask
-        prefix = int(np.argmin(mask[np.argsort(ordinals)])) if not mask.all() else mask.size
-        return StoreFigures(view.rows, hits, (prefix if not put else hits) * self._bt, seconds)
+        whole = _whole_blocks(view, outcome, start)
+        # A put's blocks every group stored; a fetch's usable prefix, up to the first block missed.
+        blocks = int(whole.sum()) if put else (int(np.argmin(whole)) if not whole.all() else whole.size)
+        return StoreFigures(view.rows, hits, blocks * self._bt, seconds)
+
+
+def _whole_blocks(view: View, outcome: Outcome, start: int) -> np.ndarray:
+    """Per block from ``start``: whether every layer group that lent it moved it (--layerwise
+    cuts the pool into several groups, each row under a name of its own, so the store may hold
+    a block's rows of one group and not of another: a block is of use only whole)."""
+    end = max((int(g.ordinals.max()) + 1 for g in view.groups if len(g)), default=start)
+    whole = np.ones(max(end - start, 0), dtype=np.bool_)
+    for group, moved in zip(view.groups, outcome.masks):
+        whole[group.ordinals[~np.asarray(moved, dtype=np.bool_)] - start] = False
+    return whole

@@ -21,11 +21,14 @@ def _pair(tmp: Path, *flags: str) -> dict:  # type: ignore[type-arg]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("store", ["memory", "mooncake"])
-def test_the_second_round_takes_the_prompts_from_the_store(store: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("store", "layerwise"), [("memory", 1), ("mooncake", 1), ("memory", 2)])
+def test_the_second_round_takes_the_prompts_from_the_store(store: str, layerwise: int, tmp_path: Path) -> None:
+    """With --layerwise 2 the prefill workers stream two layer groups and put each group's
+    rows under names of their own; round 2 still takes every looked-up row from the store."""
     if store == "mooncake":
         pytest.importorskip("mooncake.store", reason="the store extra (Mooncake) is not installed")
-    report = _pair(tmp_path, "--store", store)
+    report = _pair(tmp_path, "--store", store, "--layerwise", str(layerwise))
+    assert report["config"]["layerwise"] == layerwise
     assert report["matched"] == report["requests"] == 10
     first, second = report["store_rounds"]
     assert first["store_rows"]["put_hit"] > 0

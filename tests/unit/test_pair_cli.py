@@ -85,7 +85,8 @@ def test_model_flags_that_make_no_model_are_usage_errors(flags: list[str], words
 @pytest.mark.parametrize(("flags", "words"), [
     (["--layerwise", "0"], "--layerwise must be a positive number of layer groups, got 0"),
     (["--layerwise", "2"], "--layerwise 2 is more layer groups than the model has layers (1)"),
-    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the engine's own KV"),
+    (["--layerwise", "2", "--lender", "staging"], "--layerwise 2 with --lender staging is not supported"),
+    (["--layers", "2", "--layerwise", "2", "--decode-tp", "2"], "--layerwise 2 with a TP group of engine KV"),
     (["--engine", "transformers", "--layers", "2", "--layerwise", "2", "--sliding-window", "8"],
      "--layerwise 2 with --sliding-window: layer-wise streaming cuts a cache of full-attention layers only"),
 ])

@@ -209,8 +209,12 @@ def test_bad_group_counts_are_refused_by_name(groups: int, named: str) -> None:
 
 
 def test_layerwise_refuses_what_it_cannot_stream() -> None:
-    with pytest.raises(ValueError, match="--lender staging"):
+    with pytest.raises(ValueError, match="--layerwise 2 with --lender staging is not supported"):
         WorkerConfig(role="prefill", model=CFG, layerwise=2, lender="staging")
+    with pytest.raises(ValueError, match="--layerwise 2 with a TP group of engine KV .* is not supported"):
+        WorkerConfig(role="decode", model=CFG, layerwise=2, tp=2, prefix_cache=False)
+    # A KV store streams: its rows are named per layer group (test_worker_store.py moves them).
+    assert WorkerConfig(role="prefill", model=CFG, layerwise=2, store="memory").store == "memory"
 
 
 def test_groups_cut_the_layers_in_order_and_one_group_is_todays_pool() -> None:
@@ -239,7 +243,10 @@ def test_ends_cut_differently_refuse_each_other_and_the_request_is_recomputed() 
     (["--layerwise", "0"], "--layerwise must be a positive number of layer groups, got 0"),
     (["--layerwise", "-3"], "--layerwise must be a positive number of layer groups, got -3"),
     (["--layerwise", "5"], "--layerwise 5 is more layer groups than the model has layers (4)"),
-    (["--layerwise", "2", "--lender", "staging"], "--layerwise streams the engine's own KV"),
+    (["--layerwise", "2", "--lender", "staging"], "--layerwise 2 with --lender staging is not supported"),
+    (["--layerwise", "2", "--tp", "2", "--no-prefix-cache"], "--layerwise 2 with a TP group of engine KV (--engine-kv"),
+    (["--layerwise", "2", "--kv-layout", "layer_major", "--no-prefix-cache"],
+     "is not supported: a TP group moves a request as one transfer per rank pair"),
 ])
 def test_serve_refuses_bad_layerwise_by_name(flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     from kvxfer.worker import serve

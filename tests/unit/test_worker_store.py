@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+import numpy as np
 import pytest
 import torch
 from test_router import CFG, MODEL, oracle  # noqa: I001 - pytest puts tests/unit on sys.path
@@ -20,8 +21,9 @@ from kvxfer.backends.blob import MemoryDriver, MemoryStore, Span, StoreError
 from kvxfer.backends.blob.digests import DIGEST_SUFFIX
 from kvxfer.backends.common.integrity import MISMATCH
 from kvxfer.backends.loopback import LoopbackFabric
-from kvxfer.contract import InvalidSubmission, Peer
+from kvxfer.contract import InvalidSubmission, Peer, TransferMode
 from kvxfer.engine import synthetic_prompts
+from kvxfer.pool import block_names
 from kvxfer.router import Completion, Router
 from kvxfer.serving.http import HttpServer, request_text
 from kvxfer.testing.corruption import Corruptor
@@ -37,11 +39,12 @@ T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
-async def stack(store: MemoryStore, *, prefill_store: bool = True,
-                decode_store: bool = True) -> AsyncIterator[tuple[Router, dict[str, Worker]]]:
+async def stack(store: MemoryStore, *, prefill_store: bool = True, decode_store: bool = True, layerwise: int = 1,
+                mode: TransferMode = TransferMode.PUSH) -> AsyncIterator[tuple[Router, dict[str, Worker]]]:
     """A fresh prefill and decode worker (empty pools) on ``store``, behind a router. /reserve
     runs beside /prefill, so whether a prefill worker's put comes before the decode worker's
-    lookup is a race: a test that counts hits leaves one of the two without the store."""
+    lookup is a race: a test that counts hits leaves one of the two without the store.
+    ``layerwise``: both workers' --layerwise (their pools cut into that many layer groups)."""
     fabric = LoopbackFabric()
     workers: dict[str, Worker] = {}
     servers: list[HttpServer] = []
@@ -50,7 +53,8 @@ async def stack(store: MemoryStore, *, prefill_store: bool = True,
         for role in ("prefill", "decode"):
             use = "memory" if (prefill_store if role == "prefill" else decode_store) else ""
             worker = Worker(WorkerConfig(role=role, model=CFG, num_blocks=256, backend="loopback", name=role,
-                                         transfer_timeout_s=5.0, store=use), model=MODEL, fabric=fabric,
+                                         transfer_timeout_s=5.0, store=use, layerwise=layerwise, mode=mode),
+                            model=MODEL, fabric=fabric,
                             shared_store=store)
             await worker.start()
             server = HttpServer(make_handler(worker))
@@ -83,21 +87,57 @@ def _same(done: Completion, prompt: list[int], n: int) -> None:
     assert done.ok and list(done.tokens) == oracle(prompt, n), done.error
 
 
-def test_a_second_instance_takes_the_prompt_from_the_store_and_moves_only_the_rest() -> None:
+@pytest.mark.parametrize(("groups", "mode"), [(1, TransferMode.PUSH), (2, TransferMode.PUSH), (2, TransferMode.PULL)])
+def test_a_second_instance_takes_the_prompt_from_the_store_and_moves_only_the_rest(groups: int,
+                                                                                  mode: TransferMode) -> None:
+    """With --layerwise each layer group's row of a block is stored under a name of its own:
+    every group's rows count, and the prefill worker's groups (streamed as its forward makes
+    them) send only each group's rest."""
     prompt = synthetic_prompts(1, 37, 37, CFG.vocab_size, seed=5)[0]  # 9 named blocks (36 tokens, last one out)
     store = MemoryStore()
 
     async def main() -> None:
-        async with stack(store, decode_store=False) as (router, _):
+        async with stack(store, decode_store=False, layerwise=groups, mode=mode) as (router, _):
             done = await router.generate(prompt, 6)
             _same(done, prompt, 6)
-            assert await _store_rows(router, "prefill", "put", "hit") == 9
-            assert done.transfer is not None and done.transfer.rows_delivered == 10  # all of it
-        async with stack(store, prefill_store=False) as (router, _):  # another instance: fresh workers, empty caches
+            assert await _store_rows(router, "prefill", "put", "hit") == 9 * groups
+            assert done.transfer is not None and done.transfer.rows_delivered == 10 * groups  # all of it
+        # another instance: fresh workers, empty caches
+        async with stack(store, prefill_store=False, layerwise=groups, mode=mode) as (router, _):
             done = await router.generate(prompt, 6)
             _same(done, prompt, 6)
-            assert await _store_rows(router, "decode", "get", "hit") == 9
-            assert done.transfer is not None and done.transfer.rows_delivered == 1  # only the last block moved
+            assert await _store_rows(router, "decode", "get", "hit") == 9 * groups
+            assert done.transfer is not None and done.transfer.rows_delivered == groups  # only the last block moved
+            assert done.recomputed_tokens == 0
+
+    asyncio.run(main())
+
+
+def test_a_block_one_layer_group_lost_is_taken_from_the_prefill_worker_for_that_group_only() -> None:
+    """The store holds all 9 blocks of the first group and only the first 4 of the second: the
+    decode worker's reservation says 16 tokens came from the store (a block is of use only once
+    every group has it), hint D asks the first group for its last block and the second for
+    its last 6, and the completion is token-identical with nothing recomputed."""
+    prompt = synthetic_prompts(1, 37, 37, CFG.vocab_size, seed=8)[0]
+    store = MemoryStore()
+
+    async def main() -> None:
+        async with stack(store, decode_store=False, layerwise=2) as (router, workers):
+            _same(await router.generate(prompt, 5), prompt, 5)
+            pool = workers["prefill"].pool
+            assert pool is not None
+            first, second = (g.name for g in pool.groups)
+            ids = np.asarray(prompt[:36], dtype=np.int64)
+            assert all(n in store.blobs for g in (first, second) for n in block_names(pool.identity, g, BT, ids))
+            store.lose(block_names(pool.identity, second, BT, ids)[4:])
+        async with stack(store, prefill_store=False, layerwise=2) as (router, workers):
+            decode = workers["decode"]
+            answer = await decode.reserve(ReserveCall("probe", prompt, 5, Peer("p", "1")))
+            assert answer["store_tokens"] == 4 * BT
+            await decode.abort(AbortCall("probe", rows_safe=True))
+            done = await router.generate(prompt, 5)
+            _same(done, prompt, 5)
+            assert done.transfer is not None and done.transfer.rows_delivered == 1 + 6
             assert done.recomputed_tokens == 0
 
     asyncio.run(main())
