@@ -14,13 +14,15 @@ from kvxfer.worker.procs import children_of
 
 def test_an_orphaned_grandchild_is_found_by_its_mark_and_not_among_the_children() -> None:
     mark = f"{RUN_MARK_ENV}={os.environ[RUN_MARK_ENV]}".encode()  # tests/conftest.py marked the run
-    # The shell starts a sleep in its own session, prints its pid and exits: init adopts it.
-    shell = subprocess.run(["sh", "-c", "setsid sleep 60 </dev/null >/dev/null 2>&1 & echo $!"],
-                           capture_output=True, text=True, check=True)
+    # The shell, in a session of its own, starts a sleep, prints its pid and exits: init adopts
+    # it. (Not `setsid sleep` inside the shell: setsid may fork, and $! is then a pid that exits.)
+    shell = subprocess.run(["sh", "-c", "sleep 60 </dev/null >/dev/null 2>&1 & echo $!"],
+                           capture_output=True, text=True, check=True, start_new_session=True)
     orphan = int(shell.stdout.strip())
     try:
-        assert settle(lambda: orphan in marked_processes(mark)), "the orphan was not found by its mark"
-        assert "sleep 60" in marked_processes(mark)[orphan]
+        # Until its exec is done the process may still read as the shell's fork: wait for the sleep.
+        assert settle(lambda: "sleep 60" in marked_processes(mark).get(orphan, "")), \
+            "the orphan was not found by its mark"
         assert orphan not in children_of(os.getpid())
         other = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True,
                                env={"PATH": os.environ["PATH"]})
