@@ -70,21 +70,21 @@ class EngineClock:
                 self.step_seconds[key] += seconds
                 self.steps[key] += 1
 
-    def by_job(self) -> dict[tuple[str, ...], float]:
+    def _read(self, counts: dict[str, float] | dict[str, int]) -> dict[tuple[str, ...], float]:
         with self._lock:
-            return {(k,): v for k, v in self.seconds.items()}
+            return {(k,): float(v) for k, v in counts.items()}
+
+    def by_job(self) -> dict[tuple[str, ...], float]:
+        return self._read(self.seconds)
 
     def jobs_by_kind(self) -> dict[tuple[str, ...], float]:
-        with self._lock:
-            return {(k,): float(v) for k, v in self.jobs.items()}
+        return self._read(self.jobs)
 
     def step_seconds_by_transfers(self) -> dict[tuple[str, ...], float]:
-        with self._lock:
-            return {(k,): v for k, v in self.step_seconds.items()}
+        return self._read(self.step_seconds)
 
     def steps_by_transfers(self) -> dict[tuple[str, ...], float]:
-        with self._lock:
-            return {(k,): float(v) for k, v in self.steps.items()}
+        return self._read(self.steps)
 
 
 class EngineThread:
