@@ -427,6 +427,17 @@ NB_MODULE(_native, m) {
     check_unlocked([&] { return kvxfer::cuda::device_free(device, p); });
   },
         "device"_a, "ptr"_a);
+  m.attr("HAS_CUDA_DIGEST") = true;  // cuda_row_digests
+  m.def("cuda_row_digests", [](int device, std::uint64_t stream, std::uint64_t base, std::int64_t stride,
+                               Index slots, std::int64_t row_bytes, std::uint64_t k) {
+    const auto n_rows = static_cast<std::int64_t>(slots.shape(0));
+    auto* out = new std::uint64_t[static_cast<std::size_t>(n_rows > 0 ? n_rows : 1)]();
+    nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+    const std::int64_t* at = slots.data();
+    check_unlocked([&] { return kvxfer::cuda::row_digests(device, stream, base, stride, at, n_rows, row_bytes, k, out); });
+    return nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>(out, {static_cast<std::size_t>(n_rows)}, owner);
+  }, "device"_a, "stream"_a, "base"_a, "stride"_a, "slots"_a.noconvert(), "row_bytes"_a, "k"_a,
+        "kvxfer's integrity digest of each row base + slots[i] * stride (device memory), as uint64; the stream drained.");
   m.def("copy_bytes", [](int device, std::uint64_t dst, std::uint64_t src, std::uint64_t n) {
     check_unlocked([&] { return kvxfer::cuda::copy_bytes(device, dst, src, n); });
   }, "device"_a, "dst"_a, "src"_a, "bytes"_a, "Synchronous cudaMemcpy in any direction (cudaMemcpyDefault).");

@@ -400,6 +400,29 @@ def has_segment_digests() -> bool:
     return bool(getattr(_NATIVE, "HAS_SEGMENT_DIGEST", False))
 
 
+def has_device_digests() -> bool:
+    """``device_row_digests`` runs here: the module has the CUDA digest and CUDA is usable."""
+    return bool(getattr(_NATIVE, "HAS_CUDA_DIGEST", False)) and info().cuda_usable
+
+
+def device_row_digests(*, base: int, stride: int, slots: npt.NDArray[np.int64], row_bytes: int, k: int,
+                       device: int, stream: int = 0) -> npt.NDArray[np.uint64]:
+    """``row_digests`` of rows in device memory (native/cuda_digest.cu): one kernel on
+    ``stream`` of ``device``, drained before it returns, the GIL released. RowCopyError where
+    it cannot run here (``has_device_digests()``) or CUDA fails."""
+    if not has_device_digests() or _NATIVE is None:
+        raise RowCopyError(_LOAD_REASON or info().reason or "kvxfer._native was built without the CUDA row digest")
+    index, n = _host_slots(slots, None, "digest")
+    assert isinstance(index, np.ndarray) and n is not None
+    if n and int(index.min()) < 0:
+        raise RowCopyError(f"digest slots must not be negative, got {int(index.min())}")
+    try:
+        out: npt.NDArray[np.uint64] = _NATIVE.cuda_row_digests(device, stream, base, stride, index, row_bytes, k)
+    except _NATIVE.CopyError as exc:
+        raise RowCopyError(str(exc)) from exc
+    return out
+
+
 # --- layout transform ---------------------------------------------------------------
 Strides = tuple[int, int]  # (token stride, head stride) in bytes
 

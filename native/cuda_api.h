@@ -94,6 +94,13 @@ std::string copy_rows_then(const CopyPlan& plan, int device, std::uint64_t strea
                            std::uint64_t bell_value, std::uint64_t event, std::string* bell_err,
                            std::string* event_err, const RowCheck* check = nullptr);
 
+// kvxfer's integrity digest with constant `k` of `rows` rows of `row_bytes` bytes at
+// `base + slots[i] * stride` in device memory (cuda_digest.cu), into the host array `out` (one
+// uint64 per row). `slots` is a host array. Runs on `stream` and returns once it has drained.
+std::string row_digests(int device, std::uint64_t stream, std::uint64_t base, std::int64_t stride,
+                        const std::int64_t* slots, std::int64_t rows, std::int64_t row_bytes, std::uint64_t k,
+                        std::uint64_t* out);
+
 // Plain device memory, for tests and tools that run without a framework.
 std::string device_alloc(int device, std::uint64_t bytes, std::uint64_t* ptr);
 std::string device_free(int device, std::uint64_t ptr);

@@ -31,15 +31,18 @@ def test_rows_corrupted_after_a_nixl_transfer_are_false_and_clean_ones_exact(pai
     check_corrupted_fetches(pairs, mode, 3, CORRUPT)
 
 
-@pytest.mark.parametrize("options", [
-    {"chunk_bytes": 1024, "packed": "never", "window": 2},
-    {"packed": "always", "packed_chunk_bytes": 1024, "arena_bytes": 4096},
-], ids=["unpacked", "packed"])
-def test_a_push_in_many_chunks_sends_the_digest_of_every_chunks_rows(options: dict[str, object]) -> None:
-    """The publisher digests each chunk's rows as it posts it (those posted inline at
-    submission too): with chunks of 4 rows or fewer, every clean row still checks out."""
+@pytest.mark.parametrize("mode, options", [
+    (TransferMode.PUSH, {"chunk_bytes": 1024, "packed": "never", "window": 2}),
+    (TransferMode.PUSH, {"packed": "always", "packed_chunk_bytes": 1024, "arena_bytes": 4096}),
+    (TransferMode.PULL, {"chunk_bytes": 1024, "window": 2}),
+], ids=["push-unpacked", "push-packed", "pull"])
+def test_a_transfer_in_many_chunks_checks_every_chunks_rows(mode: TransferMode, options: dict[str, object]) -> None:
+    """With chunks of 4 rows or fewer: a push publisher digests each chunk's rows as it posts
+    it (those posted inline at submission too), and a pull fetcher checks each chunk's rows as
+    its READ completes, while later READs move; either way every damaged row is False and
+    every clean row checks out."""
     pairs = _CorruptedPairs(deadline_s=10.0, **options)
     try:
-        check_corrupted_fetches(pairs, TransferMode.PUSH, 2, CORRUPT)
+        check_corrupted_fetches(pairs, mode, 2, CORRUPT)
     finally:
         pairs.close()

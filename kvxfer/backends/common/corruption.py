@@ -16,7 +16,8 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.contract import IndexArray, SlotRegion
+from kvxfer import native
+from kvxfer.contract import IndexArray, MemoryKind, SlotRegion
 
 
 def row_bytes(region: SlotRegion, slot: int) -> npt.NDArray[np.uint8]:
@@ -41,8 +42,27 @@ def reverse_row(region: SlotRegion, slot: int) -> bool:
     return not np.array_equal(before, row)
 
 
+def _load(region: SlotRegion, slot: int) -> npt.NDArray[np.uint8]:
+    """One slot's bytes: a writable view in place (host memory) or a host copy (device memory,
+    written back by ``_store``)."""
+    if region.memory_kind is not MemoryKind.DEVICE:
+        return row_bytes(region, slot)
+    if not 0 <= slot < region.slots:
+        raise IndexError(f"slot {slot} outside region {region.name!r} of {region.slots} slots")
+    out = np.empty(region.slot_bytes, dtype=np.uint8)
+    native.cuda_module().copy_bytes(region.device_id, out.ctypes.data, region.address + slot * region.slot_bytes,
+                                    region.slot_bytes)
+    return out
+
+
+def _store(region: SlotRegion, slot: int, row: npt.NDArray[np.uint8]) -> None:
+    if region.memory_kind is MemoryKind.DEVICE:
+        native.cuda_module().copy_bytes(region.device_id, region.address + slot * region.slot_bytes,
+                                        row.ctypes.data, region.slot_bytes)
+
+
 class Corruptor:
-    """Changes each landed row with probability ``p_bit`` (one random bit flipped) or
+    """Changes each landed row (host or device memory) with probability ``p_bit`` (one random bit flipped) or
     ``p_row`` (the whole row rewritten: reversed, or random bytes when reversing changes
     nothing). ``changed`` holds (region name, slot) of every row it changed; ``rows_seen`` counts
     the rows it was shown."""
@@ -60,14 +80,18 @@ class Corruptor:
             self.rows_seen += int(slots.size)
             draw = self._rng.random(slots.size)
             for slot in np.asarray(slots)[draw < self.p_bit + self.p_row].tolist():
+                row = _load(region, slot)
                 if self._rng.random() * (self.p_bit + self.p_row) < self.p_bit:
-                    flip_bit(region, slot, int(self._rng.integers(0, 8 * region.slot_bytes)))
-                elif not reverse_row(region, slot):
-                    row = row_bytes(region, slot)
+                    bit = int(self._rng.integers(0, 8 * region.slot_bytes))
+                    row[bit // 8] ^= np.uint8(1 << (bit % 8))
+                elif not np.array_equal(row, row[::-1]):
+                    row[:] = row[::-1].copy()
+                else:
                     fresh = self._rng.integers(0, 256, size=row.size, dtype=np.uint8)
                     if np.array_equal(fresh, row):
                         fresh[0] ^= 1
                     row[:] = fresh
+                _store(region, slot, row)
                 self.changed.add((region.name, int(slot)))
 
     def pick(self, region: str, slots: IndexArray) -> np.ndarray:

@@ -90,6 +90,17 @@ def row_digests(address: int, row_bytes: int, slots: IndexArray) -> U64:
     return numpy_row_digests(address, row_bytes, slots)
 
 
+def region_digests(region: SlotRegion, slots: IndexArray) -> U64:
+    """The digest of each row ``slots[i]`` of ``region``: host memory read where it lies, device
+    memory by a kernel of its own (``native.device_row_digests``; ``RowCheck.applies`` says
+    where that runs)."""
+    if region.memory_kind is MemoryKind.DEVICE:
+        return native.device_row_digests(base=region.address, stride=region.slot_bytes,
+                                         slots=np.ascontiguousarray(slots, dtype=np.int64),
+                                         row_bytes=region.slot_bytes, k=DIGEST_K, device=region.device_id)
+    return row_digests(region.address, region.slot_bytes, slots)
+
+
 def numpy_row_digests(address: int, row_bytes: int, slots: IndexArray) -> U64:
     """``row_digests`` in numpy: the fallback without the compiled module, and the reference."""
     slots = np.asarray(slots, dtype=np.int64)
@@ -126,7 +137,7 @@ def _digests_unaligned(address: int, row_bytes: int, slots: IndexArray, span: in
 
 def group_digests(view: View) -> list[U64]:
     """The digest of every row of ``view``, one array per group (host memory)."""
-    return [row_digests(g.region.address, g.region.slot_bytes, g.slots) for g in view.groups]
+    return [region_digests(g.region, g.slots) for g in view.groups]
 
 
 def pack_digests(digests: Sequence[U64]) -> bytes:
@@ -160,20 +171,50 @@ def check_landed(view: View, masks: list[BoolArray], digests: Sequence[U64] | No
     if digests is None or len(digests) != len(masks):
         for m in masks:
             m[:] = False
-        return (f"{MISMATCH}: {landed} rows came without a digest to check them against "
-                "(is integrity off at the end that read them?)")
-    bad: list[str] = []
-    total = 0
+        return no_digests(landed)
+    wrong = []
     for g, mask, expected in zip(view.groups, masks, digests):
         rows = np.flatnonzero(mask)
-        if rows.size == 0:
-            continue
-        got = row_digests(g.region.address, g.region.slot_bytes, g.slots[rows])
-        wrong = rows[got != np.asarray(expected)[rows]]
-        if wrong.size:
-            mask[wrong] = False
-            total += int(wrong.size)
-            shown = ", ".join(str(r) for r in wrong[:8].tolist()) + (", ..." if wrong.size > 8 else "")
+        got = region_digests(g.region, g.slots[rows]) if rows.size else rows
+        wrong.append(rows[got != np.asarray(expected)[rows]] if rows.size else rows)
+    return refuse(view, masks, wrong, landed)
+
+
+def check_summed(view: View, masks: list[BoolArray], digests: Sequence[U64] | None,
+                 sums: Sequence[U64]) -> str | None:
+    """``check_landed`` when this end took the digests of the landed rows as it placed them
+    (``sums``, aligned with the view's groups, the corrupt hook applied before): only the
+    comparison is left, no row is read again."""
+    landed = sum(int(m.sum()) for m in masks)
+    if landed == 0:
+        return None
+    if digests is None or len(digests) != len(masks):
+        for m in masks:
+            m[:] = False
+        return no_digests(landed)
+    wrong = []
+    for mask, expected, got in zip(masks, digests, sums):
+        rows = np.flatnonzero(mask)
+        wrong.append(rows[got[rows] != np.asarray(expected)[rows]])
+    return refuse(view, masks, wrong, landed)
+
+
+def no_digests(landed: int) -> str:
+    """Why ``landed`` rows are refused when no digests came with them."""
+    return (f"{MISMATCH}: {landed} rows came without a digest to check them against "
+            "(is integrity off at the end that read them?)")
+
+
+def refuse(view: View, masks: list[BoolArray], wrong: Sequence[IndexArray], landed: int) -> str | None:
+    """Make the rows ``wrong[g]`` of each group False in ``masks`` (in place): those that failed
+    their check among ``landed`` rows. Returns the reason naming them, or None when none did."""
+    bad: list[str] = []
+    total = 0
+    for g, mask, rows in zip(view.groups, masks, wrong):
+        if rows.size:
+            mask[rows] = False
+            total += int(rows.size)
+            shown = ", ".join(str(r) for r in rows[:8].tolist()) + (", ..." if rows.size > 8 else "")
             bad.append(f"group {g.layer_group!r} rows [{shown}]")
     if not bad:
         return None
@@ -222,9 +263,8 @@ def sent_digests(matches: Sequence[GroupMatch], hint: Hint, moved: Sequence[int]
     for match, n in zip(matches, moved):
         if match.peer is None or n <= 0:
             continue
-        region = match.local.region
-        out[index[match.peer.layer_group]][match.peer_rows[:n]] = row_digests(
-            region.address, region.slot_bytes, match.local_slots[:n])
+        out[index[match.peer.layer_group]][match.peer_rows[:n]] = region_digests(match.local.region,
+                                                                                 match.local_slots[:n])
     return out
 
 
@@ -267,10 +307,12 @@ class RowCheck:
         self.rows_failed = 0
 
     def applies(self, view: View) -> bool:
-        """Pool rows in host memory (device rows wait for the IPC kernel's fused digest); an
+        """Pool rows in host memory, or in device memory where the CUDA digest runs
+        (``native.has_device_digests``; the IPC backend checks in its copy kernel instead); an
         engine geometry's rows: ``applies_geometry``."""
         return self.enabled and view.geometry is None and all(
-            g.region.memory_kind is MemoryKind.HOST for g in view.groups)
+            g.region.memory_kind is MemoryKind.HOST
+            or (g.region.memory_kind is MemoryKind.DEVICE and native.has_device_digests()) for g in view.groups)
 
     def applies_geometry(self, view: View) -> bool:
         """An engine geometry's rows in host memory: a push publisher sends the digests of the
@@ -297,14 +339,32 @@ class RowCheck:
             self.rows_failed += before - int(masks[0].sum())
         return reason
 
-    def record_check(self, view: View, transform: Oriented | None = None) -> Callable[[list[BoolArray],
-                                                                                   CompletionRecord], str | None] | None:
+    def check_summed(self, view: View, masks: list[BoolArray], digests: Sequence[U64] | None,
+                     sums: Sequence[U64]) -> str | None:
+        before = sum(int(m.sum()) for m in masks)
+        reason = check_summed(view, masks, digests, sums)
+        if reason is not None:
+            self.rows_failed += before - sum(int(m.sum()) for m in masks)
+        return reason
+
+    def sum_landed(self, region: SlotRegion, slots: IndexArray) -> U64:
+        """The digests of rows this end just placed (the corrupt hook applied first), for
+        ``check_summed`` once the digests they should have come."""
+        if self.corrupt is not None:
+            self.corrupt(region, slots)
+        return region_digests(region, slots)
+
+    def record_check(self, view: View, transform: Oriented | None = None, sums: Sequence[U64] | None = None
+                     ) -> Callable[[list[BoolArray], CompletionRecord], str | None] | None:
         """What ``conclude_from_record`` takes for a passive (push) fetch of ``view``
-        (``transform``: its plan, for a geometry view)."""
+        (``transform``: its plan, for a geometry view; ``sums``: the digests this end took of
+        the rows as it placed them, when it did)."""
         if transform is not None and self.applies_geometry(view):
             return lambda masks, record: self.check_geometry(transform, view, masks, record.digests or None)
         if not self.applies(view):
             return None
+        if sums is not None:
+            return lambda masks, record: self.check_summed(view, masks, record.digests or None, sums)
         return lambda masks, record: self.check(view, masks, record.digests or None)
 
 

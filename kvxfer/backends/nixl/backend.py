@@ -82,7 +82,7 @@ from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S, put_bounded
 from kvxfer.backends.common.transform import plan_between
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown
-from kvxfer.backends.nixl.checks import check_read, describe_extras, digest_posted, record_digests
+from kvxfer.backends.nixl.checks import check_chunks_read, checked_masks, describe_extras, digest_posted, record_digests
 from kvxfer.backends.nixl.etcd_metadata import EtcdSettings
 from kvxfer.backends.nixl.geometry_packed import landing_slots_ahead
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion
@@ -475,7 +475,8 @@ class NixlBackend(BackendEngine):
             return  # not from the peer this transfer was described to: ignore it
         packed = wait.inbound is not None and wait.inbound.requested  # else the rows came unpacked
         self._tally.set_path(wait.attempt, "packed" if packed else "unpacked", first=True)
-        check = self.integrity.record_check(wait.view, wait.transform) if self.mode is TransferMode.PUSH else None
+        check = self.integrity.record_check(wait.view, wait.transform, wait.inbound.sums if packed else None
+                                            ) if self.mode is TransferMode.PUSH else None
         if packed:
             conclude_packed(wait, record, check)
         else:
@@ -539,6 +540,7 @@ class NixlBackend(BackendEngine):
         """Step one job's chunks; conclude it once nothing can touch memory. True while busy."""
         posted = step_job(self._policy(), job, self._agent, self._arena)
         digest_posted(self.integrity, job)  # while the WRITEs just posted move
+        check_chunks_read(self.integrity, job)  # while the READs still posted move
         if posted.chunks:
             self._tally.count(chunks_sent=posted.chunks, bytes_sent=posted.nbytes)
         lost = posted.lost
@@ -546,16 +548,15 @@ class NixlBackend(BackendEngine):
             self._peer_lost(job.hint.agent)
         if job.touching:
             if job.failure is not None and job.attempt.poll() is None:
-                # Terminal now, with the rows proven so far; quiesced (and the peer told) only
-                # once NIXL has ended the requests still in flight.
-                job.attempt.conclude(conclusion(job)[1])
+                # Terminal now, with the rows proven so far (less those that failed their check);
+                # quiesced (and the peer told) only once NIXL has ended the requests still in flight.
+                job.attempt.conclude(conclusion(job, checked_masks(self.integrity, job)[0])[1])
             return True
         if not job.finished:
             # Paced, or waiting for the peer's metadata from etcd; a packed job waiting for
             # credits or acknowledgements polls fast: they come in a fraction of a millisecond.
             return isinstance(job, PackedJob) and job.requested
-        local_masks, peer_masks = job.masks()
-        bad = check_read(self.integrity, job, local_masks, peer_masks) if job.attempt.poll() is None else None
+        local_masks, peer_masks, bad = checked_masks(self.integrity, job)
         status, outcome, reason = conclusion(job, local_masks, bad)
         # NIXL flushes the endpoint before a request is DONE, so the rows this record
         # marks are visible at the peer before the record can arrive.

@@ -65,6 +65,9 @@ class Inbound:
     # Between two geometries (``geometry_packed.Shaped``): the plan's segments scattered, and
     # ``expected`` counts segments, not rows.
     shaped: Any = None
+    # With integrity on (pool rows): each row's digest, taken as it was scattered, so that the
+    # record's digests need only be compared (``RowCheck.check_summed``).
+    sums: list[Any] | None = None
 
     @property
     def complete(self) -> bool:

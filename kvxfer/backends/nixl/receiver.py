@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.integrity import RowCheck
 from kvxfer.backends.common.transfers import put_bounded
@@ -225,6 +227,10 @@ class PackedReceiver:
                                              wait.masks()))
                 continue
             inbound.ok.append(x.chunk)
+            if x.segments is None and self._integrity.applies(wait.view):
+                if inbound.sums is None:
+                    inbound.sums = [np.zeros(len(g), dtype=np.uint64) for g in wait.view.groups]
+                inbound.sums[x.group][x.rows] = self._integrity.sum_landed(x.region, x.slots)
             self._hooks.count(chunks_scattered=1, bytes_scattered=_landed(x))
             self.finish_if_complete(wait)
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvxfer.backends.common.integrity import U64, RowCheck, check_landed, row_digests, with_refused
+from kvxfer.backends.common.integrity import U64, RowCheck, check_landed, region_digests, with_refused
 from kvxfer.backends.common.transfers import put_bounded
 from kvxfer.backends.ucx.control import RunSums, encode_sums
 from kvxfer.backends.ucx.runs import RunPlan
@@ -40,8 +40,7 @@ def run_digests(view: View, plan: RunPlan, first: int, end: int) -> U64:
     out = np.zeros(runs.size, dtype=np.uint64)
     for g in np.unique(groups).tolist():
         chosen = groups == g
-        region = view.groups[g].region
-        out[chosen] = row_digests(region.address, region.slot_bytes, slots[chosen])
+        out[chosen] = region_digests(view.groups[g].region, slots[chosen])
     return out
 
 
