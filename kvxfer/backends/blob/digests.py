@@ -21,7 +21,7 @@ import numpy as np
 
 from kvxfer.backends.blob import guard
 from kvxfer.backends.blob.driver import BlobDriver, KeyStatus, Span
-from kvxfer.backends.common.integrity import U64, CorruptFn, row_digests
+from kvxfer.backends.common.integrity import U64, CorruptFn, region_digests
 from kvxfer.contract import BoolArray, IndexArray, View
 
 DIGEST_SUFFIX = b"#d64"
@@ -62,8 +62,7 @@ def batch_digests(view: View, group: IndexArray, slots: IndexArray) -> U64:
     out = np.zeros(slots.size, dtype=np.uint64)
     for g in np.unique(group).tolist():
         sel = group == g
-        region = view.groups[g].region
-        out[sel] = row_digests(region.address, region.slot_bytes, slots[sel])
+        out[sel] = region_digests(view.groups[g].region, slots[sel])
     return out
 
 
