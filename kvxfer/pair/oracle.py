@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer.engine import model_shape
 from kvxfer.modelfiles import load_tokenizer, model_path
-from kvxfer.pair_layouts import engine_kv_wanted
+from kvxfer.pair.layouts import engine_kv_wanted
 from kvxfer.progress import Count, Line
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class TransformersOracle:
         import time
 
         from kvxfer.adapters.transformers import _internals as hf
-        from kvxfer.pair_report import percentile
+        from kvxfer.pair.report import percentile
         from kvxfer.worker.hf_engine import PAGE_SIZE, load_on, max_batch_tokens
 
         model = self._model if self._model is not None else load_on(self.path, self.shape, self.device, self.window)

@@ -10,6 +10,10 @@ outputs, workers coming up, requests done and failed so far) show on stderr unle
 (``kvxfer.progress``). Every process it started is stopped on success, on failure and on
 Ctrl-C. Exit status 0 means every request completed and matched; 1 means some did not; 2
 means the job could not run.
+
+This module is the command; beside it: its engine-KV flags (``layouts``), what completions
+are checked against (``oracle``), sampling flags (``sampling``), the store variant (``store``)
+and the results and report (``report``).
 """
 
 from __future__ import annotations
@@ -30,17 +34,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer import cli
 from kvxfer.engine import SamplingParams
-from kvxfer.pair_layouts import (
+from kvxfer.pair.layouts import (
     add_engine_kv_args,
     check_engine_kv_args,
     engine_kv_argv,
     engine_kv_report,
     engine_kv_wanted,
 )
-from kvxfer.pair_oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
-from kvxfer.pair_report import Result, engine_loop, integrity_refused, outcomes, print_report, summarize
-from kvxfer.pair_sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
-from kvxfer.pair_store import (
+from kvxfer.pair.oracle import ReferenceOracle, TransformersOracle, add_engine_arg, check_engine_args
+from kvxfer.pair.report import Result, engine_loop, integrity_refused, outcomes, print_report, summarize
+from kvxfer.pair.sampling import add_sampling_args, check_sampling_args, per_request, sampling_report
+from kvxfer.pair.store import (
     StoreSetup,
     add_store_args,
     check_store_args,
@@ -542,6 +546,3 @@ def _run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace, pref
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["matched"] == report["requests"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

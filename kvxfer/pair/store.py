@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvxfer.pair_layouts import engine_kv_wanted
+from kvxfer.pair.layouts import engine_kv_wanted
 
 
 def add_store_args(p: argparse.ArgumentParser) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.pair_sampling import sampling_line
-from kvxfer.pair_store import store_lines
+from kvxfer.pair.sampling import sampling_line
+from kvxfer.pair.store import store_lines
 from kvxfer.router.constants import KEY_PATTERN
 
 

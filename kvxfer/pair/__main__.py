@@ -1,0 +1,7 @@
+"""``python -m kvxfer.pair``: the same as ``kvxfer pair``."""
+
+import sys
+
+from kvxfer.pair import main
+
+sys.exit(main())
