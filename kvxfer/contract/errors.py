@@ -41,7 +41,7 @@ module imports none of them, it only draws them):
     │   ├── ProbeBusy            another probe is open, or the worker is stopping
     │   └── ProbeUnknown         no open probe has that id
     ├── ProcessFailed            a launched worker or router did not come up       [worker.procs]
-    ├── PullOverTcp              a pull lane would run over TCP                    [worker.lanes]
+    ├── PullOverTcp              a pull lane would run over TCP                    [pair.lanes]
     ├── PeerError                `kvxfer doctor --peer`: the worker cannot be probed [doctor.peer]
     ├── LaunchError              `kvxfer launch` cannot go on                      [launch.launcher]
     ├── CheckpointError          a model checkpoint cannot be loaded               [engine.weights]

@@ -12,8 +12,9 @@ Ctrl-C. Exit status 0 means every request completed and matched; 1 means some di
 means the job could not run.
 
 This module is the command; beside it: its engine-KV flags (``layouts``), what completions
-are checked against (``oracle``), sampling flags (``sampling``), the store variant (``store``)
-and the results and report (``report``).
+are checked against (``oracle``), sampling flags (``sampling``), the store variant (``store``),
+where a NIXL pull may run when its lane is TCP (``lanes``) and the results and report
+(``report``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer import cli
 from kvxfer.engine import SamplingParams
+from kvxfer.pair.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.pair.layouts import (
     add_engine_kv_args,
     check_engine_kv_args,
@@ -62,7 +64,6 @@ from kvxfer.serving.keys import headers as key_headers
 from kvxfer.serving.startup import check_serving
 from kvxfer.worker.config import integrity_state, layerwise_refusal
 from kvxfer.worker.forked import fork_server_here, preload
-from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode, probe_lanes
 from kvxfer.worker.procs import Child, ProcessFailed, ProcessGroup
 from kvxfer.worker.serve import (
     ARENA_HELP,

@@ -142,7 +142,7 @@ ONE_GPU = """\
 def test_a_tcp_pull_on_one_gpu_is_still_routed_to_push() -> None:
     """The host-to-GPU put table (tcp/lo) must not make push look like TCP too: then
     ``kvxfer pair --mode pull`` would keep pull at TCP speed ("routing would not help")."""
-    from kvxfer.worker.lanes import Lanes, PullOnTcp, choose_mode
+    from kvxfer.pair.lanes import Lanes, PullOnTcp, choose_mode
 
     lanes = lanes_from_tables(parse_proto_info(ONE_GPU), "device")
     assert lanes == {"push": ["cuda_ipc/cuda"], "pull": ["tcp/lo"]}

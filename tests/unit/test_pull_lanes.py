@@ -1,10 +1,10 @@
-"""Where a pull whose UCX lane is TCP runs: the decision table of kvxfer.worker.lanes."""
+"""Where a pull whose UCX lane is TCP runs: the decision table of kvxfer.pair.lanes."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvxfer.worker.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode
+from kvxfer.pair.lanes import Lanes, PullOnTcp, PullOverTcp, choose_mode
 
 FAST = ("cuda_ipc/cuda",)
 TCP = ("tcp/lo",)
