@@ -12,7 +12,7 @@ one of ``kvxfer.backends``.
 
 from __future__ import annotations
 
-from kvxfer.backends.common.integrity import CorruptFn
+from kvxfer.backends.common import CorruptFn
 from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import DEFAULT_HINT_TTL_S, Backend, TransferMode
 
@@ -33,7 +33,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency.
     ``integrity``: row digests sent and checked (docs/reliability.md; ipc: its copy kernel
     checks each row where it landed). ``corrupt_landed``: fault injection, rows damaged where
-    they land before their check (``kvxfer.backends.common.corruption``; for ipc, whose kernel
+    they land before their check (``kvxfer.backends.common.Corruptor``; for ipc, whose kernel
     damages them, a ``Corruptor``: its ``pick`` chooses them)."""
     if busy_poll and kind != "ipc":
         raise ValueError(f"busy_poll applies to the ipc backend only, not {kind!r}")
@@ -52,7 +52,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
         pick = getattr(corrupt_landed, "pick", None)
         if corrupt_landed is not None and pick is None:
             raise ValueError("the ipc backend's kernel damages the rows itself: corrupt_landed must offer pick() "
-                             "(kvxfer.backends.common.corruption.Corruptor)")
+                             "(kvxfer.backends.common.Corruptor)")
         return IpcBackend(name, mode, device=device, deadline_s=deadline_s, busy_poll=busy_poll, hint_ttl_s=hint_ttl_s,
                           integrity=integrity, corrupt_rows=pick)
     if kind == "ucx":

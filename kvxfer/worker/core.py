@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvxfer.backends.blob import MemoryStore
-from kvxfer.backends.common.corruption import Corruptor
+from kvxfer.backends.common import Corruptor
 from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import MAX_HINT_TTL_S, Backend
 from kvxfer.engine import LlamaModel, ShardedKVCache

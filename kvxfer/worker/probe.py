@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.backends.nixl.loader import nixl_api
+from kvxfer.backends.nixl import nixl_api, raw_agent
 from kvxfer.contract import KvxferError
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,6 @@ def parse_open(body: dict[str, Any]) -> tuple[int, str]:
 
 def _agent(name: str) -> Any:
     """A NIXL agent with a UCX backend and NIXL's own progress thread (see the module)."""
-    from kvxfer.backends.nixl.agent import raw_agent  # noqa: PLC0415 - a worker without probes never loads NIXL
-
     return raw_agent(name, progress_thread=True)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvxfer.backends.common.integrity import RowCheck
+from kvxfer.backends.common import RowCheck
 from kvxfer.contract import Backend
 from kvxfer.engine import LlamaModel, ShardedKVCache
 from kvxfer.lender import Lender

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.backends.blob import BlobBackend, BlobDriver, MemoryDriver, MemoryStore, ShmDriver
-from kvxfer.backends.common.integrity import CorruptFn
+from kvxfer.backends.blob import BlobBackend, BlobDriver, MemoryDriver, MemoryStore, MooncakeDriver, ShmDriver
+from kvxfer.backends.common import CorruptFn
 from kvxfer.contract import Attempt, Outcome, View
 from kvxfer.lender import Lease, Lender
 from kvxfer.pool import PagedKVPool, block_names
@@ -54,8 +54,6 @@ def make_store_driver(kind: str, *, path: str = "", master: str = "", segment_by
             return MemoryDriver(shared)
         return ShmDriver(path) if path else ShmDriver()
     if kind == "mooncake":
-        from kvxfer.backends.blob.mooncake import MooncakeDriver  # noqa: PLC0415 - mooncake loads only when asked
-
         if not master:
             raise ValueError("--store mooncake needs --store-master HOST:PORT (the Mooncake master)")
         # Block names name their content: a put of a stored block keeps it, so that a lookup of
