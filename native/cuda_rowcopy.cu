@@ -97,13 +97,17 @@ __device__ __forceinline__ void ring_if_last(const Signal& sig) {
 // digest D = sum_i (1 + k * (m - i)) * x_i mod 2**64 over its m little-endian 8-byte words
 // (zero-padded), taken over the bytes the kernel read and again over the bytes it reads back
 // from where it wrote them (a volatile load: the write's line, from L2 when it is still there).
-// D is linear in the row's bytes, so each thread weighs what it holds and the sums meet in
-// `acc` by atomics; the launch's last block compares each row's two sums, writes one byte per
-// row to `out` (host memory mapped for the device: 0 the same, 1 different) and zeroes `acc`
-// for the stream's next launch. out == null: no check.
+// D is linear in the row's bytes, so each thread weighs the vector it read and the vector it
+// reads back: a row's two digests differ exactly when the weights of some vector of it do
+// (weights are odd, so a vector's weight changes with any change confined to one word), and
+// the thread holding such a vector counts it in `acc` by an atomic. A clean copy makes no
+// atomic at all: summing every vector's weight into a row's total, as the other movers'
+// digests do, cost the large rows most of their throughput in contended atomics. The launch's
+// last block writes one byte per row to `out` (host memory mapped for the device: 0 every
+// vector the same, 1 not) and zeroes `acc` for the stream's next launch. out == null: no check.
 struct Check {
   unsigned char* out;        // one byte per row of the whole copy (row_base + launch row)
-  unsigned long long* acc;   // 2 per row of this launch: read, landed (zero between launches)
+  unsigned long long* acc;   // 2 per row of this launch: 0, vectors that differ (zero between launches)
   unsigned int* counter;     // blocks of this launch done (zero between launches)
   unsigned long long k;
   long long words;           // m: the row's 8-byte words, the last one zero-padded
@@ -133,13 +137,8 @@ __device__ __forceinline__ unsigned long long weigh(unsigned char v, long long o
   return weight(c, off >> 3) * (static_cast<unsigned long long>(v) << (8 * (off & 7)));
 }
 
-__device__ __forceinline__ unsigned long long warp_sum(unsigned long long x) {
-  for (int s = 16; s > 0; s >>= 1) x += __shfl_xor_sync(0xffffffffu, x, s);
-  return x;
-}
-
-// After a block stored its U items: read each back, weigh it, and add both sums of each item
-// (one row's chunk: every thread of the block holds the same item) to its row, a warp at a time.
+// After a block stored its U items: read each back, weigh it, and count a vector whose two
+// weights differ against its row.
 template <int W, int U>
 __device__ __forceinline__ void check_items(const Geometry& g, const Check& c, std::int64_t first,
                                             std::int64_t items, unsigned char* const (&dst)[U],
@@ -148,7 +147,7 @@ __device__ __forceinline__ void check_items(const Geometry& g, const Check& c, s
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const std::int64_t item = first + u;
-    if (item >= items) break;  // the same for the whole block: every lane reaches warp_sum
+    if (item >= items) break;
     const std::int64_t row = item / g.chunks_per_row;
     const std::int64_t chunk = item - row * g.chunks_per_row;
     unsigned long long landed = 0;
@@ -160,12 +159,10 @@ __device__ __forceinline__ void check_items(const Geometry& g, const Check& c, s
       }
       landed = weigh(__ldcv(reinterpret_cast<const V*>(dst[u])), chunk * g.chunk_bytes + threadIdx.x * W, c);
     }
-    const unsigned long long a = warp_sum(read[u]);
-    const unsigned long long b = warp_sum(landed);
-    if ((threadIdx.x & 31) == 0 && (a | b) != 0) {
-      atomicAdd(c.acc + 2 * row, a);
-      atomicAdd(c.acc + 2 * row + 1, b);
-    }
+    // A vector that landed as it was read weighs the same both times: the sums of a clean row
+    // never meet, so no atomic (contended by every block of a large row) costs a clean copy.
+    // A vector whose weights differ marks its row (a row's two digests differ when any does).
+    if (read[u] != landed) atomicAdd(c.acc + 2 * row + 1, 1ull);
   }
 }
 
@@ -259,8 +256,7 @@ __global__ void __launch_bounds__(kThreads) rowcopy_kernel(Geometry g, Ix ix, Si
         const unsigned char v = s[b];
         d[b] = v;
         if constexpr (C) {
-          atomicAdd(c.acc + 2 * row, weigh(v, b, c));
-          atomicAdd(c.acc + 2 * row + 1, weigh(__ldcv(d + b), b, c));
+          if (weigh(v, b, c) != weigh(__ldcv(d + b), b, c)) atomicAdd(c.acc + 2 * row + 1, 1ull);
         }
       }
     }

@@ -53,22 +53,12 @@ def test_a_negative_slot_is_refused_by_name() -> None:
 CORRUPT = Corruptor(seed=31, p_bit=0.1, p_row=0.1)
 
 
-def _nixl_pairs(**options: object) -> Iterator[object]:
+@pytest.fixture(scope="module")
+def nixl_pairs() -> Iterator[object]:
     pytest.importorskip("nixl")
     from kvxfer.testing.nixl_pairs import ChildPairs, make_backend  # noqa: PLC0415
 
-    pairs = corrupting(ChildPairs, make_backend, CORRUPT)
-    yield from pairs.kept(memory_kind="device", deadline_s=20.0, **options)
-
-
-@pytest.fixture(scope="module")
-def nixl_pairs() -> Iterator[object]:
-    yield from _nixl_pairs()
-
-
-@pytest.fixture(scope="module")
-def nixl_packed_pairs() -> Iterator[object]:
-    yield from _nixl_pairs(packed="always", arena_bytes=8 << 20, packed_chunk_bytes=1 << 20)
+    yield from corrupting(ChildPairs, make_backend, CORRUPT).kept(memory_kind="device", deadline_s=20.0)
 
 
 @pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
@@ -76,8 +66,17 @@ def test_nixl_vram_rows_damaged_where_they_landed_are_false_and_clean_ones_exact
     check_corrupted_fetches(nixl_pairs, mode, 3, CORRUPT)
 
 
-def test_nixl_packed_vram_push_rows_damaged_where_they_landed_are_false(nixl_packed_pairs) -> None:  # type: ignore[no-untyped-def]
-    check_corrupted_fetches(nixl_packed_pairs, TransferMode.PUSH, 3, CORRUPT)
+def test_nixl_packed_vram_push_rows_damaged_where_they_landed_are_false() -> None:
+    """Not a second module fixture: one's teardown would find the other's child running."""
+    pytest.importorskip("nixl")
+    from kvxfer.testing.nixl_pairs import ChildPairs, make_backend  # noqa: PLC0415
+
+    pairs = corrupting(ChildPairs, make_backend, CORRUPT)(memory_kind="device", deadline_s=20.0, packed="always",
+                                                          arena_bytes=8 << 20, packed_chunk_bytes=1 << 20)
+    try:
+        check_corrupted_fetches(pairs, TransferMode.PUSH, 3, CORRUPT)
+    finally:
+        pairs.close()
 
 
 @pytest.mark.parametrize("mode", list(TransferMode), ids=lambda m: m.value)
