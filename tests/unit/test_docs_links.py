@@ -1,6 +1,7 @@
 """Every relative link in the README, docs/ and the results index leads to a file that is
 there: pages and result sets move (docs/performance.md took the README's figures), and a
-link that silently points nowhere is a page a reader cannot follow."""
+link that silently points nowhere is a page a reader cannot follow. And each backend package's
+README, its reading order, names the modules the package holds, as they are now."""
 
 from __future__ import annotations
 
@@ -26,3 +27,17 @@ def test_relative_links_lead_somewhere(page: Path) -> None:
         if not (page.parent / path).exists():
             missing.append(target)
     assert not missing, f"{page.relative_to(ROOT)} links to files that are not there: {missing}"
+
+
+BACKEND_PACKAGES = sorted(p.parent for p in (ROOT / "kvxfer" / "backends").glob("*/__init__.py"))
+MODULE = re.compile(r"`(\w+\.py)`")
+
+
+@pytest.mark.parametrize("package", BACKEND_PACKAGES, ids=lambda p: p.name)
+def test_backend_readme_reading_order_names_the_modules_there(package: Path) -> None:
+    """A backend package's README is its reading order: it names every module the package
+    holds, and no module that has moved or gone."""
+    named = set(MODULE.findall((package / "README.md").read_text())) - {"__init__.py"}
+    there = {p.name for p in package.glob("*.py")} - {"__init__.py"}
+    assert sorted(there - named) == [], f"{package.name}/README.md does not name these modules"
+    assert sorted(named - there) == [], f"{package.name}/README.md names modules that are not there"

@@ -1,8 +1,9 @@
 """Same-node GPU-to-GPU backend over CUDA IPC: ``backend`` (IpcBackend), the row copies on
-its stream (``copies``), completion frames and done-tokens (``frames``), the passive end's
-waits (``waits``), one attempt's bookkeeping (``jobs``), the Unix-socket record channel
+its stream (``copies``) and their row check (``rowcheck``), the layout-transform path between
+engine geometries (``geometry``), completion frames and done-tokens (``frames``), the passive
+end's waits (``waits``), one attempt's bookkeeping (``jobs``), the Unix-socket record channel
 (``channel``), peer allocation mappings (``mappings``), doorbells (``bells``) and
-shared-memory maps (``shm_map``)."""
+shared-memory maps (``shm_map``). README.md gives the reading order."""
 
 from kvxfer.backends.ipc.backend import BACKEND_KIND, IpcBackend, IpcUnavailable, node_identity
 
