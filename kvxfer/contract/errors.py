@@ -1,7 +1,8 @@
 """Errors of the contract: one base for the package, two rejections that promise safety.
 
-Every error kvxfer raises on purpose is a KvxferError. The tree (module in brackets; this
-module imports none of them, it only draws them):
+Every error kvxfer raises on purpose is a KvxferError. The tree (in brackets, the module under
+``kvxfer`` that defines the class or the package that exports it; a class without brackets is in
+its parent's; this module imports none of them, it only draws them):
 
     KvxferError
     ├── InvalidSubmission        the submission is wrong; nothing escaped          [contract]
@@ -44,7 +45,7 @@ module imports none of them, it only draws them):
     ├── PullOverTcp              a pull lane would run over TCP                    [pair.lanes]
     ├── PeerError                `kvxfer doctor --peer`: the worker cannot be probed [doctor.peer]
     ├── LaunchError              `kvxfer launch` cannot go on                      [launch.launcher]
-    ├── CheckpointError          a model checkpoint cannot be loaded               [engine.weights]
+    ├── CheckpointError          a model checkpoint cannot be loaded               [modelfiles.errors]
     ├── AdapterError             an engine adapter cannot do what was asked        [adapters.errors]
     │   ├── EngineVersionError   the installed engine is not the pinned version
     │   ├── EngineMismatch       the two ends run different engines
@@ -56,12 +57,15 @@ module imports none of them, it only draws them):
     ├── CopyError                the host stand-in for the native module's error   [testing.host_cuda]
     └── NetnsError               an `ip` or `nft` command failed; also a RuntimeError [testing.netns]
 
-Classes whose names start with ``_`` are private to their module and not drawn;
-``tests/unit/test_error_tree.py`` keeps the tree whole. PeerBusy, PeerGone, PeerUnknown,
-XferError and UcxPeerGone stay inside their backends, which turn them
-into outcomes or the two rejections. The compiled module's own ``kvxfer._native.CopyError``
-is not in the tree: ``kvxfer.native`` turns it into RowCopyError, and the IPC backend into
-outcomes.
+Classes whose names start with ``_`` are private to their module and not drawn: the module
+raises and catches them itself, or lets them out only as their public base (``launch.cli``'s
+``_Interrupted``, a KeyboardInterrupt, is a signal arriving, not an error).
+``tests/unit/test_error_tree.py`` keeps the tree whole: every public exception class in the
+package is a KvxferError drawn under its base, in its module, and the tree draws nothing else.
+PeerBusy, PeerGone, PeerUnknown, XferError and UcxPeerGone stay inside their backends, which
+turn them into outcomes or the two rejections. The compiled module's own
+``kvxfer._native.CopyError`` is not in the tree: ``kvxfer.native`` turns it into RowCopyError,
+and the IPC backend into outcomes.
 """
 
 from __future__ import annotations

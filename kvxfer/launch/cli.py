@@ -43,7 +43,7 @@ OWNED = {"role": "--prefill/--decode", "host": "(each worker's node address)", "
 """kvxfer serve flags the launcher sets itself, and where to set them instead."""
 
 
-class Interrupted(KeyboardInterrupt):
+class _Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM: stop every actor, then exit."""
 
 
@@ -213,7 +213,7 @@ def _ray_address(address: str) -> str | None:
 
 
 class _Signals:
-    """SIGINT and SIGTERM raise ``Interrupted`` once; while stopping, a second one is only noted."""
+    """SIGINT and SIGTERM raise ``_Interrupted`` once; while stopping, a second one is only noted."""
 
     def __init__(self, line: Line) -> None:
         self.line = line
@@ -227,7 +227,7 @@ class _Signals:
             return
         self.stopping = True
         self.received = signal.Signals(signum).name
-        raise Interrupted(self.received)
+        raise _Interrupted(self.received)
 
     def restore(self) -> None:
         for s, handler in self.old.items():
@@ -276,7 +276,7 @@ def _run(config: Any, line: Line, signals: _Signals, interval: float, ready_fd: 
         announce(launch.describe(), "", ready_fd)
         line.say(f"serving at {launch.router_url}; SIGINT or SIGTERM stops every actor")
         return launch.serve(interval)
-    except KeyboardInterrupt:  # Interrupted, or what Ray makes of it inside ray.wait/ray.get
+    except KeyboardInterrupt:  # _Interrupted, or what Ray makes of it inside ray.wait/ray.get
         line.say(f"{signals.received or 'interrupted'}: stopping every actor")
         return 0 if serving else 130
     except LaunchError as exc:
