@@ -10,7 +10,7 @@ launch, the native call, record encoding and decoding, finishing) with CLOCK_MON
 stamps, which the two processes share. Each line is the median over the repetitions of a
 step's stamp, in microseconds since the publish() call. The wrappers cost time themselves
 (tens of microseconds per request on a slow host): read differences, not the total.
-``--busy-poll`` makes the decode end busy-poll, with its doorbell (``ipc_bells``).
+``--busy-poll`` makes the decode end busy-poll, with its doorbell (``kvxfer.backends.ipc.doorbells``).
 ``--emulated`` runs both ends over kvxfer.testing.host_cuda (no GPU): the control path's
 Python costs on any machine; its copies are host memcpy, so those steps say nothing of a GPU.
 ``--tail F`` adds the medians over the slowest fraction F of the samples (by when the decode

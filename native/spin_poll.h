@@ -30,7 +30,7 @@ inline void cpu_relax() {
 // Polls `fds` for input without blocking, again and again, for up to `timeout_us`:
 // *ready = true once any has input, an error or a hang-up, or once any of the `n` 8-byte
 // words `words[slots[i]]` is non-zero (doorbells a GPU writes into shared host memory; see
-// kvxfer/backends/ipc_bells.py). Empty string, or errno's text.
+// kvxfer/backends/ipc/doorbells.py). Empty string, or errno's text.
 inline std::string spin_poll(const std::vector<int>& fds, std::int64_t timeout_us, const volatile std::uint64_t* words,
                              const std::int64_t* slots, std::size_t n, bool* ready) {
   *ready = false;

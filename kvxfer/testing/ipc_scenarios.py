@@ -19,7 +19,7 @@ import numpy as np
 
 from kvxfer.backends.common.transform import Rows, TransformPlan, plan_transform
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc.bells import EXTRA_BELL
+from kvxfer.backends.ipc.doorbells import EXTRA_BELL
 from kvxfer.contract import (
     CacheKind,
     Delivered,

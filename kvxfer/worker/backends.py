@@ -30,7 +30,7 @@ def make_backend(kind: str, mode: TransferMode, *, name: str, deadline_s: float,
     0: none). ``hint_ttl_s``: how long the hints it describes may be used. ``etcd_*`` (nixl
     only): keep the agent's metadata in etcd there ("" endpoints: as NIXL_ETCD_ENDPOINTS says).
     ``busy_poll`` (ipc only): a core spins while transfers wait, and a waiting end offers its
-    doorbell (``kvxfer.backends.ipc.bells``), for the lowest small-transfer latency.
+    doorbell (``kvxfer.backends.ipc.doorbells``), for the lowest small-transfer latency.
     ``integrity``: row digests sent and checked (docs/reliability.md; ipc: its copy kernel
     checks each row where it landed). ``corrupt_landed``: fault injection, rows damaged where
     they land before their check (``kvxfer.backends.common.Corruptor``; for ipc, whose kernel

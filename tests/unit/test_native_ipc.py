@@ -337,7 +337,7 @@ def test_spin_poll_returns_on_input_or_after_its_time(spin_impl: None) -> None:
 
 
 def test_spin_poll_returns_when_a_watched_word_is_set(spin_impl: None) -> None:
-    # Doorbell words (kvxfer.backends.ipc.bells): watched ones end the spin, others do not.
+    # Doorbell words (kvxfer.backends.ipc.doorbells): watched ones end the spin, others do not.
     r, w = os.pipe()
     try:
         words = np.zeros(8, dtype=np.uint64)

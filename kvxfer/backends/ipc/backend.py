@@ -24,7 +24,7 @@ unquiesced until the active end confirms. Here:
   copy goes into its mappings, which close once the copies in flight have ended.
 - The usual record, DELIVERED with every row of the passive end's hint, travels as 20 bytes
   instead: a done-token that the passive end looks up (``frames``, ``waits``).
-- A passive end that busy-polls also names a doorbell word in its hint (``bells``):
+- A passive end that busy-polls also names a doorbell word in its hint (``doorbells``):
   the active end queues a store of the transfer's token into it after its kernels, so the
   GPU tells the spinning passive end that every row is in place, before any CPU on the
   active end has looked. The token frame still follows; whichever comes first concludes.
@@ -54,9 +54,9 @@ from kvxfer.backends.common.engine import BackendEngine, ProgressThread, conclud
 from kvxfer.backends.common.integrity import MISMATCH, RowCheck
 from kvxfer.backends.common.matching import match_rows
 from kvxfer.backends.common.transfers import DEFAULT_HINT_TTL_S
-from kvxfer.backends.ipc.bells import EXTRA_BELL, bell_slot, bell_value
 from kvxfer.backends.ipc.channel import Channel, PeerBusy
 from kvxfer.backends.ipc.copies import CopyQueue
+from kvxfer.backends.ipc.doorbells import EXTRA_BELL, bell_slot, bell_value
 from kvxfer.backends.ipc.frames import DONE_PREFIX, TOKEN_FRAME_BYTES, CompletionFrames
 from kvxfer.backends.ipc.geometry import export_names, peer_exports, plan_submission
 from kvxfer.backends.ipc.jobs import ActiveJob, PassiveWait
@@ -180,7 +180,7 @@ class IpcBackend(BackendEngine):
         # picks rows for it to damage first (fault injection). rows_failed: those refused here.
         self.integrity = RowCheck(integrity)
         self._copies = CopyQueue(cuda, device, stream, self.name, self._frames, corrupt_rows)
-        # A busy-polling passive end also offers a doorbell word (bells); False: sockets only.
+        # A busy-polling passive end also offers a doorbell word (doorbells); False: sockets only.
         self._waits = PassiveWaits(self._jobs_lock, self._own.retire, self.name, doorbell and busy_poll)
         self._progress = ProgressThread(f"kvxfer-ipc-{name}", self._step, _no_pause,
                                         functools.partial(log.exception, "IPC backend %s: progress step failed",

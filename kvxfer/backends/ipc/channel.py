@@ -122,7 +122,7 @@ class Channel:
 
     def spin(self, timeout_s: float, words: np.ndarray | None = None, slots: np.ndarray | None = None) -> bool:
         """Wait up to ``timeout_s`` for something that wait() would handle, or for a non-zero
-        ``words[slots]`` (doorbells, ``bells``), polling without sleeping (and without the
+        ``words[slots]`` (doorbells, ``doorbells``), polling without sleeping (and without the
         GIL, where kvxfer._native is built): True once there is."""
         with self._fds_lock:
             fds = list(self._fds)

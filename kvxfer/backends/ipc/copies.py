@@ -18,7 +18,7 @@ from types import ModuleType
 import numpy as np
 
 from kvxfer.backends.common.matching import GroupMatch
-from kvxfer.backends.ipc.bells import BELL_WORDS, EXTRA_BELL, BellOpener, bell_export, bell_value, parse_bell
+from kvxfer.backends.ipc.doorbells import BELL_WORDS, EXTRA_BELL, BellOpener, bell_export, bell_value, parse_bell
 from kvxfer.backends.ipc.frames import CompletionFrames
 from kvxfer.backends.ipc.geometry import queue_transform
 from kvxfer.backends.ipc.jobs import ActiveJob

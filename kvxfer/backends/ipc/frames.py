@@ -6,7 +6,7 @@ record, DELIVERED with every row of the passive end's hint, travels as 20 bytes 
 encoding the record on the active end and decoding it on the passive end, which on a busy
 host were most of a small transfer's latency. Unsigned, the token comes in the passive
 end's hint (``EXTRA_DONE``); signed, both ends derive it from the key, so that it is no
-easier to forge than a signed record. A doorbell (``bells``) stores the same token, folded
+easier to forge than a signed record. A doorbell (``doorbells``) stores the same token, folded
 to 64 bits.
 """
 

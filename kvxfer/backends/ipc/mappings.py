@@ -6,7 +6,7 @@ is closed only when none does: when its peer is gone, or at shutdown. A dead pee
 mapping is marked so that no new copy is launched into it, and is closed once the copies
 already queued on it have completed (the backend releases them after their event).
 All of this runs on the backend's progress thread. The same bookkeeping serves the peer's
-doorbell ring (``bells``), opened by a different ``Opener``.
+doorbell ring (``doorbells``), opened by a different ``Opener``.
 """
 
 from __future__ import annotations

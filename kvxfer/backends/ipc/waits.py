@@ -2,7 +2,7 @@
 doorbell.
 
 A wait is found by our transfer id (a record names it), by its done-token (a 20-byte frame,
-``frames``) and by its doorbell value (a word of our ``BellRing``, ``bells``). A token that
+``frames``) and by its doorbell value (a word of our ``BellRing``, ``doorbells``). A token that
 comes before its wait is kept for it (``early``); a token whose wait its doorbell ended
 already is dropped when it comes (``answered``). The tables share the backend's jobs lock;
 only the progress thread concludes waits here.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvxfer.backends.common.transfers import put_bounded
-from kvxfer.backends.ipc.bells import BellRing, bell_slot
+from kvxfer.backends.ipc.doorbells import BellRing, bell_slot
 from kvxfer.backends.ipc.jobs import PassiveWait
 
 log = logging.getLogger(__name__)

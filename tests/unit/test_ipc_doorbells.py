@@ -1,4 +1,4 @@
-"""The doorbell ring (kvxfer.backends.ipc.bells): its file, its hint extra, what an active
+"""The doorbell ring (kvxfer.backends.ipc.doorbells): its file, its hint extra, what an active
 end agrees to open, and the removal of rings whose makers died."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer.backends.ipc.bells import (
+from kvxfer.backends.ipc.doorbells import (
     BELL_BYTES,
     BELL_WORDS,
     BellOpener,
@@ -105,7 +105,7 @@ def test_opener_refuses_files_that_are_not_rings(tmp_path: pathlib.Path) -> None
 def test_a_new_ring_removes_rings_no_process_holds(tmp_path: pathlib.Path) -> None:
     # A ring whose maker exited (its lock went with it) is removed; a live one, and files
     # that are not rings, are left.
-    code = ("import sys; from kvxfer.backends.ipc.bells import BellRing; "
+    code = ("import sys; from kvxfer.backends.ipc.doorbells import BellRing; "
             "r = BellRing(sys.argv[1]); print(r.path)")  # exits without close(): the file stays
     dead = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     dead_path = dead.stdout.strip()

@@ -1,4 +1,4 @@
-"""Doorbells (kvxfer.backends.ipc.bells) between two processes over kvxfer.testing.host_cuda:
+"""Doorbells (kvxfer.backends.ipc.doorbells) between two processes over kvxfer.testing.host_cuda:
 the store that tells a busy-polling waiter its rows are in place, and everything around it
 that must not change what the waiter concludes."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvxfer.backends.ipc import IpcBackend
-from kvxfer.backends.ipc.bells import BELL_BYTES, BELL_WORDS, EXTRA_BELL, parse_bell
+from kvxfer.backends.ipc.doorbells import BELL_BYTES, BELL_WORDS, EXTRA_BELL, parse_bell
 from kvxfer.contract import Delivered, Failed, Hint, InvalidSubmission, TransferMode
 from kvxfer.testing import host_cuda
 from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
@@ -170,7 +170,7 @@ def test_without_a_place_for_the_ring_the_waiter_uses_sockets_only(monkeypatch: 
     import functools
 
     import kvxfer.backends.ipc.waits as ipc_waits
-    from kvxfer.backends.ipc.bells import BellRing
+    from kvxfer.backends.ipc.doorbells import BellRing
 
     monkeypatch.setattr(ipc_waits, "BellRing", functools.partial(BellRing, "/nonexistent/kvxfer-shm"))
     with _pair(local_busy_poll=True, child_busy_poll=False) as (local, peer, memory):
