@@ -67,8 +67,8 @@ def install(end: str) -> None:
     from kvxfer.backends.common import attempt, engine
     from kvxfer.backends.nixl import agent as nixl_agent
     from kvxfer.backends.nixl import backend as nixl
-    from kvxfer.backends.nixl import notes as nixl_notes
     from kvxfer.backends.nixl import packed as nixl_packed
+    from kvxfer.backends.nixl import packed_notes as nixl_notes
     from kvxfer.backends.nixl import paths, sender
 
     def kind(message: bytes) -> str:

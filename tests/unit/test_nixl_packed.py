@@ -18,7 +18,6 @@ import pytest
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.backends.nixl.agent import PeerUnknown
-from kvxfer.backends.nixl.notes import NOTE_PREFIX, decode_note, encode_note
 from kvxfer.backends.nixl.packed import (
     ARENA_EXTRA,
     ArenaInfo,
@@ -26,6 +25,7 @@ from kvxfer.backends.nixl.packed import (
     rows_from_runs,
     runs_of,
 )
+from kvxfer.backends.nixl.packed_notes import NOTE_PREFIX, decode_note, encode_note
 from kvxfer.contract import (
     CacheKind,
     Cancelled,

@@ -1,6 +1,6 @@
 """The NIXL backend (UCX): ``backend`` (NixlBackend), the agent wrapper (``agent``), chunk
 plans (``plan``), active jobs and passive waits (``jobs``), the packed path (``packed``) and
-its notes (``notes``), agents' metadata in etcd (``etcd_metadata``, ``EtcdSettings``).
+its notes (``packed_notes``), agents' metadata in etcd (``etcd_metadata``, ``EtcdSettings``).
 
 Public, for code above the backends: the names below. Besides the backend: ``raw_agent``, a
 bare NIXL agent with NIXL's etcd variables hidden and the host's UCX settings, and

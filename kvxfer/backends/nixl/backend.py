@@ -87,8 +87,8 @@ from kvxfer.backends.nixl.etcd_metadata import EtcdSettings
 from kvxfer.backends.nixl.geometry_packed import landing_slots_ahead
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait, conclusion
 from kvxfer.backends.nixl.liveness import HEARTBEAT, Liveness, LivenessHooks
-from kvxfer.backends.nixl.notes import NOTE_PREFIX, decode_note, ints
 from kvxfer.backends.nixl.packed import ARENA_EXTRA, Arena, PackedJob
+from kvxfer.backends.nixl.packed_notes import NOTE_PREFIX, decode_note, ints
 from kvxfer.backends.nixl.paths import MIN_DESCRIPTORS, PackedMode, Path
 from kvxfer.backends.nixl.plan import ChunkBytes
 from kvxfer.backends.nixl.receiver import PackedReceiver, ReceiverHooks

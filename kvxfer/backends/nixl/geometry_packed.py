@@ -42,8 +42,8 @@ from kvxfer.backends.nixl.geometry_path import (
     unit_row,
 )
 from kvxfer.backends.nixl.jobs import ActiveJob, PassiveWait
-from kvxfer.backends.nixl.notes import ints
 from kvxfer.backends.nixl.packed import ARENA_EXTRA, PREGRANT_SLOTS, Arena, ArenaInfo, PackedJob
+from kvxfer.backends.nixl.packed_notes import ints
 from kvxfer.backends.nixl.paths import MIN_DESCRIPTORS, PackedMode, slots_ahead
 from kvxfer.backends.nixl.plan import ChunkBytes
 from kvxfer.contract import BoolArray, Hint, IndexArray, InvalidSubmission, View

@@ -17,7 +17,7 @@ import numpy as np
 from kvxfer.backends.common.attempt import TrackedAttempt
 from kvxfer.backends.common.transform import Oriented
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, XferError
-from kvxfer.backends.nixl.notes import Inbound
+from kvxfer.backends.nixl.packed_notes import Inbound
 from kvxfer.contract import (
     BoolArray,
     Cancelled,

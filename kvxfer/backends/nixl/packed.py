@@ -60,7 +60,7 @@ from kvxfer import native
 from kvxfer.backends.common.matching import GroupMatch
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, PeerUnknown, XferError
 from kvxfer.backends.nixl.jobs import ActiveJob, check_deadline_and_peer, disconnected, reap_requests
-from kvxfer.backends.nixl.notes import encode_note
+from kvxfer.backends.nixl.packed_notes import encode_note
 from kvxfer.contract import Hint, IndexArray, MemoryKind, SlotRegion
 
 log = logging.getLogger(__name__)

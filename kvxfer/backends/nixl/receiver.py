@@ -22,8 +22,8 @@ from kvxfer.backends.common.integrity import RowCheck
 from kvxfer.backends.common.transfers import put_bounded
 from kvxfer.backends.nixl.geometry_packed import landing_segments, packed_bytes, request_limit, scatter_calls, shaped
 from kvxfer.backends.nixl.jobs import PassiveWait
-from kvxfer.backends.nixl.notes import Inbound, ints
 from kvxfer.backends.nixl.packed import Arena, Landing, rows_from_runs
+from kvxfer.backends.nixl.packed_notes import Inbound, ints
 from kvxfer.contract import Delivered, Failed
 from kvxfer.native import RowCopyError
 
