@@ -19,9 +19,9 @@ import pytest
 
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import CacheKind, Delivered, Failed, LayerGroupRows, TokenRange, TransferMode, View
-from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.progress_hold import hold_progress
 from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
 from kvxfer.testing.waiting import settle
 from kvxfer.wire import decode_hint, encode_hint

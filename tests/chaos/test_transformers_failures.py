@@ -31,8 +31,8 @@ from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.engine import ModelConfig
 from kvxfer.router import Completion, Router
 from kvxfer.serving.http import request_text
-from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.processes import assert_nothing_left
+from kvxfer.testing.progress_hold import hold_progress
 from kvxfer.testing.served import served_workers
 from kvxfer.worker.core import WorkerConfig
 from kvxfer.worker.forked import preload

@@ -12,7 +12,7 @@ the test, not end pytest. Both ends send a message per run (``pack_bytes=0``), s
 lands between messages.
 
 The kill lands mid-way whatever the load: this end's progress thread is held
-(``kvxfer.testing.holds``) once a first row was sent or received, the peer is killed, then the
+(``kvxfer.testing.progress_hold``) once a first row was sent or received, the peer is killed, then the
 thread goes on. A peer that publishes is paced (``window=1`` and ``poll_s``: one run, here one
 row, about every ``PACE`` seconds), so that it is still sending when it dies.
 """
@@ -37,9 +37,9 @@ import pytest
 
 from kvxfer.backends.ucx.transport import ucxx_unavailable
 from kvxfer.contract import CacheKind, LayerGroupRows, Outcome, TokenRange, TransferMode, View
-from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import LOCAL_BUFFERS, host_rows
+from kvxfer.testing.progress_hold import hold_progress
 from kvxfer.testing.subprocess_peer import SubprocessPeer, live_children
 from kvxfer.testing.waiting import settle
 from kvxfer.wire import decode_hint, encode_hint

@@ -13,9 +13,9 @@ import pytest
 
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import CacheKind, Failed, LayerGroupRows, TokenRange, TransferMode, View
-from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows
 from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.progress_hold import hold_progress
 from kvxfer.testing.subprocess_peer import SubprocessPeer
 from kvxfer.wire import decode_hint, encode_hint
 

@@ -27,9 +27,9 @@ from kvxfer.contract import (
     TransferMode,
     View,
 )
-from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows, shut_down_keeping
 from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.progress_hold import hold_progress
 from kvxfer.testing.waiting import settle
 
 ROW = 2048

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate
 from kvxfer.router import Router
 from kvxfer.serving.http import request_text
-from kvxfer.testing.holds import hold_progress
+from kvxfer.testing.progress_hold import hold_progress
 from kvxfer.testing.served import served_workers
 from kvxfer.worker.core import WorkerConfig
 

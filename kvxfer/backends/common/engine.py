@@ -247,7 +247,7 @@ class ProgressThread:
     """A backend's progress thread: calls ``step`` (True while work is pending) until asked to
     stop, then ``pause(busy)`` between steps. A step that raises is logged and the loop goes
     on: a thread that died would leave every other attempt hanging. Backends pass
-    ``lambda: self._step()`` so that a test holding the thread (``kvxfer.testing.holds``)
+    ``lambda: self._step()`` so that a test holding the thread (``kvxfer.testing.progress_hold``)
     can replace the step."""
 
     def __init__(self, name: str, step: Callable[[], bool], pause: Callable[[bool], None],

@@ -31,9 +31,9 @@ import numpy as np
 
 from kvxfer.backends.nixl import NixlBackend
 from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
-from kvxfer.testing.holds import hold_progress
 from kvxfer.testing.memory import HostRows, retain_if_unquiesced
 from kvxfer.testing.nixl_pairs import host_rows
+from kvxfer.testing.progress_hold import hold_progress
 from kvxfer.testing.reliability.common import Progress, max_ms, ms
 from kvxfer.testing.subprocess_peer import SubprocessPeer
 from kvxfer.testing.waiting import settle
@@ -108,7 +108,7 @@ def _views(memory: HostRows, peer: SubprocessPeer, request: str, rng: np.random.
 
 def _hold_once_proven(backend: NixlBackend, chunks: int) -> tuple[threading.Event, threading.Event]:
     """Hold the progress thread once ``chunks`` chunks of its active job are proven, until the
-    gate is set (``kvxfer.testing.holds.hold_progress``): the kill lands after them and before
+    gate is set (``kvxfer.testing.progress_hold.hold_progress``): the kill lands after them and before
     the last chunk, whatever the load; varying ``chunks`` moves it over the whole transfer."""
     return hold_progress(backend, ready=lambda: any(len(job.done) >= chunks for job in list(backend._active)))
 
