@@ -34,8 +34,8 @@ from kvxfer.worker.decode import DecodeRole, Reserved
 from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.errors import Aborted, Refused
 from kvxfer.worker.layers import LayerMover
+from kvxfer.worker.lease_transfers import GroupMover
 from kvxfer.worker.meters import outcome_bytes, reason_label
-from kvxfer.worker.movers import GroupMover
 from kvxfer.worker.prefill import Held, PrefillRole
 from kvxfer.worker.ranks import GroupLender
 from kvxfer.worker.state import WorkerState

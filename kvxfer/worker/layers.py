@@ -203,7 +203,7 @@ def _attempt(view: View, attempts: Sequence[Attempt | None]) -> LayerAttempt:
 
 
 class LayerMover:
-    """The worker's mover (``kvxfer.worker.movers.Mover``) under --layerwise > 1, and for a
+    """The worker's mover (``kvxfer.worker.lease_transfers.Mover``) under --layerwise > 1, and for a
     hybrid cache's ``LayerLeases``: one transfer per layer group, each with its own hint, all
     at once. The prefill worker's streamed publish (``GroupStream``) submits the same per
     group, as the groups get ready."""

@@ -16,8 +16,8 @@ from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.engines import ReferenceEngine, ServingEngine
 from kvxfer.worker.errors import Refused
 from kvxfer.worker.inflight import InFlight
+from kvxfer.worker.lease_transfers import Mover, PoolMover
 from kvxfer.worker.meters import Meters
-from kvxfer.worker.movers import Mover, PoolMover
 from kvxfer.worker.quarantine import Quarantine
 from kvxfer.worker.ranks import GroupLender
 from kvxfer.worker.store import StoreSide
