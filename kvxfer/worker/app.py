@@ -33,7 +33,7 @@ or ``KVXFER_CLUSTER_KEY``), every route but /health and /metrics wants
 ``generated``: the prompt's last tokens that are the completion's own (a recompute going on).
 
 The worker (``kvxfer.worker.core``) knows no HTTP: this module parses each body into a typed
-call (``kvxfer.worker.bodies``, BadRequest for what is malformed) and maps the worker's
+call (``kvxfer.worker.http_bodies``, BadRequest for what is malformed) and maps the worker's
 errors to statuses: Refused and BadRequest 400, the "nothing escaped" refusals 409.
 
 Streams end with an event holding ``"final": true``; a stream cut before it means the
@@ -56,7 +56,7 @@ from kvxfer.serving.http import BadRequest, Request, Response
 from kvxfer.serving.keys import CLUSTER_KEY, BearerKey, refusal
 from kvxfer.serving.metrics import CONTENT_TYPE
 from kvxfer.wire import WireError
-from kvxfer.worker import bodies
+from kvxfer.worker import http_bodies
 from kvxfer.worker.core import Aborted, Refused, Worker
 from kvxfer.worker.probe import ProbeBusy, ProbeHost, ProbeInvalid, ProbeUnknown, parse_open
 
@@ -157,20 +157,20 @@ async def _route(worker: Worker, endpoint: str, request: Request) -> Response:
     model = worker.config.model
     if endpoint == "prefill":
         worker.need("prefill")
-        return Response.json(await worker.prefill(bodies.prefill_call(body, model)))
+        return Response.json(await worker.prefill(http_bodies.prefill_call(body, model)))
     if endpoint == "reserve":
         worker.need("decode")
-        return Response.json(await worker.reserve(bodies.reserve_call(body, model)))
+        return Response.json(await worker.reserve(http_bodies.reserve_call(body, model)))
     if endpoint == "abort":
-        return Response.json(await worker.abort(bodies.abort_call(body)))
+        return Response.json(await worker.abort(http_bodies.abort_call(body)))
     if endpoint == "withdraw":
-        return Response.json(await worker.withdraw(bodies.withdraw_call(body)))
+        return Response.json(await worker.withdraw(http_bodies.withdraw_call(body)))
     if endpoint == "publish":
         worker.need("prefill")
-        return Response.ndjson(_guard(worker, await worker.publish(bodies.publish_call(body))))
+        return Response.ndjson(_guard(worker, await worker.publish(http_bodies.publish_call(body))))
     if endpoint == "generate":
         worker.need("decode")
-        return Response.ndjson(_guard(worker, await worker.generate(bodies.generate_call(body, model), request.gone)))
+        return Response.ndjson(_guard(worker, await worker.generate(http_bodies.generate_call(body, model), request.gone)))
     return Response.json({"error": f"no POST /{endpoint}"}, 404)
 
 

@@ -1,5 +1,5 @@
 """The worker's calls as typed values: what ``kvxfer.worker.core`` takes. It knows no HTTP:
-``kvxfer.worker.bodies`` parses JSON bodies into these for the HTTP adapter."""
+``kvxfer.worker.http_bodies`` parses JSON bodies into these for the HTTP adapter."""
 
 from __future__ import annotations
 
