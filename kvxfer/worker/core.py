@@ -33,8 +33,8 @@ from kvxfer.worker.config import ROLES, WorkerConfig, integrity_state
 from kvxfer.worker.decode import DecodeRole, Reserved
 from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.errors import Aborted, Refused
-from kvxfer.worker.layers import LayerMover
-from kvxfer.worker.lease_transfers import GroupMover
+from kvxfer.worker.layers import LayerSubmitter
+from kvxfer.worker.lease_transfers import GroupSubmitter
 from kvxfer.worker.meters import outcome_bytes, reason_label
 from kvxfer.worker.prefill import Held, PrefillRole
 from kvxfer.worker.ranks import GroupLender
@@ -128,7 +128,7 @@ class Worker:
             self._hf.build()
             s.lender = self._hf.lender
             if self._hf.grouped:  # a lease, view and hint per layer group, each its own geometry
-                s.mover = LayerMover()
+                s.submitter = LayerSubmitter()
             self._make_backend(0)
             return
         if cfg.engine_kv:
@@ -137,7 +137,7 @@ class Worker:
         s.pool = pool = cfg.model.make_pool(cfg.num_blocks, device=self.device, name=f"{self.name}-kv",
                                             groups=cfg.layerwise)
         if cfg.layerwise > 1:
-            s.mover = LayerMover()
+            s.submitter = LayerSubmitter()
         if cfg.lender == "staging":
             row = cfg.model.group_spec().row_bytes
             s.lender = StagingLender(pool, fetch_tokens=cfg.model.max_positions, max_fetches=8,
@@ -159,7 +159,7 @@ class Worker:
                                       layout=layout, device=self.device, name=f"{self.name}-kv")
         s.pool = cache
         s.lender = lender = GroupLender(cache, cfg.model.kv_heads)
-        s.mover = GroupMover(lender, cfg.model.kv_heads, cfg.peer_tp)
+        s.submitter = GroupSubmitter(lender, cfg.model.kv_heads, cfg.peer_tp)
         self._make_backend(_cuda_index(cache.pool(0)))
 
     def _make_backend(self, device: int) -> None:

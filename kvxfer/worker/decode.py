@@ -111,7 +111,7 @@ class DecodeRole:
                 raise Refused("no staging slots free for this reservation now; retry later")
             # Bound to one publisher: in push mode hint D lets its holder WRITE into these rows,
             # which later hold a cached prefix; no other worker, nor a restart of this one, may.
-            hint = s.mover.describe_write(backend, lease, view, publisher)
+            hint = s.submitter.describe_write(backend, lease, view, publisher)
             # When hint D expires (of a TP group's set, the last): after it, and a grace, time
             # alone proves that no peer can write these rows.
             expires = max(h.expires_ms for h in wire.decode_hints(hint))
@@ -333,7 +333,7 @@ class DecodeRole:
     def _fetch_sync(self, reserved: Reserved, prefill_hint: Any, wake: Callable[[], None]) -> Attempt:
         backend = self._s.backend
         assert backend is not None
-        attempt = self._s.mover.fetch(backend, reserved.lease, reserved.view, prefill_hint, wake)
+        attempt = self._s.submitter.fetch(backend, reserved.lease, reserved.view, prefill_hint, wake)
         reserved.lease.track(attempt)
         return attempt
 

@@ -167,7 +167,7 @@ class TransformersServing:
         several layer groups (a hybrid one, sliding-window layers beside full attention, or one
         cut by --layerwise) lends each group by a lender of its own: ``lender`` is them all, and
         a request moves as one lease, view and hint per group
-        (``kvxfer.worker.layers.LayerLeases``, moved by ``LayerMover``)."""
+        (``kvxfer.worker.layers.LayerLeases``, moved by ``LayerSubmitter``)."""
         self.engine = TransformersEngine(self._model, page_size=PAGE_SIZE, num_blocks=self._num_blocks,
                                          max_batch_tokens=self._max_batch_tokens, scope=self._scope,
                                          name=self._kv_name, layer_groups=self._layer_groups)

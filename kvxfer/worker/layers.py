@@ -20,7 +20,7 @@ A hybrid cache (``kvxfer serve --engine transformers`` with a model whose slidin
 layers sit beside full-attention ones) moves the same way, all groups at once: each group is
 an engine geometry of its own, lent by a lease of its own named ``rid/group``
 (``kvxfer.adapters.transformers``), and ``LayerLeases`` makes those leases one, whose
-group views (each with its geometry) ``LayerMover`` moves.
+group views (each with its geometry) ``LayerSubmitter`` submits.
 """
 
 from __future__ import annotations
@@ -202,9 +202,9 @@ def _attempt(view: View, attempts: Sequence[Attempt | None]) -> LayerAttempt:
     return LayerAttempt(padded, [g.layer_group for g in view.groups], [len(g) for g in view.groups])
 
 
-class LayerMover:
-    """The worker's mover (``kvxfer.worker.lease_transfers.Mover``) under --layerwise > 1, and for a
-    hybrid cache's ``LayerLeases``: one transfer per layer group, each with its own hint, all
+class LayerSubmitter:
+    """The worker's submitter (``kvxfer.worker.lease_transfers.Submitter``) under --layerwise > 1,
+    and for a hybrid cache's ``LayerLeases``: one transfer per layer group, each with its own hint, all
     at once. The prefill worker's streamed publish (``GroupStream``) submits the same per
     group, as the groups get ready."""
 

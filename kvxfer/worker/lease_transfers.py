@@ -18,7 +18,10 @@ from kvxfer.contract import Attempt, Backend, Hint, InvalidSubmission, Peer, Sub
 from kvxfer.worker.ranks import GroupAttempt, GroupLease, GroupLender, RankPair, hints_for, rank_pairs
 
 
-class Mover(Protocol):
+class Submitter(Protocol):
+    """Describes and submits a lease's transfers on the worker's backend: the decode end's
+    hint and fetch, the prefill end's hint and publish. (A "mover" elsewhere is a backend.)"""
+
     def describe_write(self, backend: Backend, lease: Any, view: View, publisher: Peer) -> bytes: ...
 
     def fetch(self, backend: Backend, lease: Any, view: View, hints: tuple[Hint, ...],
@@ -30,7 +33,7 @@ class Mover(Protocol):
                 wake: Callable[[], None]) -> Attempt: ...
 
 
-class PoolMover:
+class PoolSubmitter:
     """One pool: the lease's view is the transfer's view, one hint each way."""
 
     def describe_write(self, backend: Backend, lease: Any, view: View, publisher: Peer) -> bytes:
@@ -48,7 +51,7 @@ class PoolMover:
         return backend.publish(view, _one(hints), wake)
 
 
-class GroupMover:
+class GroupSubmitter:
     """A TP group: one transfer per rank pair. ``peer_tp`` is the other group's TP (decode:
     the prefill workers'; prefill: read from the hints it gets)."""
 

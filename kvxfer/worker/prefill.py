@@ -237,7 +237,7 @@ class PrefillRole:
 
     def _publish_sync(self, rid: str, n: int, decode_hint: Any, wake: Callable[[], None]
                       ) -> tuple[Lease, View, bytes, Attempt, float]:
-        backend, mover = self._s.backend, self._s.mover
+        backend, submitter = self._s.backend, self._s.submitter
         assert backend is not None
         lease = self._s.serving.lend_read(rid, n)
         try:
@@ -245,13 +245,13 @@ class PrefillRole:
             if view is None:
                 raise RuntimeError(f"read lease of {rid!r} is not ready (staging copy pending)")
             # Bound to the decode end that sent hint D: in pull mode hint P lets it READ these rows.
-            prefill_hint = mover.describe_read(backend, lease, view, decode_hint)
+            prefill_hint = submitter.describe_read(backend, lease, view, decode_hint)
             submitted = time.perf_counter()
         except BaseException:
             lease.release()
             raise
         try:
-            attempt = mover.publish(backend, lease, view, decode_hint, wake)
+            attempt = submitter.publish(backend, lease, view, decode_hint, wake)
         except (InvalidSubmission, SubmissionRejected):
             lease.release()  # the backend promises that nothing escaped
             raise

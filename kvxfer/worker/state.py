@@ -16,7 +16,7 @@ from kvxfer.worker.engine_thread import EngineThread
 from kvxfer.worker.engines import ReferenceEngine, ServingEngine
 from kvxfer.worker.errors import Refused
 from kvxfer.worker.inflight import InFlight
-from kvxfer.worker.lease_transfers import Mover, PoolMover
+from kvxfer.worker.lease_transfers import PoolSubmitter, Submitter
 from kvxfer.worker.meters import Meters
 from kvxfer.worker.quarantine import Quarantine
 from kvxfer.worker.ranks import GroupLender
@@ -44,7 +44,7 @@ class WorkerState:
         self.pool: PagedKVPool | ShardedKVCache | None = None
         self.lender: Lender | GroupLender | None = None
         self.backend: Backend | None = None
-        self.mover: Mover = PoolMover()
+        self.submitter: Submitter = PoolSubmitter()
         self.store: StoreSide | None = None  # --store: prefill puts, decode looks up (kvxfer.worker.store)
         # What computes and holds KV (kvxfer.worker.engines): the reference engine over the
         # pool, or one the worker puts here (kvxfer serve --engine transformers).
