@@ -25,12 +25,12 @@ from kvxfer.router import Completion, Router
 from kvxfer.testing.reliability.common import (
     READY_TIMEOUT_S,
     Progress,
-    WorkerState,
+    WorkerLeftovers,
     max_ms,
     ms,
     start_workers,
     worker_argv,
-    worker_state,
+    worker_leftovers,
 )
 from kvxfer.testing.reliability.oracle import expected_outputs
 from kvxfer.worker.procs import Child, ProcessGroup
@@ -66,7 +66,7 @@ class ChaosSummary:
     seconds: float
     kill_events: tuple[KillEvent, ...]
     failure_samples: tuple[str, ...]
-    workers_after: tuple[WorkerState, ...]  # the live workers at the end: held, reserved, leases
+    workers_after: tuple[WorkerLeftovers, ...]  # the live workers at the end: held, reserved, leases
 
 
 @dataclass
@@ -188,7 +188,7 @@ def run_chaos(requests: int, kills: int, *, max_new: int = 8, concurrency: int =
         live = {c.name: c for c in start_workers(group, names)}
         shown.note("4 workers ready")
         results, events = asyncio.run(_workload(group, live, prompts, max_new, kill_at, concurrency, shown))
-        after = tuple(asyncio.run(_states(list(live.values()))))
+        after = tuple(asyncio.run(_leftovers(list(live.values()))))
     seconds = time.perf_counter() - started
     summary = _summary(results, events, expected, kills, seconds, after)
     shown.finish(f"{summary.ok}/{summary.requests} ok, {summary.failures} failed, {summary.wrong} wrong")
@@ -196,7 +196,7 @@ def run_chaos(requests: int, kills: int, *, max_new: int = 8, concurrency: int =
 
 
 def _summary(results: list[_Done], events: list[_Kill], expected: list[list[int]], kills_asked: int,
-             seconds: float, after: tuple[WorkerState, ...]) -> ChaosSummary:
+             seconds: float, after: tuple[WorkerLeftovers, ...]) -> ChaosSummary:
     failures = [r for r in results if r.error is not None]
     wrong = [r for r in results if r.error is None and r.completion is not None
              and list(r.completion.tokens) != expected[r.index]]
@@ -235,5 +235,5 @@ def _role(name: str) -> str:
     return name.rstrip("0123456789")
 
 
-async def _states(children: list[Child]) -> list[WorkerState]:
-    return [await worker_state(c) for c in children]
+async def _leftovers(children: list[Child]) -> list[WorkerLeftovers]:
+    return [await worker_leftovers(c) for c in children]

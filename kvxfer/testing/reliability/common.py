@@ -100,7 +100,7 @@ def start_workers(group: ProcessGroup, names: Sequence[tuple[str, str]]) -> list
 
 
 @dataclass(frozen=True)
-class WorkerState:
+class WorkerLeftovers:
     """What a worker still holds after its requests ended (all zero when nothing leaked)."""
 
     name: str
@@ -123,7 +123,7 @@ def _metric(text: str, name: str, label: str = "") -> int:
     return int(total)
 
 
-async def worker_state(child: Child, settle_s: float = SETTLE_S) -> WorkerState:
+async def worker_leftovers(child: Child, settle_s: float = SETTLE_S) -> WorkerLeftovers:
     """Its /health and /metrics once nothing is held or reserved and no stream is active (its
     clean-up is done then), or after ``settle_s``: a request's clean-up runs on after its
     last event reached the router."""
@@ -133,11 +133,11 @@ async def worker_state(child: Child, settle_s: float = SETTLE_S) -> WorkerState:
             health = await request_json(child.url, "GET", "/health", timeout=5.0)
             metrics = await request_text(child.url, "/metrics", 5.0)
         except HttpError:
-            return WorkerState(child.name, False, -1, -1, -1, -1, -1, -1)
-        state = WorkerState(child.name, True, int(health.get("held", -1)), int(health.get("reserved", -1)),
-                            _metric(metrics, "kvxfer_worker_active_streams"), _metric(metrics, "kvxfer_open_leases"),
-                            _metric(metrics, "kvxfer_quarantined_slots"),
-                            _metric(metrics, "kvxfer_worker_requests_total", 'result="error"'))
-        if (state.held, state.reserved, state.active_streams) == (0, 0, 0) or time.monotonic() > deadline:
-            return state
+            return WorkerLeftovers(child.name, False, -1, -1, -1, -1, -1, -1)
+        left = WorkerLeftovers(child.name, True, int(health.get("held", -1)), int(health.get("reserved", -1)),
+                           _metric(metrics, "kvxfer_worker_active_streams"), _metric(metrics, "kvxfer_open_leases"),
+                           _metric(metrics, "kvxfer_quarantined_slots"),
+                           _metric(metrics, "kvxfer_worker_requests_total", 'result="error"'))
+        if (left.held, left.reserved, left.active_streams) == (0, 0, 0) or time.monotonic() > deadline:
+            return left
         await asyncio.sleep(0.2)

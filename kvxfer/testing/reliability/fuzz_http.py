@@ -26,7 +26,7 @@ from typing import Any
 
 from kvxfer.engine import ModelConfig
 from kvxfer.serving.http import MAX_BODY, request_json
-from kvxfer.testing.reliability.common import Progress, WorkerState, start_workers, worker_state
+from kvxfer.testing.reliability.common import Progress, WorkerLeftovers, start_workers, worker_leftovers
 from kvxfer.testing.reliability.fuzz_wire import MUTATIONS, Seed, any_value
 from kvxfer.worker.procs import Child, ProcessGroup
 
@@ -62,7 +62,7 @@ class HttpFuzzSummary:
     finding_samples: tuple[str, ...]
     aborted_after: int             # ids of prefills and reservations this run made, aborted at the end
     workers_alive: bool
-    workers_after: tuple[WorkerState, ...]
+    workers_after: tuple[WorkerLeftovers, ...]
 
 
 # --- cases ---------------------------------------------------------------------------------
@@ -363,14 +363,14 @@ async def _fuzz(children: dict[str, Child], maker: CaseMaker, cases: int, concur
     return summary, sorted(made)
 
 
-async def _clean_up(children: dict[str, Child], made: list[tuple[str, str]]) -> list[WorkerState]:
+async def _clean_up(children: dict[str, Child], made: list[tuple[str, str]]) -> list[WorkerLeftovers]:
     # rows_safe: no hint D of this run ever went to a prefill worker, so no peer can write those rows.
     for worker, rid in made:
         try:
             await request_json(children[worker].url, "POST", "/abort", {"request": rid, "rows_safe": True}, 10.0)
         except Exception:  # noqa: BLE001 - the state check below says what is left
             pass
-    return [await worker_state(c) for c in children.values()]
+    return [await worker_leftovers(c) for c in children.values()]
 
 
 def run_http_fuzz(cases: int, *, seed: int = 0, concurrency: int = 4, hints: list[Seed], log_dir: Path,

@@ -22,11 +22,11 @@ from kvxfer.router import Router
 from kvxfer.testing.reliability.common import (
     ProcSample,
     Progress,
-    WorkerState,
+    WorkerLeftovers,
     ms,
     sample_process,
     start_workers,
-    worker_state,
+    worker_leftovers,
 )
 from kvxfer.testing.reliability.oracle import expected_outputs
 from kvxfer.worker.procs import Child, ProcessGroup
@@ -71,7 +71,7 @@ class SoakSummary:
     growth: tuple[Growth, ...]
     samples: dict[str, tuple[ProcSample, ...]]
     failure_samples: tuple[str, ...]
-    workers_after: tuple[WorkerState, ...]
+    workers_after: tuple[WorkerLeftovers, ...]
 
 
 def _growth(name: str, samples: list[ProcSample]) -> Growth:
@@ -172,5 +172,5 @@ def run_soak(requests: int, *, concurrency: int = 4, seed: int = 5, log_dir: Pat
     return summary
 
 
-async def _after(children: list[Child]) -> list[WorkerState]:
-    return [await worker_state(c) for c in children]
+async def _after(children: list[Child]) -> list[WorkerLeftovers]:
+    return [await worker_leftovers(c) for c in children]
