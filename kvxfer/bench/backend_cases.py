@@ -104,7 +104,7 @@ def nixl_packed_ends(mode: TransferMode, memory: str) -> Ends:
     return nixl_ends(mode, memory, packed="always")
 
 
-class _Memory:
+class _PointRegions:
     """Both ends' regions for one point: one region per layer group per end."""
 
     def __init__(self, point: Point, pool_factor: int, rng: np.random.Generator,
@@ -226,9 +226,9 @@ class BackendCase:
         self.name = name
         self._rng = np.random.default_rng(config.seed + 1)
 
-    def _setup(self, point: Point) -> tuple[Ends, _Memory, View, View]:
+    def _setup(self, point: Point) -> tuple[Ends, _PointRegions, View, View]:
         mode = TransferMode.PUSH if point.direction == "push" else TransferMode.PULL
-        memory = _Memory(point, self.config.pool_factor, self._rng, self.config.devices)
+        memory = _PointRegions(point, self.config.pool_factor, self._rng, self.config.devices)
         ends = self.make_ends(mode, point.memory)
         try:
             rp, rd = memory.regions("prefill"), memory.regions("decode")
@@ -277,7 +277,7 @@ class BackendCase:
         return t0, seen, prefill_attempt, decode_attempt
 
     @staticmethod
-    def _stamp(memory: _Memory) -> Callable[[int], Callable[[], bool]]:
+    def _stamp(memory: _PointRegions) -> Callable[[int], Callable[[], bool]]:
         def stamp(seed: int) -> Callable[[], bool]:
             memory.fill_source("prefill", seed)
             return lambda: memory.rows_equal("prefill", "decode")
