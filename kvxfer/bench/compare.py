@@ -45,7 +45,7 @@ def compare(old: BenchResult, new: BenchResult, threshold: float = 0.10, relativ
     new_by_id = {f.id: f for f in new.figures}
     for f in old.figures:
         if f.ok:
-            out.extend(_figure_changes(_Pair(old, new, f, new_by_id.get(f.id)), threshold, relative))
+            out.extend(_figure_changes(_BeforeAfter(old, new, f, new_by_id.get(f.id)), threshold, relative))
     out.extend(_new_figures(old, new))
     return out
 
@@ -61,7 +61,7 @@ def _check_comparable(old: BenchResult, new: BenchResult, threshold: float) -> N
 
 
 @dataclass(frozen=True)
-class _Pair:
+class _BeforeAfter:
     """One figure of the old run (measured) and the same figure in the new run, if any."""
 
     old: BenchResult
@@ -70,19 +70,19 @@ class _Pair:
     after: Figure | None
 
 
-def _figure_changes(pair: _Pair, threshold: float, relative: bool) -> list[Change]:
-    f = pair.before
+def _figure_changes(compared: _BeforeAfter, threshold: float, relative: bool) -> list[Change]:
+    f = compared.before
     out = []
     for metric, higher in METRICS[f.mode]:
         if relative and metric == "gbps_best" and f.case == "local_copy":
             continue  # the reference itself: the ratios below divide by it, on both sides
-        out.append(_metric_change(pair, metric, higher, threshold, relative))
+        out.append(_metric_change(compared, metric, higher, threshold, relative))
     return out
 
 
-def _metric_change(pair: _Pair, metric: str, higher: bool, threshold: float, relative: bool) -> Change:
-    f, g = pair.before, pair.after
-    before = _value(pair.old, f, metric, relative)
+def _metric_change(compared: _BeforeAfter, metric: str, higher: bool, threshold: float, relative: bool) -> Change:
+    f, g = compared.before, compared.after
+    before = _value(compared.old, f, metric, relative)
     name = "vs copy" if relative and metric == "gbps_best" else metric
     if before is None:
         # Not comparable as asked (no reference in the old run): said, never skipped
@@ -91,7 +91,7 @@ def _metric_change(pair: _Pair, metric: str, higher: bool, threshold: float, rel
     if g is None or not g.ok:
         why = "missing" if g is None else f"{g.status}: {g.reason}"
         return Change(f.id, f"{name} ({why})", before, None, None, "lost")
-    after = _value(pair.new, g, metric, relative)
+    after = _value(compared.new, g, metric, relative)
     if after is None:
         return Change(f.id, f"{name} (no reference in the new run)", before, None, None, "lost")
     rel = _relative(before, after, higher)
