@@ -126,6 +126,12 @@ def spin_poll(fds: list[int], timeout_s: float, words: np.ndarray | None = None,
     return True
 
 
+def cuda_built() -> bool:
+    """The compiled module has its CUDA half, asked without starting CUDA (``info()`` starts it
+    in this process, which a process that forks workers after must not)."""
+    return bool(getattr(_NATIVE, "HAS_CUDA", False))
+
+
 @functools.lru_cache(maxsize=1)
 def info() -> NativeInfo:
     mod = _NATIVE

@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     args.sampling = check_sampling_args(parser, args)
     args.samplings = per_request(args.sampling, args.requests)
     check_serving(parser, "127.0.0.1", 0)  # the hint key, which every worker would refuse
-    check_backend(parser, args.backend)
+    check_backend(parser, args.backend, probe_cuda=False)  # CUDA itself only once the fork server is forked
     check_model_args(parser, args)
     check_engine_kv_args(parser, args)
     check_engine_args(parser, args)
@@ -505,6 +505,8 @@ def _run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace, pref
                  decode_device: str) -> int:
     """The pair once its flags are checked and torch imported: the oracle, the processes, the report."""
     from kvxfer.engine import text_samples
+
+    check_backend(parser, args.backend)  # ipc asks CUDA now, after the workers' fork server was forked
 
     oracle: Oracle = TransformersOracle(args, args.blocks, prefill_device) if args.engine == "transformers" \
         else ReferenceOracle(model_from_args(args))

@@ -124,3 +124,34 @@ def test_report_names_the_role_devices_when_they_differ_from_the_oracle() -> Non
     same = io.StringIO()
     pair.print_report(pair.summarize([], 1.0, config | {"prefill_device": "cuda", "decode_device": "cuda"}), same)
     assert same.getvalue().splitlines()[0].endswith("model 1L/32H/2h/1kv/float32 on cuda")
+
+
+@pytest.mark.skipif(bool(__import__("kvxfer.native", fromlist=["info"]).info().cuda_usable),
+                    reason="with a usable GPU --backend ipc runs: the order is checked where ipc is refused")
+def test_ipc_asks_cuda_only_after_the_workers_fork_server_is_forked(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Asking CUDA whether ipc can run starts CUDA in the asking process, and a worker forked
+    from it afterwards sees no GPU ("CUDA driver initialization failed"): every `kvxfer pair
+    --backend ipc` on a GPU failed so. The pair asks only after its fork server exists."""
+    import contextlib
+
+    from kvxfer import cli, native
+
+    asked: list[str] = []
+    real = native.info
+    monkeypatch.setattr(native, "info", lambda: asked.append("info") or real())
+    monkeypatch.setattr(native, "cuda_built", lambda: True)
+    forked: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def fork_server_here():  # type: ignore[no-untyped-def]
+        forked.append(list(asked))
+        yield False
+
+    monkeypatch.setattr(pair, "fork_server_here", fork_server_here)
+    monkeypatch.setattr(cli, "AS_COMMAND", True)
+    with pytest.raises(SystemExit) as exc:
+        pair.main(["--backend", "ipc", "--requests", "1", "--quiet"])
+    assert exc.value.code == 2 and "--backend ipc needs a visible CUDA GPU" in capsys.readouterr().err
+    assert forked == [[]], f"CUDA was asked before the fork server was forked: {forked}"
+    assert asked, "ipc was never checked against CUDA"
