@@ -127,8 +127,7 @@ def spin_poll(fds: list[int], timeout_s: float, words: np.ndarray | None = None,
 
 
 def cuda_built() -> bool:
-    """The compiled module has its CUDA half, asked without starting CUDA (``info()`` starts it
-    in this process, which a process that forks workers after must not)."""
+    """The module has its CUDA half, asked without starting CUDA here (``info()`` starts it)."""
     return bool(getattr(_NATIVE, "HAS_CUDA", False))
 
 
@@ -413,15 +412,13 @@ def has_device_digests() -> bool:
 
 def device_row_digests(*, base: int, stride: int, slots: npt.NDArray[np.int64], row_bytes: int, k: int,
                        device: int, stream: int = 0) -> npt.NDArray[np.uint64]:
-    """``row_digests`` of rows in device memory (native/cuda_digest.cu): one kernel on
-    ``stream`` of ``device``, drained before it returns, the GIL released. RowCopyError where
-    it cannot run here (``has_device_digests()``) or CUDA fails."""
+    """``row_digests`` of rows in device memory (native/cuda_digest.cu): a kernel on ``stream``,
+    drained before it returns, the GIL released; RowCopyError where it cannot run or CUDA fails."""
     if not has_device_digests() or _NATIVE is None:
         raise RowCopyError(_LOAD_REASON or info().reason or "kvxfer._native was built without the CUDA row digest")
     index, n = _host_slots(slots, None, "digest")
-    assert isinstance(index, np.ndarray) and n is not None
-    if n and int(index.min()) < 0:
-        raise RowCopyError(f"digest slots must not be negative, got {int(index.min())}")
+    if not isinstance(index, np.ndarray) or (n and int(index.min()) < 0):
+        raise RowCopyError(f"digest slots must be a host array of slots, none negative, got {slots!r:.80}")
     try:
         out: npt.NDArray[np.uint64] = _NATIVE.cuda_row_digests(device, stream, base, stride, index, row_bytes, k)
     except _NATIVE.CopyError as exc:

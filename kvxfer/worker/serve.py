@@ -550,23 +550,14 @@ def check_net_devices(parser: argparse.ArgumentParser, backend: str) -> None:
 
 def check_backend(parser: argparse.ArgumentParser, backend: str, *, probe_cuda: bool = True) -> None:
     """A backend that cannot run on this machine, named before anything is built (also a
-    UCX_NET_DEVICES naming a device this host lacks). ``probe_cuda=False``: ipc's check asks
-    only whether kvxfer._native was built with CUDA, and does not ask CUDA itself, which starts
-    CUDA in this process: a process that forks workers afterwards (kvxfer pair's fork server)
-    must not, since a forked child cannot use CUDA started in its parent."""
+    UCX_NET_DEVICES naming a device this host lacks). ``probe_cuda=False``: ipc asks only whether
+    kvxfer._native has CUDA, not CUDA itself, which would start CUDA here: a process that forks
+    workers afterwards (kvxfer pair's fork server) must not, a forked child cannot use it."""
     check_net_devices(parser, backend)
-    if backend != "ipc":
-        return
     from kvxfer import native
 
-    if not probe_cuda:
-        if not native.cuda_built():
-            parser.error(f"--backend ipc needs a visible CUDA GPU and kvxfer._native built with CUDA: "
-                         f"{native.info().reason}")
-        return
-    info = native.info()
-    if not info.cuda_usable:
-        parser.error(f"--backend ipc needs a visible CUDA GPU and kvxfer._native built with CUDA: {info.reason}")
+    if backend == "ipc" and not (native.cuda_built() if not probe_cuda else native.info().cuda_usable):
+        parser.error(f"--backend ipc needs a visible CUDA GPU and kvxfer._native built with CUDA: {native.info().reason}")
 
 
 def main(argv: list[str] | None = None) -> int:
