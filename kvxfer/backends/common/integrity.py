@@ -165,19 +165,8 @@ def check_landed(view: View, masks: list[BoolArray], digests: Sequence[U64] | No
         for g, mask in zip(view.groups, masks):
             if mask.any():
                 corrupt(g.region, g.slots[mask])
-    landed = sum(int(m.sum()) for m in masks)
-    if landed == 0:
-        return None
-    if digests is None or len(digests) != len(masks):
-        for m in masks:
-            m[:] = False
-        return no_digests(landed)
-    wrong = []
-    for g, mask, expected in zip(view.groups, masks, digests):
-        rows = np.flatnonzero(mask)
-        got = region_digests(g.region, g.slots[rows]) if rows.size else rows
-        wrong.append(rows[got != np.asarray(expected)[rows]] if rows.size else rows)
-    return refuse(view, masks, wrong, landed)
+    groups = view.groups
+    return _compare(masks, digests, view, lambda i, rows: region_digests(groups[i].region, groups[i].slots[rows]))
 
 
 def check_summed(view: View, masks: list[BoolArray], digests: Sequence[U64] | None,
@@ -185,6 +174,12 @@ def check_summed(view: View, masks: list[BoolArray], digests: Sequence[U64] | No
     """``check_landed`` when this end took the digests of the landed rows as it placed them
     (``sums``, aligned with the view's groups, the corrupt hook applied before): only the
     comparison is left, no row is read again."""
+    return _compare(masks, digests, view, lambda i, rows: np.asarray(sums[i])[rows])
+
+
+def _compare(masks: list[BoolArray], digests: Sequence[U64] | None, view: View,
+             got: Callable[[int, IndexArray], U64]) -> str | None:
+    """The landed rows' digests (``got(group index, rows)``) against ``digests``: ``check_landed``."""
     landed = sum(int(m.sum()) for m in masks)
     if landed == 0:
         return None
@@ -193,9 +188,9 @@ def check_summed(view: View, masks: list[BoolArray], digests: Sequence[U64] | No
             m[:] = False
         return no_digests(landed)
     wrong = []
-    for mask, expected, got in zip(masks, digests, sums):
+    for i, (mask, expected) in enumerate(zip(masks, digests)):
         rows = np.flatnonzero(mask)
-        wrong.append(rows[got[rows] != np.asarray(expected)[rows]])
+        wrong.append(rows[got(i, rows) != np.asarray(expected)[rows]] if rows.size else rows)
     return refuse(view, masks, wrong, landed)
 
 
