@@ -128,7 +128,7 @@ def check_read(check: RowCheck, job: ActiveJob, local: list[BoolArray], peer: li
             m[:] = False
         bad: str | None = no_digests(landed)
     else:
-        wrong = [np.concatenate(w) if w else np.zeros(0, dtype=np.int64) for w in state.wrong]
+        wrong = [np.unique(np.concatenate(w)) if w else np.zeros(0, dtype=np.int64) for w in state.wrong]
         bad = refuse(job.view, local, wrong, landed)
     if bad is not None:
         refused = landed - sum(int(np.count_nonzero(m)) for m in local)
