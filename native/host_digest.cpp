@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
-#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -157,15 +156,10 @@ void digest_range(std::uint64_t base, std::int64_t stride, const std::int64_t* s
   }
 }
 
-}  // namespace
-
-std::string host_segment_digests(const SegmentDigests& p, std::uint64_t* out, int threads) {
-  std::string err = check_segments(p);
-  if (!err.empty() || p.n_segments == 0) return err;
-  const std::int64_t n = p.n_segments;
-  std::int64_t units = 0;
-  for (std::int64_t s = 0; s < n; ++s) units += p.tokens[s];
-  const std::int64_t total = units * p.heads * p.unit_bytes;
+// Runs range(begin, end) over [0, n) in contiguous shares, one a thread: `threads` of them when
+// positive, else as many as `total` bytes pay for (kBytesPerThread each, at most 16 and the cores).
+template <typename Range>
+void split_ranges(std::int64_t n, std::int64_t total, int threads, const Range& range) {
   std::int64_t want;
   if (threads > 0) {
     want = std::min<std::int64_t>(threads, n);
@@ -175,16 +169,29 @@ std::string host_segment_digests(const SegmentDigests& p, std::uint64_t* out, in
   }
   const std::int64_t share = (n + want - 1) / want;
   std::vector<std::thread> pool;
-  std::int64_t started = 1;
+  std::int64_t started = 1;  // shares begun (the first runs here)
   try {
     for (std::int64_t t = 1; t < want && t * share < n; ++t, ++started)
-      pool.emplace_back(segment_range, std::cref(p), out, t * share, std::min(n, (t + 1) * share));
+      pool.emplace_back(range, t * share, std::min(n, (t + 1) * share));
   } catch (const std::exception&) {
     // Fewer threads than wanted: the shares none took are done here below.
   }
-  segment_range(p, out, 0, std::min(share, n));
+  range(0, std::min(share, n));
   for (auto& th : pool) th.join();
-  if (started * share < n) segment_range(p, out, started * share, n);
+  if (started * share < n) range(started * share, n);
+}
+
+}  // namespace
+
+std::string host_segment_digests(const SegmentDigests& p, std::uint64_t* out, int threads) {
+  std::string err = check_segments(p);
+  if (!err.empty() || p.n_segments == 0) return err;
+  const std::int64_t n = p.n_segments;
+  std::int64_t units = 0;
+  for (std::int64_t s = 0; s < n; ++s) units += p.tokens[s];
+  const std::int64_t total = units * p.heads * p.unit_bytes;
+  split_ranges(n, total, threads,
+               [&p, out](std::int64_t begin, std::int64_t end) { segment_range(p, out, begin, end); });
   return {};
 }
 
@@ -198,26 +205,9 @@ std::string host_row_digests(std::uint64_t base, std::int64_t stride, const std:
     for (std::int64_t i = 0; i < n; ++i)
       if (slots[i] < 0) return "slot " + std::to_string(slots[i]) + " at row " + std::to_string(i) + " is negative";
   }
-  const std::int64_t total = n * row_bytes;
-  std::int64_t want;
-  if (threads > 0) {
-    want = std::min<std::int64_t>(threads, n);
-  } else {
-    const std::int64_t hw = std::max(1u, std::thread::hardware_concurrency());
-    want = std::max<std::int64_t>(1, std::min<std::int64_t>({total / kBytesPerThread, hw, n, 16}));
-  }
-  const std::int64_t share = (n + want - 1) / want;
-  std::vector<std::thread> pool;
-  std::int64_t started = 1;  // shares begun (the first runs here)
-  try {
-    for (std::int64_t t = 1; t < want && t * share < n; ++t, ++started)
-      pool.emplace_back(digest_range, base, stride, slots, row_bytes, k, out, t * share, std::min(n, (t + 1) * share));
-  } catch (const std::exception&) {
-    // Fewer threads than wanted: the shares none took are done here below.
-  }
-  digest_range(base, stride, slots, row_bytes, k, out, 0, std::min(share, n));
-  for (auto& th : pool) th.join();
-  if (started * share < n) digest_range(base, stride, slots, row_bytes, k, out, started * share, n);
+  split_ranges(n, n * row_bytes, threads, [=](std::int64_t begin, std::int64_t end) {
+    digest_range(base, stride, slots, row_bytes, k, out, begin, end);
+  });
   return {};
 }
 
