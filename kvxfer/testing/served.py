@@ -37,3 +37,15 @@ async def served_workers(workers: Mapping[str, tuple[WorkerConfig, Any]]
         for worker in started.values():
             report = await worker.close()
             assert report == {"unquiesced_attempts": 0, "retained_blocks": 0}, report
+
+
+@contextlib.asynccontextmanager
+async def served_pair(prefill: Mapping[str, Any], decode: Mapping[str, Any], *, weights: Any, **common: Any
+                      ) -> AsyncIterator[tuple[str, str, dict[str, Worker]]]:
+    """A prefill and a decode worker named by their roles, served as ``served_workers`` does:
+    each one's WorkerConfig is ``common`` with its own fields over it, and both run ``weights``.
+    Yields the prefill URL, the decode URL and the workers by role."""
+    configs = {role: (WorkerConfig(role=role, name=role, **{**common, **extra}), weights)
+               for role, extra in (("prefill", prefill), ("decode", decode))}
+    async with served_workers(configs) as (urls, workers):
+        yield urls["prefill"], urls["decode"], workers

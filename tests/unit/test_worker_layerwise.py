@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import re
 import time
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
 import torch
 
-from kvxfer.backends.loopback import LoopbackFabric
 from kvxfer.contract import TransferMode
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, layer_groups, synthetic_prompts
 from kvxfer.router import Completion, Router
-from kvxfer.serving.http import HttpServer
-from kvxfer.worker.app import make_handler
+from kvxfer.testing.served import served_pair
 from kvxfer.worker.core import Worker, WorkerConfig
 
 torch.set_num_threads(1)
@@ -29,29 +26,9 @@ CFG = ModelConfig(vocab_size=128, hidden=64, layers=4, heads=4, kv_heads=2, head
 MODEL = LlamaModel(CFG)
 
 
-@contextlib.asynccontextmanager
-async def pair(prefill: dict[str, Any], decode: dict[str, Any]) -> AsyncIterator[tuple[str, str, dict[str, Worker]]]:
-    fabric = LoopbackFabric()
-    servers: list[HttpServer] = []
-    workers: dict[str, Worker] = {}
-    urls = {}
-    try:
-        for role, extra in (("prefill", prefill), ("decode", decode)):
-            config = WorkerConfig(role=role, model=CFG, num_blocks=128, backend="loopback", name=role,
-                                  transfer_timeout_s=5.0, **extra)
-            worker = Worker(config, model=MODEL, fabric=fabric)
-            await worker.start()
-            server = HttpServer(make_handler(worker))
-            port = await server.start()
-            servers.append(server)
-            urls[role] = f"http://127.0.0.1:{port}"
-            workers[role] = worker
-        yield urls["prefill"], urls["decode"], workers
-    finally:
-        for server in servers:
-            await server.close()
-        for worker in workers.values():
-            await worker.close()
+def pair(prefill: dict[str, Any], decode: dict[str, Any]) -> AbstractAsyncContextManager[tuple[str, str, dict[str, Worker]]]:
+    return served_pair(prefill, decode, weights=MODEL, model=CFG, num_blocks=128, backend="loopback",
+                       transfer_timeout_s=5.0)
 
 
 @pytest.mark.parametrize(("groups", "mode"), [(1, TransferMode.PUSH), (2, TransferMode.PUSH), (4, TransferMode.PUSH),
