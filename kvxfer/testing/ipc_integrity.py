@@ -15,7 +15,7 @@ from kvxfer.backends.common.corruption import Corruptor
 from kvxfer.backends.ipc import IpcBackend
 from kvxfer.contract import Delivered, Failed, Outcome, TransferMode
 from kvxfer.testing.ipc_pairs import ChildPeer, DeviceRows, PeerSpec
-from kvxfer.testing.ipc_scenarios import views
+from kvxfer.testing.ipc_scenarios import move_scattered
 
 
 @dataclass(frozen=True)
@@ -40,26 +40,10 @@ def checked_move(mode: TransferMode, *, cuda: ModuleType | None, rows: int, row_
     local = IpcBackend("local", mode, cuda=cuda, integrity=local_integrity,
                        corrupt_rows=None if corrupt is None else corrupt.pick)
     try:
-        local.register(memory.regions)
-        lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], rows, 3)
-        payload = np.random.default_rng(4).integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
-        hint = peer.describe(pv)
-        if mode is TransferMode.PUSH:
-            memory.write("L", ls, payload)
-            peer.write("P", ps, b"\0" * (rows * row_bytes))
-            handle = peer.start("fetch", pv, local.describe(lv))
-            attempt = local.publish(lv, hint)
-        else:
-            peer.write("P", ps, payload)
-            memory.write("L", ls, b"\0" * (rows * row_bytes))
-            handle = peer.start("publish", pv, local.describe(lv))
-            attempt = local.fetch(lv, hint)
-        assert attempt.wait(30), "the local attempt did not end"
-        theirs, _ = peer.result(handle, 30)
-        landed = peer.read("P", ps) if mode is TransferMode.PUSH else memory.read("L", ls)
-        return CheckedMove(attempt.poll(), theirs, ps if mode is TransferMode.PUSH else ls,
-                           np.frombuffer(payload, np.uint8).reshape(rows, row_bytes),
-                           np.frombuffer(landed, np.uint8).reshape(rows, row_bytes), local.integrity.rows_failed)
+        move = move_scattered(mode, local, memory, peer, rows=rows, row_bytes=row_bytes, seed=3)
+        return CheckedMove(move.ours, move.theirs, move.slots,
+                           np.frombuffer(move.source, np.uint8).reshape(rows, row_bytes),
+                           np.frombuffer(move.landed, np.uint8).reshape(rows, row_bytes), local.integrity.rows_failed)
     finally:
         local.shutdown()
         peer.close()

@@ -27,6 +27,7 @@ from kvxfer.contract import (
     KVGeometry,
     LayerGroupRows,
     LayoutMismatch,
+    Outcome,
     SlotRegion,
     TokenRange,
     TransferMode,
@@ -59,6 +60,42 @@ def close_all(local: IpcBackend, peers: list[ChildPeer], memory: DeviceRows | De
     assert left == frozenset(), f"attempts not quiesced at shutdown: {left}"
 
 
+@dataclass(frozen=True)
+class ScatteredMove:
+    ours: Outcome | None
+    theirs: Outcome | None
+    quiet: bool  # the peer's attempt quiesced
+    slots: np.ndarray  # where the rows landed, in row order
+    source: bytes  # the bytes sent, row after row
+    landed: bytes  # the bytes where they landed
+
+
+def move_scattered(mode: TransferMode, local: IpcBackend, memory: DeviceRows, peer: ChildPeer, *, rows: int,
+                   row_bytes: int, seed: int, request: str = "r", fill: bytes = b"\0") -> ScatteredMove:
+    """``rows`` scattered rows (picked and filled from ``seed``) of the first regions, moved by
+    ``local`` (the active end: push publishes, pull fetches) over destination rows holding
+    ``fill``. Each end describes its view before the other submits."""
+    local.register(memory.regions)
+    lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], rows, seed, request)
+    payload = np.random.default_rng(seed + 1).integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
+    hint = peer.describe(pv)
+    if mode is TransferMode.PUSH:
+        memory.write(memory.regions[0].name, ls, payload)
+        peer.write(peer.regions[0].name, ps, fill * (rows * row_bytes))
+        handle = peer.start("fetch", pv, local.describe(lv))
+        attempt = local.publish(lv, hint)
+    else:
+        peer.write(peer.regions[0].name, ps, payload)
+        memory.write(memory.regions[0].name, ls, fill * (rows * row_bytes))
+        handle = peer.start("publish", pv, local.describe(lv))
+        attempt = local.fetch(lv, hint)
+    assert attempt.wait(30), "the local attempt did not end"
+    theirs, quiet = peer.result(handle, 30)
+    if mode is TransferMode.PUSH:
+        return ScatteredMove(attempt.poll(), theirs, quiet, ps, payload, peer.read(peer.regions[0].name, ps))
+    return ScatteredMove(attempt.poll(), theirs, quiet, ls, payload, memory.read(memory.regions[0].name, ls))
+
+
 def large_rows_byte_exact(mode: TransferMode, *, cuda: ModuleType | None, row_bytes: int, slots: int,
                           rows: int, devices: tuple[int, int] = (0, 0)) -> None:
     """``rows`` scattered rows moved by this process's backend (the active end in both modes:
@@ -68,26 +105,12 @@ def large_rows_byte_exact(mode: TransferMode, *, cuda: ModuleType | None, row_by
     memory = DeviceRows((("L", row_bytes, slots),), devices[0], cuda=cuda)
     local = IpcBackend("local", mode, device=devices[0], cuda=cuda)
     try:
-        local.register(memory.regions)
-        lv, pv, ls, ps = views(memory.regions[0], peer.regions[0], rows, 5, "big")
-        payload = np.random.default_rng(6).integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
-        prefill_hint = peer.describe(pv)  # each end describes its view before the other submits
-        if mode is TransferMode.PUSH:
-            memory.write("L", ls, payload)
-            peer.write("P", ps, b"\x5a" * (rows * row_bytes))
-            handle = peer.start("fetch", pv, local.describe(lv))
-            attempt = local.publish(lv, prefill_hint)
-        else:
-            peer.write("P", ps, payload)
-            handle = peer.start("publish", pv, local.describe(lv))
-            attempt = local.fetch(lv, prefill_hint)
-        assert attempt.wait(30), "the local attempt did not end"
-        theirs, quiet = peer.result(handle, 30)
-        for outcome in (attempt.poll(), theirs):
+        move = move_scattered(mode, local, memory, peer, rows=rows, row_bytes=row_bytes, seed=5, request="big",
+                              fill=b"\x5a")
+        for outcome in (move.ours, move.theirs):
             assert isinstance(outcome, Delivered) and outcome.all_delivered, outcome
-        assert quiet, "the peer's attempt did not quiesce"
-        got = peer.read("P", ps) if mode is TransferMode.PUSH else memory.read("L", ls)
-        assert got == payload, "the destination rows differ from the source rows"
+        assert move.quiet, "the peer's attempt did not quiesce"
+        assert move.landed == move.source, "the destination rows differ from the source rows"
     finally:
         close_all(local, [peer], memory)
 
