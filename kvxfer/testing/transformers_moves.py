@@ -1,5 +1,6 @@
 """In-process steps the transformers adapter's tests share: prefill prompts to their first
-tokens in one engine, and move one lease's rows into another over a loopback wire."""
+tokens in one engine, step one until its requests are done, and move one lease's rows into
+another over a loopback wire."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ def prefill_all(engine: TransformersEngine, prompts: list[list[int]]) -> dict[st
     while len(engine.prefilled) < len(prompts):
         engine.step()
     return {r: d.first for r, d in engine.prefilled.items()}
+
+
+def decode_all(engine: TransformersEngine, count: int) -> dict[str, list[int]]:
+    """Step ``engine`` until ``count`` requests have finished: request -> its tokens."""
+    got: dict[str, list[int]] = {}
+    while len(got) < count:
+        engine.step()
+        got.update(engine.results())
+    return got
 
 
 def move(wire: tuple[LoopbackBackend, LoopbackBackend], read: ExternalLease, write: ExternalLease) -> Any:

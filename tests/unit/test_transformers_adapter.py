@@ -17,13 +17,12 @@ import torch
 from kvxfer.adapters.errors import AdapterError, EngineMismatch, EngineVersionError
 from kvxfer.adapters.transformers import ENGINE, TransformersEngine, check_peer_engine
 from kvxfer.adapters.transformers import _internals as hf
-from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
 from kvxfer.contract import Cancelled, Delivered, Failed, InvalidSubmission, TransferMode
 from kvxfer.lender.engine_kv import EngineKV
 from kvxfer.lender.external import ExternalLender
 from kvxfer.pool import LayerGroupSpec, PagedKVPool
 from kvxfer.testing.nixl_geometry import kv_tokens, local_bytes
-from kvxfer.testing.transformers_moves import move, prefill_all
+from kvxfer.testing.transformers_moves import decode_all, move, prefill_all
 
 torch.set_num_threads(1)
 PAGE = 4
@@ -56,29 +55,6 @@ def engines(model: Any) -> Iterator[Any]:
     for engine in made:
         engine.lender.shutdown(force=True)
         engine.batch.close()
-
-
-@pytest.fixture
-def wire() -> Iterator[Any]:
-    """A factory of loopback pairs (prefill end, decode end), shut down after the test."""
-    made: list[LoopbackBackend] = []
-
-    def make(mode: TransferMode = TransferMode.PUSH, **options: Any) -> tuple[LoopbackBackend, LoopbackBackend]:
-        fabric = LoopbackFabric()
-        pair = LoopbackBackend(fabric, "prefill", mode, **options), LoopbackBackend(fabric, "decode", mode)
-        made.extend(pair)
-        return pair
-
-    yield make
-    assert not set().union(*(b.shutdown() for b in made))
-
-
-def decode_all(engine: TransformersEngine, count: int) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    while len(got) < count:
-        engine.step()
-        got.update(engine.results())
-    return got
 
 
 def test_the_geometry_reads_each_byte_where_transformers_reads_it(engines: Any, model: Any) -> None:

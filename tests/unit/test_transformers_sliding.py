@@ -18,10 +18,10 @@ import torch
 from kvxfer.adapters.errors import UnsupportedCache
 from kvxfer.adapters.transformers import TransformersEngine
 from kvxfer.adapters.transformers import _internals as hf
-from kvxfer.backends.loopback import LoopbackBackend, LoopbackFabric
+from kvxfer.backends.loopback import LoopbackBackend
 from kvxfer.contract import Delivered, Failed, InvalidSubmission, TransferMode
 from kvxfer.testing.nixl_geometry import kv_tokens, local_bytes
-from kvxfer.testing.transformers_moves import move, prefill_all
+from kvxfer.testing.transformers_moves import decode_all, move, prefill_all
 
 torch.set_num_threads(1)
 PAGE = 4
@@ -80,21 +80,6 @@ def engines() -> Iterator[Any]:
         engine.batch.close()
 
 
-@pytest.fixture
-def wire() -> Iterator[Any]:
-    """A factory of loopback pairs (prefill end, decode end), shut down after the test."""
-    made: list[LoopbackBackend] = []
-
-    def make(mode: TransferMode = TransferMode.PUSH, **options: Any) -> tuple[LoopbackBackend, LoopbackBackend]:
-        fabric = LoopbackFabric()
-        pair = LoopbackBackend(fabric, "prefill", mode, **options), LoopbackBackend(fabric, "decode", mode)
-        made.extend(pair)
-        return pair
-
-    yield make
-    assert not set().union(*(b.shutdown() for b in made))
-
-
 def connect(prefill: TransformersEngine, decode: TransformersEngine, make: Any,
             **options: Any) -> tuple[LoopbackBackend, LoopbackBackend]:
     pair = make(**options)
@@ -112,14 +97,6 @@ def hand_over(prefill: TransformersEngine, decode: TransformersEngine, request: 
     outcomes = {g: move(pairs[g], reads[g], reservation.leases[g]) for g in decode.groups}
     prefill.finish_prefill(request)
     return outcomes
-
-
-def decode_all(engine: TransformersEngine, count: int) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    while len(got) < count:
-        engine.step()
-        got.update(engine.results())
-    return got
 
 
 def test_each_group_has_its_own_geometry_over_the_one_cache_tensor(engines: Any, model: Any) -> None:
