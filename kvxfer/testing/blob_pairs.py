@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import numpy as np
+
 from kvxfer.backends.blob import BlobBackend, BlobDriver, MemoryDriver, MemoryStore
-from kvxfer.contract import TransferMode
+from kvxfer.contract import CacheKind, LayerGroupRows, TokenRange, TransferMode, View
 from kvxfer.testing.conformance import InProcessPeer, Pair
 from kvxfer.testing.memory import HostBuffer, HostRows, retain_if_unquiesced
 
@@ -47,3 +49,11 @@ def blob_pair(mode: TransferMode, driver: Callable[[], BlobDriver] | None = None
     return Pair(local, local_mem, local_mem.regions,
                 InProcessPeer(peer, peer_mem, peer_mem.regions, inject(peer_driver)), mode, inject(local_driver), close,
                 peer_hears=False)
+
+
+def blob_view(memory: HostRows, request: str, slots: list[int], layout: bytes = b"layout-a") -> View:
+    """``slots`` of ``memory``'s first region as one paged layer group (``g0``), ordinals
+    0..n-1, 16 tokens a row."""
+    rows = LayerGroupRows("g0", CacheKind.PAGED, memory.regions[0], np.asarray(slots, dtype=np.int64),
+                          np.arange(len(slots), dtype=np.int64))
+    return View(request, TokenRange(0, 16 * len(slots)), (rows,), layout)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvxfer.contract import Attempt, Outcome
+
 
 def settle(condition: Callable[[], object], timeout: float = 5.0, step: float = 0.005) -> bool:
     """Poll ``condition`` until it is true or ``timeout`` seconds passed; its last truth."""
@@ -14,3 +16,12 @@ def settle(condition: Callable[[], object], timeout: float = 5.0, step: float = 
             return True
         time.sleep(step)
     return bool(condition())
+
+
+def ended(attempt: Attempt, timeout: float = 10.0) -> Outcome:
+    """Wait until ``attempt`` has its outcome and has quiesced: the outcome (AssertionError
+    naming the attempt if not within ``timeout`` seconds)."""
+    assert settle(lambda: attempt.poll() is not None and attempt.quiesced(), timeout, 0.002), attempt
+    outcome = attempt.poll()
+    assert outcome is not None, attempt
+    return outcome

@@ -15,17 +15,16 @@ import pytest
 from kvxfer.backends.blob import BlobBackend, MemoryDriver, MemoryStore, request_names
 from kvxfer.contract import (
     Attempt,
-    CacheKind,
     Cancelled,
     Delivered,
     Failed,
-    LayerGroupRows,
     Outcome,
     SubmissionRejected,
-    TokenRange,
     View,
 )
+from kvxfer.testing.blob_pairs import blob_view
 from kvxfer.testing.memory import HostBuffer, HostRows
+from kvxfer.testing.waiting import ended
 
 ROW = 4096
 MADE: list[BlobBackend] = []
@@ -47,29 +46,13 @@ def _end(store: MemoryStore, name: str, **kw: object) -> tuple[BlobBackend, Host
     return backend, memory
 
 
-def _view(memory: HostRows, request: str, slots: list[int], layout: bytes = b"layout-a") -> View:
-    region = memory.regions[0]
-    rows = LayerGroupRows("g0", CacheKind.PAGED, region, np.asarray(slots, dtype=np.int64),
-                          np.arange(len(slots), dtype=np.int64))
-    return View(request, TokenRange(0, 16 * len(slots)), (rows,), layout)
-
-
-def _done(attempt: Attempt, timeout: float = 10.0) -> Outcome:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not (attempt.poll() is not None and attempt.quiesced()):
-        time.sleep(0.002)
-    outcome = attempt.poll()
-    assert outcome is not None and attempt.quiesced(), attempt
-    return outcome
-
-
 def _payload(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n * ROW, dtype=np.uint8).tobytes()
 
 
 def _publish(backend: BlobBackend, memory: HostRows, view: View, data: bytes) -> Outcome:
     memory.write(view.groups[0].region.name, view.groups[0].slots, data)
-    return _done(backend.publish(view, backend.describe(view)))
+    return ended(backend.publish(view, backend.describe(view)))
 
 
 def test_rows_put_by_one_end_come_back_byte_for_byte_at_another() -> None:
@@ -77,9 +60,9 @@ def test_rows_put_by_one_end_come_back_byte_for_byte_at_another() -> None:
     prefill, pm = _end(store, "prefill")
     decode, dm = _end(store, "decode")
     data = _payload(10)
-    assert isinstance(_publish(prefill, pm, _view(pm, "r1", [9, 3, 5, 7, 1, 0, 2, 4, 6, 8]), data), Delivered)
-    view = _view(dm, "r1", [40, 41, 12, 13, 14, 50, 51, 52, 53, 63])
-    outcome = _done(decode.fetch(view, decode.describe(view)))
+    assert isinstance(_publish(prefill, pm, blob_view(pm, "r1", [9, 3, 5, 7, 1, 0, 2, 4, 6, 8]), data), Delivered)
+    view = blob_view(dm, "r1", [40, 41, 12, 13, 14, 50, 51, 52, 53, 63])
+    outcome = ended(decode.fetch(view, decode.describe(view)))
     assert isinstance(outcome, Delivered) and outcome.all_delivered
     assert dm.read("decode0", view.groups[0].slots) == data
     assert store.used == 10 * (ROW + 8) and prefill.bytes_moved == decode.bytes_moved == 10 * ROW  # each row and its digest
@@ -89,10 +72,10 @@ def test_a_missing_or_lost_key_is_false_and_the_fetch_fails_naming_it() -> None:
     store = MemoryStore()
     prefill, pm = _end(store, "prefill")
     decode, dm = _end(store, "decode")
-    _publish(prefill, pm, _view(pm, "r1", list(range(6))), _payload(6))
-    store.lose(request_names(_view(pm, "r1", list(range(6))))[0][4:5])  # evicted: block 4
-    view = _view(dm, "r1", list(range(10, 18)))  # 8 blocks: 6 and 7 were never put
-    outcome = _done(decode.fetch(view, decode.describe(view)))
+    _publish(prefill, pm, blob_view(pm, "r1", list(range(6))), _payload(6))
+    store.lose(request_names(blob_view(pm, "r1", list(range(6))))[0][4:5])  # evicted: block 4
+    view = blob_view(dm, "r1", list(range(10, 18)))  # 8 blocks: 6 and 7 were never put
+    outcome = ended(decode.fetch(view, decode.describe(view)))
     assert isinstance(outcome, Failed)
     assert outcome.masks[0].tolist() == [True, True, True, True, False, True, False, False]
     assert "3 of 8 rows not read (3 missing" in outcome.reason and "of row 4 is missing" in outcome.reason
@@ -101,13 +84,13 @@ def test_a_missing_or_lost_key_is_false_and_the_fetch_fails_naming_it() -> None:
 def test_a_full_store_refuses_what_does_not_fit_and_a_dead_one_fails_every_row() -> None:
     store = MemoryStore(capacity_bytes=5 * ROW + 8 * 8)  # five rows, and the batch's 8 digests (put first)
     prefill, pm = _end(store, "prefill")
-    outcome = _publish(prefill, pm, _view(pm, "r1", list(range(8))), _payload(8))
+    outcome = _publish(prefill, pm, blob_view(pm, "r1", list(range(8))), _payload(8))
     assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [True] * 5 + [False] * 3
     assert "3 full" in outcome.reason
     store.down = True
     decode, dm = _end(store, "decode")
-    view = _view(dm, "r1", list(range(5)))
-    outcome = _done(decode.fetch(view, decode.describe(view)))
+    view = blob_view(dm, "r1", list(range(5)))
+    outcome = ended(decode.fetch(view, decode.describe(view)))
     assert isinstance(outcome, Failed) and outcome.rows_delivered == 0 and "5 failed" in outcome.reason
 
 
@@ -115,31 +98,31 @@ def test_a_fetch_waits_for_keys_a_publisher_is_still_putting_when_asked_to() -> 
     store = MemoryStore()
     prefill, pm = _end(store, "prefill")
     decode, dm = _end(store, "decode", fetch_wait_s=5.0)
-    view = _view(dm, "r1", list(range(4)))
+    view = blob_view(dm, "r1", list(range(4)))
     fetching = decode.fetch(view, decode.describe(view))
     time.sleep(0.2)
     assert fetching.poll() is None  # waiting, not failed
     data = _payload(4, seed=3)
-    _publish(prefill, pm, _view(pm, "r1", [7, 6, 5, 4]), data)
-    assert isinstance(_done(fetching), Delivered) and dm.read("decode0", view.groups[0].slots) == data
+    _publish(prefill, pm, blob_view(pm, "r1", [7, 6, 5, 4]), data)
+    assert isinstance(ended(fetching), Delivered) and dm.read("decode0", view.groups[0].slots) == data
 
 
 def test_deadline_and_cancel_end_between_batches_with_exact_masks() -> None:
     store = MemoryStore()
     prefill, pm = _end(store, "prefill", batch_rows=2, timeout_s=0.5)
     store.delay_s = 0.2  # per batch of 2 rows: 8 rows need 0.8 s
-    outcome = _publish(prefill, pm, _view(pm, "r1", list(range(8))), _payload(8))
+    outcome = _publish(prefill, pm, blob_view(pm, "r1", list(range(8))), _payload(8))
     assert isinstance(outcome, Failed) and "deadline of 0.5s passed" in outcome.reason
     delivered = outcome.masks[0]
     assert 0 < delivered.sum() < 8 and delivered.tolist() == sorted(delivered.tolist(), reverse=True)
     assert store.used == int(delivered.sum()) * (ROW + 8)  # what the mask says is stored (and its digest), is
     store.delay_s = 0.05
     slow, sm = _end(store, "slow", batch_rows=2)
-    view = _view(sm, "r2", list(range(8)))
+    view = blob_view(sm, "r2", list(range(8)))
     attempt = slow.publish(view, slow.describe(view))
     time.sleep(0.08)
     attempt.cancel()
-    outcome = _done(attempt)
+    outcome = ended(attempt)
     assert isinstance(outcome, Cancelled) and 0 < outcome.rows_delivered < 8
 
 
@@ -147,23 +130,23 @@ def test_the_queue_is_bounded_and_a_refused_submission_touches_nothing() -> None
     store = MemoryStore()
     store.delay_s = 0.05
     prefill, pm = _end(store, "prefill", max_queued_rows=6)
-    first = _view(pm, "r1", list(range(4)))
+    first = blob_view(pm, "r1", list(range(4)))
     attempt = prefill.publish(first, prefill.describe(first))
-    second = _view(pm, "r2", list(range(10, 14)))
+    second = blob_view(pm, "r2", list(range(10, 14)))
     with pytest.raises(SubmissionRejected, match="4 rows are queued; 4 more would pass max_queued_rows=6"):
         prefill.publish(second, prefill.describe(second))
-    _done(attempt)
+    ended(attempt)
     assert store.puts == 8  # 4 rows of r1 and their digests; nothing of r2
-    assert isinstance(_done(prefill.publish(second, prefill.describe(second))), Delivered)  # room again
+    assert isinstance(ended(prefill.publish(second, prefill.describe(second))), Delivered)  # room again
 
 
 def test_layouts_that_differ_never_share_a_key() -> None:
     store = MemoryStore()
     a, am = _end(store, "a")
     b, bm = _end(store, "b")
-    _publish(a, am, _view(am, "r1", [0, 1], layout=b"layout-a"), _payload(2, seed=1))
-    view = _view(bm, "r1", [5, 6], layout=b"layout-b")
-    outcome = _done(b.fetch(view, b.describe(view)))
+    _publish(a, am, blob_view(am, "r1", [0, 1], layout=b"layout-a"), _payload(2, seed=1))
+    view = blob_view(bm, "r1", [5, 6], layout=b"layout-b")
+    outcome = ended(b.fetch(view, b.describe(view)))
     assert isinstance(outcome, Failed) and outcome.rows_delivered == 0 and "2 missing" in outcome.reason
 
 
@@ -180,7 +163,7 @@ def test_wake_comes_after_the_outcome_is_visible_and_shutdown_stops_the_thread()
             if holder[0].quiesced():
                 ready.set()
 
-    view = _view(pm, "r1", list(range(3)))
+    view = blob_view(pm, "r1", list(range(3)))
     holder.append(prefill.publish(view, prefill.describe(view), wake))
     assert ready.wait(5) and all(seen)
     assert "kvxfer-blob-prefill" in {t.name for t in threading.enumerate()}
@@ -220,14 +203,14 @@ def test_a_fetch_whose_later_blocks_fault_leaves_resume_bounds_at_the_first_gap(
     lease = plend.lend_read("r", (0, n))
     view = lease.view()
     assert view is not None
-    assert isinstance(_done(pback.publish(view, pback.describe(view))), Delivered)
+    assert isinstance(ended(pback.publish(view, pback.describe(view))), Delivered)
     lease.release()
     store.lose(request_names(view)[0][3:4])
     dpool.allocate("r", n)
     lease = dlend.lend_write("r", (0, n))
     view = lease.view()
     assert view is not None
-    outcome = _done(dback.fetch(view, dback.describe(view)))
+    outcome = ended(dback.fetch(view, dback.describe(view)))
     assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [True, True, True, False, True, True]
     lease.mark_arrived(outcome.masks)
     lease.release()

@@ -18,19 +18,15 @@ import pytest
 from kvxfer.backends.blob import BlobBackend, BlobDriver, MemoryDriver, MemoryStore, ShmDriver
 from kvxfer.contract import (
     Attempt,
-    CacheKind,
     Cancelled,
     Delivered,
     Failed,
-    LayerGroupRows,
-    Outcome,
     SubmissionRejected,
-    TokenRange,
-    View,
 )
+from kvxfer.testing.blob_pairs import blob_view
 from kvxfer.testing.faulty_driver import Fault, FaultyDriver
 from kvxfer.testing.memory import HostBuffer, HostRows
-from kvxfer.testing.waiting import settle
+from kvxfer.testing.waiting import ended, settle
 
 ROW = 1024
 _n = itertools.count()
@@ -70,32 +66,18 @@ def _end(inner: Inner, **kw: object) -> tuple[BlobBackend, FaultyDriver, HostRow
     return backend, driver, memory
 
 
-def _view(memory: HostRows, request: str, slots: list[int]) -> View:
-    region = next(iter(memory.buffers.values())).region
-    rows = LayerGroupRows("g0", CacheKind.PAGED, region, np.asarray(slots, dtype=np.int64),
-                          np.arange(len(slots), dtype=np.int64))
-    return View(request, TokenRange(0, 16 * len(slots)), (rows,), b"layout")
-
-
-def _done(attempt: Attempt) -> Outcome:
-    assert settle(lambda: attempt.poll() is not None and attempt.quiesced(), 10.0), attempt
-    outcome = attempt.poll()
-    assert outcome is not None
-    return outcome
-
-
 def _payload(rows: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, rows * ROW, dtype=np.uint8).tobytes()
 
 
 def _put(backend: BlobBackend, memory: HostRows, request: str, slots: list[int], seed: int) -> Attempt:
-    view = _view(memory, request, slots)
+    view = blob_view(memory, request, slots)
     memory.write(view.groups[0].region.name, view.groups[0].slots, _payload(len(slots), seed))
     return backend.publish(view, backend.describe(view))
 
 
 def _get(backend: BlobBackend, memory: HostRows, request: str, slots: list[int]) -> Attempt:
-    view = _view(memory, request, slots)
+    view = blob_view(memory, request, slots)
     return backend.fetch(view, backend.describe(view))
 
 
@@ -105,8 +87,8 @@ def _read(memory: HostRows, slots: list[int]) -> bytes:
 
 def _serves(prefill: BlobBackend, pm: HostRows, decode: BlobBackend, dm: HostRows, request: str) -> None:
     """The thread is alive and moves rows byte for byte."""
-    assert isinstance(_done(_put(prefill, pm, request, [20, 21, 22], seed=99)), Delivered)
-    assert isinstance(_done(_get(decode, dm, request, [25, 26, 27])), Delivered)
+    assert isinstance(ended(_put(prefill, pm, request, [20, 21, 22], seed=99)), Delivered)
+    assert isinstance(ended(_get(decode, dm, request, [25, 26, 27])), Delivered)
     assert _read(dm, [25, 26, 27]) == _payload(3, 99)
 
 
@@ -123,13 +105,13 @@ def test_a_driver_that_raises_anything_fails_that_batch_by_name_and_the_thread_s
     pd.error = dd.error = error
     name = type(error()).__name__
     pd.plan("put", None, when)  # the second batch of the put: rows 2 and 3
-    outcome = _done(_put(prefill, pm, "r1", [0, 1, 2, 3, 4, 5], seed=1))
+    outcome = ended(_put(prefill, pm, "r1", [0, 1, 2, 3, 4, 5], seed=1))
     assert isinstance(outcome, Failed)
     assert outcome.masks[0].tolist() == [True, True, False, False, True, True]
     assert f"2 of 6 rows not stored (2 failed; first: store 'memory': put raised {name}: " in outcome.reason
     assert str(error()) in outcome.reason
     dd.plan("get", when)  # the first batch of the get: rows 0 and 1
-    outcome = _done(_get(decode, dm, "r1", [10, 11, 12, 13, 14, 15]))
+    outcome = ended(_get(decode, dm, "r1", [10, 11, 12, 13, 14, 15]))
     assert isinstance(outcome, Failed) and f"get raised {name}" in outcome.reason
     put_anyway = when is Fault.RAISE_AFTER  # rows 2 and 3 are in the store, though the put failed them
     assert outcome.masks[0].tolist() == [False, False, put_anyway, put_anyway, True, True]
@@ -148,11 +130,11 @@ def test_a_malformed_answer_fails_the_batch_naming_it_though_the_store_did_the_w
     prefill, pd, pm = _end(inner, batch_rows=2)
     decode, dd, dm = _end(inner, batch_rows=2)
     pd.plan("put", fault)
-    outcome = _done(_put(prefill, pm, "r1", [0, 1, 2, 3], seed=2))
+    outcome = ended(_put(prefill, pm, "r1", [0, 1, 2, 3], seed=2))
     assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [False, False, True, True]
     assert f"store 'memory': put of 2 keys {said}" in outcome.reason
     dd.plan("get", None, fault)
-    outcome = _done(_get(decode, dm, "r1", [10, 11, 12, 13]))
+    outcome = ended(_get(decode, dm, "r1", [10, 11, 12, 13]))
     assert isinstance(outcome, Failed) and outcome.masks[0].tolist() == [True, True, False, False]
     assert f"get of 2 keys {said}" in outcome.reason
     _serves(prefill, pm, decode, dm, "r2")
@@ -164,16 +146,16 @@ def test_an_exists_that_raises_or_answers_malformed_is_no_proof_that_keys_are_th
     once the publisher has put them."""
     prefill, _, pm = _end(inner)
     decode, dd, dm = _end(inner, fetch_wait_s=5.0)
-    _done(_put(prefill, pm, "r1", [0, 1, 2], seed=3))
+    ended(_put(prefill, pm, "r1", [0, 1, 2], seed=3))
     dd.plan("exists", Fault.SHORT, Fault.NOT_A_LIST, Fault.RAISE, Fault.LONG, Fault.SHORT)
     fetching = _get(decode, dm, "r1", [10, 11, 12, 13])  # row 3 is not there yet
     assert settle(lambda: dd.calls["exists"] >= 6)
     assert fetching.poll() is None
     whole = _payload(4, 4)
-    view = _view(pm, "r1", [0, 1, 2, 3])
+    view = blob_view(pm, "r1", [0, 1, 2, 3])
     pm.write(view.groups[0].region.name, view.groups[0].slots, whole)
-    assert isinstance(_done(prefill.publish(view, prefill.describe(view))), Delivered)
-    assert isinstance(_done(fetching), Delivered) and _read(dm, [10, 11, 12, 13]) == whole
+    assert isinstance(ended(prefill.publish(view, prefill.describe(view))), Delivered)
+    assert isinstance(ended(fetching), Delivered) and _read(dm, [10, 11, 12, 13]) == whole
 
 
 class _Stop(BaseException):
@@ -191,7 +173,7 @@ def test_a_base_exception_ends_every_attempt_failed_and_later_submissions_are_re
     queued = _put(prefill, pm, "r2", [2, 3], seed=6)
     pd.release()
     for attempt in (running, queued):
-        outcome = _done(attempt)
+        outcome = ended(attempt)
         assert isinstance(outcome, Failed) and outcome.rows_delivered == 0
         assert "its thread ended on _Stop: the client library gave up" in outcome.reason
     with pytest.raises(SubmissionRejected, match="moves no more rows: its thread ended on _Stop"):
@@ -207,7 +189,7 @@ def test_shutdown_returns_the_attempt_whose_get_is_blocked_in_the_driver_and_clo
     store = MemoryStore()
     prefill, pd, pm = _end(lambda: MemoryDriver(store), timeout_s=0.3)
     decode, dd, dm = _end(lambda: MemoryDriver(store), timeout_s=0.3)
-    _done(_put(prefill, pm, "r1", [0, 1], seed=8))
+    ended(_put(prefill, pm, "r1", [0, 1], seed=8))
     dd.hold()
     blocked = _get(decode, dm, "r1", [10, 11])
     assert dd.stuck.wait(5)
@@ -219,7 +201,7 @@ def test_shutdown_returns_the_attempt_whose_get_is_blocked_in_the_driver_and_clo
     assert decode.shutdown() == frozenset({blocked})  # again: still running, still not closed
     assert dd.closes == 0
     dd.release()
-    assert isinstance(_done(blocked), Cancelled)
+    assert isinstance(ended(blocked), Cancelled)
     assert settle(lambda: dd.closes == 1)  # by the thread, once its get returned
     assert len(dd.unregistered) == 2 and not dd.closed_during_call  # the region and the digest scratch
     assert decode.shutdown() == frozenset() and dd.closes == 1  # idempotent: closed once
@@ -229,7 +211,7 @@ def test_shutdown_returns_the_attempt_whose_get_is_blocked_in_the_driver_and_clo
 
 def test_shutdown_with_nothing_in_the_driver_closes_it_once_however_often_it_is_called() -> None:
     backend, driver, memory = _end(lambda: MemoryDriver())
-    _done(_put(backend, memory, "r1", [0], seed=10))
+    ended(_put(backend, memory, "r1", [0], seed=10))
     MADE.remove((backend, driver))
     for _ in range(3):
         assert backend.shutdown() == frozenset()

@@ -36,20 +36,17 @@ from kvxfer.backends.blob import BlobBackend, BlobDriver, KeyStatus, Span, Store
 from kvxfer.backends.blob.mooncake import MooncakeDriver
 from kvxfer.backends.blob.mooncake_master import LEASE_TTL_MS, MooncakeMaster, free_port, port_free
 from kvxfer.contract import (
-    Attempt,
-    CacheKind,
     Delivered,
     Failed,
     IndexArray,
-    LayerGroupRows,
     Outcome,
-    TokenRange,
     TransferMode,
     View,
 )
-from kvxfer.testing.blob_pairs import blob_pair
+from kvxfer.testing.blob_pairs import blob_pair, blob_view
 from kvxfer.testing.conformance import CHECKS, PairFactory
 from kvxfer.testing.memory import HostBuffer, HostRows
+from kvxfer.testing.waiting import ended
 
 KiB, MiB = 1 << 10, 1 << 20
 ROW = 64 * KiB
@@ -143,33 +140,17 @@ def _end(driver: BlobDriver, name: str, slots: int = 64, row: int = ROW, **kw: o
     return backend, memory
 
 
-def _view(memory: HostRows, request: str, slots: list[int]) -> View:
-    region = memory.regions[0]
-    rows = LayerGroupRows("g0", CacheKind.PAGED, region, np.asarray(slots, dtype=np.int64),
-                          np.arange(len(slots), dtype=np.int64))
-    return View(request, TokenRange(0, 16 * len(slots)), (rows,), b"layout-a")
-
-
-def _done(attempt: Attempt, timeout: float = 20.0) -> Outcome:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not (attempt.poll() is not None and attempt.quiesced()):
-        time.sleep(0.002)
-    outcome = attempt.poll()
-    assert outcome is not None and attempt.quiesced(), attempt
-    return outcome
-
-
 def _payload(n: int, row: int = ROW, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n * row, dtype=np.uint8).tobytes()
 
 
 def _publish(backend: BlobBackend, memory: HostRows, view: View, data: bytes) -> Outcome:
     memory.write(view.groups[0].region.name, view.groups[0].slots, data)
-    return _done(backend.publish(view, backend.describe(view)))
+    return ended(backend.publish(view, backend.describe(view)), 20.0)
 
 
 def _fetch(backend: BlobBackend, view: View) -> Outcome:
-    return _done(backend.fetch(view, backend.describe(view)))
+    return ended(backend.fetch(view, backend.describe(view)), 20.0)
 
 
 # --- faults ----------------------------------------------------------------------------------
@@ -179,10 +160,10 @@ def test_a_killed_master_fails_the_fetch_within_its_deadline_and_close_still_ret
         decode, dm = _end(_driver(own), "decode", row=4 * KiB, batch_rows=16, timeout_s=2.0)
         try:
             data = _payload(64, 4 * KiB, seed=6)
-            assert isinstance(_publish(prefill, pm, _view(pm, "r1", list(range(64))), data), Delivered)
+            assert isinstance(_publish(prefill, pm, blob_view(pm, "r1", list(range(64))), data), Delivered)
             own.kill()
             started = time.monotonic()
-            outcome = _fetch(decode, _view(dm, "r1", list(range(64))))
+            outcome = _fetch(decode, blob_view(dm, "r1", list(range(64))))
             took = time.monotonic() - started
             assert isinstance(outcome, Failed) and outcome.rows_delivered == 0, outcome
             # The first call after the kill fails at once, each later one takes ~4.3 s (Mooncake's
@@ -203,7 +184,7 @@ def test_a_full_store_refuses_what_does_not_fit() -> None:
     with MooncakeMaster() as own:  # without eviction: a full store refuses (FULL)
         prefill, pm = _end(_driver(own, 16 * MiB), "prefill", slots=48, row=MiB)
         try:
-            view = _view(pm, "r1", list(range(24)))
+            view = blob_view(pm, "r1", list(range(24)))
             outcome = _publish(prefill, pm, view, _payload(24, MiB))
             assert isinstance(outcome, Failed), outcome
             mask = outcome.masks[0].tolist()
@@ -215,7 +196,7 @@ def test_a_full_store_refuses_what_does_not_fit() -> None:
             # flags before 2026-12-02 let it drop one of these 16: CI saw it once, and this did
             # every time). What was stored stays; the next request is refused whole.
             time.sleep(LEASE_TTL_MS / 1000 + 0.5)
-            more = _view(pm, "r2", list(range(24, 48)))
+            more = blob_view(pm, "r2", list(range(24, 48)))
             refused = _publish(prefill, pm, more, _payload(24, MiB))
             assert isinstance(refused, Failed) and not refused.masks[0].any(), refused
             time.sleep(0.5)
@@ -251,14 +232,14 @@ def test_rows_put_by_one_client_come_back_byte_for_byte_at_another(master: Moonc
     try:
         data = _payload(64, seed=1)
         order = np.random.default_rng(2).permutation(64).tolist()
-        assert isinstance(_publish(prefill, pm, _view(pm, "r1", order), data), Delivered)
-        view = _view(dm, "r1", list(range(63, -1, -1)))
+        assert isinstance(_publish(prefill, pm, blob_view(pm, "r1", order), data), Delivered)
+        view = blob_view(dm, "r1", list(range(63, -1, -1)))
         outcome = _fetch(decode, view)
         assert isinstance(outcome, Delivered) and outcome.all_delivered
         assert dm.read("decode0", view.groups[0].slots) == data
         assert prefill.bytes_moved == decode.bytes_moved == 64 * ROW
         again = _payload(64, seed=3)  # a second put replaces the blobs (upsert: keep_stored is off)
-        assert isinstance(_publish(prefill, pm, _view(pm, "r1", order), again), Delivered)
+        assert isinstance(_publish(prefill, pm, blob_view(pm, "r1", order), again), Delivered)
         assert isinstance(_fetch(decode, view), Delivered) and dm.read("decode0", view.groups[0].slots) == again
     finally:
         assert decode.shutdown() == frozenset() and prefill.shutdown() == frozenset()
@@ -281,13 +262,13 @@ def test_a_missing_or_removed_key_is_false_and_the_fetch_fails_naming_it(holder:
     prefill, pm = _end(published, "prefill", slots=8)
     decode, dm = _end(fetching, "decode", slots=8)
     try:
-        view = _view(pm, "r1", list(range(6)))
+        view = blob_view(pm, "r1", list(range(6)))
         assert isinstance(_publish(prefill, pm, view, _payload(6, seed=4)), Delivered)
         keys = request_names(view)[0]
         assert fetching.exists(keys) == [True] * 6
         assert fetching.remove([keys[4], b"never-put"]) == [KeyStatus.OK, KeyStatus.MISSING]
         assert fetching.exists(keys[3:6]) == [True, False, True]
-        outcome = _fetch(decode, _view(dm, "r1", list(range(8))))  # 8 blocks: 6 and 7 were never put
+        outcome = _fetch(decode, blob_view(dm, "r1", list(range(8))))  # 8 blocks: 6 and 7 were never put
         assert isinstance(outcome, Failed)
         assert outcome.masks[0].tolist() == [True, True, True, True, False, True, False, False]
         assert "3 of 8 rows not read (3 missing" in outcome.reason and "of row 4 is missing" in outcome.reason
@@ -393,8 +374,8 @@ def test_the_holder_gone_its_keys_read_as_missing(master: MooncakeMaster) -> Non
     prefill, pm = _end(_driver(master, 16 * MiB, "gone/"), "prefill", slots=8)
     decode, dm = _end(_driver(master, 0, "gone/"), "decode", slots=8)
     try:
-        view = _view(dm, "r1", list(range(8)))
-        assert isinstance(_publish(prefill, pm, _view(pm, "r1", list(range(8))), _payload(8, seed=5)), Delivered)
+        view = blob_view(dm, "r1", list(range(8)))
+        assert isinstance(_publish(prefill, pm, blob_view(pm, "r1", list(range(8))), _payload(8, seed=5)), Delivered)
         assert isinstance(_fetch(decode, view), Delivered)
         assert prefill.shutdown() == frozenset()  # closes its client: the blobs in its segment go
         outcome = _fetch(decode, view)
