@@ -1,4 +1,5 @@
-"""Workers of this process behind real HTTP servers, for tests that drive them as a router does."""
+"""Workers of this process behind real HTTP servers, for tests that drive them as a router does,
+and a refusal to inject into a worker's backend."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from kvxfer.backends.loopback import LoopbackFabric
+from kvxfer.contract import InvalidSubmission
 from kvxfer.serving.http import HttpServer
 from kvxfer.worker.app import make_handler
 from kvxfer.worker.core import Worker, WorkerConfig
@@ -49,3 +51,17 @@ async def served_pair(prefill: Mapping[str, Any], decode: Mapping[str, Any], *, 
                for role, extra in (("prefill", prefill), ("decode", decode))}
     async with served_workers(configs) as (urls, workers):
         yield urls["prefill"], urls["decode"], workers
+
+
+def refuse_group(worker: Worker, layer_group: str, why: str) -> None:
+    """Wrap the worker's backend in place: its publish of a view of ``layer_group`` raises
+    InvalidSubmission(``why``) before anything is submitted; other groups publish as before."""
+    backend: Any = worker.backend
+    real = backend.publish
+
+    def publish(view: Any, hint: Any, wake: Any = None) -> Any:
+        if view.groups[0].layer_group == layer_group:
+            raise InvalidSubmission(why)
+        return real(view, hint, wake)
+
+    backend.publish = publish

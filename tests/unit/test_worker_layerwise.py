@@ -17,7 +17,7 @@ import torch
 from kvxfer.contract import TransferMode
 from kvxfer.engine import LlamaModel, ModelConfig, colocated_generate, layer_groups, synthetic_prompts
 from kvxfer.router import Completion, Router
-from kvxfer.testing.served import served_pair
+from kvxfer.testing.served import refuse_group, served_pair
 from kvxfer.worker.core import Worker, WorkerConfig
 
 torch.set_num_threads(1)
@@ -239,21 +239,11 @@ def test_a_group_refused_after_another_went_out_is_not_taken_as_nothing_escaped(
     as one whose hints D may be in use (500, not a 409 refusal), the router asks the prefill
     worker to take them back before the decode worker reuses the rows, and the request is
     recomputed at the decode worker, token-identical."""
-    from kvxfer.contract import InvalidSubmission
-
     prompt = synthetic_prompts(1, 25, 25, CFG.vocab_size, seed=12)[0]
 
     async def main() -> None:
         async with pair({"layerwise": 2}, {"layerwise": 2}) as (p_url, d_url, workers):
-            backend: Any = workers["prefill"].backend
-            real = backend.publish
-
-            def publish(view: Any, hint: Any, wake: Any = None) -> Any:
-                if view.groups[0].layer_group == "layers2-3":
-                    raise InvalidSubmission("injected: the second group is refused")
-                return real(view, hint, wake)
-
-            backend.publish = publish
+            refuse_group(workers["prefill"], "layers2-3", "injected: the second group is refused")
             router = Router([p_url], [d_url], on_failure="recompute")
             done = await router.generate(prompt, 4)
             await router.close()

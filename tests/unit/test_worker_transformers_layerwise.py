@@ -25,7 +25,7 @@ from kvxfer.adapters.transformers import _internals as hf
 from kvxfer.contract import TransferMode
 from kvxfer.engine import ModelConfig
 from kvxfer.router import Router
-from kvxfer.testing.served import served_workers
+from kvxfer.testing.served import refuse_group, served_workers
 from kvxfer.worker.core import Worker, WorkerConfig
 from kvxfer.worker.hf_engine import MAX_BATCH_TOKENS, PAGE_SIZE, seeded_model
 
@@ -229,19 +229,9 @@ def test_a_group_refused_after_another_went_out_is_recomputed_and_every_block_co
     whose hints D may be in use (500, not a 409), the router recomputes the request at the
     decode worker, token-identical, and both workers end with no lease, attempt or block
     held (``served_workers`` checks the close report; the caches come back whole)."""
-    from kvxfer.contract import InvalidSubmission
-
     async def main() -> None:
         async with served(model, 2) as (urls, workers):
-            backend: Any = workers["prefill"].backend
-            real = backend.publish
-
-            def publish(view: Any, hint: Any, wake: Any = None) -> Any:
-                if view.groups[0].layer_group == "layers2-2":
-                    raise InvalidSubmission("injected: the last group is refused")
-                return real(view, hint, wake)
-
-            backend.publish = publish
+            refuse_group(workers["prefill"], "layers2-2", "injected: the last group is refused")
             async with Router([urls["prefill"]], [urls["decode"]], on_failure="recompute") as router:
                 done = await router.generate(PROMPTS[1], NEW)
             assert done.ok, done.error
