@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.backends.common.transform import Rows, plan_transform
+from kvxfer.backends.common.transform import Oriented, Rows, plan_transform
 from kvxfer.contract import HeadOrder, LayoutMismatch
 from kvxfer.lender.engine_kv import EngineKV
 from kvxfer.lender.external import ExternalLender
@@ -95,6 +95,23 @@ def test_a_block_that_arrived_in_part_is_not_marked() -> None:
     assert dst_mask.tolist() == [True, False]  # block 1 holds one of its two runs
     _, dst_mask = plan.masks(np.array([False, True, True, True]))
     assert dst_mask.tolist() == [False, True]
+
+
+def test_a_run_counts_only_once_every_segment_of_it_landed() -> None:
+    src_t = layer_tensors(8, 16, 4, HeadOrder.NHD, fill=True)
+    dst_t = layer_tensors(8, 32, 4, HeadOrder.NHD, fill=False)
+    src = ExternalLender(EngineKV.per_layer(src_t, kv_heads=4)).lend_read("r", np.arange(4), (0, 64)).view()
+    dst = ExternalLender(EngineKV.per_layer(dst_t, kv_heads=4)).lend_write("r", np.arange(2), (0, 64)).view()
+    fetching = Oriented(plan_transform(src.geometry, Rows.of_view(src), dst.geometry, Rows.of_view(dst)), False)
+    plan = fetching.plan
+    landed = np.zeros(plan.runs * plan.planes, dtype=np.bool_)
+    landed[: 2 * plan.planes] = True  # runs 0 and 1: all of block 0
+    landed[2 * plan.planes: 4 * plan.planes - 1] = True  # runs 2 and 3 but the last plane of run 3
+    assert plan.runs_landed(landed).tolist() == [True, True, True, False]
+    local, peer = fetching.landed_masks(landed)
+    assert [m.tolist() for m in local] == [[True, False]]  # the fetcher is the destination
+    assert [m.tolist() for m in peer] == [[True, True, True, False]]
+    assert not any(m.flags.writeable for m in (*local, *peer))
 
 
 def test_rows_the_source_lacks_stay_false() -> None:

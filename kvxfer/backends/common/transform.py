@@ -90,12 +90,22 @@ class TransformPlan:
     def nbytes(self) -> int:
         return int(self.run_tokens.sum()) * self.planes * self.heads * self.dst.unit_bytes
 
+    def runs_landed(self, segments: BoolArray) -> BoolArray:
+        """Runs whose every segment ``segments`` marks (one flag per segment, run-major): a run
+        split across chunks counts only once all its planes are in."""
+        return np.asarray(segments.reshape(self.runs, self.planes).all(axis=1), dtype=np.bool_)
+
     def segment_range(self, first_run: int, end_run: int) -> slice:
         return slice(first_run * self.planes, end_run * self.planes)
 
     def masks(self, runs_done: int | BoolArray) -> tuple[BoolArray, BoolArray]:
         """(source rows, destination rows) proven once the first ``runs_done`` runs (or the
-        runs a bool array marks) were copied in full."""
+        runs a bool array marks) were copied in full.
+
+        The proof rule, for every backend: a destination row is True only when every token
+        its view asks for arrived, that is when every run that writes into it was copied (a
+        block that got only some of its runs is False); a source row only when every token the
+        transfer needed from it was copied. A row nothing asks for is False."""
         if isinstance(runs_done, (int, np.integer)):
             done = np.zeros(self.runs, dtype=np.bool_)
             done[: int(runs_done)] = True
@@ -195,6 +205,17 @@ class Oriented:
         """(masks of the local view, masks of the peer's hint) once ``runs_done`` were copied."""
         src, dst = self.plan.masks(runs_done)
         return ([src], [dst]) if self.local_is_src else ([dst], [src])
+
+    def sealed_masks(self, runs_done: int | BoolArray) -> tuple[list[BoolArray], list[BoolArray]]:
+        """``masks``, read-only: outcomes and completion records take them without a copy."""
+        local, peer = self.masks(runs_done)
+        for mask in (*local, *peer):
+            mask.flags.writeable = False
+        return local, peer
+
+    def landed_masks(self, segments: BoolArray) -> tuple[list[BoolArray], list[BoolArray]]:
+        """``sealed_masks`` once the segments ``segments`` marks (one flag per segment) landed."""
+        return self.sealed_masks(self.plan.runs_landed(segments))
 
 
 def plan_between(view: View, hint: Hint, *, fetching: bool, peer: KVGeometry | None = None) -> Oriented:

@@ -15,7 +15,7 @@ pull: the fetcher) plans; the passive end waits for its record as for rows.
   planning again), and queues ONE ``cuda_transform_copy_then`` for every run of the
   submission, followed on the stream by the doorbell store and the completion event, as
   the row path does.
-- Masks are ``Oriented.masks(runs)``, reported once the event completes: all runs or none.
+- Masks are ``Oriented.sealed_masks(runs)``, reported once the event completes: all runs or none.
   ``fail_after_rows`` counts runs: only that prefix is copied, so that a destination block
   that got only some of its runs is False. A launch the driver refuses queued nothing: no
   row is True.
@@ -31,7 +31,7 @@ import numpy as np
 from kvxfer.backends.common.transform import Oriented, plan_between
 from kvxfer.backends.ipc.jobs import ActiveJob
 from kvxfer.backends.ipc.mappings import Export
-from kvxfer.contract import BoolArray, Hint, IndexArray, InvalidSubmission, MemoryKind, View, constant_mask
+from kvxfer.contract import Hint, IndexArray, InvalidSubmission, MemoryKind, View, constant_mask
 
 if TYPE_CHECKING:
     from kvxfer.backends.ipc.copies import CopyQueue
@@ -172,11 +172,4 @@ def _set_masks(job: ActiveJob, transform: Oriented, runs: int) -> None:
         job.local_masks = [constant_mask(len(g), False) for g in job.view.groups]
         job.peer_masks = [constant_mask(len(g), False) for g in job.hint.groups]
         return
-    local, peer = transform.masks(runs)
-    job.local_masks, job.peer_masks = _frozen(local), _frozen(peer)
-
-
-def _frozen(masks: list[BoolArray]) -> list[BoolArray]:
-    for mask in masks:
-        mask.flags.writeable = False
-    return masks
+    job.local_masks, job.peer_masks = transform.sealed_masks(runs)

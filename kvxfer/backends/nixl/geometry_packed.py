@@ -35,7 +35,6 @@ from kvxfer.backends.nixl.geometry_path import (
     fingerprint,
     memory_of,
     proven_masks,
-    run_masks,
     segment_chunks,
     segments,
     shape_of,
@@ -181,7 +180,7 @@ class Shaped:
     def mark(self, first: int, end: int) -> list[BoolArray]:
         """Segments [first, end) are in place: the view's masks now (runs whose every segment is)."""
         self.landed[first:end] = True
-        local, _ = run_masks(self.transform, self.landed)
+        local, _ = self.transform.landed_masks(self.landed)
         return [m.copy() for m in local]
 
 

@@ -21,7 +21,8 @@ view and the other's hint. This module turns the plan into the backend's jobs:
 Chunks are ranges of segments cut at run boundaries within the chunk byte budget (a run
 larger than a packed slot is cut between its planes), so a chunk's completion proves its
 segments, and a run counts once all its segments are proven. Masks are
-``Oriented.masks(runs done)``: a destination block that got only some of its runs is False.
+``Oriented.landed_masks`` (the proof rule, in ``TransformPlan.masks``): a destination block
+that got only some of its runs is False.
 ``fail_after_rows`` counts runs here (as in the loopback backend).
 """
 
@@ -54,19 +55,6 @@ def unit_row(plan: TransformPlan) -> int:
 def memory_of(geometry: KVGeometry) -> tuple[MemoryKind, int]:
     region = geometry.regions[0]  # one memory for all of a geometry's regions
     return region.memory_kind, region.device_id
-
-
-def runs_done(plan: TransformPlan, landed: BoolArray) -> BoolArray:
-    """Runs whose every segment is marked in ``landed`` (one flag per segment)."""
-    return np.asarray(landed.reshape(plan.runs, plan.planes).all(axis=1), dtype=np.bool_)
-
-
-def run_masks(transform: Oriented, landed: BoolArray) -> tuple[list[BoolArray], list[BoolArray]]:
-    """(local masks, peer masks), read-only, once the segments ``landed`` marks were copied."""
-    local, peer = transform.masks(runs_done(transform.plan, landed))
-    for mask in (*local, *peer):
-        mask.flags.writeable = False
-    return local, peer
 
 
 def fingerprint(plan: TransformPlan) -> bytes:
@@ -256,4 +244,4 @@ def proven_masks(transform: Oriented | None, chunks: list[Any], done: list[int])
     landed = np.zeros(segments(transform.plan), dtype=np.bool_)
     for index in set(done):
         landed[chunks[index].first:chunks[index].end] = True
-    return run_masks(transform, landed)
+    return transform.landed_masks(landed)
