@@ -9,7 +9,7 @@ import pytest
 
 import kvxfer.backends.common.transfers as transfers
 from kvxfer.backends.common.attempt import TrackedAttempt
-from kvxfer.backends.common.matching import check_agreement, coalesce, match_rows
+from kvxfer.backends.common.matching import check_agreement, coalesce, match_rows, proven_mask
 from kvxfer.backends.common.regions import RegionTable
 from kvxfer.backends.common.transfers import OwnTransfers, hint_groups
 from kvxfer.contract import (
@@ -24,6 +24,7 @@ from kvxfer.contract import (
     TokenRange,
     TransferMode,
     View,
+    constant_mask,
 )
 
 HOST = frozenset({MemoryKind.HOST})
@@ -97,6 +98,24 @@ def _view_and_hint(local_ordinals: list[int], peer_ordinals: list[int]) -> tuple
     ), b"L")
     hint = Hint("loopback", TransferMode.PUSH, "peer", "q", "t", b"L", hint_groups(peer_view))
     return local, hint
+
+
+def test_a_pool_row_is_proven_only_by_a_completed_part_that_carries_it() -> None:
+    rows = np.array([3, 0, 2, 1], dtype=np.int64)  # a permutation of every row
+    part = proven_mask(4, [rows[:2]])  # a fault budget stopped after two rows
+    assert part.tolist() == [True, False, False, True]
+    assert proven_mask(6, [np.array([4, 0]), np.array([2])]).tolist() == [True, False, True, False, True, False]
+    assert proven_mask(3, []).tolist() == [False, False, False]
+    # Proven whole, in any order and parts: one shared read-only array per size, which the
+    # wire codec sends without its bits; a partial mask is the caller's own.
+    whole = proven_mask(4, [rows])
+    assert whole.all() and whole is proven_mask(4, [rows[2:], rows[:2]]) is constant_mask(4, True)
+    assert part is not proven_mask(4, [rows[:2]])
+    for mask in (whole, part):
+        with pytest.raises(ValueError):
+            mask[0] = not mask[0]
+    with pytest.raises(ValueError):
+        whole.flags.writeable = True  # nobody can turn the shared one back into a writable array
 
 
 def test_match_by_ordinal_reports_unmatched() -> None:

@@ -111,21 +111,6 @@ def test_mappings_open_once_and_close_only_when_unused() -> None:
     assert Export.unpack(exp.pack(), "r") == exp
 
 
-def test_launch_mask_fill_marks_exactly_the_launched_rows() -> None:
-    from kvxfer.backends.ipc.copies import _set_rows
-
-    rows = np.array([3, 0, 2, 1], dtype=np.int64)  # a permutation of every row
-    full = np.zeros(4, dtype=np.bool_)
-    _set_rows(full, rows, 4)
-    assert full.all()
-    part = np.zeros(4, dtype=np.bool_)
-    _set_rows(part, rows, 2)  # a fault budget stops after two rows
-    assert part.tolist() == [True, False, False, True]
-    sub = np.zeros(6, dtype=np.bool_)
-    _set_rows(sub, np.array([5, 1], dtype=np.int64), 2)  # only some rows matched
-    assert np.flatnonzero(sub).tolist() == [1, 5]
-
-
 @pytest.mark.parametrize("n", [3, 128, 129, 5000])
 def test_ordinal_comparison_small_and_large(n: int) -> None:
     from kvxfer.backends.common.matching import _same
@@ -136,21 +121,6 @@ def test_ordinal_comparison_small_and_large(n: int) -> None:
     b[-1] += 1
     assert not _same(a, b)
     assert not _same(a, a[:-1])
-
-
-def test_launch_masks_are_read_only_and_shared_only_when_whole() -> None:
-    from kvxfer.backends.ipc.copies import _mask_of
-
-    rows = np.array([2, 0, 1], dtype=np.int64)
-    whole = _mask_of(3, rows, 3)
-    assert whole.all() and whole is _mask_of(3, rows[::-1].copy(), 3)  # one shared array per size
-    part = _mask_of(3, rows, 1)
-    assert part.tolist() == [False, False, True] and part is not _mask_of(3, rows, 1)
-    for mask in (whole, part):
-        with pytest.raises(ValueError):
-            mask[0] = not mask[0]
-    with pytest.raises(ValueError):
-        whole.flags.writeable = True  # nobody can turn the shared one back into a writable array
 
 
 def test_try_send_never_waits_and_flush_finishes_a_partial_frame() -> None:

@@ -1,14 +1,17 @@
-"""Pair local rows with the peer's by (layer group, ordinal), and coalesce runs of slots."""
+"""Pair local rows with the peer's by (layer group, ordinal), coalesce runs of slots, and
+mark the rows a transfer proved (``proven_mask``)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvxfer.backends.common.regions import RegionTable
 from kvxfer.contract import (
+    BoolArray,
     Hint,
     HintGroup,
     IndexArray,
@@ -17,6 +20,7 @@ from kvxfer.contract import (
     LayoutMismatch,
     View,
     check_compatible,
+    constant_mask,
 )
 
 
@@ -163,3 +167,18 @@ def coalesce(src: IndexArray, dst: IndexArray) -> tuple[IndexArray, IndexArray, 
     starts = np.concatenate(([0], breaks)).astype(np.int64)
     lengths = np.diff(np.concatenate((starts, [n]))).astype(np.int64)
     return src[starts], dst[starts], lengths
+
+
+def proven_mask(size: int, parts: Sequence[IndexArray]) -> BoolArray:
+    """The proof rule for pool rows: a row is one unit whose bytes move together, True once the
+    chunk or copy that carries it completed. ``parts``: the distinct rows (indices into a group
+    of ``size`` rows) of the completed chunks or copies. Read-only; a group proven whole gets
+    the shared all-True mask (``constant_mask``): nothing to fill, and the wire codec sends it
+    without packing its bits. Between engine geometries the rule is ``TransformPlan.masks``."""
+    if sum(int(rows.size) for rows in parts) == size:
+        return constant_mask(size, True)
+    mask = np.zeros(size, dtype=np.bool_)
+    for rows in parts:
+        mask[rows] = True
+    mask.flags.writeable = False
+    return mask

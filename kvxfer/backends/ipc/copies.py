@@ -17,7 +17,7 @@ from types import ModuleType
 
 import numpy as np
 
-from kvxfer.backends.common.matching import GroupMatch
+from kvxfer.backends.common.matching import GroupMatch, proven_mask
 from kvxfer.backends.ipc.doorbells import BELL_WORDS, EXTRA_BELL, BellOpener, bell_export, bell_value, parse_bell
 from kvxfer.backends.ipc.frames import CompletionFrames
 from kvxfer.backends.ipc.geometry import queue_transform
@@ -30,24 +30,6 @@ log = logging.getLogger(__name__)
 
 # One kernel: (view group, its match, rows copied, (source base, slots), (destination base, slots)).
 Launch = tuple[int, GroupMatch, int, tuple, tuple]
-
-
-def _set_rows(mask: np.ndarray, rows: np.ndarray, n: int) -> None:
-    """mask[rows[:n]] = True; rows are distinct, so all of them means every row of the mask."""
-    if n == rows.size == mask.size:
-        mask[:] = True
-    else:
-        mask[rows[:n]] = True
-
-
-def _mask_of(size: int, rows: np.ndarray, n: int) -> np.ndarray:
-    """Read-only mask of ``size`` rows with ``rows[:n]`` True."""
-    if n == rows.size == size:
-        return constant_mask(size, True)
-    mask = np.zeros(size, dtype=np.bool_)
-    _set_rows(mask, rows, n)
-    mask.flags.writeable = False
-    return mask
 
 
 class CopyQueue:
@@ -298,9 +280,9 @@ class CopyQueue:
             peer_index = {g.layer_group: i for i, g in enumerate(job.hint.groups)}
             for gi, match, n in copied:
                 assert match.peer is not None
-                local[gi] = _mask_of(len(match.local), match.local_rows, n)
+                local[gi] = proven_mask(len(match.local), [match.local_rows[:n]])
                 pi = peer_index[match.peer.layer_group]
-                peer[pi] = _mask_of(len(job.hint.groups[pi]), match.peer_rows, n)
+                peer[pi] = proven_mask(len(job.hint.groups[pi]), [match.peer_rows[:n]])
         job.local_masks = [m if m is not None else constant_mask(len(g), False) for m, g in zip(local, job.view.groups)]
         job.peer_masks = [m if m is not None else constant_mask(len(g), False) for m, g in zip(peer, job.hint.groups)]
 

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
 from kvxfer.backends.common.attempt import TrackedAttempt
+from kvxfer.backends.common.matching import proven_mask
 from kvxfer.backends.common.transform import Oriented
 from kvxfer.backends.nixl.agent import NixlAgent, PeerGone, XferError
 from kvxfer.backends.nixl.packed_notes import Inbound
@@ -28,7 +27,6 @@ from kvxfer.contract import (
     Outcome,
     RecordStatus,
     View,
-    constant_mask,
 )
 
 
@@ -100,16 +98,10 @@ class ActiveJob:
 
     @staticmethod
     def _masks(sizes: list[int], proven: list[tuple[int, IndexArray]]) -> list[BoolArray]:
-        counts = [0] * len(sizes)
+        parts: list[list[IndexArray]] = [[] for _ in sizes]
         for group, rows in proven:
-            counts[group] += rows.size
-        masks = [constant_mask(n, True) if counts[g] == n else np.zeros(n, dtype=np.bool_) for g, n in enumerate(sizes)]
-        for group, rows in proven:
-            if counts[group] != sizes[group]:
-                masks[group][rows] = True
-        for mask in masks:
-            mask.flags.writeable = False
-        return masks
+            parts[group].append(rows)
+        return [proven_mask(n, rows) for n, rows in zip(sizes, parts)]
 
 
 @dataclass(eq=False)
