@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.backends.common.matching import GroupMatch
+from kvxfer.backends.common.matching import GroupMatch, proven_mask
 from kvxfer.contract import BoolArray, Hint, IndexArray, InvalidSubmission, MemoryKind, View
 
 MAX_RUN_ROWS = 1 << 16  # a longer stretch goes as several runs: a receive is posted only once its message came
@@ -48,7 +48,8 @@ class RunPlan:
         return int(self.lengths[run] * self.row_bytes[run])
 
     def local_masks(self, view: View, counts: IndexArray) -> list[BoolArray]:
-        """Masks over the view's groups: True for the first ``counts[i]`` rows of each run ``i``."""
+        """Masks over the view's groups, read-only: True for the first ``counts[i]`` rows of each
+        run ``i`` (a row is proven once its message was received: ``proven_mask``)."""
         return _masks([len(g) for g in view.groups], self, counts, self.local_group, self.local_rows)
 
     def peer_masks(self, hint: Hint, counts: IndexArray) -> list[BoolArray]:
@@ -75,16 +76,13 @@ class RunPlan:
 
 def _masks(sizes: list[int], plan: RunPlan, counts: IndexArray, groups: IndexArray,
            rows: IndexArray) -> list[BoolArray]:
-    masks = [np.zeros(n, dtype=np.bool_) for n in sizes]
     if not plan.runs:
-        return masks
+        return [proven_mask(n, []) for n in sizes]
     within = np.arange(plan.rows, dtype=np.int64) - np.repeat(plan.starts[:-1], plan.lengths)
     take = within < np.repeat(counts, plan.lengths)
     row_groups = np.repeat(groups, plan.lengths)[take]
     chosen = rows[take]
-    for g in np.unique(row_groups).tolist():
-        masks[g][chosen[row_groups == g]] = True
-    return masks
+    return [proven_mask(n, [chosen[row_groups == g]]) for g, n in enumerate(sizes)]
 
 
 def plan_runs(view: View, hint: Hint, matches: list[GroupMatch], *, pack_bytes: int = 0,
