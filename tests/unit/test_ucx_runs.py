@@ -68,3 +68,17 @@ def test_a_pull_request_round_trips_and_a_forged_one_is_refused_when_a_key_is_se
     forged[0] ^= 1  # the limit changed in transit
     assert decode_pull(bytes(forged), key) is None
     assert decode_pull(b"\x01", b"") is None  # malformed
+
+
+def test_received_rows_are_the_first_rows_of_each_run_at_both_ends() -> None:
+    mine = _view("A", np.array([0, 1, 5, 6, 7, 20]), np.arange(6))
+    theirs = _view("B", np.array([15, 14, 13, 12, 11, 10]), np.array([5, 4, 3, 2, 1, 0]))
+    plan = plan_runs(mine, _hint(theirs), match_rows(mine, _hint(theirs)))
+    assert plan.lengths.tolist() == [2, 3, 1]  # consecutive at both ends: ordinals 0-1, 2-4, 5
+    counts = np.array([2, 1, 0], dtype=np.int64)  # run 1 stopped after one row, run 2 never came
+    assert [m.tolist() for m in plan.local_masks(mine, counts)] == [[True, True, True, False, False, False]]
+    # The peer's rows of ordinals 0, 1, 2 sit at its rows 5, 4, 3.
+    assert [m.tolist() for m in plan.peer_masks(_hint(theirs), counts)] == [[False, False, False, True, True, True]]
+    assert plan.rows_per_run(mine, plan.local_masks(mine, counts)).tolist() == counts.tolist()
+    whole = plan.local_masks(mine, plan.lengths)
+    assert whole[0].all() and not whole[0].flags.writeable
