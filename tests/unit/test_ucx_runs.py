@@ -82,3 +82,17 @@ def test_received_rows_are_the_first_rows_of_each_run_at_both_ends() -> None:
     assert plan.rows_per_run(mine, plan.local_masks(mine, counts)).tolist() == counts.tolist()
     whole = plan.local_masks(mine, plan.lengths)
     assert whole[0].all() and not whole[0].flags.writeable
+
+
+def test_an_acknowledgement_of_the_wrong_shape_fails_the_publisher_with_no_row_proven() -> None:
+    from kvxfer.backends.common.attempt import TrackedAttempt
+    from kvxfer.backends.ucx.jobs import Sending, acknowledged
+    from kvxfer.contract import CompletionRecord, Failed, RecordStatus
+
+    mine, theirs = _view("A", np.arange(4), np.arange(4)), _view("B", np.arange(4), np.arange(4))
+    plan = plan_runs(mine, _hint(theirs), match_rows(mine, _hint(theirs)))
+    job = Sending(TrackedAttempt(), mine, _hint(theirs), "me", plan, plan.lengths.copy(), 1, 0.0, True)
+    record = CompletionRecord("t", "peer", "r", RecordStatus.DELIVERED, (np.ones(3, dtype=np.bool_),))
+    outcome = acknowledged(job, record)
+    assert isinstance(outcome, Failed) and "wrong shape" in outcome.reason
+    assert [m.tolist() for m in outcome.masks] == [[False] * 4]

@@ -155,7 +155,7 @@ def fits(record: CompletionRecord, view: View) -> bool:
 def acknowledged(job: Sending, record: CompletionRecord) -> Outcome:
     """The publisher's outcome from the fetcher's acknowledgement: the rows it received."""
     if not fits(record, job.view):
-        return Failed("peer sent a completion record of the wrong shape", job.view.row_wait.masks())
+        return Failed("peer sent a completion record of the wrong shape", job.view.row_masks())
     if record.status is RecordStatus.DELIVERED and job.injected is None:
         return Delivered(record.masks)
     if record.status is RecordStatus.CANCELLED:
@@ -187,7 +187,7 @@ def end_idle(sending: list[Sending], receiving: list[Receiving]) -> None:
     writing our rows conclude (Cancelled, if not concluded) and quiesce."""
     for job in sending:
         if not job.inflight:
-            job.attempt.conclude(Cancelled(False, job.view.row_wait.masks()))
+            job.attempt.conclude(Cancelled(False, job.view.row_masks()))
             job.attempt.mark_quiesced()
     for wait in receiving:
         if not wait.posted:
