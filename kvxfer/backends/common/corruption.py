@@ -28,20 +28,6 @@ def row_bytes(region: SlotRegion, slot: int) -> npt.NDArray[np.uint8]:
     return np.ctypeslib.as_array(buf)
 
 
-def flip_bit(region: SlotRegion, slot: int, bit: int) -> None:
-    """Flip bit ``bit`` (0 .. 8 * slot_bytes - 1) of one slot."""
-    row = row_bytes(region, slot)
-    row[bit // 8] ^= np.uint8(1 << (bit % 8))
-
-
-def reverse_row(region: SlotRegion, slot: int) -> bool:
-    """Reverse one slot's bytes; False when that changed nothing (a palindrome)."""
-    row = row_bytes(region, slot)
-    before = row.copy()
-    row[:] = before[::-1]
-    return not np.array_equal(before, row)
-
-
 def _load(region: SlotRegion, slot: int) -> npt.NDArray[np.uint8]:
     """One slot's bytes: a writable view in place (host memory) or a host copy (device memory,
     written back by ``_store``)."""
@@ -59,6 +45,23 @@ def _store(region: SlotRegion, slot: int, row: npt.NDArray[np.uint8]) -> None:
     if region.memory_kind is MemoryKind.DEVICE:
         native.cuda_module().copy_bytes(region.device_id, region.address + slot * region.slot_bytes,
                                         row.ctypes.data, region.slot_bytes)
+
+
+def flip_bit(region: SlotRegion, slot: int, bit: int) -> None:
+    """Flip bit ``bit`` (0 .. 8 * slot_bytes - 1) of one slot (host or device memory)."""
+    row = _load(region, slot)
+    row[bit // 8] ^= np.uint8(1 << (bit % 8))
+    _store(region, slot, row)
+
+
+def reverse_row(region: SlotRegion, slot: int) -> bool:
+    """Reverse one slot's bytes (host or device memory); False when that changed nothing (a
+    palindrome)."""
+    row = _load(region, slot)
+    before = row.copy()
+    row[:] = before[::-1]
+    _store(region, slot, row)
+    return not np.array_equal(before, row)
 
 
 class Corruptor:
@@ -80,18 +83,15 @@ class Corruptor:
             self.rows_seen += int(slots.size)
             draw = self._rng.random(slots.size)
             for slot in np.asarray(slots)[draw < self.p_bit + self.p_row].tolist():
-                row = _load(region, slot)
                 if self._rng.random() * (self.p_bit + self.p_row) < self.p_bit:
-                    bit = int(self._rng.integers(0, 8 * region.slot_bytes))
-                    row[bit // 8] ^= np.uint8(1 << (bit % 8))
-                elif not np.array_equal(row, row[::-1]):
-                    row[:] = row[::-1].copy()
-                else:
+                    flip_bit(region, slot, int(self._rng.integers(0, 8 * region.slot_bytes)))
+                elif not reverse_row(region, slot):
+                    row = _load(region, slot)
                     fresh = self._rng.integers(0, 256, size=row.size, dtype=np.uint8)
                     if np.array_equal(fresh, row):
                         fresh[0] ^= 1
                     row[:] = fresh
-                _store(region, slot, row)
+                    _store(region, slot, row)
                 self.changed.add((region.name, int(slot)))
 
     def pick(self, region: str, slots: IndexArray) -> np.ndarray:

@@ -320,24 +320,20 @@ class RowCheck:
         return self.applies(view) or self.applies_geometry(view)
 
     def check(self, view: View, masks: list[BoolArray], digests: Sequence[U64] | None) -> str | None:
-        before = sum(int(m.sum()) for m in masks)
-        reason = check_landed(view, masks, digests, self.corrupt)
-        if reason is not None:
-            self.rows_failed += before - sum(int(m.sum()) for m in masks)
-        return reason
+        return self._counted(masks, lambda: check_landed(view, masks, digests, self.corrupt))
 
     def check_geometry(self, transform: Oriented, view: View, masks: list[BoolArray],
                        digests: Sequence[U64] | None) -> str | None:
-        before = int(masks[0].sum())
-        reason = check_landed_geometry(transform, view, masks, digests, self.corrupt)
-        if reason is not None:
-            self.rows_failed += before - int(masks[0].sum())
-        return reason
+        return self._counted(masks, lambda: check_landed_geometry(transform, view, masks, digests, self.corrupt))
 
     def check_summed(self, view: View, masks: list[BoolArray], digests: Sequence[U64] | None,
                      sums: Sequence[U64]) -> str | None:
+        return self._counted(masks, lambda: check_summed(view, masks, digests, sums))
+
+    def _counted(self, masks: list[BoolArray], run: Callable[[], str | None]) -> str | None:
+        """``run()``'s reason, with the rows it made False in ``masks`` counted as refused."""
         before = sum(int(m.sum()) for m in masks)
-        reason = check_summed(view, masks, digests, sums)
+        reason = run()
         if reason is not None:
             self.rows_failed += before - sum(int(m.sum()) for m in masks)
         return reason

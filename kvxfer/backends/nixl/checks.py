@@ -88,11 +88,15 @@ class ChunksRead:
 
 def check_chunks_read(check: RowCheck, job: ActiveJob) -> None:
     """Check the rows of each chunk a pull fetcher READ since it last did: called on the
-    progress thread after each step, so a chunk's digest runs while later chunks move."""
-    if job.op != "READ" or not check.applies(job.view):
+    progress thread after each step, so a chunk's digest runs while later chunks move.
+    Whether the check applies is asked once per job (``job.read_check`` False: it does not)."""
+    if job.op != "READ" or job.read_check is False:
         return
     state = job.read_check
     if state is None:
+        if not check.applies(job.view):
+            job.read_check = False
+            return
         expected = expected_from_hint(match_rows(job.view, job.hint), job.hint)
         state = job.read_check = ChunksRead(expected, [[] for _ in job.view.groups])
     for index in job.done[state.checked:]:
@@ -113,11 +117,10 @@ def check_read(check: RowCheck, job: ActiveJob, local: list[BoolArray], peer: li
     """A pull fetcher's conclusion of its check (both mask lists changed in place): the rows
     that failed, or every row READ when the publisher sent no digests, are refused. Called
     for a failure concluded while READs were still in flight, and again at the end."""
-    if job.op != "READ" or not check.applies(job.view):
-        return None
     check_chunks_read(check, job)
     state = job.read_check
-    assert state is not None
+    if not isinstance(state, ChunksRead):  # not a READ, or no check applies
+        return None
     landed = sum(int(np.count_nonzero(m)) for m in local)
     if landed == 0:
         return None

@@ -70,7 +70,7 @@ class ActiveJob:
     # groups (checks.py: taken as chunks go, while their WRITEs move); None until one went.
     digests: list[Any] | None = None
     digested: int = 0            # chunks before this one have their rows in ``digests``
-    read_check: Any = None       # a pull fetcher's check of the chunks it READ (checks.ChunksRead)
+    read_check: Any = None       # a pull fetcher's check of its READ chunks (checks.ChunksRead; False: none)
 
     @property
     def touching(self) -> bool:
